@@ -1,0 +1,7 @@
+"""Actions: what happens to the tokens a policy demotes."""
+
+from kvpolicy.actions.base import Action, DemotedStore
+from kvpolicy.actions.none import NoCompression
+from kvpolicy.actions.quantize import Quantize
+
+__all__ = ["Action", "DemotedStore", "NoCompression", "Quantize"]

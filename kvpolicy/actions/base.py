@@ -1,0 +1,76 @@
+"""The action contract: what happens to the tokens a policy lets go.
+
+An :class:`Action` is a validated set of hyperparameters. For each layer it creates a
+:class:`DemotedStore` that receives demoted tokens (keys, values and their positions, in demotion
+order) and can give them back for attention. Actions own their storage rules; they use a backend
+for bit packing and know nothing about transformers.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+
+from kvpolicy.backends.base import Backend
+
+
+class DemotedStore(ABC):
+    """Per-layer storage of demoted tokens, kept in demotion order.
+
+    ``keys()`` and ``values()`` return tensors whose token order matches ``positions`` (the
+    position of each stored token), so a cache can either scatter them back to position order or
+    concatenate them as they are.
+    """
+
+    #: ``(n,)`` int64 positions of the stored tokens, in demotion (= storage) order
+    positions: torch.Tensor
+
+    @abstractmethod
+    def add(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Take demoted tokens.
+
+        Parameters
+        ----------
+        keys, values : torch.Tensor
+            ``(batch, kv_heads, n, head_dim)``, full precision.
+        positions : torch.Tensor
+            ``(n,)`` int64, their logical positions, in demotion order.
+        """
+
+    @abstractmethod
+    def keys(self) -> torch.Tensor:
+        """``(batch, kv_heads, n_stored, head_dim)`` as attention sees them (e.g. dequantized)."""
+
+    @abstractmethod
+    def values(self) -> torch.Tensor:
+        """``(batch, kv_heads, n_stored, head_dim)`` as attention sees them."""
+
+    @abstractmethod
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held by role (e.g. ``codes``, ``scales``, ``zeros``, ``staging``, ``positions``)."""
+
+    @abstractmethod
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply a batch-axis (dim 0) operation (beam reorder, select, repeat) to everything held."""
+
+    def __len__(self) -> int:
+        return int(self.positions.numel())
+
+
+class Action(ABC):
+    """Base class of actions (dataclass hyperparameters, validated on construction)."""
+
+    #: registry name, e.g. ``"quantize"``
+    name: ClassVar[str] = ""
+    #: False for the ``"none"`` baseline: the cache then never runs the policy
+    compresses: ClassVar[bool] = True
+
+    def check_backend(self, backend: Backend) -> None:  # noqa: B027 - optional hook
+        """Raise :class:`~kvpolicy.errors.ConfigError` if ``backend`` cannot serve this action."""
+
+    @abstractmethod
+    def new_store(self, backend: Backend, layer_idx: int) -> DemotedStore:
+        """A fresh store for one layer."""

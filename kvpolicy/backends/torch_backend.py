@@ -1,0 +1,164 @@
+"""The ``torch`` backend: pure-PyTorch asymmetric min-max quantization with real bit packing.
+
+Codes are packed ``8 // bits`` to a ``uint8``; each group stores a 16-bit scale and a 16-bit minimum
+(``bfloat16`` for ``bfloat16`` inputs, ``float16`` otherwise). Bits per element: ``bits + 32 / G``.
+
+Rounding of the 16-bit metadata is directed so the error bound survives it: the minimum is rounded
+down and the scale up, so the representable range ``[min16, min16 + (2**bits - 1) * s16]`` always
+covers the group, and ``|x - x_hat| <= s16 / 2`` (plus the rounding of the output dtype).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvpolicy.backends.base import AXES, Backend, Capabilities, QTensor
+
+
+@dataclass
+class PackedTensor(QTensor):
+    """Bit-packed codes with per-group scale and minimum.
+
+    Attributes
+    ----------
+    codes : torch.Tensor
+        ``uint8``. Token axis: ``(batch, kv_heads, tokens, head_dim // G, G * bits // 8)``.
+        Channel axis: ``(batch, kv_heads, tokens // G, head_dim, G * bits // 8)``.
+    scales, zeros : torch.Tensor
+        16-bit, the codes' shape without the last dimension.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    bits: int
+    group_size: int
+    axis: str
+    shape: tuple[int, int, int, int]
+    dtype: torch.dtype
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"codes": self.codes, "scales": self.scales, "zeros": self.zeros}
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PackedTensor:
+        codes, scales, zeros = fn(self.codes), fn(self.scales), fn(self.zeros)
+        return PackedTensor(
+            codes, scales, zeros, self.bits, self.group_size, self.axis,
+            (codes.shape[0], *self.shape[1:]), self.dtype,
+        )  # fmt: skip
+
+
+def meta_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The 16-bit dtype used for scales and minimums of a tensor of ``dtype``."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
+
+
+def _round_down(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    y = x.to(dtype)
+    return torch.where(y.float() > x, torch.nextafter(y, torch.full_like(y, -float("inf"))), y)
+
+
+def _round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    y = x.to(dtype)
+    return torch.where(y.float() < x, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack ``uint8`` codes along the last dimension, ``8 // bits`` per byte (lowest bits first)."""
+    per = 8 // bits
+    if per == 1:
+        return codes
+    c = codes.view(*codes.shape[:-1], codes.shape[-1] // per, per)
+    out = c[..., 0].clone()
+    for j in range(1, per):
+        out |= c[..., j] << (bits * j)
+    return out
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: ``(..., n)`` bytes to ``(..., n * 8 // bits)`` codes."""
+    per = 8 // bits
+    if per == 1:
+        return packed
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    mask = (1 << bits) - 1
+    codes = (packed.unsqueeze(-1) >> shifts) & mask
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per)
+
+
+def _grouped(x: torch.Tensor, group_size: int, axis: str) -> torch.Tensor:
+    """``(B, H, n, D)`` -> groups on the last dimension (see :class:`PackedTensor`)."""
+    b, h, n, d = x.shape
+    if axis == "token":
+        return x.reshape(b, h, n, d // group_size, group_size)
+    return x.reshape(b, h, n // group_size, group_size, d).transpose(-1, -2)
+
+
+def _ungrouped(g: torch.Tensor, axis: str, shape: tuple[int, int, int, int]) -> torch.Tensor:
+    if axis == "token":
+        return g.reshape(shape)
+    return g.transpose(-1, -2).reshape(shape)
+
+
+def quantize_groups(
+    g: torch.Tensor, bits: int, mdtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min-max quantization of the last dimension of ``g``.
+
+    Returns
+    -------
+    codes : torch.Tensor
+        ``uint8`` codes in ``[0, 2**bits - 1]``, same shape as ``g``.
+    scales, zeros : torch.Tensor
+        ``g.shape[:-1]`` in ``mdtype``.
+    """
+    qmax = (1 << bits) - 1
+    gf = g.float()
+    lo = gf.amin(dim=-1)
+    hi = gf.amax(dim=-1)
+    zeros = _round_down(lo, mdtype)
+    z = zeros.float()
+    scales = _round_up((hi - z) / qmax, mdtype)
+    s = scales.float()
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+    codes = ((gf - z.unsqueeze(-1)) * inv.unsqueeze(-1)).round_().clamp_(0, qmax).to(torch.uint8)
+    return codes, scales, zeros
+
+
+class TorchBackend(Backend):
+    """Pure-PyTorch reference backend (any device torch runs on)."""
+
+    name = "torch"
+    capabilities = Capabilities(
+        bits=(2, 4, 8),
+        axes=AXES,
+        group_size_multiple=4,
+        devices=("cpu", "cuda", "mps", "xpu"),
+        dtypes=(torch.float32, torch.float16, torch.bfloat16),
+    )
+
+    def quantize(self, x: torch.Tensor, bits: int, group_size: int, axis: str) -> PackedTensor:
+        shape = tuple(x.shape)
+        g = _grouped(x, group_size, axis)
+        codes, scales, zeros = quantize_groups(g, bits, meta_dtype(x.dtype))
+        return PackedTensor(pack(codes, bits), scales, zeros, bits, group_size, axis, shape, x.dtype)  # type: ignore[arg-type]
+
+    def dequantize(self, q: PackedTensor) -> torch.Tensor:  # type: ignore[override]
+        codes = unpack(q.codes, q.bits).float()
+        g = codes * q.scales.float().unsqueeze(-1) + q.zeros.float().unsqueeze(-1)
+        return _ungrouped(g, q.axis, q.shape).to(q.dtype)
+
+    def cat(self, blocks: list[PackedTensor]) -> PackedTensor:  # type: ignore[override]
+        if len(blocks) == 1:
+            return blocks[0]
+        first = blocks[0]
+        shape = (*first.shape[:2], sum(b.shape[2] for b in blocks), first.shape[3])
+        return PackedTensor(
+            torch.cat([b.codes for b in blocks], dim=2),
+            torch.cat([b.scales for b in blocks], dim=2),
+            torch.cat([b.zeros for b in blocks], dim=2),
+            first.bits, first.group_size, first.axis, shape, first.dtype,
+        )  # fmt: skip

@@ -1,0 +1,34 @@
+"""The built-in parts, registered through the same hooks as third-party plugins."""
+
+from __future__ import annotations
+
+from kvpolicy.hookspecs import hookimpl
+
+
+@hookimpl
+def kvpolicy_register_policies() -> dict[str, type]:
+    from kvpolicy.policies.log import LogWindow
+
+    return {"log": LogWindow}
+
+
+@hookimpl
+def kvpolicy_register_actions() -> dict[str, type]:
+    from kvpolicy.actions.none import NoCompression
+    from kvpolicy.actions.quantize import Quantize
+
+    return {"quantize": Quantize, "none": NoCompression}
+
+
+@hookimpl
+def kvpolicy_register_backends() -> dict[str, type]:
+    from kvpolicy.backends.torch_backend import TorchBackend
+
+    return {"torch": TorchBackend}
+
+
+@hookimpl
+def kvpolicy_register_presets() -> dict[str, object]:
+    from kvpolicy import presets
+
+    return dict(presets.BUILTIN_PRESETS)

@@ -1,0 +1,1 @@
+"""Evaluation utilities for kvpolicy."""

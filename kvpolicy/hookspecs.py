@@ -1,0 +1,31 @@
+"""pluggy hook specifications: the one extension surface for policies, actions, backends, presets.
+
+The built-in parts register through these same hooks (:mod:`kvpolicy.builtins`).
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("kvpolicy")
+hookimpl = pluggy.HookimplMarker("kvpolicy")
+
+
+@hookspec
+def kvpolicy_register_policies() -> dict[str, type]:
+    """Return ``{name: Policy subclass}``."""
+
+
+@hookspec
+def kvpolicy_register_actions() -> dict[str, type]:
+    """Return ``{name: Action subclass}``."""
+
+
+@hookspec
+def kvpolicy_register_backends() -> dict[str, type]:
+    """Return ``{name: Backend subclass}``."""
+
+
+@hookspec
+def kvpolicy_register_presets() -> dict[str, object]:
+    """Return ``{name: preset function returning CompressedCache keyword arguments}``."""

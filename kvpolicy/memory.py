@@ -1,0 +1,99 @@
+"""Byte accounting of what a cache really holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: order in which segments are printed
+SEGMENTS = ("full_precision", "codes", "scales", "zeros", "staging", "positions")
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """Bytes held by one layer, by segment, and the 16-bit baseline for the same tokens.
+
+    Attributes
+    ----------
+    layer_idx : int
+        Layer index.
+    tokens : int
+        Logical length (tokens seen) of the layer.
+    segments : dict of str to int
+        Bytes by segment: ``full_precision`` (uncompressed keys and values), ``codes`` (packed
+        quantized codes), ``scales`` and ``zeros`` (per-group metadata), ``staging``
+        (full-precision keys/values waiting for a complete per-channel group) and ``positions``
+        (index tensors).
+    baseline_bytes : int
+        A 16-bit cache holding the same tokens: ``tokens * batch * kv_heads * head_dim * 2 * 2``.
+    """
+
+    layer_idx: int
+    tokens: int
+    segments: dict[str, int]
+    baseline_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.segments.values())
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes held by a whole cache, computed from the tensors it actually holds.
+
+    Attributes
+    ----------
+    layers : list of LayerBytes
+        One entry per compressed layer.
+    """
+
+    layers: list[LayerBytes] = field(default_factory=list)
+
+    @property
+    def segments(self) -> dict[str, int]:
+        """Bytes by segment, summed over layers."""
+        out = dict.fromkeys(SEGMENTS, 0)
+        for layer in self.layers:
+            for name, n in layer.segments.items():
+                out[name] = out.get(name, 0) + n
+        return out
+
+    @property
+    def total_bytes(self) -> int:
+        """Everything the cache holds (data, codes, metadata, staging, position indices)."""
+        return sum(layer.total_bytes for layer in self.layers)
+
+    @property
+    def baseline_bytes(self) -> int:
+        """A 16-bit cache holding the same tokens."""
+        return sum(layer.baseline_bytes for layer in self.layers)
+
+    @property
+    def ratio(self) -> float:
+        """``baseline_bytes / total_bytes`` (``inf`` for an empty cache)."""
+        total = self.total_bytes
+        return float("inf") if total == 0 else self.baseline_bytes / total
+
+    def __str__(self) -> str:
+        total = self.total_bytes
+        tokens = max((layer.tokens for layer in self.layers), default=0)
+        lines = [
+            f"MemoryReport: {len(self.layers)} layers, {tokens} tokens",
+            f"  {'segment':<16}{'bytes':>14}{'share':>9}",
+        ]
+        for name, n in self.segments.items():
+            share = n / total if total else 0.0
+            lines.append(f"  {name:<16}{_human(n):>14}{share:>9.1%}")
+        lines.append(f"  {'total':<16}{_human(total):>14}")
+        lines.append(f"  {'16-bit baseline':<16}{_human(self.baseline_bytes):>14}")
+        lines.append(f"  ratio (baseline / total): {self.ratio:.2f}x")
+        return "\n".join(lines)
+
+
+def _human(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
