@@ -7,17 +7,29 @@ and *backends* (how bits are packed) are separate parts composed by :class:`Comp
     cache = CompressedCache(policy="log", action="quantize", bits=2)   # LogQuant
     out = model.generate(**inputs, cache=cache, max_new_tokens=256)
     print(cache.memory_report())
+
+The public names are imported lazily, so ``import kvpolicy.policies`` (pure logic) does not import
+transformers; only :mod:`kvpolicy.cache` does.
 """
 
-from kvpolicy.actions.none import NoCompression
-from kvpolicy.actions.quantize import Quantize
-from kvpolicy.backends.torch_backend import TorchBackend
-from kvpolicy.cache import CompressedCache, CompressedLayer
-from kvpolicy.errors import ConfigError, NonFiniteError
-from kvpolicy.memory import MemoryReport
-from kvpolicy.policies.log import LogWindow
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "CompressedCache": "kvpolicy.cache",
+    "CompressedLayer": "kvpolicy.cache",
+    "ConfigError": "kvpolicy.errors",
+    "NonFiniteError": "kvpolicy.errors",
+    "LogWindow": "kvpolicy.policies.log",
+    "MemoryReport": "kvpolicy.memory",
+    "NoCompression": "kvpolicy.actions.none",
+    "Quantize": "kvpolicy.actions.quantize",
+    "TorchBackend": "kvpolicy.backends.torch_backend",
+}
 
 __all__ = [
     "CompressedCache",
@@ -31,3 +43,24 @@ __all__ = [
     "TorchBackend",
     "__version__",
 ]
+
+if TYPE_CHECKING:
+    from kvpolicy.actions.none import NoCompression
+    from kvpolicy.actions.quantize import Quantize
+    from kvpolicy.backends.torch_backend import TorchBackend
+    from kvpolicy.cache import CompressedCache, CompressedLayer
+    from kvpolicy.errors import ConfigError, NonFiniteError
+    from kvpolicy.memory import MemoryReport
+    from kvpolicy.policies.log import LogWindow
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kvpolicy' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

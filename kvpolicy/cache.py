@@ -247,17 +247,10 @@ class CompressedCache(Cache):
         layout: str = "ordered",
         **params: Any,
     ) -> None:
-        pool = dict(params)  # never mutate the caller's dict
-        self.policy: Policy = _build("policies", policy, Policy, pool)
-        self.action: Action = _build("actions", action, Action, pool)
-        self.backend: Backend = _build("backends", backend, Backend, pool)
-        if pool:
-            accepted = {
-                "policy": sorted(_param_names(self.policy)),
-                "action": sorted(_param_names(self.action)),
-                "backend": sorted(_param_names(self.backend)),
-            }
-            raise ConfigError(f"unknown keyword(s) {sorted(pool)} for this composition; accepted: {accepted}")
+        parts = _compose({"policy": policy, "action": action, "backend": backend}, params)
+        self.policy: Policy = parts["policy"]
+        self.action: Action = parts["action"]
+        self.backend: Backend = parts["backend"]
         if layout not in LAYOUTS:
             raise ConfigError(f"layout must be one of {list(LAYOUTS)}; got layout={layout!r}")
         self.layout = layout
@@ -301,24 +294,51 @@ class CompressedCache(Cache):
         )
 
 
-def _build(kind: str, spec: Any, base: type, pool: dict[str, Any]) -> Any:
-    """Turn a name or object into an object, consuming its keyword parameters from ``pool``."""
-    singular = {"policies": "policy", "actions": "action", "backends": "backend"}[kind]
-    if isinstance(spec, base):
+_PARTS = (("policy", "policies", Policy), ("action", "actions", Action), ("backend", "backends", Backend))
+
+
+def _compose(specs: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """Turn names or objects into objects, giving each keyword of ``params`` to the named part that
+    accepts it. A keyword accepted by two named parts, by no part, or also set inside a given object,
+    is an error."""
+    pool = dict(params)  # never mutate the caller's dict
+    classes: dict[str, type] = {}
+    for role, kind, base in _PARTS:
+        spec = specs[role]
+        if isinstance(spec, base):
+            continue
+        if not isinstance(spec, str):
+            raise ConfigError(
+                f"{role} must be a registered name or a {base.__name__} object; got {role}={spec!r} "
+                f"(registered {kind}: {registry.names(kind)})"
+            )
+        classes[role] = registry.get(kind, spec)
+    owners: dict[str, list[str]] = {}
+    for role, cls in classes.items():
+        for key in _param_names(cls) & set(pool):
+            owners.setdefault(key, []).append(f"{role}={specs[role]!r}")
+    for key, parts in sorted(owners.items()):
+        if len(parts) > 1:
+            raise ConfigError(
+                f"keyword {key}={pool[key]!r} is a parameter of {' and '.join(parts)}; "
+                "pass those parts as objects to say which one it belongs to"
+            )
+    built: dict[str, Any] = {}
+    for role, cls in classes.items():
+        mine = {k: pool.pop(k) for k in sorted(_param_names(cls) & set(pool))}
+        try:
+            built[role] = cls(**mine)
+        except TypeError as exc:
+            raise ConfigError(f"{role} {specs[role]!r}: {exc}") from exc
+    for role, _, _ in _PARTS:
+        if role in built:
+            continue
+        spec = specs[role]
         clash = sorted(_param_names(spec) & set(pool))
         if clash:
-            raise ConfigError(
-                f"{clash} given both as keyword(s) and inside {singular}={spec!r}; give each parameter once"
-            )
-        return spec
-    if not isinstance(spec, str):
-        raise ConfigError(
-            f"{singular} must be a registered name or a {base.__name__} object; got {singular}={spec!r} "
-            f"(registered {kind}: {registry.names(kind)})"
-        )
-    cls = registry.get(kind, spec)
-    mine = {k: pool.pop(k) for k in sorted(_param_names(cls) & set(pool))}
-    try:
-        return cls(**mine)
-    except TypeError as exc:
-        raise ConfigError(f"{singular} {spec!r}: {exc}") from exc
+            raise ConfigError(f"{clash} given both as keyword(s) and inside {role}={spec!r}; give each parameter once")
+        built[role] = spec
+    if pool:
+        accepted = {role: sorted(_param_names(obj)) for role, obj in built.items()}
+        raise ConfigError(f"unknown keyword(s) {sorted(pool)} for this composition; accepted: {accepted}")
+    return built

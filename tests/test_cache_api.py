@@ -162,3 +162,32 @@ def test_presets():
         assert "2503.19950" in fn.__doc__
     with pytest.raises(ConfigError, match=r"unknown preset 'kivi-9'; registered presets: \[.*'logquant'.*\]"):
         CompressedCache.from_preset("kivi-9")
+
+
+def test_keyword_accepted_by_two_parts_is_ambiguous():
+    from dataclasses import dataclass
+
+    from kvpolicy import registry
+    from kvpolicy.hookspecs import hookimpl
+    from kvpolicy.policies.log import LogWindow as _Log
+
+    @dataclass(frozen=True)
+    class BitsPolicy(_Log):
+        bits: int = 3
+
+    class Plugin:
+        @hookimpl
+        def kvpolicy_register_policies(self):
+            return {"bits-log": BitsPolicy}
+
+    plugin = Plugin()
+    registry.register(plugin, name="test-bits-plugin")
+    try:
+        with pytest.raises(ConfigError, match=r"bits=2 is a parameter of policy='bits-log' and action='quantize'"):
+            CompressedCache(policy="bits-log", action="quantize", bits=2)
+        # objects disambiguate
+        cache = CompressedCache(policy=BitsPolicy(bits=5), action="quantize", bits=2)
+        assert cache.action.bits == 2 and cache.policy.bits == 5
+    finally:
+        registry.unregister(plugin)
+    assert "bits-log" not in registry.names("policies")

@@ -1,0 +1,65 @@
+"""The docs stay true to the code; the import boundaries of the architecture hold; the CLI runs."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpolicy import LogWindow
+from kvpolicy.cli import main
+from kvpolicy.policies.picture import render
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_policies_page_picture_matches_the_code():
+    text = (ROOT / "docs" / "policies.md").read_text()
+    match = re.search(r"<!-- picture:log:(\d+) -->\n```text\n(.*?)\n```", text, re.S)
+    assert match, "picture block missing from docs/policies.md"
+    window = int(match.group(1))
+    lines = match.group(2).splitlines()
+    lengths = [int(line.split()[0][2:]) for line in lines]
+    assert render(LogWindow(window=window), lengths) == match.group(2)
+
+
+@pytest.mark.parametrize("module", ["kvpolicy.policies", "kvpolicy.actions", "kvpolicy.backends"])
+def test_lower_layers_never_import_transformers(module):
+    code = f"import sys, {module}; print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_cli_list(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "policies: log" in out
+    assert "actions: none, quantize" in out
+    assert "presets: logquant, logquant-4bit" in out
+
+
+def test_cli_rejects_unknown_command():
+    with pytest.raises(SystemExit):
+        main(["frobnicate"])
+
+
+def test_public_names_resolve():
+    import kvpolicy
+
+    assert set(kvpolicy.__all__) - {"__version__"} == set(kvpolicy._EXPORTS)
+    for name in kvpolicy.__all__:
+        assert getattr(kvpolicy, name) is not None
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        kvpolicy.Nope  # noqa: B018
+
+
+def test_quickstart_example_runs():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "quickstart.py")], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert "generated 20 tokens; cache length 619" in out.stdout
+    assert "ratio (baseline / total)" in out.stdout
