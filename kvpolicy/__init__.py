@@ -27,6 +27,10 @@ _EXPORTS = {
     "LogWindow": "kvpolicy.policies.log",
     "MemoryReport": "kvpolicy.memory",
     "NoCompression": "kvpolicy.actions.none",
+    "Evict": "kvpolicy.actions.evict",
+    "RecentWindow": "kvpolicy.policies.recent",
+    "SinkWindow": "kvpolicy.policies.sink",
+    "HeavyHitters": "kvpolicy.policies.h2o",
     "Quantize": "kvpolicy.actions.quantize",
     "TorchBackend": "kvpolicy.backends.torch_backend",
 }
@@ -35,23 +39,31 @@ __all__ = [
     "CompressedCache",
     "CompressedLayer",
     "ConfigError",
+    "Evict",
+    "HeavyHitters",
     "LogWindow",
     "MemoryReport",
     "NoCompression",
     "NonFiniteError",
     "Quantize",
+    "RecentWindow",
+    "SinkWindow",
     "TorchBackend",
     "__version__",
 ]
 
 if TYPE_CHECKING:
+    from kvpolicy.actions.evict import Evict
     from kvpolicy.actions.none import NoCompression
     from kvpolicy.actions.quantize import Quantize
     from kvpolicy.backends.torch_backend import TorchBackend
     from kvpolicy.cache import CompressedCache, CompressedLayer
     from kvpolicy.errors import ConfigError, NonFiniteError
     from kvpolicy.memory import MemoryReport
+    from kvpolicy.policies.h2o import HeavyHitters
     from kvpolicy.policies.log import LogWindow
+    from kvpolicy.policies.recent import RecentWindow
+    from kvpolicy.policies.sink import SinkWindow
 
 
 def __getattr__(name: str) -> Any:

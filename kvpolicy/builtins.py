@@ -7,17 +7,21 @@ from kvpolicy.hookspecs import hookimpl
 
 @hookimpl
 def kvpolicy_register_policies() -> dict[str, type]:
+    from kvpolicy.policies.h2o import HeavyHitters
     from kvpolicy.policies.log import LogWindow
+    from kvpolicy.policies.recent import RecentWindow
+    from kvpolicy.policies.sink import SinkWindow
 
-    return {"log": LogWindow}
+    return {"log": LogWindow, "recent": RecentWindow, "sink": SinkWindow, "h2o": HeavyHitters}
 
 
 @hookimpl
 def kvpolicy_register_actions() -> dict[str, type]:
+    from kvpolicy.actions.evict import Evict
     from kvpolicy.actions.none import NoCompression
     from kvpolicy.actions.quantize import Quantize
 
-    return {"quantize": Quantize, "none": NoCompression}
+    return {"quantize": Quantize, "evict": Evict, "none": NoCompression}
 
 
 @hookimpl

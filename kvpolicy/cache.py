@@ -15,6 +15,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpolicy import registry
 from kvpolicy.actions.base import Action, DemotedStore
+from kvpolicy.attention import expect_scores
 from kvpolicy.backends.base import Backend
 from kvpolicy.errors import ConfigError
 from kvpolicy.memory import LayerBytes, MemoryReport
@@ -27,16 +28,22 @@ class CompressedLayer(CacheLayerMixin):
     """One layer of a :class:`CompressedCache`.
 
     Holds a full-precision segment (``keys``/``values``: ``(batch, kv_heads, n_full, head_dim)``,
-    positions ``full_positions``) and the action's store of demoted tokens.
+    positions ``full_pos``: ``(1, n_full)`` for shared policies, ``(kv_heads, n_full)`` for
+    per-head ones, sorted) and the action's store of demoted tokens.
 
     Contract with transformers:
 
-    - ``get_seq_length()`` is the logical length (tokens seen), never a physical count;
-    - ``get_mask_sizes(q)`` is ``(length + q, 0)``: ``update`` returns every token held, in
-      position order (``layout="ordered"``) or demoted-then-full-precision (``"agnostic"``);
+    - ``get_seq_length()`` is the logical length (tokens seen), never a physical count, so RoPE
+      positions of new tokens stay logical;
+    - ``get_mask_sizes(q)`` is the number of keys the next ``update`` returns and the logical
+      position the first of them stands for: ``(length + q, 0)`` when demoted tokens are kept
+      (quantized), ``(held + q, length - held)`` for a multi-token update with eviction and
+      ``(held_after, length + 1 - held_after)`` for a single-token one;
     - a single-token update (decode) demotes before returning, so the query at position ``T - 1``
-      attends over ``FP(T)``; a multi-token update (prefill) returns the full-precision tokens
-      first and demotes afterwards, so prefill attention always sees the uncompressed prompt.
+      attends over ``FP(T)`` (plus the compressed rest); a multi-token update (prefill, a second
+      turn) returns every held token with the new ones at full precision and demotes at the start
+      of the next call, so prefill attention always sees the uncompressed prompt, and score-based
+      policies get the prefill's attention before choosing.
     """
 
     is_sliding = False
@@ -52,7 +59,9 @@ class CompressedLayer(CacheLayerMixin):
         self.length = 0
         self.state: PolicyState | None = None
         self.store: DemotedStore | None = None
-        self.full_positions: torch.Tensor | None = None
+        self.full_pos: torch.Tensor | None = None
+        self._pending = 0  # tokens appended whose demotion is deferred (multi-token update)
+        self._scored = True  # whether the last forward delivered the scores the policy needs
 
     # ------------------------------------------------------------------ transformers API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -63,37 +72,50 @@ class CompressedLayer(CacheLayerMixin):
         if self.action.compresses:
             self.action.check_head_dim(key_states.shape[-1], self.backend.capabilities.group_size_multiple)
             self.backend.check_tensor(key_states)
-            self.state = self.policy.new_state()
+            rows = key_states.shape[1] if self.policy.per_head else 1
+            self.state = self.policy.new_state(num_heads=key_states.shape[1])
             self.store = self.action.new_store(self.backend, self.layer_idx)
-            self.store.positions = self.store.positions.to(self.device)
-            self.full_positions = torch.empty(0, dtype=torch.long, device=self.device)
+            self.store.positions = torch.empty(rows, 0, dtype=torch.long, device=self.device)
+            self.full_pos = torch.empty(rows, 0, dtype=torch.long, device=self.device)
         self.is_initialized = True
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``key_states``/``value_states`` (``(batch, kv_heads, n, head_dim)``) and return
-        the keys and values attention must use, ``(batch, kv_heads, length, head_dim)``."""
+        the keys and values attention must use (``get_mask_sizes`` announced how many)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
         start = self.length
         self.length += n
+        if not self.action.compresses:
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+            return self.keys, self.values
+        if n > 1:
+            _refuse_padding(kwargs)
+        self._settle()
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
-        if not self.action.compresses:
-            return self.keys, self.values
-        new_positions = torch.arange(start, start + n, device=self.device)
-        self.full_positions = torch.cat([self.full_positions, new_positions])
+        new = torch.arange(start, start + n, device=self.device).expand(self.full_pos.shape[0], n)
+        self.full_pos = torch.cat([self.full_pos, new], dim=1)
+        self._pending = n
         if n == 1:
-            self._demote(n)
-            return self._attention_view()
+            self._settle()
         out = self._attention_view()
-        self._demote(n)
+        if self.policy.needs_scores:
+            self._scored = False
+            expect_scores(self)
         return out
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
+        if self.store is None or self.action.keeps_demoted:
+            return self.length + query_length, 0
+        self._settle()
+        held = self.full_pos.shape[1]
+        kv_length = self.state.full_count_after(1) if query_length == 1 else held + query_length
+        return kv_length, self.length + query_length - kv_length
 
     def get_seq_length(self) -> int:
         return self.length
@@ -106,7 +128,9 @@ class CompressedLayer(CacheLayerMixin):
         self.length = 0
         self.state = None
         self.store = None
-        self.full_positions = None
+        self.full_pos = None
+        self._pending = 0
+        self._scored = True
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -128,6 +152,19 @@ class CompressedLayer(CacheLayerMixin):
             "restored to full precision. Use DynamicCache for assisted generation."
         )
 
+    # ------------------------------------------------------------------ scores (kvpolicy.attention)
+    def observe_attention(self, scores: torch.Tensor) -> None:
+        """Attention mass per returned key, ``(kv_heads, keys)``; forwarded to the policy for the
+        full-precision tokens."""
+        if not self.action.keeps_demoted or len(self.store) == 0:
+            full = scores
+        elif self.layout == "agnostic":
+            full = scores[:, len(self.store) :]
+        else:
+            full = scores.gather(1, self.full_pos.expand(scores.shape[0], -1))
+        self.state.observe(full, self.full_pos)
+        self._scored = True
+
     # ------------------------------------------------------------------ internals
     def _map_batch(self, fn: Any) -> None:
         self.keys = fn(self.keys)
@@ -135,64 +172,87 @@ class CompressedLayer(CacheLayerMixin):
         if self.store is not None:
             self.store.map_batch(fn)
 
+    def _settle(self) -> None:
+        """Apply deferred demotions (and check that score-based policies got their scores)."""
+        if self.policy.needs_scores and not self._scored:
+            raise RuntimeError(
+                f"policy {self.policy.name!r} needs attention scores, but layer {self.layer_idx} received none "
+                "in the last forward. Call kvpolicy.attention.enable_scores(model) once before running the model: "
+                "it wraps the model's sdpa/eager attention to report them (see docs/policies.md)."
+            )
+        if self._pending:
+            n, self._pending = self._pending, 0
+            self._demote(n)
+
     def _demote(self, n: int) -> None:
-        assert self.state is not None and self.store is not None and self.full_positions is not None
+        assert self.state is not None and self.store is not None and self.full_pos is not None
         demoted = self.state.append(n)
-        if not demoted:
+        if isinstance(demoted, torch.Tensor):
+            pos = demoted.to(self.device)
+        else:
+            pos = torch.tensor(demoted, dtype=torch.long, device=self.device).view(1, -1)
+        k = pos.shape[1]
+        if k == 0:
             return
-        pos = torch.tensor(demoted, dtype=torch.long, device=self.device)
-        idx = torch.searchsorted(self.full_positions, pos)
-        keep = torch.ones(self.full_positions.numel(), dtype=torch.bool, device=self.device)
-        keep[idx] = False
-        self.store.add(self.keys[:, :, idx], self.values[:, :, idx], pos)
-        self.keys = self.keys[:, :, keep]
-        self.values = self.values[:, :, keep]
-        self.full_positions = self.full_positions[keep]
+        rows, full = self.full_pos.shape
+        idx = torch.searchsorted(self.full_pos, pos)
+        keep = torch.ones(rows, full, dtype=torch.bool, device=self.device)
+        keep.scatter_(1, idx, False)
+        keep_idx = torch.arange(full, device=self.device).expand(rows, full)[keep].view(rows, full - k)
+        self.store.add(_take(self.keys, idx), _take(self.values, idx), pos)
+        self.keys = _take(self.keys, keep_idx)
+        self.values = _take(self.values, keep_idx)
+        self.full_pos = self.full_pos.gather(1, keep_idx)
 
     def _attention_view(self) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.store is not None
-        if len(self.store) == 0:
+        if not self.action.keeps_demoted or len(self.store) == 0:
             return self.keys, self.values
         dk, dv = self.store.keys(), self.store.values()
         if self.layout == "agnostic":
             return torch.cat([dk, self.keys], dim=-2), torch.cat([dv, self.values], dim=-2)
-        b, h, _, d = self.keys.shape
-        out_k = self.keys.new_empty((b, h, self.length, d))
-        out_v = self.values.new_empty((b, h, self.length, self.values.shape[-1]))
-        out_k.index_copy_(2, self.store.positions, dk)
-        out_k.index_copy_(2, self.full_positions, self.keys)
-        out_v.index_copy_(2, self.store.positions, dv)
-        out_v.index_copy_(2, self.full_positions, self.values)
-        return out_k, out_v
+        return (
+            _scatter_ordered(self.length, (self.store.positions, dk), (self.full_pos, self.keys)),
+            _scatter_ordered(self.length, (self.store.positions, dv), (self.full_pos, self.values)),
+        )
 
     # ------------------------------------------------------------------ inspection
     def positions(self) -> dict[str, torch.Tensor]:
-        """Logical positions held at full precision and in compressed form (sorted 1-D int64).
+        """Logical positions held at full precision and in compressed form (sorted int64).
 
-        ``"staged_keys"`` lists demoted positions whose keys still wait, at full precision, for a
-        complete per-channel group (they are also in ``"compressed"``).
+        1-D for shared policies; ``(batch, kv_heads, n)`` for per-head ones. With eviction,
+        ``"full"`` is what is still held and ``"compressed"`` is empty. ``"staged_keys"`` lists
+        demoted positions whose keys still wait, at full precision, for a complete per-channel
+        group (they are also in ``"compressed"``).
         """
         device = self.device if self.is_initialized else "cpu"
-        empty = torch.empty(0, dtype=torch.long, device=device)
-        if self.store is None or self.full_positions is None:
+        if self.store is None or self.full_pos is None:
+            empty = torch.empty(0, dtype=torch.long, device=device)
             return {"full": torch.arange(self.length, device=device), "compressed": empty, "staged_keys": empty}
-        staged = getattr(self.store, "staged_key_positions", lambda: empty)()
-        return {
-            "full": self.full_positions.clone(),
-            "compressed": torch.sort(self.store.positions).values,
-            "staged_keys": torch.sort(staged).values,
+        self._settle()
+        staged = getattr(self.store, "staged_key_positions", lambda: self.store.positions[:, :0])()
+        out = {
+            "full": self.full_pos.clone(),
+            "compressed": torch.sort(self.store.positions, dim=1).values,
+            "staged_keys": torch.sort(staged, dim=1).values,
         }
+        if self.full_pos.shape[0] == 1:
+            return {key: value[0] for key, value in out.items()}
+        batch = self.keys.shape[0]
+        return {key: value.unsqueeze(0).expand(batch, -1, -1) for key, value in out.items()}
 
     def memory(self) -> LayerBytes:
         """Bytes of every tensor this layer holds, by segment."""
         segments = dict.fromkeys(("full_precision", "codes", "scales", "zeros", "staging", "positions"), 0)
         baseline = 0
         if self.is_initialized:
+            if self.store is not None:
+                self._settle()
             segments["full_precision"] = _nbytes(self.keys) + _nbytes(self.values)
             b, h, _, d = self.keys.shape
             baseline = self.length * b * h * (d + self.values.shape[-1]) * 2
-            if self.full_positions is not None:
-                segments["positions"] += _nbytes(self.full_positions)
+            if self.full_pos is not None:
+                segments["positions"] += _nbytes(self.full_pos)
             if self.store is not None:
                 for role, n in self.store.nbytes().items():
                     segments[role] = segments.get(role, 0) + n
@@ -200,6 +260,57 @@ class CompressedLayer(CacheLayerMixin):
 
     def __repr__(self) -> str:
         return f"CompressedLayer(layer_idx={self.layer_idx}, length={self.length})"
+
+
+def _refuse_padding(kwargs: dict[str, Any]) -> None:
+    """Left-padded rows have different ``position_ids`` (generate derives them from the mask)."""
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None and isinstance(kwargs.get("kwargs"), dict):
+        position_ids = kwargs["kwargs"].get("position_ids")
+    padded = (
+        isinstance(position_ids, torch.Tensor)
+        and position_ids.dim() == 2
+        and position_ids.shape[0] > 1
+        and bool((position_ids != position_ids[:1]).any())
+    )
+    if padded:
+        raise NotImplementedError(
+            "CompressedCache does not support padded batches yet: the rows of this batch have different "
+            "position_ids (left padding), and policies would count pad tokens as positions. Run rows of "
+            "different lengths separately (or batch rows of equal length), or use action='none'."
+        )
+
+
+def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Tokens of ``x`` (``(batch, heads, n, d)``) at ``idx`` (``(1 or heads, k)``) along dim 2."""
+    if idx.shape[0] == 1:
+        return x.index_select(2, idx[0])
+    b, h, _, d = x.shape
+    return x.gather(2, idx[None, :, :, None].expand(b, h, idx.shape[1], d))
+
+
+def _scatter_ordered(length: int, *parts: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Place each part's tokens at their positions: ``(batch, heads, length, d)``."""
+    first = parts[0][1]
+    b, h, _, d = first.shape
+    out = first.new_empty((b, h, length, d))
+    for pos, x in parts:
+        if pos.shape[0] == 1:
+            out.index_copy_(2, pos[0], x)
+        else:
+            out.scatter_(2, pos[None, :, :, None].expand(b, h, pos.shape[1], d), x)
+    return out
+
+
+def _layer_memory(layer: CacheLayerMixin, layer_idx: int) -> LayerBytes:
+    if isinstance(layer, CompressedLayer):
+        return layer.memory()
+    segments = dict.fromkeys(("full_precision", "codes", "scales", "zeros", "staging", "positions"), 0)
+    if not layer.is_initialized or layer.keys is None or layer.keys.dim() != 4:
+        return LayerBytes(layer_idx, layer.get_seq_length(), segments, 0)
+    segments["full_precision"] = _nbytes(layer.keys) + _nbytes(layer.values)
+    b, h, n, d = layer.keys.shape
+    return LayerBytes(layer_idx, layer.get_seq_length(), segments, n * b * h * (d + layer.values.shape[-1]) * 2)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -228,6 +339,10 @@ class CompressedCache(Cache):
         returns ``[demoted tokens, full-precision tokens]`` without reordering (LogQuant's
         position-agnostic trick): valid because every past token precedes every new token, so
         the causal mask is unchanged; not valid with padded batches.
+    config : transformers.PretrainedConfig, optional
+        The model's config. Needed for models with sliding-window layers (Gemma 2/3, Mistral
+        configs with ``sliding_window`` set): those layers are left to transformers' own sliding
+        layer and only full-attention layers are compressed. Without it every layer is compressed.
     **params
         Hyperparameters of the policy, action or backend given by name when those are strings,
         e.g. ``window=64``, ``bits=2``, ``group_size=64``. A keyword no part accepts is an error.
@@ -245,6 +360,7 @@ class CompressedCache(Cache):
         action: str | Action = "quantize",
         backend: str | Backend = "torch",
         layout: str = "ordered",
+        config: Any = None,
         **params: Any,
     ) -> None:
         parts = _compose({"policy": policy, "action": action, "backend": backend}, params)
@@ -257,6 +373,22 @@ class CompressedCache(Cache):
         if self.action.compresses:
             self.action.check_backend(self.backend)
         super().__init__(layers=[])
+        self._layer_types: list[str] | None = None
+        self._layer_kwargs: list[dict] = []
+        if config is not None:
+            from transformers.cache_utils import get_layer_types_and_kwargs
+
+            self._layer_types, self._layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+            self.layers = [self._new_layer(i) for i in range(len(self._layer_types))]
+
+    def _new_layer(self, layer_idx: int) -> CacheLayerMixin:
+        """A compressed layer, or transformers' own layer for non-full-attention layer types."""
+        kind = "full_attention" if self._layer_types is None else self._layer_types[layer_idx]
+        if kind == "full_attention":
+            return CompressedLayer(self.policy, self.action, self.backend, self.layout, layer_idx)
+        from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
+
+        return DYNAMIC_LAYER_TYPE_MAPPING[kind](**self._layer_kwargs[layer_idx])
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> CompressedCache:
@@ -273,7 +405,7 @@ class CompressedCache(Cache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         while len(self.layers) <= layer_idx:
-            self.layers.append(CompressedLayer(self.policy, self.action, self.backend, self.layout, len(self.layers)))
+            self.layers.append(self._new_layer(len(self.layers)))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def positions(self, layer_idx: int) -> dict[str, torch.Tensor]:
@@ -281,11 +413,15 @@ class CompressedCache(Cache):
         :meth:`CompressedLayer.positions`)."""
         if layer_idx >= len(self.layers):
             raise IndexError(f"layer_idx={layer_idx} but the cache holds {len(self.layers)} layers so far")
-        return self.layers[layer_idx].positions()
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, CompressedLayer):
+            raise ValueError(f"layer {layer_idx} is a {type(layer).__name__} (left to transformers), not compressed")
+        return layer.positions()
 
     def memory_report(self) -> MemoryReport:
-        """Bytes held (from the tensors actually held) vs a 16-bit cache of the same tokens."""
-        return MemoryReport([layer.memory() for layer in self.layers])
+        """Bytes held (from the tensors actually held) vs a 16-bit cache of the same tokens; layers
+        left to transformers (sliding-window layers) count as full precision."""
+        return MemoryReport([_layer_memory(layer, i) for i, layer in enumerate(self.layers)])
 
     def __repr__(self) -> str:
         return (

@@ -38,9 +38,55 @@ def logquant_4bit(budget: int = 128, group_size: int = 64) -> dict[str, Any]:
     return logquant(budget=budget, bits=4, group_size=group_size)
 
 
+def kivi(bits: int = 2, group_size: int = 32, residual: int = 128) -> dict[str, Any]:
+    """KIVI as released by its authors (Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit
+    Quantization for KV Cache", ICML 2024, arXiv 2402.02750): 2-bit keys grouped per channel and
+    values per token, groups of 32, a full-precision residual of R = 128 recent tokens flushed
+    R at a time, and the last ``L mod R`` prompt tokens kept at full precision. Each token is
+    quantized once (append-only), unlike transformers' ``QuantizedCache``, which the LogQuant
+    paper calls "KiVi" (whole prompt quantized, history re-quantized at every flush); for that
+    baseline's selection use ``policy="recent", variant="flush", prompt="quantize"``.
+    """
+    from kvpolicy.policies.recent import RecentWindow
+
+    return {
+        "policy": RecentWindow(window=residual, variant="flush", prompt="keep_tail"),
+        "action": Quantize(bits=bits, group_size=group_size, key_axis="channel", value_axis="token"),
+    }
+
+
+def h2o(budget: int = 256) -> dict[str, Any]:
+    """H2O, heavy-hitter eviction (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient
+    Generative Inference of Large Language Models", NeurIPS 2023, arXiv 2306.14048): a cache of
+    ``budget`` tokens split equally between heavy hitters (highest accumulated attention) and the
+    most recent tokens, as in the paper's main experiments; the rest is evicted. Needs attention
+    scores: call :func:`kvpolicy.attention.enable_scores` on the model first.
+    """
+    from kvpolicy.actions.evict import Evict
+    from kvpolicy.policies.h2o import HeavyHitters
+
+    check_int("budget", budget, 2, "preset 'h2o'")
+    return {"policy": HeavyHitters(heavy=budget // 2, recent=budget - budget // 2), "action": Evict()}
+
+
+def streamingllm(budget: int = 1024, sinks: int = 4) -> dict[str, Any]:
+    """StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks",
+    ICLR 2024, arXiv 2309.17453): the first ``sinks = 4`` tokens (attention sinks) plus the most
+    recent ``budget - sinks`` tokens; everything in between is evicted.
+    """
+    from kvpolicy.actions.evict import Evict
+    from kvpolicy.policies.sink import SinkWindow
+
+    check_int("budget", budget, sinks + 1, "preset 'streamingllm'")
+    return {"policy": SinkWindow(sinks=sinks, window=budget - sinks), "action": Evict()}
+
+
 BUILTIN_PRESETS: dict[str, Callable[..., dict[str, Any]]] = {
     "logquant": logquant,
     "logquant-4bit": logquant_4bit,
+    "kivi": kivi,
+    "h2o": h2o,
+    "streamingllm": streamingllm,
 }
 
 

@@ -124,7 +124,7 @@ def test_long_decode_positions_and_contents(models, key_axis):
             assert torch.equal(ret_k[:, :, full], raw_k[:, :, full])
             assert torch.equal(ret_v[:, :, full], raw_v[:, :, full])
             store = layer.store
-            order = store.positions  # demotion order = storage order
+            order = store.positions[0]  # demotion order = storage order (shared policy: one row)
             nq_k, nq_v = store.k.num_quantized, store.v.num_quantized
             if nq_k:
                 deq = cache.backend.dequantize(store.k.q)

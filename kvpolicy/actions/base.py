@@ -25,7 +25,8 @@ class DemotedStore(ABC):
     concatenate them as they are.
     """
 
-    #: ``(n,)`` int64 positions of the stored tokens, in demotion (= storage) order
+    #: ``(1, n)`` (shared policies) or ``(kv_heads, n)`` (per-head policies) int64 positions of the
+    #: stored tokens, in demotion (= storage) order
     positions: torch.Tensor
 
     @abstractmethod
@@ -37,7 +38,7 @@ class DemotedStore(ABC):
         keys, values : torch.Tensor
             ``(batch, kv_heads, n, head_dim)``, full precision.
         positions : torch.Tensor
-            ``(n,)`` int64, their logical positions, in demotion order.
+            ``(1, n)`` or ``(kv_heads, n)`` int64, their logical positions, in demotion order.
         """
 
     @abstractmethod
@@ -57,7 +58,7 @@ class DemotedStore(ABC):
         """Apply a batch-axis (dim 0) operation (beam reorder, select, repeat) to everything held."""
 
     def __len__(self) -> int:
-        return int(self.positions.numel())
+        return int(self.positions.shape[-1])
 
 
 class Action(ABC):
@@ -67,6 +68,8 @@ class Action(ABC):
     name: ClassVar[str] = ""
     #: False for the ``"none"`` baseline: the cache then never runs the policy
     compresses: ClassVar[bool] = True
+    #: False when demoted tokens leave the cache (eviction): attention sees fewer keys
+    keeps_demoted: ClassVar[bool] = True
 
     def check_backend(self, backend: Backend) -> None:  # noqa: B027 - optional hook
         """Raise :class:`~kvpolicy.errors.ConfigError` if ``backend`` cannot serve this action."""

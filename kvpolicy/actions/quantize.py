@@ -140,7 +140,7 @@ class QuantizedStore(DemotedStore):
         self.layer_idx = layer_idx
         self.k = QuantizedStream(backend, action.bits, action.group_size, action.key_axis)
         self.v = QuantizedStream(backend, action.bits, action.group_size, action.value_axis)
-        self.positions = torch.empty(0, dtype=torch.long)
+        self.positions = torch.empty(1, 0, dtype=torch.long)
 
     def _check_finite(self, x: torch.Tensor, what: str) -> None:
         if not torch.isfinite(x).all():
@@ -157,7 +157,7 @@ class QuantizedStore(DemotedStore):
             self._check_finite(values, "values")
         self.k.append(keys)
         self.v.append(values)
-        self.positions = torch.cat([self.positions.to(positions.device), positions])
+        self.positions = torch.cat([self.positions.to(positions.device), positions], dim=1)
 
     def keys(self) -> torch.Tensor:
         return self.k.read()
@@ -167,11 +167,11 @@ class QuantizedStore(DemotedStore):
 
     def staged_key_positions(self) -> torch.Tensor:
         """Positions whose keys still wait in the full-precision staging buffer."""
-        return self.positions[self.k.num_quantized :]
+        return self.positions[:, self.k.num_quantized :]
 
     def staged_value_positions(self) -> torch.Tensor:
         """Positions whose values still wait in the full-precision staging buffer."""
-        return self.positions[self.v.num_quantized :]
+        return self.positions[:, self.v.num_quantized :]
 
     def nbytes(self) -> dict[str, int]:
         out: dict[str, int] = {}

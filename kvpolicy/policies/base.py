@@ -1,40 +1,82 @@
 """The policy contract: which tokens stay at full precision.
 
-A :class:`Policy` is an immutable, validated set of hyperparameters. ``policy.new_state()`` gives the
-per-layer state machine (:class:`PolicyState`) that the cache drives: each step it is told how many
-tokens arrived and answers with the positions that leave the full-precision set now. Demotion is
-final. Policies are pure logic over integer positions: they never import transformers.
+A :class:`Policy` is an immutable, validated set of hyperparameters. ``policy.new_state(num_heads)``
+gives the per-layer state machine (:class:`PolicyState`) that the cache drives: each step it is
+told how many tokens arrived and answers with the positions that leave the full-precision set now.
+Demotion is final. Policies are pure logic over integer positions (and, for score-based policies,
+attention scores): they never import transformers.
+
+Two shapes of answer exist:
+
+- shared policies (``per_head = False``: log, recent, sink) select the same positions for every
+  layer row, head and batch row: ``append`` returns a ``list[int]`` and ``full_positions`` a sorted
+  ``list[int]``;
+- per-head policies (``per_head = True``: H2O) select per kv-head, with the same count in every
+  head: ``append`` returns a ``(num_heads, k)`` int64 tensor and ``full_positions`` a
+  ``(num_heads, n)`` int64 tensor sorted along each row.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from kvpolicy.errors import ConfigError
 
+if TYPE_CHECKING:
+    import torch
+
 
 class PolicyState(ABC):
-    """Per-layer selection state for one sequence layout (shared by all rows and heads)."""
+    """Per-layer selection state."""
 
     #: number of positions appended so far (the logical length ``T``)
     length: int = 0
 
     @abstractmethod
-    def append(self, n: int) -> list[int]:
+    def append(self, n: int) -> list[int] | torch.Tensor:
         """Append ``n`` positions (``length .. length + n - 1``).
 
-        Behaves exactly as ``n`` single-position appends.
+        For data-independent policies this behaves exactly as ``n`` single-position appends.
+        The first call is the prompt (prefill); policies may treat it specially (``recent`` with
+        ``variant="flush"``).
 
         Returns
         -------
-        list of int
-            Positions demoted by these appends, in demotion order.
+        list of int or torch.Tensor
+            Positions demoted by these appends, in demotion order (per-head policies: a
+            ``(num_heads, k)`` tensor).
         """
 
     @abstractmethod
-    def full_positions(self) -> list[int]:
-        """Positions currently at full precision, sorted ascending."""
+    def full_positions(self) -> list[int] | torch.Tensor:
+        """Positions currently at full precision, sorted ascending (per head for per-head policies)."""
+
+    def full_count_after(self, n: int) -> int:
+        """How many positions will be at full precision after appending ``n`` more (per head).
+
+        The cache uses it to announce the number of keys of the next step to transformers' mask
+        code before the step runs. The default replays ``append`` on a copy of the state.
+        """
+        import copy
+
+        probe = copy.deepcopy(self)
+        probe.append(n)
+        full = probe.full_positions()
+        return len(full) if isinstance(full, list) else int(full.shape[-1])
+
+    def observe(self, scores: torch.Tensor, positions: torch.Tensor) -> None:  # noqa: B027 - optional hook
+        """Receive attention scores (only called when the policy ``needs_scores``).
+
+        Parameters
+        ----------
+        scores : torch.Tensor
+            ``(num_heads, m)`` float: the attention probability mass each key received from the
+            queries of the latest forward, summed over batch rows and the query heads of the group.
+        positions : torch.Tensor
+            ``(num_heads, m)`` or ``(1, m)`` int64: the logical position of each scored key. Keys
+            not yet appended (the tokens of the current forward) may be among them.
+        """
 
 
 class Policy(ABC):
@@ -42,17 +84,23 @@ class Policy(ABC):
 
     #: registry name, e.g. ``"log"``
     name: ClassVar[str] = ""
-    #: True if the selection differs per kv-head (then positions are ``(batch, kv_heads, n)``)
+    #: True if the selection differs per kv-head (then positions are ``(kv_heads, n)`` tensors)
     per_head: ClassVar[bool] = False
-    #: True if the policy needs attention scores (H2O-like)
+    #: True if the policy needs attention scores (H2O-like): see ``kvpolicy.attention``
     needs_scores: ClassVar[bool] = False
 
     @abstractmethod
-    def new_state(self) -> PolicyState:
-        """A fresh state machine for one layer."""
+    def new_state(self, num_heads: int = 1) -> PolicyState:
+        """A fresh state machine for one layer with ``num_heads`` kv-heads."""
 
 
 def check_int(name: str, value: object, minimum: int, owner: str) -> None:
     """Raise :class:`ConfigError` unless ``value`` is an ``int`` (not bool) ``>= minimum``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{owner}: {name} must be an integer >= {minimum}; got {name}={value!r}")
+
+
+def check_choice(name: str, value: object, choices: tuple[str, ...], owner: str) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ConfigError(f"{owner}: {name} must be one of {list(choices)}; got {name}={value!r}")

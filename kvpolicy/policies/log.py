@@ -31,7 +31,7 @@ class LogWindow(Policy):
     def __post_init__(self) -> None:
         check_int("window", self.window, 1, "LogWindow")
 
-    def new_state(self) -> LogWindowState:
+    def new_state(self, num_heads: int = 1) -> LogWindowState:
         return LogWindowState(self.window)
 
 
@@ -60,6 +60,10 @@ class LogWindowState(PolicyState):
 
     def full_positions(self) -> list[int]:
         return list(self._full)
+
+    def full_count_after(self, n: int) -> int:
+        t, w = self.length + n, self.window
+        return t if t <= 3 * w else 2 * w + 1 + (t - 3 * w - 1) % w
 
 
 def log_full_positions(window: int, length: int) -> list[int]:
