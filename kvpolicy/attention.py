@@ -7,11 +7,15 @@ the layer just updated belongs to a cache whose policy asks for scores, reports 
 attention probability mass each held key received from the current queries (per kv-head, summed
 over batch rows, query positions and the query heads of the group).
 
-Cost: with ``sdpa``, the probabilities are recomputed as ``softmax(q kᵀ · scale + mask)`` — one
-extra ``(batch, heads, queries, keys)`` matmul and softmax per layer, the memory of eager
-attention's weights for that layer, only for layers whose policy needs scores. With ``eager`` the
-weights are already there and the cost is the reduction alone. Models whose layers do not report
-(any cache without a score-based policy) run exactly as before.
+Which layer receives the scores is decided by identity: the attention call whose key tensor is the
+one the layer's ``update`` just returned. The model's own attention (sdpa, or its own eager
+function with softcapping and the like) computes the output; the scores are recomputed in float32
+as ``softmax(q kᵀ · scale + mask)`` for both, so sdpa and eager select the same tokens (model-specific
+extras such as logit softcapping are not applied to the scores).
+
+Cost: one extra ``(batch, heads, queries, keys)`` matmul and softmax per layer whose policy needs
+scores, and the memory of eager attention's weights for that layer while it runs. Models whose
+layers do not report (any cache without a score-based policy) run exactly as before.
 """
 
 from __future__ import annotations
@@ -39,17 +43,18 @@ class ScoreSink(Protocol):
 _local = threading.local()
 
 
-def expect_scores(layer: ScoreSink | None) -> None:
-    """Called by a cache layer's ``update``: the next attention call reports to ``layer``."""
-    _local.layer = layer
+def expect_scores(layer: ScoreSink | None, keys: torch.Tensor | None = None) -> None:
+    """Called by a cache layer's ``update``: the attention call that receives exactly ``keys`` (the
+    tensor ``update`` returned) reports to ``layer``. Any earlier expectation is replaced."""
+    _local.expected = None if layer is None else (layer, keys)
 
 
-def _take_layer(layer_idx: int | None) -> ScoreSink | None:
-    layer = getattr(_local, "layer", None)
-    if layer is None or (layer_idx is not None and layer.layer_idx != layer_idx):
+def _take_layer(key: torch.Tensor) -> ScoreSink | None:
+    expected = getattr(_local, "expected", None)
+    if expected is None or expected[1] is not key:
         return None
-    _local.layer = None
-    return layer
+    _local.expected = None
+    return expected[0]
 
 
 def attention_probs(
@@ -77,7 +82,12 @@ def attention_probs(
 
 
 def _eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Plain eager attention (as in transformers' Llama), returning the weights."""
+    """The model's own eager attention (softcapping, sinks... included), else a plain one."""
+    import inspect
+
+    own = getattr(inspect.getmodule(type(module)), "eager_attention_forward", None)
+    if own is not None:
+        return own(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     probs = attention_probs(query, key, attention_mask, scaling).to(query.dtype)
     hq, hk = query.shape[1], value.shape[1]
     v = value.repeat_interleave(hq // hk, dim=1) if hq != hk else value
@@ -96,9 +106,10 @@ def _wrap(inner_name: str):
         else:
             inner = ALL_ATTENTION_FUNCTIONS[inner_name]
             out, weights = inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        layer = _take_layer(getattr(module, "layer_idx", None))
+        layer = _take_layer(key)
         if layer is not None:
-            probs = weights if weights is not None else attention_probs(query, key, attention_mask, scale)
+            # recomputed in float32 for both implementations, so sdpa and eager select the same tokens
+            probs = attention_probs(query, key, attention_mask, scale)
             b, hq, q_len, k_len = probs.shape
             hk = key.shape[1]
             mass = probs.float().reshape(b, hk, hq // hk, q_len, k_len).sum(dim=(0, 2, 3))

@@ -106,7 +106,7 @@ class CompressedLayer(CacheLayerMixin):
         out = self._attention_view()
         if self.policy.needs_scores:
             self._scored = False
-            expect_scores(self)
+            expect_scores(self, out[0])
         return out
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

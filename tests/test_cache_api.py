@@ -42,7 +42,7 @@ def test_callers_dict_is_not_mutated():
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),
     [
-        (dict(policy="logg"), r"unknown policy 'logg'; registered policies: \['log'\]"),
+        (dict(policy="logg"), r"unknown policy 'logg'; registered policies: \['h2o', 'log', 'recent', 'sink'\]"),
         (dict(action="squash"), r"unknown action 'squash'; registered actions: \[.*'none'.*'quantize'.*\]"),
         (dict(backend="cuda-magic"), r"unknown backend 'cuda-magic'; registered backends: \[.*'torch'.*\]"),
         (dict(bits=3), r"backend 'torch' does not support bits=3; it supports bits in \[2, 4, 8\]"),
@@ -160,8 +160,20 @@ def test_presets():
     assert four.action.bits == 4 and four.layout == "agnostic" and four.policy.window == 42
     from kvpolicy import presets
 
-    for fn in presets.BUILTIN_PRESETS.values():
-        assert "2503.19950" in fn.__doc__
+    cited = {"logquant": "2503.19950", "logquant-4bit": "2503.19950", "kivi": "2402.02750", "h2o": "2306.14048",
+             "streamingllm": "2309.17453"}  # fmt: skip
+    assert set(presets.BUILTIN_PRESETS) == set(cited)
+    for name, fn in presets.BUILTIN_PRESETS.items():
+        assert f"arXiv {cited[name]}" in " ".join(fn.__doc__.split())
+    from kvpolicy import Evict, HeavyHitters, RecentWindow, SinkWindow
+
+    kivi = CompressedCache.from_preset("kivi")
+    assert kivi.policy == RecentWindow(window=128, variant="flush", prompt="keep_tail")
+    assert kivi.action == Quantize(bits=2, group_size=32, key_axis="channel", value_axis="token")
+    h2o = CompressedCache.from_preset("h2o", budget=100)
+    assert h2o.policy == HeavyHitters(heavy=50, recent=50) and h2o.action == Evict()
+    stream = CompressedCache.from_preset("streamingllm")
+    assert stream.policy == SinkWindow(sinks=4, window=1020) and stream.action == Evict()
     with pytest.raises(ConfigError, match=r"unknown preset 'kivi-9'; registered presets: \[.*'logquant'.*\]"):
         CompressedCache.from_preset("kivi-9")
 

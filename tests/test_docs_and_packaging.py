@@ -9,21 +9,23 @@ from pathlib import Path
 
 import pytest
 
-from kvpolicy import LogWindow
 from kvpolicy.cli import main
 from kvpolicy.policies.picture import render
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_policies_page_picture_matches_the_code():
+def test_policies_page_pictures_match_the_code():
+    import kvpolicy
+
     text = (ROOT / "docs" / "policies.md").read_text()
-    match = re.search(r"<!-- picture:log:(\d+) -->\n```text\n(.*?)\n```", text, re.S)
-    assert match, "picture block missing from docs/policies.md"
-    window = int(match.group(1))
-    lines = match.group(2).splitlines()
-    lengths = [int(line.split()[0][2:]) for line in lines]
-    assert render(LogWindow(window=window), lengths) == match.group(2)
+    blocks = re.findall(r"<!-- picture: (.*?) -->\n```text\n(.*?)\n```", text, re.S)
+    assert len(blocks) >= 4, "picture blocks missing from docs/policies.md"
+    for spec, picture in blocks:
+        namespace = {name: getattr(kvpolicy, name) for name in kvpolicy.__all__}
+        policy = eval(spec, namespace)  # e.g. RecentWindow(window=8)
+        lengths = [int(line.split()[0][2:]) for line in picture.splitlines()]
+        assert render(policy, lengths) == picture, spec
 
 
 @pytest.mark.parametrize("module", ["kvpolicy.policies", "kvpolicy.actions", "kvpolicy.backends"])
@@ -36,9 +38,9 @@ def test_lower_layers_never_import_transformers(module):
 def test_cli_list(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
-    assert "policies: log" in out
-    assert "actions: none, quantize" in out
-    assert "presets: logquant, logquant-4bit" in out
+    assert "policies: h2o, log, recent, sink" in out
+    assert "actions: evict, none, quantize" in out
+    assert "presets: h2o, kivi, logquant, logquant-4bit, streamingllm" in out
 
 
 def test_cli_rejects_unknown_command():

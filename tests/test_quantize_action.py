@@ -105,7 +105,7 @@ def test_store_rejects_non_finite(which, bad, dtype):
     k, v = _kv(dtype=dtype)
     (k if which == "keys" else v)[0, 1, 2, 5] = bad
     with pytest.raises(NonFiniteError) as ei:
-        store.add(k, v, torch.arange(4))
+        store.add(k, v, torch.arange(4)[None])
     msg = str(ei.value)
     assert "NaN" in msg and "Inf" in msg and "check_finite=False" in msg
     assert which in msg
@@ -118,7 +118,7 @@ def test_store_check_finite_off(which):
     store = Quantize(bits=4, group_size=8, check_finite=False).new_store(BACKEND, 0)
     k, v = _kv(n=8)
     (k if which == "keys" else v)[0, 0, 1, 1] = float("nan")
-    store.add(k, v, torch.arange(8))
+    store.add(k, v, torch.arange(8)[None])
     assert len(store) == 8
 
 
@@ -172,7 +172,7 @@ def test_store_counts_and_order(chunks, g, seed):
     start = 0
     for n in chunks:
         k, v = torch.randn(1, 2, n, 16, generator=gen), torch.randn(1, 2, n, 16, generator=gen)
-        p = torch.randperm(1000, generator=gen)[:n]
+        p = torch.randperm(1000, generator=gen)[:n][None]  # (1, n): one row, a shared policy
         store.add(k, v, p)
         ks.append(k)
         vs.append(v)
@@ -180,10 +180,10 @@ def test_store_counts_and_order(chunks, g, seed):
         start += n
     total = start
     assert len(store) == total
-    assert torch.equal(store.positions, torch.cat(pos))
+    assert torch.equal(store.positions, torch.cat(pos, dim=1))
     assert store.k.num_quantized == total - total % g
     assert store.v.num_quantized == total
-    assert torch.equal(store.staged_key_positions(), torch.cat(pos)[total - total % g :])
+    assert torch.equal(store.staged_key_positions(), torch.cat(pos, dim=1)[:, total - total % g :])
     assert store.staged_value_positions().numel() == 0
     K, V = torch.cat(ks, 2), torch.cat(vs, 2)
     # 8 bits: coarse order check -- every token comes back near its original
@@ -241,7 +241,7 @@ def test_store_nbytes_equals_bytes_held(bits, g, key_axis, value_axis, dtype, ch
     start = 0
     for n in chunks:
         k, v = (torch.randn(2, 2, n, 16, generator=gen).to(dtype) for _ in range(2))
-        store.add(k, v, torch.arange(start, start + n))
+        store.add(k, v, torch.arange(start, start + n)[None])
         start += n
     walked, tensors = _walked_bytes(store)
     reported = store.nbytes()
