@@ -212,3 +212,17 @@ def test_padded_batches_are_refused_clearly():
         model.generate(ids, attention_mask=mask, cache=CompressedCache(policy="log", window=4), max_new_tokens=2)
     # the uncompressed action is DynamicCache and handles padding as transformers does
     model.generate(ids, attention_mask=mask, cache=CompressedCache(action="none"), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("action_name", list(ACTIONS))
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_chunked_prefill_equals_single_pass_when_nothing_is_demoted(action_name, attn):
+    """Chunks after the first are multi-token updates of a non-empty cache: causal mask and positions
+    must make them equal a single-pass prefill (here the window is wide enough that nothing is demoted)."""
+    model = model_for("llama", attn)
+    ids = _ids(batch=2, seed=21)[:, :48]
+    single = model(ids, cache=CompressedCache(policy="log", window=32, **ACTIONS[action_name]), use_cache=True)
+    cache = CompressedCache(policy="log", window=32, **ACTIONS[action_name])
+    chunks = [model(ids[:, a:b], cache=cache, use_cache=True).logits for a, b in ((0, 20), (20, 33), (33, 48))]
+    torch.testing.assert_close(torch.cat(chunks, dim=1), single.logits, rtol=1e-5, atol=1e-5)
+    assert cache.get_seq_length() == 48
