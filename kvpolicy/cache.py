@@ -88,16 +88,15 @@ class CompressedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
         start = self.length
+        if self.action.compresses:
+            if n > 1:
+                _refuse_padding(kwargs)
+            self._settle()  # deferred demotions first: they index the segment as it was
         self.length += n
-        if not self.action.compresses:
-            self.keys = torch.cat([self.keys, key_states], dim=-2)
-            self.values = torch.cat([self.values, value_states], dim=-2)
-            return self.keys, self.values
-        if n > 1:
-            _refuse_padding(kwargs)
-        self._settle()
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
+        if not self.action.compresses:
+            return self.keys, self.values
         new = torch.arange(start, start + n, device=self.device).expand(self.full_pos.shape[0], n)
         self.full_pos = torch.cat([self.full_pos, new], dim=1)
         self._pending = n

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from kvpolicy.errors import ConfigError
 from kvpolicy.policies.log import LogWindow, log_full_positions
+from kvpolicy.testing import chunkings, with_examples
 
 MAX_W = 64
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -92,28 +93,10 @@ def w_and_t(draw, max_w: int = MAX_W, t_factor: int = 40):
     return w, t
 
 
-@st.composite
-def chunking(draw, total: int):
-    """A list of non-negative chunk sizes (zeros allowed) summing to ``total``."""
-    sizes: list[int] = []
-    left = total
-    while left > 0:
-        k = draw(st.integers(0, min(left, 200)))
-        sizes.append(k)
-        left -= k
-        if len(sizes) > 400:  # keep draws bounded
-            sizes.append(left)
-            left = 0
-    return sizes
-
-
 EDGES = [(1, 0), (1, 1), (1, 3), (1, 4), (1, 40), (2, 7), (3, 10), (64, 2560), (64, 193), (5, 200)]
 
 
-def with_edges(f):
-    for w, t in EDGES:
-        f = example(wt=(w, t))(f)
-    return f
+with_edges = with_examples("wt", EDGES)
 
 
 @st.composite
@@ -125,7 +108,7 @@ def w_t_prefill(draw):
 @st.composite
 def w_t_chunks(draw):
     w, t = draw(w_and_t())
-    return w, t, draw(chunking(t))
+    return w, t, draw(chunkings(t))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from kvpolicy.errors import ConfigError
 from kvpolicy.policies.recent import RecentWindow
+from kvpolicy.testing import chunkings, with_examples
 
 MAX_R = 64
 SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -116,21 +117,6 @@ def r_and_t(draw, max_r: int = MAX_R, t_factor: int = 40):
 
 
 @st.composite
-def chunking(draw, total: int, first_nonzero: bool = False):
-    """Non-negative chunk sizes (zeros allowed, except the first if ``first_nonzero``) summing to ``total``."""
-    sizes: list[int] = []
-    left = total
-    while left > 0:
-        k = draw(st.integers(1 if first_nonzero and not sizes else 0, min(left, 200)))
-        sizes.append(k)
-        left -= k
-        if len(sizes) > 400:
-            sizes.append(left)
-            left = 0
-    return sizes
-
-
-@st.composite
 def flush_case(draw):
     """(window, prompt mode, prompt length L >= 1, total length T >= L)."""
     r = draw(st.integers(1, MAX_R))
@@ -156,16 +142,8 @@ FLUSH_EDGES = [
 ]
 
 
-def with_sliding_edges(f):
-    for case in SLIDING_EDGES:
-        f = example(rt=case)(f)
-    return f
-
-
-def with_flush_edges(f):
-    for case in FLUSH_EDGES:
-        f = example(case=case)(f)
-    return f
+with_sliding_edges = with_examples("rt", SLIDING_EDGES)
+with_flush_edges = with_examples("case", FLUSH_EDGES)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -204,7 +182,7 @@ def test_sliding_monotone(rt):
 @st.composite
 def sliding_chunks(draw):
     r, t = draw(r_and_t())
-    return r, t, draw(chunking(t))
+    return r, t, draw(chunkings(t))
 
 
 @SETTINGS
@@ -249,7 +227,7 @@ def test_sliding_prefill_then_decode(rt):
 @given(rt=r_and_t(max_r=32, t_factor=10), data=st.data())
 def test_sliding_prompt_parameter_is_ignored_and_deterministic(rt, data):
     r, t = rt
-    chunks = data.draw(chunking(t))
+    chunks = data.draw(chunkings(t))
     runs = [
         drive(RecentWindow(window=r, variant="sliding", prompt=p), chunks)
         for p in ("quantize", "keep_tail", "quantize")
@@ -384,7 +362,7 @@ def test_flush_monotone(case):
 def flush_chunked_case(draw):
     r, prompt, prompt_len, total = draw(flush_case())
     leading_zeros = draw(st.integers(0, 2))
-    return r, prompt, prompt_len, total, [0] * leading_zeros + [prompt_len] + draw(chunking(total - prompt_len))
+    return r, prompt, prompt_len, total, [0] * leading_zeros + [prompt_len] + draw(chunkings(total - prompt_len))
 
 
 @SETTINGS

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kvpolicy.errors import ConfigError
 from kvpolicy.policies.recent import RecentWindow
 from kvpolicy.policies.sink import SinkWindow
+from kvpolicy.testing import chunkings, with_examples
 
 MAX_R = 64
 MAX_S = 8
@@ -72,21 +73,6 @@ def srt(draw, max_s: int = MAX_S, max_r: int = MAX_R, t_factor: int = 40):
     return s, r, draw(st.integers(0, t_factor * r + s))
 
 
-@st.composite
-def chunking(draw, total: int):
-    """Non-negative chunk sizes (zeros allowed) summing to ``total``."""
-    sizes: list[int] = []
-    left = total
-    while left > 0:
-        k = draw(st.integers(0, min(left, 200)))
-        sizes.append(k)
-        left -= k
-        if len(sizes) > 400:
-            sizes.append(left)
-            left = 0
-    return sizes
-
-
 EDGES = [
     (0, 1, 0),
     (0, 1, 5),
@@ -101,10 +87,7 @@ EDGES = [
 ]
 
 
-def with_edges(f):
-    for case in EDGES:
-        f = example(srt=case)(f)
-    return f
+with_edges = with_examples("srt", EDGES)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -185,7 +168,7 @@ def test_monotone(srt):
 @st.composite
 def srt_chunks(draw):
     s, r, t = draw(srt())
-    return s, r, t, draw(chunking(t))
+    return s, r, t, draw(chunkings(t))
 
 
 @SETTINGS
@@ -215,7 +198,7 @@ def test_chunked_appends_and_prefill_equal_single_appends(case):
 @given(srt=srt(t_factor=10), data=st.data())
 def test_deterministic(srt, data):
     s, r, t = srt
-    chunks = data.draw(chunking(t))
+    chunks = data.draw(chunkings(t))
     policy = SinkWindow(sinks=s, window=r)
     a, b, other = policy.new_state(), SinkWindow(sinks=s, window=r).new_state(), policy.new_state(num_heads=4)
     for k in chunks:
