@@ -32,29 +32,67 @@ PREFIX = "kvpolicy_"
 
 
 class ScoreSink(Protocol):
-    """What a cache layer exposes to receive scores."""
+    """What a cache layer exposes to the attention wrapper."""
 
     layer_idx: int
 
-    def observe_attention(self, scores: torch.Tensor) -> None:
-        """``scores``: ``(kv_heads, keys)`` attention mass per returned key."""
+    def attention_done(self, scores: torch.Tensor | None) -> None:
+        """Called once the attention over the layer's returned keys ran through the wrapper.
+
+        ``scores``: ``(batch, kv_heads, keys)`` attention mass per returned key and batch row
+        (summed over query positions and the query heads of each group), or ``None`` when the layer
+        asked only for a key mask.
+        """
 
 
 _local = threading.local()
 
 
-def expect_scores(layer: ScoreSink | None, keys: torch.Tensor | None = None) -> None:
+def expect_scores(
+    layer: ScoreSink | None, keys: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
+    scores: bool = True,
+) -> None:  # fmt: skip
     """Called by a cache layer's ``update``: the attention call that receives exactly ``keys`` (the
-    tensor ``update`` returned) reports to ``layer``. Any earlier expectation is replaced."""
-    _local.expected = None if layer is None else (layer, keys)
+    tensor ``update`` returned) reports to ``layer``. Any earlier expectation is replaced.
+
+    Parameters
+    ----------
+    layer : ScoreSink or None
+        The layer to report to (``None`` clears the expectation).
+    keys : torch.Tensor
+        The key tensor ``update`` returned.
+    key_mask : torch.Tensor, optional
+        ``(batch, keys)`` bool, False for slots that hold no token of that row (a padded batch with
+        eviction): the wrapper masks them out on top of transformers' mask.
+    scores : bool
+        Whether the layer wants attention scores.
+    """
+    _local.expected = None if layer is None else (layer, keys, key_mask, scores)
 
 
-def _take_layer(key: torch.Tensor) -> ScoreSink | None:
+def _take(key: torch.Tensor) -> tuple[ScoreSink, torch.Tensor | None, bool] | None:
     expected = getattr(_local, "expected", None)
     if expected is None or expected[1] is not key:
         return None
     _local.expected = None
-    return expected[0]
+    return expected[0], expected[2], expected[3]
+
+
+def with_key_mask(
+    attention_mask: torch.Tensor | None, key_mask: torch.Tensor, q_len: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Combine transformers' mask (``None``: causal, bool, or additive float) with a ``(batch, keys)``
+    key mask into a mask of the same kind (bool when there was none)."""
+    k_len = key_mask.shape[1]
+    keep = key_mask[:, None, None, :]
+    if attention_mask is None:
+        qi = torch.arange(q_len, device=key_mask.device)[:, None] + (k_len - q_len)
+        causal = torch.arange(k_len, device=key_mask.device)[None, :] <= qi
+        return causal[None, None] & keep
+    if attention_mask.dtype == torch.bool:
+        return attention_mask[..., :k_len] & keep
+    blocked = torch.zeros_like(keep, dtype=attention_mask.dtype).masked_fill(~keep, torch.finfo(dtype).min)
+    return attention_mask[..., :k_len] + blocked
 
 
 def attention_probs(
@@ -74,11 +112,17 @@ def attention_probs(
             qi = torch.arange(q_len, device=query.device)[:, None] + (k_len - q_len)
             ki = torch.arange(k_len, device=query.device)[None, :]
             scores = scores.masked_fill(ki > qi, float("-inf"))
-    elif attention_mask.dtype == torch.bool:
-        scores = scores.masked_fill(~attention_mask[..., :k_len], float("-inf"))
+        return torch.softmax(scores, dim=-1)
+    if attention_mask.dtype == torch.bool:
+        allowed = attention_mask[..., :k_len]
+        scores = scores.masked_fill(~allowed, float("-inf"))
     else:
-        scores = scores + attention_mask[..., :k_len].float()
-    return torch.softmax(scores, dim=-1)
+        mask = attention_mask[..., :k_len]
+        allowed = mask > torch.finfo(mask.dtype).min / 2
+        scores = scores + mask.float()
+    probs = torch.softmax(scores, dim=-1)
+    # a query that may see no key (a pad's own query in a padded batch) gives no attention to anyone
+    return probs.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0).nan_to_num(0.0)
 
 
 def _eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -101,19 +145,24 @@ def _wrap(inner_name: str):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        taken = _take(key)
+        if taken is not None and taken[1] is not None:
+            attention_mask = with_key_mask(attention_mask, taken[1], query.shape[2], query.dtype)
         if inner_name == "eager":
             out, weights = _eager(module, query, key, value, attention_mask, scale, dropout, **kwargs)
         else:
             inner = ALL_ATTENTION_FUNCTIONS[inner_name]
             out, weights = inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        layer = _take_layer(key)
-        if layer is not None:
-            # recomputed in float32 for both implementations, so sdpa and eager select the same tokens
-            probs = attention_probs(query, key, attention_mask, scale)
-            b, hq, q_len, k_len = probs.shape
-            hk = key.shape[1]
-            mass = probs.float().reshape(b, hk, hq // hk, q_len, k_len).sum(dim=(0, 2, 3))
-            layer.observe_attention(mass)
+        if taken is not None:
+            layer, _, wants_scores = taken
+            mass = None
+            if wants_scores:
+                # recomputed in float32 for both implementations, so sdpa and eager select the same tokens
+                probs = attention_probs(query, key, attention_mask, scale)
+                b, hq, q_len, k_len = probs.shape
+                hk = key.shape[1]
+                mass = probs.reshape(b, hk, hq // hk, q_len, k_len).sum(dim=(2, 3))
+            layer.attention_done(mass)
         return out, weights
 
     attention.__name__ = f"{PREFIX}{inner_name}"

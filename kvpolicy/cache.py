@@ -19,6 +19,7 @@ from kvpolicy.attention import expect_scores
 from kvpolicy.backends.base import Backend
 from kvpolicy.errors import ConfigError
 from kvpolicy.memory import LayerBytes, MemoryReport
+from kvpolicy.padded import PaddedRows, left_pads
 from kvpolicy.policies.base import Policy, PolicyState
 
 LAYOUTS = ("ordered", "agnostic")
@@ -62,6 +63,8 @@ class CompressedLayer(CacheLayerMixin):
         self.full_pos: torch.Tensor | None = None
         self._pending = 0  # tokens appended whose demotion is deferred (multi-token update)
         self._scored = True  # whether the last forward delivered the scores the policy needs
+        self._attended = True  # whether the last expectation of kvpolicy.attention was met
+        self.rows: PaddedRows | None = None  # set for a left-padded batch
 
     # ------------------------------------------------------------------ transformers API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -84,9 +87,14 @@ class CompressedLayer(CacheLayerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``key_states``/``value_states`` (``(batch, kv_heads, n, head_dim)``) and return
         the keys and values attention must use (``get_mask_sizes`` announced how many)."""
+        n = key_states.shape[-2]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n = key_states.shape[-2]
+            pads = left_pads(_position_ids(kwargs), n) if self.action.compresses else None
+            if pads is not None:
+                self.rows = PaddedRows([self._row_layer() for _ in pads], pads, keeps_demoted=self.action.keeps_demoted)
+        if self.rows is not None:
+            return self._update_rows(key_states, value_states)
         start = self.length
         if self.action.compresses:
             if n > 1:
@@ -108,7 +116,29 @@ class CompressedLayer(CacheLayerMixin):
             expect_scores(self, out[0])
         return out
 
+    def _row_layer(self) -> CompressedLayer:
+        return CompressedLayer(self.policy, self.action, self.backend, self.layout, self.layer_idx)
+
+    def _update_rows(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A left-padded batch: each row runs alone (see :mod:`kvpolicy.padded`)."""
+        assert self.rows is not None
+        if not self._attended:
+            raise RuntimeError(
+                f"layer {self.layer_idx} holds a left-padded batch with action {self.action.name!r}: its rows hold "
+                "different numbers of tokens, and the empty key slots must be masked by kvpolicy's attention "
+                "wrapper. Call kvpolicy.attention.enable_scores(model) once before running the model."
+            )
+        self.length += key_states.shape[-2]
+        keys, values, key_mask = self.rows.update(key_states, value_states, self.length)
+        needs_scores = self.policy.needs_scores
+        if needs_scores or not self.action.keeps_demoted:
+            self._attended = False
+            expect_scores(self, keys, key_mask=key_mask, scores=needs_scores)
+        return keys, values
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.rows is not None:
+            return self.rows.mask_sizes(query_length, self.length)
         if self.store is None or self.action.keeps_demoted:
             return self.length + query_length, 0
         self._settle()
@@ -130,19 +160,27 @@ class CompressedLayer(CacheLayerMixin):
         self.full_pos = None
         self._pending = 0
         self._scored = True
+        self._attended = True
+        self.rows = None
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.is_initialized:
+        if self.rows is not None:
+            self.rows.select(beam_idx.tolist())
+        elif self.is_initialized:
             idx = beam_idx.to(self.device)
             self._map_batch(lambda t: t.index_select(0, idx))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
+        if self.rows is not None:
+            self.rows.select(torch.arange(len(self.rows.rows))[indices].tolist())
+        elif self.is_initialized:
             self._map_batch(lambda t: t[indices, ...])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
+        if self.rows is not None:
+            self.rows.select([i for i in range(len(self.rows.rows)) for _ in range(repeats)])
+        elif self.is_initialized:
             self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -151,7 +189,16 @@ class CompressedLayer(CacheLayerMixin):
             "restored to full precision. Use DynamicCache for assisted generation."
         )
 
-    # ------------------------------------------------------------------ scores (kvpolicy.attention)
+    # ------------------------------------------------------------------ kvpolicy.attention
+    def attention_done(self, scores: torch.Tensor | None) -> None:
+        """The wrapper of :mod:`kvpolicy.attention` ran the attention over this layer's keys;
+        ``scores`` (``(batch, kv_heads, keys)``) when the policy asked for them."""
+        self._attended = True
+        if self.rows is not None:
+            self.rows.attention_done(scores)
+        elif scores is not None:
+            self.observe_attention(scores.sum(dim=0))
+
     def observe_attention(self, scores: torch.Tensor) -> None:
         """Attention mass per returned key, ``(kv_heads, keys)``; forwarded to the policy for the
         full-precision tokens."""
@@ -224,6 +271,9 @@ class CompressedLayer(CacheLayerMixin):
         demoted positions whose keys still wait, at full precision, for a complete per-channel
         group (they are also in ``"compressed"``).
         """
+        if self.rows is not None:
+            per_row = [layer.positions() for layer in self.rows.rows]
+            return {key: [p[key] for p in per_row] for key in per_row[0]}  # type: ignore[misc]
         device = self.device if self.is_initialized else "cpu"
         if self.store is None or self.full_pos is None:
             empty = torch.empty(0, dtype=torch.long, device=device)
@@ -242,6 +292,13 @@ class CompressedLayer(CacheLayerMixin):
 
     def memory(self) -> LayerBytes:
         """Bytes of every tensor this layer holds, by segment."""
+        if self.rows is not None:
+            parts = [layer.memory() for layer in self.rows.rows]
+            merged = dict.fromkeys(parts[0].segments, 0)
+            for part in parts:
+                for name, n in part.segments.items():
+                    merged[name] = merged.get(name, 0) + n
+            return LayerBytes(self.layer_idx, self.length, merged, sum(part.baseline_bytes for part in parts))
         segments = dict.fromkeys(("full_precision", "codes", "scales", "zeros", "staging", "positions"), 0)
         baseline = 0
         if self.is_initialized:
@@ -261,22 +318,27 @@ class CompressedLayer(CacheLayerMixin):
         return f"CompressedLayer(layer_idx={self.layer_idx}, length={self.length})"
 
 
-def _refuse_padding(kwargs: dict[str, Any]) -> None:
-    """Left-padded rows have different ``position_ids`` (generate derives them from the mask)."""
+def _position_ids(kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """``position_ids`` reach ``Cache.update`` in its kwargs (nested under ``kwargs`` in Llama-style models)."""
     position_ids = kwargs.get("position_ids")
     if position_ids is None and isinstance(kwargs.get("kwargs"), dict):
         position_ids = kwargs["kwargs"].get("position_ids")
+    return position_ids
+
+
+def _refuse_padding(kwargs: dict[str, Any]) -> None:
+    """Padding that appears after an unpadded prefill (rows whose positions diverge) is not supported."""
+    position_ids = _position_ids(kwargs)
     padded = (
         isinstance(position_ids, torch.Tensor)
         and position_ids.dim() == 2
         and position_ids.shape[0] > 1
-        and bool((position_ids != position_ids[:1]).any())
+        and bool((position_ids - position_ids[:, :1] != position_ids[:1] - position_ids[:1, :1]).any())
     )
     if padded:
         raise NotImplementedError(
-            "CompressedCache does not support padded batches yet: the rows of this batch have different "
-            "position_ids (left padding), and policies would count pad tokens as positions. Run rows of "
-            "different lengths separately (or batch rows of equal length), or use action='none'."
+            "CompressedCache: this multi-token update pads its rows differently from the prefill (new "
+            "padding after the first forward); only a left-padded first forward is supported."
         )
 
 
@@ -337,7 +399,8 @@ class CompressedCache(Cache):
         ``"ordered"`` returns keys in position order (correct with any mask). ``"agnostic"``
         returns ``[demoted tokens, full-precision tokens]`` without reordering (LogQuant's
         position-agnostic trick): valid because every past token precedes every new token, so
-        the causal mask is unchanged; not valid with padded batches.
+        the causal mask is unchanged. In a left-padded batch each row's view fills the columns
+        after its pads, whatever the layout.
     config : transformers.PretrainedConfig, optional
         The model's config. Needed for models with sliding-window layers (Gemma 2/3, Mistral
         configs with ``sliding_window`` set): those layers are left to transformers' own sliding

@@ -203,17 +203,6 @@ def test_multi_token_update_after_eviction_is_causal():
     assert not torch.allclose(out2[:, -1], out[:, -1])
 
 
-def test_padded_batches_are_refused_clearly():
-    model = model_for("llama", "sdpa")
-    ids = _ids(batch=2, seed=17)[:, :20]
-    mask = torch.ones_like(ids)
-    mask[0, :5] = 0  # row 0 is left-padded
-    with pytest.raises(NotImplementedError, match="padded batches"):
-        model.generate(ids, attention_mask=mask, cache=CompressedCache(policy="log", window=4), max_new_tokens=2)
-    # the uncompressed action is DynamicCache and handles padding as transformers does
-    model.generate(ids, attention_mask=mask, cache=CompressedCache(action="none"), max_new_tokens=2)
-
-
 @pytest.mark.parametrize("action_name", list(ACTIONS))
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_chunked_prefill_equals_single_pass_when_nothing_is_demoted(action_name, attn):

@@ -135,7 +135,7 @@ class TorchBackend(Backend):
         axes=AXES,
         group_size_multiple=4,
         devices=("cpu", "cuda", "mps", "xpu"),
-        dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64),
     )
 
     def quantize(self, x: torch.Tensor, bits: int, group_size: int, axis: str) -> PackedTensor:
