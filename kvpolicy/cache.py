@@ -48,7 +48,12 @@ class CompressedLayer(CacheLayerMixin):
     """
 
     is_sliding = False
-    is_croppable = False
+
+    @property
+    def is_croppable(self) -> bool:  # type: ignore[override]
+        """Rollback is exact for the tokens of the latest multi-token update, except with score-based
+        policies, whose accumulated scores already include the attention of those tokens."""
+        return not (self.action.compresses and self.policy.needs_scores)
 
     def __init__(self, policy: Policy, action: Action, backend: Backend, layout: str, layer_idx: int) -> None:
         super().__init__()
@@ -184,10 +189,42 @@ class CompressedLayer(CacheLayerMixin):
             self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError(
-            "CompressedCache cannot be cropped yet (assisted decoding / rollback): demoted tokens cannot be "
-            "restored to full precision. Use DynamicCache for assisted generation."
-        )
+        """Remove the last ``-tokens_to_remove`` tokens (assisted decoding's rollback of rejected drafts).
+
+        Exact as long as those tokens arrived in the latest multi-token update, whose demotions
+        are still deferred (the verification forward of assisted decoding): nothing has been
+        demoted on their account yet, so they are dropped from the full-precision segment and the
+        policy never learns of them. Tokens that a policy already saw cannot be taken back: that
+        raises.
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop(tokens_to_remove={tokens_to_remove}): pass a negative number of tokens to remove")
+        k = -tokens_to_remove
+        if k == 0 or not self.is_initialized:
+            return
+        if self.rows is not None:
+            for layer in self.rows.rows:
+                layer.crop(tokens_to_remove)
+            self.length -= k
+            return
+        if self.action.compresses and self.policy.needs_scores:
+            raise ValueError(
+                f"crop(tokens_to_remove={tokens_to_remove}): policy {self.policy.name!r} has already accumulated the "
+                "attention of the tokens to remove into the scores of the tokens it holds, which cannot be taken "
+                "back; assisted decoding is not supported with score-based policies"
+            )
+        if self.action.compresses and k > self._pending:
+            raise ValueError(
+                f"crop(tokens_to_remove={tokens_to_remove}) on layer {self.layer_idx}: only the {self._pending} "
+                "token(s) of the latest multi-token update can be removed; older tokens were already handed to "
+                f"the policy ({self.policy.name!r}) and may have been demoted"
+            )
+        self.keys = self.keys[:, :, :-k]
+        self.values = self.values[:, :, :-k]
+        self.length -= k
+        if self.action.compresses:
+            self.full_pos = self.full_pos[:, :-k].contiguous()
+            self._pending -= k
 
     # ------------------------------------------------------------------ kvpolicy.attention
     def attention_done(self, scores: torch.Tensor | None) -> None:

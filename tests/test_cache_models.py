@@ -173,14 +173,6 @@ def test_beam_search_and_batch_ops(models):
     assert cache.memory_report().layers[0].baseline_bytes == 4 * 59 * 1 * 128 * 2  # batch 4, 59 tokens fed, 1 kv head
 
 
-def test_crop_refuses_clearly(models):
-    cache = CompressedCache(policy="log", window=4, action="quantize", bits=2, group_size=16)
-    teacher_forced_logits(models("llama"), _ids(1, 20), 10, cache)
-    assert not cache.is_croppable
-    with pytest.raises(NotImplementedError, match="crop"):
-        cache.crop(-2)
-
-
 def test_group_size_must_divide_head_dim_in_model(models):
     cache = CompressedCache(policy="log", action="quantize", bits=2, group_size=48, value_axis="token")
     with pytest.raises(ValueError, match=r"group_size=48 does not divide head_dim=64"):
