@@ -110,6 +110,39 @@ class Backend(ABC):
     def cat(self, blocks: list[QTensor]) -> QTensor:
         """Concatenate containers of the same configuration along the token axis."""
 
+    def attend(
+        self, query: torch.Tensor, keys: QTensor, values: QTensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of decode queries over a quantized segment, in mergeable (out, log-sum-exp) form.
+
+        The reference implementation dequantizes; backends override it with kernels that read
+        the packed codes directly. Results over disjoint key sets merge exactly:
+        ``lse = logaddexp(lse_a, lse_b)``, ``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``.
+
+        Parameters
+        ----------
+        query : torch.Tensor
+            ``(batch, kv_heads, q, head_dim)``: the queries that share each kv head (grouped-query
+            heads and query tokens flattened into ``q``).
+        keys, values : QTensor
+            ``(batch, kv_heads, n, head_dim)`` each, the same ``n`` tokens.
+        scale : float
+            Multiplies ``query @ keys.T`` (usually ``head_dim ** -0.5``).
+
+        Returns
+        -------
+        out : torch.Tensor
+            ``(batch, kv_heads, q, head_dim_v)`` float32, ``softmax(scores) @ values`` over these tokens.
+        lse : torch.Tensor
+            ``(batch, kv_heads, q)`` float32, ``logsumexp(scores)`` over these tokens.
+        """
+        k = self.dequantize(keys).float()
+        v = self.dequantize(values).float()
+        scores = torch.matmul(query.float(), k.transpose(-1, -2)) * scale
+        lse = torch.logsumexp(scores, dim=-1)
+        out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v)
+        return out, lse
+
     def check(self, *, bits: int, group_size: int, axis: str, role: str = "") -> None:
         """Raise :class:`ConfigError` if this backend cannot do what is asked.
 

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``kvpolicy bench`` (one module per benchmark)."""

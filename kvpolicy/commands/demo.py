@@ -1,0 +1,28 @@
+"""``kvpolicy demo``: LogQuant on SmolLM2-135M-Instruct."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kvpolicy.eval.demo import run_demo
+
+    run_demo(
+        max_new_tokens=args.max_new_tokens,
+        context_tokens=args.context_tokens,
+        continuation_tokens=args.continuation_tokens,
+        threads=args.threads,
+    )
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    demo = sub.add_parser("demo", help="LogQuant on SmolLM2-135M-Instruct with a long prompt (CPU, ~2 min)")
+    demo.add_argument("--max-new-tokens", type=int, default=40, help="answer length (default: 40)")
+    demo.add_argument("--context-tokens", type=int, default=2048, help="fidelity context (default: 2048)")
+    demo.add_argument(
+        "--continuation-tokens", type=int, default=256, help="teacher-forced tokens scored (default: 256)"
+    )
+    demo.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    demo.set_defaults(func=_run)

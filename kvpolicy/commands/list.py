@@ -1,0 +1,18 @@
+"""``kvpolicy list``: registered names."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kvpolicy import registry
+
+    for kind in registry.KINDS:
+        print(f"{kind}: {', '.join(registry.names(kind))}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    lst = sub.add_parser("list", help="registered policies, actions, backends and presets")
+    lst.set_defaults(func=_run)
