@@ -5,7 +5,9 @@
 transformers' ``AttentionInterface`` that runs the original implementation unchanged and, when
 the layer just updated belongs to a cache whose policy asks for scores, reports to it the
 attention probability mass each held key received from the current queries (per kv-head, summed
-over batch rows, query positions and the query heads of the group).
+over batch rows, query positions and the query heads of the group). A policy that sets
+``score_queries = k`` (SnapKV's observation window) gets the mass from the last ``k`` query
+positions of each forward only; the others are not even computed.
 
 Which layer receives the scores is decided by identity: the attention call whose key tensor is the
 one the layer's ``update`` just returned. The model's own attention (sdpa, or its own eager
@@ -21,6 +23,7 @@ layers do not report (any cache without a score-based policy) run exactly as bef
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -41,7 +44,8 @@ class ScoreSink(Protocol):
 
         ``scores``: ``(batch, kv_heads, keys)`` attention mass per returned key and batch row
         (summed over query positions and the query heads of each group), or ``None`` when the layer
-        asked only for a key mask.
+        asked only for a key mask. When the layer has a ``policy`` whose ``score_queries`` is an int
+        ``k``, only the last ``k`` query positions of the forward are summed (all when ``None``).
         """
 
 
@@ -125,6 +129,23 @@ def attention_probs(
     return probs.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0).nan_to_num(0.0)
 
 
+def _scored_queries(
+    layer: ScoreSink, query: torch.Tensor, attention_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The query rows whose attention is reported: the last ``layer.policy.score_queries`` of them
+    when the policy sets it (SnapKV's observation window), else all (the mask is cut to match)."""
+    policy = getattr(layer, "policy", None)
+    keep = getattr(policy, "score_queries", None)
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ConfigError(f"policy {policy!r}: score_queries must be None or an integer >= 1; got {keep!r}")
+    if keep is None or keep >= query.shape[2]:
+        return query, attention_mask
+    query = query[:, :, query.shape[2] - keep :]
+    if attention_mask is not None and attention_mask.shape[-2] > 1:  # a mask with one row broadcasts
+        attention_mask = attention_mask[..., attention_mask.shape[-2] - keep :, :]
+    return query, attention_mask
+
+
 def _eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """The model's own eager attention (softcapping, sinks... included), else a plain one."""
     import inspect
@@ -158,7 +179,8 @@ def _wrap(inner_name: str):
             mass = None
             if wants_scores:
                 # recomputed in float32 for both implementations, so sdpa and eager select the same tokens
-                probs = attention_probs(query, key, attention_mask, scale)
+                q_rows, mask_rows = _scored_queries(layer, query, attention_mask)
+                probs = attention_probs(q_rows, key, mask_rows, scale)
                 b, hq, q_len, k_len = probs.shape
                 hk = key.shape[1]
                 mass = probs.reshape(b, hk, hq // hk, q_len, k_len).sum(dim=(2, 3))
@@ -169,21 +191,33 @@ def _wrap(inner_name: str):
     return attention
 
 
-_registered = False
+_registered: set[str] = set()  # prefixes whose implementations are registered
 
 
-def register() -> None:
-    """Register ``kvpolicy_sdpa`` and ``kvpolicy_eager`` with transformers (idempotent)."""
-    global _registered
-    if _registered:
+def register_wrappers(prefix: str, names: tuple[str, ...], make: Callable[[str], Callable]) -> None:
+    """Register ``make(name)`` with transformers as attention implementation ``prefix + name``, for each
+    of ``names``, with the mask function of ``name`` (idempotent per ``prefix``)."""
+    if prefix in _registered:
         return
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
-    for name in WRAPPED:
-        AttentionInterface.register(f"{PREFIX}{name}", _wrap(name))
-        AttentionMaskInterface.register(f"{PREFIX}{name}", ALL_MASK_ATTENTION_FUNCTIONS[name])
-    _registered = True
+    for name in names:
+        AttentionInterface.register(f"{prefix}{name}", make(name))
+        AttentionMaskInterface.register(f"{prefix}{name}", ALL_MASK_ATTENTION_FUNCTIONS[name])
+    _registered.add(prefix)
+
+
+def strip_wrapper(model: torch.nn.Module, prefix: str) -> None:
+    """Switch ``model`` from attention implementation ``prefix + name`` back to ``name`` (else leave it)."""
+    current = model.config._attn_implementation
+    if current.startswith(prefix):
+        model.set_attn_implementation(current[len(prefix) :])
+
+
+def register() -> None:
+    """Register ``kvpolicy_sdpa`` and ``kvpolicy_eager`` with transformers (idempotent)."""
+    register_wrappers(PREFIX, WRAPPED, _wrap)
 
 
 def enable_scores(model: torch.nn.Module) -> None:
@@ -205,6 +239,4 @@ def enable_scores(model: torch.nn.Module) -> None:
 
 def disable_scores(model: torch.nn.Module) -> None:
     """Undo :func:`enable_scores`."""
-    current = model.config._attn_implementation
-    if current.startswith(PREFIX):
-        model.set_attn_implementation(current[len(PREFIX) :])
+    strip_wrapper(model, PREFIX)

@@ -26,9 +26,19 @@ def kvpolicy_register_actions() -> dict[str, type]:
 
 @hookimpl
 def kvpolicy_register_backends() -> dict[str, type]:
+    from kvpolicy.backends.cpu_backend import CpuBackend
+    from kvpolicy.backends.hqq_backend import HQQBackend
+    from kvpolicy.backends.quanto_backend import QuantoBackend
     from kvpolicy.backends.torch_backend import TorchBackend
+    from kvpolicy.backends.triton_backend import TritonBackend
 
-    return {"torch": TorchBackend}
+    return {
+        "torch": TorchBackend,
+        "triton": TritonBackend,
+        "quanto": QuantoBackend,
+        "hqq": HQQBackend,
+        "cpu": CpuBackend,
+    }
 
 
 @hookimpl

@@ -23,6 +23,8 @@ from kvpolicy.padded import PaddedRows, left_pads
 from kvpolicy.policies.base import Policy, PolicyState
 
 LAYOUTS = ("ordered", "agnostic")
+#: how a decode step's attention reads the compressed segment (see :mod:`kvpolicy.fused`)
+ATTENTION = ("auto", "fused", "materialized")
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -55,8 +57,17 @@ class CompressedLayer(CacheLayerMixin):
         policies, whose accumulated scores already include the attention of those tokens."""
         return not (self.action.compresses and self.policy.needs_scores)
 
-    def __init__(self, policy: Policy, action: Action, backend: Backend, layout: str, layer_idx: int) -> None:
+    def __init__(
+        self, policy: Policy, action: Action, backend: Backend, layout: str, layer_idx: int, attention: str = "auto"
+    ) -> None:
         super().__init__()
+        self.attention = attention
+        #: why a decode step cannot use the fused path (None: it can), see :mod:`kvpolicy.fused`
+        self.unfusable = _unfusable(policy, action) if attention != "materialized" else "attention='materialized'"
+        #: how the latest update's attention was done: "fused", "full-precision" or "materialized: <why>"
+        self.attention_path: str | None = None
+        self._fused_ok = False  # the latest forward ran kvpolicy's fused attention function on this layer
+        self._fused_pending = False  # placeholders returned, not yet consumed by the fused function
         self.policy = policy
         self.action = action
         self.backend = backend
@@ -100,6 +111,7 @@ class CompressedLayer(CacheLayerMixin):
                 self.rows = PaddedRows([self._row_layer() for _ in pads], pads, keeps_demoted=self.action.keeps_demoted)
         if self.rows is not None:
             return self._update_rows(key_states, value_states)
+        self._check_fused_consumed()
         start = self.length
         if self.action.compresses:
             if n > 1:
@@ -115,14 +127,81 @@ class CompressedLayer(CacheLayerMixin):
         self._pending = n
         if n == 1:
             self._settle()
+        if n == 1 and self._use_fused(start):
+            return self._fused_segments()
         out = self._attention_view()
+        self._offer_fused(out[0])
         if self.policy.needs_scores:
             self._scored = False
             expect_scores(self, out[0])
         return out
 
     def _row_layer(self) -> CompressedLayer:
-        return CompressedLayer(self.policy, self.action, self.backend, self.layout, self.layer_idx)
+        return CompressedLayer(self.policy, self.action, self.backend, self.layout, self.layer_idx, "materialized")
+
+    # ------------------------------------------------------------------ kvpolicy.fused
+    def _use_fused(self, start: int) -> bool:
+        """Whether this single-token update returns the segments for the fused attention function."""
+        if not self.action.keeps_demoted or len(self.store) == 0:
+            self.attention_path = "full-precision"  # nothing compressed to read: the plain view is the segment
+            return False
+        if self.unfusable is not None:
+            self.attention_path = f"materialized: {self.unfusable}"
+            return False
+        if self._fused_ok:
+            return True
+        if self.attention == "fused" and start > 0:
+            raise RuntimeError(
+                f"CompressedCache(attention='fused'): layer {self.layer_idx}'s last forward did not run kvpolicy's "
+                "fused attention function. Call kvpolicy.fused.enable_fused(model) once before running the model."
+            )
+        self.attention_path = "materialized: the model does not run kvpolicy's fused attention"
+        return False
+
+    def _fused_segments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        from kvpolicy import fused
+
+        self._fused_ok = False  # re-earned when the fused function consumes the segments
+        self._fused_pending = True
+        self.attention_path = "fused"
+        fused.expect_segments(self, self.keys)
+        return self.keys, self.values
+
+    def _offer_fused(self, keys: torch.Tensor) -> None:
+        """Let the fused attention function, if the model runs it, announce itself to this layer."""
+        if self.unfusable is None and self.action.keeps_demoted:
+            from kvpolicy import fused
+
+            fused.offer(self, keys)
+
+    def fused_seen(self) -> None:
+        """Called by :mod:`kvpolicy.fused`: the model's attention is the fused function."""
+        self._fused_ok = True
+
+    def fused_done(self, reason: str | None = None) -> None:
+        """Called by :mod:`kvpolicy.fused` once it consumed this layer's segments (``reason``: why it
+        had to materialise them after all)."""
+        self._fused_pending = False
+        self._fused_ok = True
+        if reason is not None:
+            self.attention_path = f"materialized: {reason}"
+
+    def fused_parts(self) -> tuple[Any, Any]:
+        """``(quantized, tail)`` of the store (see ``QuantizedStore.attention_parts``)."""
+        return self.store.attention_parts()  # type: ignore[union-attr]
+
+    def materialized_view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole history as the materialised path returns it (the fused function's fallback)."""
+        return self._attention_view()
+
+    def _check_fused_consumed(self) -> None:
+        if self._fused_pending:
+            self._fused_pending = False
+            raise RuntimeError(
+                f"layer {self.layer_idx} returned its compressed segments for kvpolicy's fused attention, but the "
+                "last forward did not run it (was kvpolicy.fused.disable_fused(model) called mid-generation?); "
+                "that forward attended to the full-precision tokens only. Start a new cache."
+            )
 
     def _update_rows(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A left-padded batch: each row runs alone (see :mod:`kvpolicy.padded`)."""
@@ -135,6 +214,12 @@ class CompressedLayer(CacheLayerMixin):
             )
         self.length += key_states.shape[-2]
         keys, values, key_mask = self.rows.update(key_states, value_states, self.length)
+        self.attention_path = "materialized: left-padded batch (one layer per row)"
+        if self.attention == "fused" and self.unfusable is None and self.action.keeps_demoted:
+            raise NotImplementedError(
+                "CompressedCache(attention='fused') does not support left-padded batches (rows run one by one); "
+                "use attention='auto', which materialises their history"
+            )
         needs_scores = self.policy.needs_scores
         if needs_scores or not self.action.keeps_demoted:
             self._attended = False
@@ -167,6 +252,9 @@ class CompressedLayer(CacheLayerMixin):
         self._scored = True
         self._attended = True
         self.rows = None
+        self._fused_ok = False
+        self._fused_pending = False
+        self.attention_path = None
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -355,6 +443,19 @@ class CompressedLayer(CacheLayerMixin):
         return f"CompressedLayer(layer_idx={self.layer_idx}, length={self.length})"
 
 
+def _unfusable(policy: Policy, action: Action) -> str | None:
+    """Why decode attention of this composition cannot run fused (None: it can)."""
+    if not action.compresses:
+        return f"action {action.name!r} does not compress"
+    if not action.keeps_demoted:
+        return None  # nothing is held besides the full-precision segment: the plain view is already cheap
+    if policy.per_head:
+        return f"policy {policy.name!r} selects per head"
+    if policy.needs_scores:
+        return f"policy {policy.name!r} needs attention scores over every key"
+    return None
+
+
 def _position_ids(kwargs: dict[str, Any]) -> torch.Tensor | None:
     """``position_ids`` reach ``Cache.update`` in its kwargs (nested under ``kwargs`` in Llama-style models)."""
     position_ids = kwargs.get("position_ids")
@@ -438,6 +539,16 @@ class CompressedCache(Cache):
         position-agnostic trick): valid because every past token precedes every new token, so
         the causal mask is unchanged. In a left-padded batch each row's view fills the columns
         after its pads, whatever the layout.
+    attention : {"auto", "fused", "materialized"}
+        How decode steps read the compressed history. ``"auto"`` (default): when the model runs
+        kvpolicy's fused attention function (:func:`kvpolicy.fused.enable_fused`), a decode step
+        hands it the full-precision segment and the packed store, and attention over the quantized
+        tokens is computed from their codes (``Backend.attend``) and merged by log-sum-exp, without
+        rebuilding the history; otherwise, and for compositions the fused path does not cover
+        (per-head or score-based policies, left-padded batches), the history is materialised as
+        before. ``"fused"``: the same, but refuse (ConfigError / RuntimeError) instead of
+        materialising. ``"materialized"``: always materialise. :meth:`attention_paths` tells which
+        path each layer took on the latest step.
     config : transformers.PretrainedConfig, optional
         The model's config. Needed for models with sliding-window layers (Gemma 2/3, Mistral
         configs with ``sliding_window`` set): those layers are left to transformers' own sliding
@@ -460,6 +571,7 @@ class CompressedCache(Cache):
         backend: str | Backend = "torch",
         layout: str = "ordered",
         config: Any = None,
+        attention: str = "auto",
         **params: Any,
     ) -> None:
         parts = _compose({"policy": policy, "action": action, "backend": backend}, params)
@@ -469,8 +581,18 @@ class CompressedCache(Cache):
         if layout not in LAYOUTS:
             raise ConfigError(f"layout must be one of {list(LAYOUTS)}; got layout={layout!r}")
         self.layout = layout
+        if attention not in ATTENTION:
+            raise ConfigError(f"attention must be one of {list(ATTENTION)}; got attention={attention!r}")
+        self.attention = attention
         if self.action.compresses:
             self.action.check_backend(self.backend)
+        if attention == "fused":
+            reason = _unfusable(self.policy, self.action)
+            if reason is not None:
+                raise ConfigError(
+                    f"attention='fused' cannot serve this composition: {reason}; use attention='auto' (materialises "
+                    "the history for it) or 'materialized'"
+                )
         super().__init__(layers=[])
         self._layer_types: list[str] | None = None
         self._layer_kwargs: list[dict] = []
@@ -484,7 +606,7 @@ class CompressedCache(Cache):
         """A compressed layer, or transformers' own layer for non-full-attention layer types."""
         kind = "full_attention" if self._layer_types is None else self._layer_types[layer_idx]
         if kind == "full_attention":
-            return CompressedLayer(self.policy, self.action, self.backend, self.layout, layer_idx)
+            return CompressedLayer(self.policy, self.action, self.backend, self.layout, layer_idx, self.attention)
         from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
 
         return DYNAMIC_LAYER_TYPE_MAPPING[kind](**self._layer_kwargs[layer_idx])
@@ -517,6 +639,11 @@ class CompressedCache(Cache):
             raise ValueError(f"layer {layer_idx} is a {type(layer).__name__} (left to transformers), not compressed")
         return layer.positions()
 
+    def attention_paths(self) -> dict[int, str | None]:
+        """How each compressed layer's attention read its history on the latest step: ``"fused"``,
+        ``"full-precision"`` (nothing compressed held) or ``"materialized: <reason>"``."""
+        return {i: layer.attention_path for i, layer in enumerate(self.layers) if isinstance(layer, CompressedLayer)}
+
     def memory_report(self) -> MemoryReport:
         """Bytes held (from the tensors actually held) vs a 16-bit cache of the same tokens; layers
         left to transformers (sliding-window layers) count as full precision."""
@@ -525,7 +652,7 @@ class CompressedCache(Cache):
     def __repr__(self) -> str:
         return (
             f"CompressedCache(policy={self.policy!r}, action={self.action!r}, "
-            f"backend={self.backend!r}, layout={self.layout!r})"
+            f"backend={self.backend!r}, layout={self.layout!r}, attention={self.attention!r})"
         )
 
 

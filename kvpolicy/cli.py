@@ -7,7 +7,7 @@ import importlib
 import sys
 
 #: subcommand modules under kvpolicy.commands, in help order
-COMMANDS = ("demo", "list")
+COMMANDS = ("demo", "list", "plugins", "ablate", "analyze", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,3 +9,12 @@ class ConfigError(ValueError):
 
 class NonFiniteError(ValueError):
     """NaN or Inf reached the quantizer; quantizing it would spread garbage through a whole group."""
+
+
+class MissingDependencyError(ConfigError, ImportError):
+    """An optional package (a backend's library) is not installed; the message names the extra that
+    installs it.
+
+    Subclasses both :class:`ConfigError` (the composition asked for something this environment
+    cannot do) and :class:`ImportError` (what is missing is a package).
+    """

@@ -1,6 +1,8 @@
 """pluggy hook specifications: the one extension surface for policies, actions, backends, presets.
 
-The built-in parts register through these same hooks (:mod:`kvpolicy.builtins`).
+The built-in parts register through these same hooks (:mod:`kvpolicy.builtins`); third-party
+distributions implement them in the module an entry point of the group ``kvpolicy`` names
+(loaded by :mod:`kvpolicy.registry`; see docs/plugins.md).
 """
 
 from __future__ import annotations

@@ -1,11 +1,32 @@
-"""Reusable hypothesis building blocks for testing policies (needs the ``test`` extra: hypothesis)."""
+"""Reusable hypothesis checks for policies (needs the ``test`` extra: hypothesis).
+
+Any policy, built in or from a plugin, can be checked against the contract of
+:mod:`kvpolicy.policies.base` from a plain pytest test::
+
+    from hypothesis import strategies as st
+    from kvpolicy.testing import check_policy
+
+    def test_contract():
+        check_policy(st.builds(MyPolicy, window=st.integers(1, 8)),
+                     max_full=lambda policy, length, prompt: policy.window, chunking="any")
+
+:func:`run_policy` (drive a state as the cache does) and :func:`check_trace` (the contract over one
+trace) are the pieces, for policies that need their own inputs.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hypothesis import example
 from hypothesis import strategies as st
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvpolicy.policies.base import Policy
 
 
 @st.composite
@@ -37,3 +58,246 @@ def with_examples(argument: str, cases: list) -> Callable[[Callable], Callable]:
         return test
 
     return decorate
+
+
+# --------------------------------------------------------------------------------------------------
+# the policy contract, checkable on any policy
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Step:
+    """One ``append(n)`` of a driven policy state.
+
+    Attributes
+    ----------
+    n : int
+        Positions appended.
+    length : int
+        ``state.length`` after the append (the logical length ``T``).
+    predicted : int
+        ``full_count_after(n)`` asked just before the append.
+    demoted : tuple of tuple of int
+        Per row (kv-head for per-head policies, one row for shared ones): the positions ``append``
+        returned, in its order.
+    full : tuple of tuple of int
+        Per row: ``full_positions()`` after the append.
+    """
+
+    n: int
+    length: int
+    predicted: int
+    demoted: tuple[tuple[int, ...], ...]
+    full: tuple[tuple[int, ...], ...]
+
+
+def _rows(value: list[int] | torch.Tensor, policy: Policy, heads: int, what: str) -> tuple[tuple[int, ...], ...]:
+    """Normalise an ``append``/``full_positions`` answer to rows of ints, checking its type and shape."""
+    import torch
+
+    if policy.per_head:
+        assert isinstance(value, torch.Tensor), f"{what}: a per-head policy must return a tensor, got {type(value)}"
+        assert value.dtype == torch.int64, f"{what}: dtype must be int64, got {value.dtype}"
+        assert value.dim() == 2 and value.shape[0] == heads, (
+            f"{what}: shape must be (num_heads={heads}, k) (equal counts per head), got {tuple(value.shape)}"
+        )
+        return tuple(tuple(row) for row in value.tolist())
+    assert isinstance(value, list), f"{what}: a shared policy must return a list of int, got {type(value)}"
+    assert all(isinstance(p, int) and not isinstance(p, bool) for p in value), f"{what}: not all ints: {value}"
+    return (tuple(value),)
+
+
+def run_policy(policy: Policy, plan: list[int], heads: int = 1, seed: int = 0) -> list[Step]:
+    """Drive ``policy.new_state(heads)`` through the appends of ``plan`` the way the cache does.
+
+    ``plan[0]`` is the prompt, the rest are later forwards (1: a decode step). For policies that
+    ``needs_scores``, each forward also calls ``observe`` as :class:`kvpolicy.cache.CompressedLayer`
+    does: a multi-token forward is observed over the held positions plus its own (not appended yet)
+    and appended at the start of the next forward; a single token is appended first, then observed
+    over the held positions. Scores are seeded random multiples of 1/4 (exact in float32, with ties).
+
+    Returns
+    -------
+    list of Step
+        One per ``append`` (zero-sized entries of ``plan`` are appended as ``append(0)``).
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    state = policy.new_state(num_heads=heads)
+    steps: list[Step] = []
+
+    def full_tensor() -> torch.Tensor:
+        full = state.full_positions()
+        return full.clone() if isinstance(full, torch.Tensor) else torch.tensor(full, dtype=torch.long).view(1, -1)
+
+    def observe(positions: torch.Tensor) -> None:
+        scores = torch.randint(0, 5, (heads, positions.shape[1]), generator=g).float() / 4
+        state.observe(scores, positions)
+
+    def do_append(n: int) -> None:
+        predicted = state.full_count_after(n)
+        assert isinstance(predicted, int) and not isinstance(predicted, bool), (
+            f"full_count_after({n}) must return an int, got {predicted!r}"
+        )
+        demoted = _rows(state.append(n), policy, heads, f"append({n})")
+        full = _rows(state.full_positions(), policy, heads, "full_positions()")
+        steps.append(Step(n, state.length, predicted, demoted, full))
+
+    pending = 0
+    for n in plan:
+        if not policy.needs_scores or n == 0:
+            do_append(n)
+            continue
+        if pending:
+            do_append(pending)
+            pending = 0
+        if n == 1:
+            do_append(1)
+            observe(full_tensor())
+        else:
+            held = full_tensor()
+            new = torch.arange(state.length, state.length + n).expand(held.shape[0], n)
+            observe(torch.cat([held, new], dim=1))
+            pending = n
+    if pending:
+        do_append(pending)
+    return steps
+
+
+def check_trace(
+    policy: Policy, steps: list[Step], prompt: int, max_full: Callable[[Policy, int, int], int] | None = None
+) -> None:
+    """Assert the policy contract over one driven trace (see :func:`check_policy`)."""
+    rows = len(steps[0].full) if steps else 0
+    before: list[set[int]] = [set() for _ in range(rows)]
+    ever: list[set[int]] = [set() for _ in range(rows)]
+    length = 0
+    for i, step in enumerate(steps):
+        where = f"{policy!r}, step {i} (append({step.n}), T={step.length})"
+        assert step.length == length + step.n, f"{where}: state.length is {step.length}, expected {length + step.n}"
+        new = set(range(length, step.length))
+        length = step.length
+        counts = {len(row) for row in step.full}
+        assert len(counts) == 1, f"{where}: rows hold different numbers of positions: {sorted(counts)}"
+        count = counts.pop()
+        assert step.predicted == count, f"{where}: full_count_after predicted {step.predicted}, got {count}"
+        if max_full is not None:
+            bound = max_full(policy, length, prompt)
+            assert count <= bound, f"{where}: {count} positions at full precision, bound {bound}"
+        for h, (full, demoted) in enumerate(zip(step.full, step.demoted, strict=True)):
+            full_set, demoted_set = set(full), set(demoted)
+            assert list(full) == sorted(full_set), f"{where}, row {h}: full_positions not sorted/unique: {full}"
+            assert all(0 <= p < length for p in full), f"{where}, row {h}: position out of [0, {length}): {full}"
+            assert len(demoted_set) == len(demoted), f"{where}, row {h}: a position demoted twice in one step"
+            assert not demoted_set & ever[h], f"{where}, row {h}: demoted again: {sorted(demoted_set & ever[h])}"
+            assert not full_set & ever[h], (
+                f"{where}, row {h}: demoted positions came back: {sorted(full_set & ever[h])}"
+            )
+            assert full_set <= before[h] | new, f"{where}, row {h}: FP(T+n) not within FP(T) ∪ new"
+            expected = (before[h] | new) - full_set
+            assert demoted_set == expected, (
+                f"{where}, row {h}: append returned {sorted(demoted_set)}, but {sorted(expected)} left the "
+                "full-precision set"
+            )
+            before[h] = full_set
+            ever[h] |= demoted_set
+
+
+@st.composite
+def plans(draw: st.DrawFn, max_length: int = 120, max_chunk: int = 16) -> list[int]:
+    """A prompt length (``>= 1``) followed by forwards of mostly single tokens, sometimes several,
+    ``max_length`` positions in all at most."""
+    total = draw(st.integers(1, max_length))
+    prompt = draw(st.integers(1, total))
+    plan = [prompt]
+    left = total - prompt
+    while left > 0:
+        k = draw(st.one_of(st.just(1), st.just(1), st.integers(1, min(left, max_chunk))))
+        plan.append(k)
+        left -= k
+    return plan
+
+
+def check_policy(
+    policy: Policy | Callable[[], Policy] | st.SearchStrategy[Policy],
+    *,
+    max_full: Callable[[Policy, int, int], int],
+    chunking: str | None = None,
+    max_length: int = 120,
+    max_heads: int = 3,
+    max_examples: int = 40,
+) -> None:
+    """Check the policy contract with hypothesis; call it from a plain pytest test.
+
+    Over random prompt lengths, follow-up forwards (mostly single tokens), kv-head counts and
+    attention scores, the state is driven as the cache drives it (:func:`run_policy`) and must:
+
+    - demote monotonically: ``FP(T+n) ⊆ FP(T) ∪ new`` and a demoted position never returns;
+    - answer ``append`` with exactly the positions that left the full-precision set (no duplicates);
+    - keep ``full_positions()`` sorted, in ``[0, T)``, with ``len == full_count_after(n)`` asked before;
+    - stay within the bound: ``|FP| <= max_full(policy, T, prompt)`` after every append;
+    - hold equal counts in every head (per-head policies: ``(num_heads, k)`` int64 tensors);
+    - be deterministic: the same inputs give the same trace;
+    - with ``chunking="any"``: give the same full-precision sets at every chunk boundary, whatever
+      the chunking of the appends (the prompt included); ``"after_prompt"``: the same, once the
+      first append (the prompt) is done. Only for policies that do not use scores.
+
+    Parameters
+    ----------
+    policy : Policy, callable or hypothesis strategy
+        The policy, a zero-argument factory (e.g. the class, for its defaults) or a strategy of
+        policies (``st.builds(MyPolicy, window=st.integers(1, 8))``).
+    max_full : callable
+        ``max_full(policy, T, prompt) -> int``: the most positions allowed at full precision after
+        ``T`` appended positions of which the first ``prompt`` were the prompt.
+    chunking : {None, "any", "after_prompt"}
+        Which chunking invariance the policy claims.
+    max_length : int
+        Longest sequence tried; keep the policy's parameters small enough to demote within it.
+    max_heads : int
+        Most kv-heads tried (per-head policies; shared ones run with one).
+    max_examples : int
+        Hypothesis examples.
+
+    Examples
+    --------
+    >>> check_policy(st.builds(SinkWindow, sinks=st.integers(0, 4), window=st.integers(1, 8)),
+    ...              max_full=lambda p, t, prompt: p.sinks + p.window, chunking="any")
+    """
+    from hypothesis import HealthCheck, given, settings
+
+    from kvpolicy.errors import ConfigError
+
+    if chunking not in (None, "any", "after_prompt"):
+        raise ConfigError(f"check_policy: chunking must be one of [None, 'any', 'after_prompt']; got {chunking!r}")
+    if isinstance(policy, st.SearchStrategy):
+        policies = policy
+    elif isinstance(policy, type) or (callable(policy) and not hasattr(policy, "new_state")):
+        policies = st.builds(policy)  # a class (its defaults) or a factory
+    elif hasattr(policy, "new_state"):
+        policies = st.just(policy)
+    else:
+        raise ConfigError(f"check_policy: policy must be a Policy, a factory or a strategy; got {policy!r}")
+
+    @settings(max_examples=max_examples, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(policy=policies, plan=plans(max_length), heads=st.integers(1, max_heads), seed=st.integers(0, 2**16))
+    def contract(policy: Policy, plan: list[int], heads: int, seed: int) -> None:
+        if not policy.per_head:
+            heads = 1
+        if chunking is not None and policy.needs_scores:
+            raise ConfigError(f"check_policy: chunking={chunking!r} is for policies that do not use scores")
+        steps = run_policy(policy, plan, heads, seed)
+        check_trace(policy, steps, plan[0], max_full)
+        assert run_policy(policy, plan, heads, seed) == steps, f"{policy!r}: not deterministic for plan {plan}"
+        if chunking is not None:
+            singles = [plan[0], *[1] * (sum(plan) - plan[0])] if chunking == "after_prompt" else [1] * sum(plan)
+            reference = {s.length: s.full for s in run_policy(policy, singles, heads, seed)}
+            for s in steps:
+                if s.n:
+                    assert s.full == reference[s.length], (
+                        f"{policy!r}: after T={s.length}, appends {plan} give {s.full}, single appends "
+                        f"{reference[s.length]}"
+                    )
+
+    contract()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvpolicy.eval.metrics import teacher_forced_logits  # noqa: F401 - re-exported for tests
+from kvpolicy.eval.tiny import random_model
 
 os.environ.setdefault("KVPOLICY_DISABLE_PLUGIN_AUTOLOAD", "1")
 
@@ -16,48 +17,22 @@ ATTN = ("sdpa", "eager")
 
 
 def tiny_model(family: str, attn: str = "sdpa", layers: int = 2, seed: int = 0) -> torch.nn.Module:
-    """A tiny random causal LM of ``family`` with head_dim 64 (so default group sizes fit)."""
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Phi3Config,
-        Phi3ForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+    """A tiny random causal LM of ``family`` with head_dim 64 (so default group sizes fit).
 
-    common = dict(
-        vocab_size=96,
-        hidden_size=128,
-        intermediate_size=192,
-        num_hidden_layers=layers,
-        max_position_embeddings=32768,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    if family == "llama":
-        cfg, cls = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=64, **common), LlamaForCausalLM
-    elif family == "qwen2":
-        cfg, cls = Qwen2Config(num_attention_heads=2, num_key_value_heads=1, **common), Qwen2ForCausalLM
-    elif family == "phi3":
-        cfg, cls = Phi3Config(num_attention_heads=2, num_key_value_heads=2, **common), Phi3ForCausalLM
-    elif family == "mistral":
-        cfg = MistralConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=None, **common)
-        cls = MistralForCausalLM
-    else:  # pragma: no cover
-        raise ValueError(family)
-    cfg._attn_implementation = attn
-    torch.manual_seed(seed)
-    model = cls(cfg).eval()
-    # random init gives near-uniform attention; sharpen it so compression errors are visible
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):
-                p.mul_(4.0)
-    return model
+    Random init gives near-uniform attention; :func:`kvpolicy.eval.tiny.random_model` sharpens it so
+    compression errors are visible.
+    """
+    return random_model(family, layers=layers, seed=seed, attn=attn)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Torch on one thread for a module (restored after): tiny models run faster so, above all on a
+    shared machine. Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
@@ -71,3 +46,21 @@ def models():
         return built[(family, attn)]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def quanto_extension():
+    """Build (first run in an environment: ~40 s, needs ninja and a C++ compiler) and load quanto's CPU
+    extension once per session, so its cost shows up in one fixture's setup, not in a test's time."""
+    from kvpolicy.backends.quanto_backend import QuantoBackend
+
+    QuantoBackend().load_cpu_extension()
+
+
+@pytest.fixture(scope="session")
+def cpu_kernel():
+    """Build (first run in an environment: ~25 s, needs a C++ compiler and ninja) and load the ``cpu``
+    backend's C++ attention kernel once per session, so its cost shows up in one fixture's setup."""
+    from kvpolicy.kernels import cpu_attention
+
+    return cpu_attention.load()

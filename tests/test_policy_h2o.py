@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from kvpolicy.errors import ConfigError
 from kvpolicy.policies.base import PolicyState
 from kvpolicy.policies.h2o import HeavyHitters
+from kvpolicy.testing import check_policy
 
 SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MAX_T = 60
@@ -328,3 +329,12 @@ def test_observe_with_positions_of_another_head_raises():
     with pytest.raises(RuntimeError):  # head 0's positions broadcast to both heads
         state.observe(torch.ones(2, 2), fp[:1])
     state.observe(torch.ones(2, 2), fp)  # the right ones are accepted
+
+
+def test_policy_contract():
+    """kvpolicy.testing's generic contract, driven with random scores as the cache drives it:
+    monotone, |FP| <= min(T, heavy + recent), equal counts per head, consistent, deterministic."""
+    check_policy(
+        st.builds(HeavyHitters, heavy=st.integers(0, 8), recent=st.integers(1, 8)),
+        max_full=lambda policy, length, prompt: min(length, policy.heavy + policy.recent),
+    )

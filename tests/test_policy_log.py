@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvpolicy.errors import ConfigError
 from kvpolicy.policies.log import LogWindow, log_full_positions
-from kvpolicy.testing import chunkings, with_examples
+from kvpolicy.testing import check_policy, chunkings, with_examples
 
 MAX_W = 64
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -459,3 +459,13 @@ def test_default_window_is_42():
     state.append(3 * 42)
     assert state.full_positions() == list(range(126))
     assert len(state.append(1)) == 42
+
+
+def test_policy_contract():
+    """kvpolicy.testing's generic contract: monotone, |FP| <= 3W, consistent answers, chunking-invariant."""
+    check_policy(
+        st.builds(LogWindow, window=st.integers(1, 16)),
+        max_full=lambda policy, length, prompt: min(length, 3 * policy.window),
+        chunking="any",
+        max_length=200,
+    )

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from kvpolicy.errors import ConfigError
 from kvpolicy.policies.recent import RecentWindow
-from kvpolicy.testing import chunkings, with_examples
+from kvpolicy.testing import check_policy, chunkings, with_examples
 
 MAX_R = 64
 SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -586,3 +586,26 @@ def test_append_rejects_bad_counts(variant, bad):
     state = RecentWindow(window=4, variant=variant).new_state()
     with pytest.raises(ValueError):
         state.append(bad)
+
+
+def test_policy_contract_sliding():
+    """kvpolicy.testing's generic contract: monotone, |FP| <= min(T, R), consistent, chunking-invariant."""
+    check_policy(
+        st.builds(RecentWindow, window=st.integers(1, 16), prompt=st.sampled_from(["quantize", "keep_tail"])),
+        max_full=lambda policy, length, prompt: min(length, policy.window),
+        chunking="any",
+    )
+
+
+def test_policy_contract_flush():
+    """The flush variant: |FP| <= R; the prompt is special, so chunking-invariant only after it."""
+    check_policy(
+        st.builds(
+            RecentWindow,
+            window=st.integers(1, 16),
+            variant=st.just("flush"),
+            prompt=st.sampled_from(["quantize", "keep_tail"]),
+        ),
+        max_full=lambda policy, length, prompt: policy.window,
+        chunking="after_prompt",
+    )

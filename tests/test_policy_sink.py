@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvpolicy.errors import ConfigError
 from kvpolicy.policies.recent import RecentWindow
 from kvpolicy.policies.sink import SinkWindow
-from kvpolicy.testing import chunkings, with_examples
+from kvpolicy.testing import check_policy, chunkings, with_examples
 
 MAX_R = 64
 MAX_S = 8
@@ -300,3 +300,12 @@ def test_append_rejects_bad_counts(bad):
     state = SinkWindow(sinks=2, window=4).new_state()
     with pytest.raises(ValueError):
         state.append(bad)
+
+
+def test_policy_contract():
+    """kvpolicy.testing's generic contract: monotone, |FP| <= min(T, S + R), consistent, chunking-invariant."""
+    check_policy(
+        st.builds(SinkWindow, sinks=st.integers(0, 6), window=st.integers(1, 16)),
+        max_full=lambda policy, length, prompt: min(length, policy.sinks + policy.window),
+        chunking="any",
+    )

@@ -112,6 +112,18 @@ class QuantizedStream:
             parts.append(self.staging)
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
+    def read_from(self, start: int) -> torch.Tensor:
+        """Tokens ``[start, n)`` at full precision (dequantized and staged), ``(batch, kv_heads, n - start, head_dim)``.
+
+        ``start`` must be a group boundary of a per-channel stream's quantized part (see :meth:`QTensor.narrow`).
+        """
+        parts = []
+        if self.q is not None and start < self.q.num_tokens:
+            parts.append(self.backend.dequantize(self.q.narrow(start, self.q.num_tokens - start)))
+        if self.staging is not None:
+            parts.append(self.staging)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
     @property
     def num_quantized(self) -> int:
         return 0 if self.q is None else self.q.num_tokens
@@ -164,6 +176,29 @@ class QuantizedStore(DemotedStore):
 
     def values(self) -> torch.Tensor:
         return self.v.read()
+
+    def attention_parts(self) -> tuple[tuple[QTensor, QTensor] | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The stored tokens split for attention without materialising them (:mod:`kvpolicy.fused`).
+
+        Returns
+        -------
+        quantized : (QTensor, QTensor) or None
+            Keys and values of the first ``m`` stored tokens, both quantized (``m`` = the smaller
+            quantized count of the two streams).
+        tail : (torch.Tensor, torch.Tensor) or None
+            Keys and values of the remaining tokens at full precision (staged, or dequantized when the
+            other stream still stages them): ``(batch, kv_heads, n - m, head_dim)``, fewer than
+            ``group_size`` tokens.
+        """
+        nk, nv = self.k.num_quantized, self.v.num_quantized
+        m = min(nk, nv)
+        quantized = None
+        if m:
+            kq = self.k.q if nk == m else self.k.q.narrow(0, m)
+            vq = self.v.q if nv == m else self.v.q.narrow(0, m)
+            quantized = (kq, vq)
+        tail = (self.k.read_from(m), self.v.read_from(m)) if len(self) > m else None
+        return quantized, tail
 
     def staged_key_positions(self) -> torch.Tensor:
         """Positions whose keys still wait in the full-precision staging buffer."""

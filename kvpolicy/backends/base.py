@@ -65,6 +65,12 @@ class QTensor(ABC):
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QTensor:
         """Apply a batch-axis (dim 0) operation to every held tensor and return the new container."""
 
+    def narrow(self, start: int, length: int) -> QTensor:
+        """Tokens ``[start, start + length)`` (per-channel blocks: whole groups). Optional: the fused
+        decode path (:mod:`kvpolicy.fused`) needs it when a store's key and value streams hold
+        different numbers of quantized tokens; without it that path is not used."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement narrow()")
+
     @property
     def num_tokens(self) -> int:
         """Number of tokens held."""

@@ -50,6 +50,20 @@ class PackedTensor(QTensor):
             (codes.shape[0], *self.shape[1:]), self.dtype,
         )  # fmt: skip
 
+    def narrow(self, start: int, length: int) -> PackedTensor:
+        """Tokens ``[start, start + length)`` as a view (per-channel blocks: whole groups only)."""
+        per = 1 if self.axis == "token" else self.group_size
+        if start % per or length % per or start < 0 or length < 0 or start + length > self.shape[2]:
+            raise ValueError(
+                f"narrow(start={start}, length={length}) on a {self.axis}-grouped block of {self.shape[2]} tokens "
+                f"(group_size={self.group_size}): the range must lie inside the block, in whole groups"
+            )
+        sl = slice(start // per, (start + length) // per)
+        return PackedTensor(
+            self.codes[:, :, sl], self.scales[:, :, sl], self.zeros[:, :, sl], self.bits, self.group_size, self.axis,
+            (*self.shape[:2], length, self.shape[3]), self.dtype,
+        )  # fmt: skip
+
 
 def meta_dtype(dtype: torch.dtype) -> torch.dtype:
     """The 16-bit dtype used for scales and minimums of a tensor of ``dtype``."""
@@ -83,9 +97,9 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     per = 8 // bits
     if per == 1:
         return packed
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     mask = (1 << bits) - 1
-    codes = (packed.unsqueeze(-1) >> shifts) & mask
+    # one shift-and-mask per code slot: several times faster on CPU than a broadcast over a shift vector
+    codes = torch.stack([(packed >> (bits * j)) & mask for j in range(per)], dim=-1)
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per)
 
 
@@ -126,6 +140,12 @@ def quantize_groups(g: torch.Tensor, bits: int, mdtype: torch.dtype) -> tuple[to
     return codes, scales, zeros
 
 
+def dequantize_groups(q: PackedTensor) -> torch.Tensor:
+    """float32 values of ``q`` in its grouped layout (see :class:`PackedTensor`)."""
+    codes = unpack(q.codes, q.bits).float()
+    return codes.mul_(q.scales.float().unsqueeze(-1)).add_(q.zeros.float().unsqueeze(-1))
+
+
 class TorchBackend(Backend):
     """Pure-PyTorch reference backend (any device torch runs on)."""
 
@@ -142,12 +162,46 @@ class TorchBackend(Backend):
         shape = tuple(x.shape)
         g = _grouped(x, group_size, axis)
         codes, scales, zeros = quantize_groups(g, bits, meta_dtype(x.dtype))
-        return PackedTensor(pack(codes, bits), scales, zeros, bits, group_size, axis, shape, x.dtype)  # type: ignore[arg-type]
+        # contiguous storage: unpacking a transposed (per-channel) view is markedly slower on CPU
+        packed = pack(codes, bits).contiguous()
+        return PackedTensor(packed, scales.contiguous(), zeros.contiguous(), bits, group_size, axis, shape, x.dtype)  # type: ignore[arg-type]
 
     def dequantize(self, q: PackedTensor) -> torch.Tensor:  # type: ignore[override]
-        codes = unpack(q.codes, q.bits).float()
-        g = codes * q.scales.float().unsqueeze(-1) + q.zeros.float().unsqueeze(-1)
-        return _ungrouped(g, q.axis, q.shape).to(q.dtype)
+        return _ungrouped(dequantize_groups(q), q.axis, q.shape).to(q.dtype)
+
+    def attend(  # type: ignore[override]
+        self, query: torch.Tensor, keys: PackedTensor, values: PackedTensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`Backend.attend` without building the dequantized segment for the default layouts.
+
+        Keys grouped per channel (group ``g``, channel ``c``: scale ``s``, minimum ``z``) score as
+        ``(q ⊙ s_g) · codes + q · z_g``, so no dequantized key is formed (about 8 % faster than
+        dequantizing them at 2k–8k tokens on CPU); other key layouts and all values are dequantized
+        group by group. Measured and not adopted: folding the values' scales the same way
+        (``(p ⊙ s) · codes + p · z``: no faster, and the two sums cancel in float32) and unpacking
+        through a 256-entry lookup table (``torch.take``: no faster than the shifts in context).
+        Float32 throughout: no round trip through the tensor's own dtype.
+        """
+        b, h, nq, _ = query.shape
+        n = keys.shape[2]
+        if n == 0:
+            dv = values.shape[3]
+            return query.new_zeros((b, h, nq, dv), dtype=torch.float32), query.new_full(
+                (b, h, nq), -float("inf"), dtype=torch.float32
+            )
+        q = query.float() * scale
+        if keys.axis == "channel":  # codes (B, H, n/G, D, G): scores of each group's G tokens at once
+            codes = unpack(keys.codes, keys.bits).float()
+            qs = q.unsqueeze(2) * keys.scales.float().unsqueeze(3)  # (B, H, n/G, q, D)
+            bias = torch.matmul(keys.zeros.float(), q.transpose(-1, -2))  # (B, H, n/G, q)
+            scores = torch.matmul(qs, codes).add_(bias.unsqueeze(-1)).transpose(2, 3).reshape(b, h, nq, n)
+        else:
+            k = _ungrouped(dequantize_groups(keys), "token", keys.shape)
+            scores = torch.matmul(q, k.transpose(-1, -2))
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse.unsqueeze(-1))  # (B, H, q, n)
+        v = _ungrouped(dequantize_groups(values), values.axis, values.shape)
+        return torch.matmul(probs, v), lse
 
     def cat(self, blocks: list[PackedTensor]) -> PackedTensor:  # type: ignore[override]
         if len(blocks) == 1:

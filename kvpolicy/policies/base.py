@@ -72,7 +72,8 @@ class PolicyState(ABC):
         ----------
         scores : torch.Tensor
             ``(num_heads, m)`` float: the attention probability mass each key received from the
-            queries of the latest forward, summed over batch rows and the query heads of the group.
+            queries of the latest forward (only its last ``policy.score_queries`` queries when that
+            is set), summed over batch rows and the query heads of the group.
         positions : torch.Tensor
             ``(num_heads, m)`` or ``(1, m)`` int64: the logical position of each scored key. Keys
             not yet appended (the tokens of the current forward) may be among them.
@@ -88,6 +89,10 @@ class Policy(ABC):
     per_head: ClassVar[bool] = False
     #: True if the policy needs attention scores (H2O-like): see ``kvpolicy.attention``
     needs_scores: ClassVar[bool] = False
+    #: with ``needs_scores``: report only the attention of the last ``score_queries`` query positions
+    #: of each forward (``None``: all of them). SnapKV's observation window sets it; a subclass may
+    #: define it as a property of its parameters. The count is the same for every head.
+    score_queries: int | None = None
 
     @abstractmethod
     def new_state(self, num_heads: int = 1) -> PolicyState:

@@ -1,0 +1,145 @@
+"""The ``hqq`` backend: HQQ's half-quadratic quantizer (``hqq.core.quantize.Quantizer``).
+
+HQQ starts from min-max asymmetric parameters and then runs its proximal optimiser, which moves
+each group's zero-point to reduce an ``l_p`` (``p = 0.7``) reconstruction error; codes are
+``clamp(round(x / s + z), 0, 2**bits - 1)`` on the final grid and dequantization is
+``(code - z) * s``. The grid therefore need not cover the group's extremes: elements outside it
+are clamped, so HQQ's error is bounded by the distance to its own grid (see docs/backends.md),
+not by the min-max ``s / 2``. Groups whose range is at most ``1e-4`` get ``s = 1``, and ``1 / s``
+is clamped to ``2e4``.
+
+Each group is handed to HQQ as a column of a ``(G, n_groups)`` matrix with HQQ ``axis=0``, so
+HQQ packs along the group members: the packed codes are ``(G * bits / 8, n_groups)`` ``uint8``
+(3 bits: ``(ceil(G / 10), n_groups)`` ``int32``, ten codes per word), and columns can be
+concatenated along tokens and indexed by batch without unpacking. Scale and zero are stored in
+the input dtype, one each per group (zero in code units, ``z = -min / s``). Bits per element for
+16-bit inputs: ``bits + 32 / G`` (3 bits: ``32 * ceil(G / 10) / G + 32 / G``).
+
+Column order: ``axis="token"``: ``(b, h, t, j)`` for the group of channels ``j*G:(j+1)*G`` of
+token ``t``; ``axis="channel"``: ``(b, h, i, d)`` for the group of tokens ``i*G:(i+1)*G`` of
+channel ``d``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from kvpolicy.backends._optional import require
+from kvpolicy.backends.base import AXES, Backend, Capabilities, QTensor
+
+
+@dataclass
+class HQQTensor(QTensor):
+    """HQQ-packed codes with per-group scale and zero-point.
+
+    Attributes
+    ----------
+    codes : torch.Tensor
+        ``(rows, n_groups)``: ``uint8`` with ``rows = G * bits / 8`` (``int32`` with
+        ``rows = ceil(G / 10)`` for 3 bits).
+    scales, zeros : torch.Tensor
+        ``(1, n_groups)`` in the input dtype; ``x_hat = (code - zero) * scale``.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    bits: int
+    group_size: int
+    axis: str
+    packing: str
+    shape: tuple[int, int, int, int]
+    dtype: torch.dtype
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"codes": self.codes, "scales": self.scales, "zeros": self.zeros}
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> HQQTensor:
+        b = self.shape[0]
+        codes, scales, zeros = (_by_batch(t, b, fn) for t in (self.codes, self.scales, self.zeros))
+        new_b = codes.shape[1] * b // self.codes.shape[1] if self.codes.shape[1] else b
+        return replace(self, codes=codes, scales=scales, zeros=zeros, shape=(new_b, *self.shape[1:]))
+
+
+def _by_batch(t: torch.Tensor, batch: int, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Apply a batch-axis operation to ``(rows, n_groups)`` whose columns are batch-major."""
+    rows = t.shape[0]
+    per_row = t.reshape(rows, batch, -1).transpose(0, 1)  # (batch, rows, groups per batch row)
+    return fn(per_row).transpose(0, 1).reshape(rows, -1)
+
+
+def _columns(x: torch.Tensor, group_size: int, axis: str) -> torch.Tensor:
+    """``(B, H, T, D)`` -> ``(G, n_groups)``: one group per column, in the documented order."""
+    b, h, t, d = x.shape
+    if axis == "token":
+        return x.reshape(-1, group_size).t().contiguous()
+    return x.reshape(b, h, t // group_size, group_size, d).permute(3, 0, 1, 2, 4).reshape(group_size, -1).contiguous()
+
+
+def _uncolumns(w: torch.Tensor, axis: str, shape: tuple[int, int, int, int]) -> torch.Tensor:
+    b, h, t, d = shape
+    g = w.shape[0]
+    if axis == "token":
+        return w.t().reshape(shape)
+    return w.reshape(g, b, h, t // g, d).permute(1, 2, 3, 0, 4).reshape(shape)
+
+
+class HQQBackend(Backend):
+    """HQQ group-wise quantization with its zero-point optimiser (``pip install "kvpolicy[hqq]"``).
+
+    Bits 1, 2, 3, 4 and 8 (HQQ's bit-packed widths; its 5- and 6-bit modes store a byte per code and
+    are not offered). Groups are packed along their members, so ``group_size`` must be a multiple of 8
+    (1-bit packing puts 8 codes in a byte).
+    """
+
+    name = "hqq"
+    capabilities = Capabilities(
+        bits=(1, 2, 3, 4, 8),
+        axes=AXES,
+        group_size_multiple=8,
+        devices=("cpu", "cuda"),
+        dtypes=(torch.float32, torch.float16, torch.bfloat16),
+    )
+
+    def __init__(self) -> None:
+        self._quantizer = require("hqq.core.quantize", self.name, "hqq").Quantizer
+
+    def quantize(self, x: torch.Tensor, bits: int, group_size: int, axis: str) -> HQQTensor:
+        self.check(bits=bits, group_size=group_size, axis=axis)
+        w = _columns(x, group_size, axis)
+        codes, meta = self._quantizer.quantize(
+            w, nbits=bits, channel_wise=True, group_size=group_size, optimize=True, axis=0,
+            bitpack=True, compute_dtype=x.dtype, device=x.device,
+        )  # fmt: skip
+        return HQQTensor(
+            codes, meta["scale"].float(), meta["zero"].float(), bits, group_size, axis,
+            meta["packing"], tuple(x.shape), x.dtype,  # type: ignore[arg-type]
+        )  # fmt: skip
+
+    def _meta(self, q: HQQTensor) -> dict:
+        return {
+            "nbits": q.bits, "group_size": q.group_size, "shape": torch.Size((q.group_size, q.codes.shape[1])),
+            "scale": q.scales, "zero": q.zeros, "axis": 0, "packing": q.packing, "view_as_float": False,
+            "compute_dtype": q.dtype,
+        }  # fmt: skip
+
+    def dequantize(self, q: HQQTensor) -> torch.Tensor:  # type: ignore[override]
+        w = self._quantizer.dequantize(q.codes, self._meta(q))  # float32: the metadata is float32
+        return _uncolumns(w, q.axis, q.shape).to(q.dtype)
+
+    def cat(self, blocks: list[HQQTensor]) -> HQQTensor:  # type: ignore[override]
+        if len(blocks) == 1:
+            return blocks[0]
+        first = blocks[0]
+        b, h = first.shape[:2]
+
+        def cat(name: str) -> torch.Tensor:
+            parts = [getattr(blk, name) for blk in blocks]
+            rows = parts[0].shape[0]
+            return torch.cat([p.reshape(rows, b, h, -1) for p in parts], dim=3).reshape(rows, -1)
+
+        shape = (b, h, sum(blk.shape[2] for blk in blocks), first.shape[3])
+        return replace(first, codes=cat("codes"), scales=cat("scales"), zeros=cat("zeros"), shape=shape)

@@ -1,0 +1,125 @@
+"""``kvpolicy bench backends``: quantize / dequantize throughput of every available backend.
+
+Throughput is GB/s of the 16-bit input (``numel * 2`` bytes, whatever the dtype measured), next to a
+plain copy (``clone``) of the same tensor. Everything runs in one process; repetitions are
+interleaved (each round times every backend once) and the median is reported, so machine noise
+hits all rows alike and the ratios to ``clone`` are the numbers to compare. ``mean |err|`` is the
+mean absolute reconstruction error on the benchmark tensor (standard normal values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvpolicy import registry
+from kvpolicy.errors import ConfigError
+
+HELP = "quantize/dequantize throughput (GB/s of 16-bit input) per backend, next to a plain copy"
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", default="1,8,4096,128", help="batch,kv_heads,tokens,head_dim (default 1,8,4096,128)")
+    parser.add_argument("--bits", type=int, default=2, help="code width (default 2)")
+    parser.add_argument("--group-size", type=int, default=64, help="elements per group (default 64)")
+    parser.add_argument(
+        "--axis", choices=("channel", "token"), default="channel", help="grouping axis (default channel)"
+    )
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float16", help="input dtype (default float16)")
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument(
+        "--repeats", type=int, default=7, help="interleaved repetitions; the median is shown (default 7)"
+    )
+    parser.add_argument("--backends", default="", help="comma-separated backend names (default: every registered one)")
+
+
+def _shape(text: str) -> tuple[int, int, int, int]:
+    try:
+        dims = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        dims = ()
+    if len(dims) != 4 or min(dims) < 1:
+        raise ConfigError(f"--shape must be four positive integers batch,kv_heads,tokens,head_dim; got {text!r}")
+    return dims  # type: ignore[return-value]
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def timed(fn: Callable[[], object]) -> float:
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - start
+
+    return timed
+
+
+def _available(names: list[str], x: torch.Tensor, args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
+    """Backends that can run this configuration, and why each other one is skipped."""
+    ready, skipped = {}, {}
+    for name in names:
+        try:
+            be = registry.get("backends", name)()
+            be.check(bits=args.bits, group_size=args.group_size, axis=args.axis)
+            be.check_tensor(x)
+        except ConfigError as exc:  # includes a missing optional package
+            skipped[name] = str(exc)
+            continue
+        ready[name] = be
+    return ready, skipped
+
+
+def run(args: argparse.Namespace) -> int:
+    shape = _shape(args.shape)
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be at least 1; got {args.repeats}")
+    device = torch.device(args.device)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=_DTYPES[args.dtype])
+    names = [n for n in args.backends.split(",") if n] or registry.names("backends")
+    backends, skipped = _available(names, x, args)
+    timed = _timer(device)
+    blocks = {name: be.quantize(x, args.bits, args.group_size, args.axis) for name, be in backends.items()}
+    for name, be in backends.items():  # warm-up: lazy compilation, caches, allocator
+        be.dequantize(blocks[name])
+    times: dict[str, list[float]] = {"clone": []}
+    for name in backends:
+        times[f"{name}.q"], times[f"{name}.dq"] = [], []
+    for _ in range(args.repeats):
+        times["clone"].append(timed(x.clone))
+        for name, be in backends.items():
+            times[f"{name}.q"].append(timed(lambda be=be: be.quantize(x, args.bits, args.group_size, args.axis)))
+            times[f"{name}.dq"].append(timed(lambda be=be, name=name: be.dequantize(blocks[name])))
+    gb = x.numel() * 2 / 1e9
+    med = {k: statistics.median(v) for k, v in times.items()}
+    clone = gb / med["clone"]
+    print(
+        f"kvpolicy bench backends: shape={shape} dtype={args.dtype} device={device.type} bits={args.bits} "
+        f"group_size={args.group_size} axis={args.axis}; median of {args.repeats} interleaved repeats; "
+        "GB/s of 16-bit input"
+    )
+    print(
+        f"{'backend':<10}{'quantize GB/s':>15}{'dequant GB/s':>14}{'q / clone':>11}{'dq / clone':>12}"
+        f"{'bits/elem':>11}{'mean |err|':>12}"
+    )
+    print(f"{'clone':<10}{clone:>15.3g}{clone:>14.3g}{1.0:>11.3g}{1.0:>12.3g}{8 * x.element_size():>11.2f}{0.0:>12.3g}")
+    for name in backends:
+        q_gbs, dq_gbs = gb / med[f"{name}.q"], gb / med[f"{name}.dq"]
+        bpe = 8 * sum(blocks[name].nbytes().values()) / x.numel()
+        err = float((backends[name].dequantize(blocks[name]).float() - x.float()).abs().mean())
+        print(
+            f"{name:<10}{q_gbs:>15.3g}{dq_gbs:>14.3g}{q_gbs / clone:>11.3g}{dq_gbs / clone:>12.3g}"
+            f"{bpe:>11.2f}{err:>12.4g}"
+        )
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
+    return 0

@@ -1,0 +1,404 @@
+"""``kvpolicy bench decode``: decode latency, prefill time and bytes held, cache against cache.
+
+Two modes:
+
+``latency`` (default)
+    For each context length and batch size, every cache variant is prefilled with the same random
+    prompt (prefill ms: one timed forward), then decode steps are timed in rounds: each round runs
+    ``--steps`` decode steps of every variant, one variant after the other, in a rotated order, so
+    all variants see the same machine load. Decode ms/token is the median over rounds. Bytes held
+    are counted from the tensors each cache holds after the last step. With ``--fill synthetic``
+    the caches are filled by ``Cache.update`` with random keys and values instead of a prefill
+    (decode cost does not depend on the values held; prefill time is then not measured).
+``capacity``
+    At a fixed cache budget (``--budget-gib``), the largest batch of ``--context``-token sequences
+    that fits, for ``DynamicCache`` and for each compressed variant, from the bytes per sequence
+    measured at batch 1; then confirmed by filling caches of that batch size and running decode
+    steps (whole-batch tokens/s).
+
+Cache variants are named by short strings:
+
+- ``dynamic``: transformers' ``DynamicCache``;
+- ``hf-<quanto|hqq>-<bits>``: transformers' ``QuantizedCache(backend, config, nbits=bits)``;
+- ``<policy>-<bits>-<backend>-<layout>-<fused|mat>``: ``CompressedCache(policy, action="quantize",
+  bits, backend, layout, attention="auto" | "materialized")``; ``fused`` variants run with
+  :func:`kvpolicy.fused.enable_fused` on the model, ``mat`` ones without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvpolicy.errors import ConfigError
+
+HELP = "decode ms/token, prefill ms and bytes held: DynamicCache vs QuantizedCache vs CompressedCache variants"
+
+DEFAULT_VARIANTS = (
+    "dynamic",
+    "hf-quanto-2",
+    "hf-quanto-4",
+    "hf-hqq-2",
+    "hf-hqq-4",
+    "log-2-torch-ordered-mat",
+    "log-2-torch-agnostic-mat",
+    "log-2-torch-ordered-fused",
+    "log-4-torch-ordered-fused",
+    "recent-2-torch-ordered-fused",
+)
+MODELS = ("smollm2", "tiny-llama")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+# ---------------------------------------------------------------------- variants
+@dataclass(frozen=True)
+class Variant:
+    """One cache configuration, parsed from its name (see the module docstring)."""
+
+    name: str
+    kind: str  # "dynamic", "hf", "kv"
+    policy: str = ""
+    bits: int = 0
+    backend: str = ""
+    layout: str = "ordered"
+    fused: bool = False
+
+    @classmethod
+    def parse(cls, name: str) -> Variant:
+        parts = name.split("-")
+        if name == "dynamic":
+            return cls(name, "dynamic")
+        if parts[0] == "hf" and len(parts) == 3 and parts[1] in ("quanto", "hqq") and parts[2].isdigit():
+            return cls(name, "hf", backend=parts[1], bits=int(parts[2]))
+        if (
+            len(parts) == 5
+            and parts[1].isdigit()
+            and parts[3] in ("ordered", "agnostic")
+            and parts[4] in ("fused", "mat")
+        ):
+            return cls(name, "kv", parts[0], int(parts[1]), parts[2], parts[3], parts[4] == "fused")
+        raise ConfigError(
+            f"cache variant {name!r} not understood; use 'dynamic', 'hf-<quanto|hqq>-<bits>' or "
+            "'<policy>-<bits>-<backend>-<ordered|agnostic>-<fused|mat>' (e.g. log-2-torch-ordered-fused)"
+        )
+
+    def build(self, config: Any, window: int) -> Any:
+        """A fresh cache for a model with ``config``."""
+        from transformers import DynamicCache, QuantizedCache
+
+        if self.kind == "dynamic":
+            return DynamicCache()
+        if self.kind == "hf":
+            return QuantizedCache(self.backend, config, nbits=self.bits)
+        from kvpolicy import CompressedCache
+
+        return CompressedCache(
+            policy=self.policy, action="quantize", bits=self.bits, backend=self.backend, layout=self.layout,
+            attention="auto" if self.fused else "materialized", window=window, check_finite=False,
+        )  # fmt: skip
+
+
+def held_bytes(cache: Any) -> int:
+    """Bytes of every tensor a cache holds (DynamicCache, QuantizedCache with quanto/hqq, CompressedCache)."""
+    if hasattr(cache, "memory_report"):
+        return cache.memory_report().total_bytes
+    seen: set[int] = set()
+    total = 0
+
+    def count(obj: Any) -> None:
+        nonlocal total
+        if isinstance(obj, torch.Tensor):
+            if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):  # quanto's subclasses
+                names, _ = obj.__tensor_flatten__()
+                for name in names:
+                    count(getattr(obj, name))
+            elif id(obj) not in seen:
+                seen.add(id(obj))
+                total += obj.numel() * obj.element_size()
+        elif isinstance(obj, (tuple, list)):
+            for item in obj:
+                count(item)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                count(item)
+
+    for layer in cache.layers:
+        for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
+            count(getattr(layer, name, None))
+    return total
+
+
+# ---------------------------------------------------------------------- models
+def tiny_llama(dtype: torch.dtype) -> torch.nn.Module:
+    """A small random Llama (4 layers, 4 query / 2 kv heads of 64 channels), built in code."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=65536,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def load(model: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    if model == "smollm2":
+        from kvpolicy.eval.models import load_smollm2
+
+        return load_smollm2(dtype=dtype, device=device)[0]
+    return tiny_llama(dtype).to(device)
+
+
+# ---------------------------------------------------------------------- measurement
+@dataclass
+class Row:
+    """One measured cell."""
+
+    model: str
+    dtype: str
+    device: str
+    length: int
+    batch: int
+    variant: str
+    prefill_ms: float
+    decode_ms: float
+    decode_ms_all: list[float] = field(default_factory=list)
+    bytes_held: int = 0
+    paths: str = ""
+    ratio_ms: float = float("nan")
+    ratio_bytes: float = float("nan")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _set_fused(model: torch.nn.Module, on: bool) -> None:
+    from kvpolicy.fused import disable_fused, enable_fused
+
+    (enable_fused if on else disable_fused)(model)
+
+
+@torch.inference_mode()
+def _prefill(model: torch.nn.Module, variant: Variant, ids: torch.Tensor, args: argparse.Namespace):
+    _set_fused(model, variant.fused)
+    cache = variant.build(model.config, args.window)
+    if args.fill == "synthetic":
+        _fill(model, cache, ids.shape[0], ids.shape[1], args.device, DTYPES[args.dtype])
+        return cache, ids[:, -1:], float("nan")
+    _sync(args.device)
+    t0 = time.perf_counter()
+    out = model(ids, cache=cache, use_cache=True)
+    _sync(args.device)
+    ms = (time.perf_counter() - t0) * 1e3
+    return cache, out.logits[:, -1:].argmax(-1), ms
+
+
+@torch.inference_mode()
+def _decode(model: torch.nn.Module, variant: Variant, cache: Any, token: torch.Tensor, steps: int, device: str):
+    _set_fused(model, variant.fused)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    _sync(device)
+    return token, (time.perf_counter() - t0) * 1e3 / steps
+
+
+def latency(args: argparse.Namespace, model: torch.nn.Module, variants: list[Variant]) -> list[Row]:
+    rows: list[Row] = []
+    vocab = model.config.vocab_size
+    for length in args.lengths:
+        for batch in args.batch:
+            g = torch.Generator().manual_seed(length + batch)
+            ids = torch.randint(3, vocab, (batch, length), generator=g).to(args.device)
+            state = {}
+            for v in variants:
+                cache, token, ms = _prefill(model, v, ids, args)
+                state[v.name] = [cache, token, ms, []]
+                print(f"  prefill {length:>6} x{batch} {v.name:<30} {ms:10.1f} ms", flush=True)
+            for r in range(args.warmup + args.reps):
+                order = variants[r % len(variants) :] + variants[: r % len(variants)]
+                for v in order:
+                    s = state[v.name]
+                    s[1], ms = _decode(model, v, s[0], s[1], args.steps, args.device)
+                    if r >= args.warmup:
+                        s[3].append(ms)
+            for v in variants:
+                cache, _, pre, times = state[v.name]
+                paths = sorted(set(getattr(cache, "attention_paths", dict)().values()) - {None})
+                rows.append(
+                    Row(args.model, args.dtype, args.device, length, batch, v.name, pre, statistics.median(times),
+                        times, held_bytes(cache), "; ".join(str(p) for p in paths))
+                )  # fmt: skip
+            del state
+    _ratios(rows)
+    return rows
+
+
+def _ratios(rows: list[Row]) -> None:
+    base = {(r.length, r.batch): r for r in rows if r.variant == "dynamic"}
+    for r in rows:
+        b = base.get((r.length, r.batch))
+        if b is not None:
+            r.ratio_ms = r.decode_ms / b.decode_ms
+            r.ratio_bytes = r.bytes_held / b.bytes_held if b.bytes_held else float("nan")
+
+
+@torch.inference_mode()
+def _fill(model: torch.nn.Module, cache: Any, batch: int, length: int, device: str, dtype: torch.dtype) -> None:
+    """Fill ``cache`` with ``length`` synthetic (random normal) tokens per layer, as one prefill update."""
+    cfg = model.config
+    hk = cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    g = torch.Generator(device=device).manual_seed(0)
+    for layer in range(cfg.num_hidden_layers):
+        k = torch.randn(batch, hk, length, d, generator=g, device=device, dtype=dtype)
+        v = torch.randn(batch, hk, length, d, generator=g, device=device, dtype=dtype)
+        cache.update(k, v, layer)
+
+
+def capacity(args: argparse.Namespace, model: torch.nn.Module, variants: list[Variant]) -> list[dict]:
+    """Largest batch within the budget per variant, confirmed by decode steps at that batch."""
+    budget = int(args.budget_gib * 2**30)
+    n = args.context
+    dtype = DTYPES[args.dtype]
+    vocab = model.config.vocab_size
+    out = []
+    for v in variants:
+        _set_fused(model, v.fused)
+        probe = v.build(model.config, args.window)
+        _fill(model, probe, 1, n, args.device, dtype)
+        token = torch.randint(3, vocab, (1, 1), device=args.device)
+        with torch.inference_mode():
+            model(token, cache=probe, use_cache=True)  # one step: demotions and flushes settle
+        per_seq = held_bytes(probe)
+        del probe
+        fit = max(1, budget // per_seq) if args.max_batch is None else min(max(1, budget // per_seq), args.max_batch)
+        cache = v.build(model.config, args.window)
+        _fill(model, cache, fit, n, args.device, dtype)
+        tokens = torch.randint(3, vocab, (fit, 1), device=args.device)
+        tokens, _ = _decode(model, v, cache, tokens, 1, args.device)  # warm-up step
+        times = []
+        for _ in range(args.reps):
+            tokens, ms = _decode(model, v, cache, tokens, args.steps, args.device)
+            times.append(ms)
+        ms = statistics.median(times)
+        held = held_bytes(cache)
+        row = dict(variant=v.name, context=n, bytes_per_sequence=per_seq, batch=fit, bytes_held=held,
+                   within_budget=held <= budget, decode_ms=ms, tokens_per_s=fit * 1e3 / ms)  # fmt: skip
+        out.append(row)
+        print(
+            f"  {v.name:<30} {per_seq / 2**20:9.2f} MiB/seq  batch {fit:>4}  held {held / 2**30:6.3f} GiB  "
+            f"{ms:8.1f} ms/step  {row['tokens_per_s']:8.1f} tok/s",
+            flush=True,
+        )
+        del cache
+    return out
+
+
+# ---------------------------------------------------------------------- output
+def table(rows: list[Row]) -> str:
+    head = (
+        f"{'length':>7} {'batch':>5} {'cache':<30} {'prefill ms':>11} {'decode ms/tok':>14} {'x dyn':>6} "
+        f"{'MiB held':>9} {'x dyn':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r.length:>7} {r.batch:>5} {r.variant:<30} {r.prefill_ms:>11.1f} {r.decode_ms:>14.2f} {r.ratio_ms:>6.2f} "
+            f"{r.bytes_held / 2**20:>9.1f} {r.ratio_bytes:>6.3f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batch = rows[0].batch
+    sel = [r for r in rows if r.batch == batch]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in dict.fromkeys(r.variant for r in sel):
+        pts = sorted((r.length, r.decode_ms, r.bytes_held) for r in sel if r.variant == name)
+        style = "-" if name == "dynamic" else ("--" if name.startswith("hf-") else "-.")
+        a.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=name)
+        b.plot([p[0] for p in pts], [p[2] / 2**20 for p in pts], style, marker="o", label=name)
+    for ax, label in ((a, "decode ms / token"), (b, "MiB held")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    b.set_yscale("log")
+    a.legend(fontsize=7)
+    fig.suptitle(f"{title} (batch {batch})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------- CLI
+def _length(text: str) -> int:
+    value = int(text[:-1]) * 1024 if text.lower().endswith("k") else int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"context length must be >= 1; got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mode", choices=("latency", "capacity"), default="latency")
+    parser.add_argument("--model", choices=MODELS, default="smollm2")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--lengths", type=_length, nargs="+", default=[1024, 2048, 4096, 8192, 16384],
+                        help="context lengths (e.g. 1k 8k 16384)")  # fmt: skip
+    parser.add_argument("--batch", type=int, nargs="+", default=[1])
+    parser.add_argument("--caches", nargs="+", default=list(DEFAULT_VARIANTS), help="cache variants (module doc)")
+    parser.add_argument("--fill", choices=("model", "synthetic"), default="model",
+                        help="latency mode: prefill with the model (timed), or fill caches with random keys/values "
+                        "by Cache.update (no prefill time; for long contexts on slow machines)")  # fmt: skip
+    parser.add_argument("--window", type=int, default=42, help="policy window (log: W; recent: window)")
+    parser.add_argument("--steps", type=int, default=4, help="decode steps per variant per round")
+    parser.add_argument("--reps", type=int, default=5, help="timed rounds (median)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--budget-gib", type=float, default=1.0, help="capacity mode: cache budget")
+    parser.add_argument("--context", type=_length, default=8192, help="capacity mode: tokens per sequence")
+    parser.add_argument("--max-batch", type=int, default=None, help="capacity mode: cap the confirmed batch")
+    parser.add_argument("--out", type=Path, default=Path("bench-decode"), help="directory for JSON and PNG")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    variants = [Variant.parse(name) for name in args.caches]
+    for v in variants:  # construct once: an unavailable backend fails before any model runs
+        if v.kind == "kv":
+            v.build(None, args.window)
+    model = load(args.model, DTYPES[args.dtype], args.device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = dict(model=args.model, dtype=args.dtype, device=args.device, threads=torch.get_num_threads(),
+                torch=torch.__version__, machine=platform.processor() or platform.machine())  # fmt: skip
+    if args.mode == "capacity":
+        print(f"capacity: {args.context} tokens/sequence, budget {args.budget_gib} GiB, {args.model} {args.dtype}")
+        rows = capacity(args, model, variants)
+        (args.out / "capacity.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        print(f"wrote {args.out / 'capacity.json'}")
+        return 0
+    rows = latency(args, model, variants)
+    print(table(rows))
+    (args.out / "decode.json").write_text(json.dumps(dict(meta=meta, rows=[asdict(r) for r in rows]), indent=1))
+    plot(rows, args.out / "decode.png", f"{args.model} {args.dtype} {args.device}")
+    print(f"wrote {args.out / 'decode.json'} and {args.out / 'decode.png'}")
+    return 0

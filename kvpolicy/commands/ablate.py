@@ -1,0 +1,123 @@
+"""``kvpolicy ablate``: run an ablation grid (see :mod:`kvpolicy.eval.grid` for the config keys)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _csv_ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _build_config(args: argparse.Namespace) -> dict:
+    from kvpolicy.eval.grid import load_config, parse_baseline, parse_named
+
+    d = load_config(args.config) if args.config else {}
+    if args.model:
+        d["models"] = args.model
+    for key in ("dtype", "device", "seed"):
+        if getattr(args, key) is not None:
+            d[key] = getattr(args, key)
+    if args.context:
+        d["contexts"] = _csv_ints(args.context)
+    if args.task:
+        d["tasks"] = {}
+        for t in args.task:
+            name, params = parse_named(t)
+            d["tasks"][name] = params
+    if args.policy or args.action or args.bits or args.backend:
+        cross = dict(d.get("cross", {}))
+        if args.policy:
+            cross["policies"] = args.policy
+        if args.action:
+            cross["actions"] = args.action
+        if args.bits:
+            cross["bits"] = _csv_ints(args.bits)
+        if args.backend:
+            cross["backends"] = args.backend
+        d["cross"] = cross
+    if args.preset or args.baseline:
+        caches = list(d.get("caches", []))
+        for p in args.preset or []:
+            name, params = parse_named(p)
+            caches.append({"kind": "preset", "name": name, **params})
+        for b in args.baseline or []:
+            spec = parse_baseline(b)
+            caches.append({"kind": spec.kind, **spec.args})
+        d["caches"] = caches
+    if args.equal_bytes is not None:
+        d["equal_bytes"] = True if args.equal_bytes == "" else args.equal_bytes
+    if args.no_replay:
+        d["replay"] = False
+    if args.online:
+        d["online"] = True
+    return d
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kvpolicy.errors import ConfigError
+
+    if not args.online:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missing model fails in seconds, not after retries
+    try:
+        from kvpolicy.eval.grid import grid_from_dict
+        from kvpolicy.eval.runner import Runner
+
+        grid = grid_from_dict(_build_config(args))
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        runner = Runner(grid, args.out, progress=not args.no_progress)
+        if args.report_only:
+            runner.report()
+            failed = 0
+        else:
+            failed = runner.run()
+        if args.docs:
+            from kvpolicy.eval.docs_report import write_results_doc
+
+            write_results_doc(args.out, args.docs, command=" ".join(["kvpolicy", *sys.argv[1:]]) if args.command_line
+                              is None else args.command_line)  # fmt: skip
+    except ConfigError as exc:
+        print(f"kvpolicy ablate: error: {exc}", file=sys.stderr)
+        return 2
+    return 1 if failed else 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "ablate",
+        help="run an ablation grid: models x caches x contexts x tasks (resumable)",
+        description="Run an ablation grid into OUT (config.json, results.jsonl, summary.md, plots). Finished cells "
+        "are skipped on re-runs. Flags override or extend --config (TOML or JSON).",
+    )
+    p.add_argument("--config", help="grid file (.toml or .json)")
+    p.add_argument("--out", required=True, help="run directory")
+    p.add_argument("--model", action="append", help="model: smollm2, tiny-llama, a local path or hub id (repeatable)")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--device")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--context", help="context lengths, comma-separated (e.g. 2048,4096)")
+    p.add_argument(
+        "--task", action="append", help="task[:key=value...]: lm, passkey, kv, lines, gsm8k, longbench, speed"
+    )
+    p.add_argument("--policy", action="append", help="policy[:key=value...] of the cross product (repeatable)")
+    p.add_argument("--action", action="append", help="action[:key=value...] of the cross product (repeatable)")
+    p.add_argument("--bits", help="bits of the cross product, comma-separated")
+    p.add_argument("--backend", action="append", help="backend of the cross product (repeatable)")
+    p.add_argument("--preset", action="append", help="preset[:key=value...] (repeatable)")
+    p.add_argument("--baseline", action="append", help="dynamic, hf-quanto-2, hf-hqq-4[:residual_length=128...]")
+    p.add_argument("--equal-bytes", nargs="?", const="", default=None, metavar="ANCHOR",
+                   help="also run every compressing cache resized to hold the bytes of ANCHOR (a cache label; "
+                   "default: the first compressing cache)")  # fmt: skip
+    p.add_argument("--no-replay", action="store_true", help="run every prefill instead of replaying the reference's")
+    p.add_argument("--online", action="store_true", help="allow downloading models from the Hugging Face hub")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--report-only", action="store_true", help="rewrite summary.md and plots from results.jsonl")
+    p.add_argument("--docs", help="also write a results page (e.g. docs/results.md) from OUT")
+    p.add_argument("--command-line", help=argparse.SUPPRESS)
+    p.set_defaults(func=_run)

@@ -1,0 +1,298 @@
+"""The ablation grid: models × caches × context lengths × tasks, from a config file or flags.
+
+Config files are TOML (read with the standard library's ``tomllib``, Python >= 3.11) or JSON, with
+the same keys::
+
+    models = ["smollm2"]            # or tiny-llama, a local path, a hub id in the local HF cache
+    dtype = "float32"               # float32 | float16 | bfloat16
+    device = "cpu"
+    contexts = [2048]
+    seed = 0
+    replay = true                   # replay the uncompressed prefill (see kvpolicy.eval.measure)
+    equal_bytes = "log/quantize/2b" # anchor label, true (first compressing cache) or false
+
+    [tasks.lm]                      # task name -> its parameters (kvpolicy.eval.tasks); "speed" times
+    tokens = 48
+
+    [[caches]]                      # explicit caches (kinds: compressed, preset, dynamic, hf-quantized)
+    kind = "hf-quantized"
+    backend = "quanto"
+    nbits = 2
+
+    [cross]                         # and/or a cross product of registered names
+    policies = ["log", "recent:variant=flush", "sink", "h2o"]
+    actions = ["quantize", "evict"]
+    bits = [2, 4]
+    backends = ["torch"]
+
+Names are checked against the registry (plugins included) before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpolicy.errors import ConfigError
+from kvpolicy.eval.caches import CacheSpec
+from kvpolicy.eval.tasks import TASKS, Task, make_task, parse_number
+
+DTYPES = ("float32", "float16", "bfloat16")
+#: the timing pseudo-task: real prefill + ``steps`` decode steps on the LM text
+SPEED = "speed"
+_TOP_KEYS = {"models", "dtype", "device", "contexts", "seed", "replay", "equal_bytes", "online", "tasks", "caches",
+             "cross", "attention", "only"}  # fmt: skip
+_CROSS_KEYS = {"policies", "actions", "bits", "backends", "params"}
+
+
+def parse_value(text: str) -> Any:
+    """``"12"`` -> 12, ``"0.5"`` -> 0.5, ``"true"`` -> True, anything else stays a string."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    return parse_number(text)
+
+
+def parse_named(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"recent:variant=flush:window=128"`` -> ``("recent", {"variant": "flush", "window": 128})``."""
+    name, *parts = spec.split(":")
+    params = {}
+    for part in parts:
+        if "=" not in part:
+            raise ConfigError(f"expected key=value after ':' in {spec!r}; got {part!r}")
+        k, v = part.split("=", 1)
+        params[k.strip()] = parse_value(v.strip())
+    return name.strip(), params
+
+
+@dataclass
+class Grid:
+    """A validated ablation grid (see the module docstring for the keys)."""
+
+    models: list[str] = field(default_factory=lambda: ["smollm2"])
+    dtype: str = "float32"
+    device: str = "cpu"
+    contexts: list[int] = field(default_factory=lambda: [2048])
+    seed: int = 0
+    replay: bool = True
+    equal_bytes: str | bool = False
+    online: bool = False
+    tasks: dict[str, dict[str, Any]] = field(default_factory=lambda: {"lm": {}})
+    caches: list[CacheSpec] = field(default_factory=list)
+    attention: dict[str, Any] = field(default_factory=dict)
+    only: dict[str, list[str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.models or not all(isinstance(m, str) and m for m in self.models):
+            raise ConfigError(f"models must be a non-empty list of names or paths; got models={self.models!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {list(DTYPES)}; got dtype={self.dtype!r}")
+        if not self.contexts or any(isinstance(c, bool) or not isinstance(c, int) or c < 8 for c in self.contexts):
+            raise ConfigError(f"contexts must be a non-empty list of integers >= 8; got contexts={self.contexts!r}")
+        if not self.tasks:
+            raise ConfigError(f"tasks must name at least one task; known: {sorted([*TASKS, SPEED])}")
+        if not self.caches:
+            raise ConfigError("the grid has no caches: give [[caches]] entries or a [cross] product")
+        labels = [c.label for c in self.caches]
+        dupes = sorted({x for x in labels if labels.count(x) > 1})
+        if dupes:
+            raise ConfigError(f"cache labels must be unique; repeated: {dupes} (set label = ... to tell them apart)")
+        self.task_objects()  # validates names and parameters
+        for spec in self.caches:
+            spec.validate()
+        for task, names in self.only.items():
+            if task not in self.tasks:
+                raise ConfigError(f"only: {task!r} is not a task of the grid; tasks: {sorted(self.tasks)}")
+            missing = sorted(set(names) - {c.label for c in self.caches})
+            if missing:
+                raise ConfigError(f"only.{task}: unknown cache label(s) {missing}; labels: {labels}")
+
+    # ------------------------------------------------------------------ derived
+    def task_objects(self) -> dict[str, Task | dict[str, Any]]:
+        """Task name -> task object (``speed`` -> its parameters)."""
+        out: dict[str, Task | dict[str, Any]] = {}
+        for name, params in self.tasks.items():
+            if name == SPEED:
+                unknown = sorted(set(params) - {"steps", "repeats", "contexts"})
+                if unknown:
+                    raise ConfigError(
+                        f"task 'speed': unknown parameter(s) {unknown}; accepted: ['contexts', 'repeats', 'steps']"
+                    )
+                contexts = params.get("contexts", self.contexts)
+                contexts = [
+                    int(c) for c in (str(contexts).split(",") if isinstance(contexts, (str, int)) else contexts)
+                ]
+                out[name] = {"steps": int(params.get("steps", 8)), "repeats": int(params.get("repeats", 1)),
+                             "contexts": contexts}  # fmt: skip
+            else:
+                out[name] = make_task(name, **params)
+        return out
+
+    def contexts_of(self, task: str) -> list[int]:
+        """Context lengths a task runs at (``[None]``-like single run for context-free tasks is the caller's)."""
+        params = self.task_objects()[task]
+        return params["contexts"] if isinstance(params, dict) else self.contexts
+
+    def runs(self, task: str, label: str) -> bool:
+        """Whether cache ``label`` (or the cache it was resized from) runs on ``task`` (see ``only``)."""
+        names = self.only.get(task)
+        return names is None or label in names or label.rsplit("@", 1)[0] in names
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (caches with their kind, args, label and exact description)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "caches"}
+        d["caches"] = [
+            {"label": c.label, "kind": c.kind, "args": _jsonable(c.args), "size_params": list(c.size_params),
+             "resize": c.resize, "repr": c.describe()}
+            for c in self.caches
+        ]  # fmt: skip
+        return d
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x if isinstance(x, (str, int, float, bool, type(None))) else repr(x)
+
+
+def cell_id(model: str, spec: CacheSpec, context: int | None, task: str, task_params: dict, grid: Grid) -> str:
+    """Stable id of a cell: a hash of everything that determines its result."""
+    key = json.dumps(
+        {"model": model, "dtype": grid.dtype, "device": grid.device, "cache": spec.describe(), "context": context,
+         "task": task, "params": _jsonable(task_params), "seed": grid.seed, "replay": grid.replay},
+        sort_keys=True,
+    )  # fmt: skip
+    return hashlib.sha1(key.encode()).hexdigest()[:16]
+
+
+def cross_specs(cross: dict[str, Any]) -> list[CacheSpec]:
+    """The cross product of policies × actions × bits × backends as cache specs.
+
+    ``bits`` applies to actions that have a ``bits`` parameter, ``backends`` to actions that keep
+    demoted tokens; action ``none`` gives one uncompressed spec whatever the policy.
+    """
+    from kvpolicy import registry
+
+    unknown = sorted(set(cross) - _CROSS_KEYS)
+    if unknown:
+        raise ConfigError(f"[cross]: unknown key(s) {unknown}; accepted: {sorted(_CROSS_KEYS)}")
+    policies = [parse_named(p) for p in cross.get("policies", ["log"])]
+    actions = [parse_named(a) for a in cross.get("actions", ["quantize"])]
+    bits = list(cross.get("bits", [2]))
+    backends = [parse_named(b) for b in cross.get("backends", ["torch"])]
+    common = dict(cross.get("params", {}))
+    specs: list[CacheSpec] = []
+    seen: set[str] = set()
+    for pname, pparams in policies:
+        registry.get("policies", pname)
+        for aname, aparams in actions:
+            acls = registry.get("actions", aname)
+            fields = {f.name for f in dataclasses.fields(acls)} if dataclasses.is_dataclass(acls) else set()
+            bit_list = bits if "bits" in fields and "bits" not in aparams else [None]
+            back_list = backends if getattr(acls, "keeps_demoted", True) and acls.compresses else backends[:1]
+            for b in bit_list:
+                for bname, bparams in back_list:
+                    registry.get("backends", bname)
+                    args: dict[str, Any] = {"policy": pname, "action": aname, **pparams, **aparams, **common}
+                    if b is not None:
+                        args["bits"] = b
+                    if bname != "torch" or bparams:
+                        args["backend"] = bname
+                        args.update(bparams)
+                    if not acls.compresses:
+                        args = {"action": aname}
+                    spec = CacheSpec("compressed", args)
+                    desc = spec.validate()
+                    if desc not in seen:
+                        seen.add(desc)
+                        specs.append(spec)
+    return specs
+
+
+def parse_baseline(text: str) -> CacheSpec:
+    """``dynamic``, ``hf-quanto-2``, ``hf-hqq-4`` (optionally ``:residual_length=128:q_group_size=64``)."""
+    name, params = parse_named(text)
+    if name == "dynamic":
+        return CacheSpec("dynamic", params)
+    parts = name.split("-")
+    if len(parts) == 3 and parts[0] == "hf" and parts[2].isdigit():
+        return CacheSpec("hf-quantized", {"backend": parts[1], "nbits": int(parts[2]), **params})
+    raise ConfigError(f"unknown baseline {text!r}; use 'dynamic', 'hf-quanto-<bits>' or 'hf-hqq-<bits>'")
+
+
+def spec_from_entry(entry: dict[str, Any]) -> CacheSpec:
+    """A ``[[caches]]`` entry -> CacheSpec."""
+    entry = dict(entry)
+    kind = entry.pop("kind", "compressed")
+    label = entry.pop("label", "")
+    size = tuple(entry.pop("size_params", ()))
+    resize = entry.pop("resize", True)
+    return CacheSpec(kind, entry, label, size, resize)
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    """Read a TOML or JSON grid file into a dict."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    text = p.read_text(encoding="utf-8")
+    if p.suffix == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{p}: invalid JSON ({exc})") from exc
+    if p.suffix == ".toml":
+        try:
+            import tomllib
+        except ImportError as exc:  # pragma: no cover - Python 3.10
+            raise ConfigError("TOML configs need Python >= 3.11 (tomllib); use a .json config") from exc
+        try:
+            return tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p}: invalid TOML ({exc})") from exc
+    raise ConfigError(f"config file must end in .toml or .json; got {p.name!r}")
+
+
+def grid_from_dict(d: dict[str, Any]) -> Grid:
+    """Build a :class:`Grid` from a config dict (file or flags)."""
+    unknown = sorted(set(d) - _TOP_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {unknown}; accepted: {sorted(_TOP_KEYS)}")
+    caches = [spec_from_entry(e) for e in d.get("caches", [])]
+    if d.get("cross"):
+        caches += cross_specs(d["cross"])
+    kwargs = {k: d[k] for k in ("models", "dtype", "device", "contexts", "seed", "replay", "equal_bytes", "online",
+                                "tasks", "attention", "only") if k in d}  # fmt: skip
+    return Grid(caches=caches, **kwargs)
+
+
+def check_model_available(name: str, online: bool) -> None:
+    """Fail fast, before any work, for a model that cannot be loaded here."""
+    from kvpolicy.eval.tiny import parse_tiny
+
+    if parse_tiny(name) is not None or name.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct"):
+        return
+    path = Path(name).expanduser()
+    if path.exists():
+        return
+    if name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1:
+        raise ConfigError(f"model path {name!r} does not exist")
+    if online:
+        return
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(name, "config.json")
+    except Exception:  # an invalid repo id
+        found = None
+    if not isinstance(found, str):
+        raise ConfigError(
+            f"model {name!r} is not a local path, not a built-in name ('smollm2', 'tiny-llama') and not in the local "
+            "Hugging Face cache; the hub is not contacted unless you pass --online (online = true)"
+        )

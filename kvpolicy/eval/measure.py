@@ -1,0 +1,269 @@
+"""One cache on one task's samples: the measurements of a grid cell.
+
+The uncompressed reference (transformers' ``DynamicCache``) of each sample is computed once
+(:func:`reference`) and reused by every cache. Metrics (evaluation.md §2):
+
+- ``delta_nll``: teacher-forced NLL minus the reference's, per token (mean and its standard error
+  over tokens; the tokens of one text are correlated, so the error is a lower bound);
+- ``kl`` and ``top1``: ``KL(p_reference || p_cache)`` of each next-token distribution and the
+  agreement of their argmax;
+- ``attn_error``: attention-output relative error per layer (:mod:`kvpolicy.eval.probes`), over the
+  teacher-forced decoding steps; the value is the mean over layers;
+- task scores (accuracy, exact match, edit similarity, LongBench score);
+- ``bytes_held`` and ``ratio`` (16-bit bytes of the same tokens / bytes held) after the last token;
+- ``prefill_ms`` and ``decode_ms`` (median per token) from the ``speed`` task.
+
+Prefill replay: every cache of this project lets prefill attention see the uncompressed prompt, so
+the prefill's logits and keys/values are those of the reference. With ``replay=True`` a cache
+receives the reference's prefill keys and values through its public ``update`` (as the model would
+pass them) instead of re-running the prefill forward, which saves most of the CPU time of a cell.
+Caches whose policy needs attention scores (H2O) always run the prefill. Timings never use replay.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from kvpolicy.eval.caches import baseline_bytes, held_bytes
+from kvpolicy.eval.metrics import next_token_kl, nll
+from kvpolicy.eval.probes import AttentionErrorProbe
+from kvpolicy.eval.tasks import Sample, Task
+
+
+@dataclass
+class Reference:
+    """The uncompressed run of one sample.
+
+    Attributes
+    ----------
+    prefill_kv : list of (torch.Tensor, torch.Tensor) or None
+        Per layer, keys and values after the prefill, ``(1, kv_heads, prefill, head_dim)``; None when
+        some layer did not hold every prompt token (sliding-window layers): replay is then off.
+    last_logits : torch.Tensor
+        ``(1, vocab)`` prediction after the prefill.
+    logits, nll : torch.Tensor
+        Teacher-forced samples only: ``(n, vocab)`` predictions and ``(n,)`` NLL of the continuation.
+    """
+
+    prefill_kv: list[tuple[torch.Tensor, torch.Tensor]] | None
+    last_logits: torch.Tensor
+    logits: torch.Tensor | None = None
+    nll: torch.Tensor | None = None
+
+
+@dataclass
+class Metric:
+    """One measured quantity of a cell."""
+
+    name: str
+    value: float
+    se: float | None = None
+    n: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _forward(model: torch.nn.Module, ids: torch.Tensor, cache: Any) -> torch.Tensor:
+    return model(ids, cache=cache, use_cache=True).logits
+
+
+@torch.inference_mode()
+def reference(model: torch.nn.Module, sample: Sample) -> Reference:
+    """Run ``sample`` with a ``DynamicCache`` (see :class:`Reference`)."""
+    from transformers import DynamicCache
+
+    device = model.device
+    ids = torch.tensor([sample.ids], device=device)
+    cache = DynamicCache(config=model.config)
+    logits = _forward(model, ids[:, : sample.prefill], cache)[:, -1].float()
+    kv = [(layer.keys, layer.values) for layer in cache.layers]
+    if any(k is None or k.dim() != 4 or k.shape[-2] != sample.prefill for k, _ in kv):
+        kv = None
+    ref = Reference(kv, logits)
+    if sample.kind == "teacher_forced":
+        steps = [logits]
+        for t in range(sample.prefill, len(sample.ids) - 1):
+            steps.append(_forward(model, ids[:, t : t + 1], cache)[:, -1].float())
+        ref.logits = torch.cat(steps)
+        ref.nll = nll(ref.logits, ids[0, sample.prefill :])
+    return ref
+
+
+def _prefill(
+    model: torch.nn.Module, ids: torch.Tensor, cache: Any, ref: Reference | None, probe: AttentionErrorProbe | None
+) -> torch.Tensor:
+    """Prefill ``ids`` (``(1, n)``) into ``cache`` (replayed from ``ref`` when given); ``(1, vocab)`` logits."""
+    if ref is None or ref.prefill_kv is None:
+        return _forward(model, ids, cache)[:, -1].float()
+    for i, (k, v) in enumerate(ref.prefill_kv):
+        cache.update(k, v, i)
+        if probe is not None:
+            probe.shadow.update(k, v, i)
+    return ref.last_logits
+
+
+def _finish_bytes(cache: Any, model: torch.nn.Module, tokens: int) -> list[Metric]:
+    held = held_bytes(cache)
+    base = baseline_bytes(model.config, tokens)
+    return [
+        Metric("bytes_held", float(held), extra={"tokens": tokens}),
+        Metric("ratio", base / held if held else math.inf, extra={"baseline_16bit": base}),
+    ]
+
+
+def _mean_se(x: torch.Tensor) -> tuple[float, float]:
+    x = x.double().flatten()
+    se = float(x.std() / math.sqrt(x.numel())) if x.numel() > 1 else float("nan")
+    return float(x.mean()), se
+
+
+@torch.inference_mode()
+def teacher_forced(
+    model: torch.nn.Module,
+    samples: list[Sample],
+    refs: list[Reference],
+    make_cache: Any,
+    replay: bool = True,
+    progress: bool = False,
+) -> list[Metric]:
+    """ΔNLL, KL, top-1, attention error and bytes held of a cache over teacher-forced samples.
+
+    ``make_cache()`` returns a fresh cache for each sample.
+    """
+    device = model.device
+    deltas, kls, agree, nlls = [], [], [], []
+    layer_err: list[list[float]] = []
+    cache = None
+    for sample, ref in zip(samples, refs, strict=True):
+        ids = torch.tensor([sample.ids], device=device)
+        cache = make_cache()
+        with AttentionErrorProbe(model) as probe:
+            probe.active = False
+            steps = [_prefill(model, ids[:, : sample.prefill], cache, ref if replay else None, probe)]
+            probe.active = True
+            todo = range(sample.prefill, len(sample.ids) - 1)
+            for t in tqdm(todo, desc="  tokens", leave=False, disable=not progress):
+                steps.append(_forward(model, ids[:, t : t + 1], cache)[:, -1].float())
+        logits = torch.cat(steps)
+        loss = nll(logits, ids[0, sample.prefill :])
+        nlls.append(loss)
+        deltas.append(loss - ref.nll)
+        kls.append(next_token_kl(ref.logits, logits))
+        agree.append((ref.logits.argmax(-1) == logits.argmax(-1)).double())
+        layer_err.append(probe.per_layer())
+    d, kl, top1 = torch.cat(deltas), torch.cat(kls), torch.cat(agree)
+    per_layer = [statistics.fmean(v) for v in zip(*layer_err, strict=True)]
+    out = [
+        Metric("delta_nll", *_mean_se(d), n=d.numel()),
+        Metric("nll", *_mean_se(torch.cat(nlls)), n=d.numel()),
+        Metric("kl", *_mean_se(kl), n=kl.numel()),
+        Metric("top1", *_mean_se(top1), n=top1.numel()),
+        Metric("attn_error", statistics.fmean(per_layer), n=len(per_layer), extra={"per_layer": per_layer}),
+    ]
+    # the last token is a target only: the cache has seen every token but that one
+    return out + _finish_bytes(cache, model, len(samples[-1].ids) - 1)
+
+
+@dataclass(frozen=True)
+class Generated:
+    """A greedy continuation: ``tokens`` and the text they decode to."""
+
+    tokens: list[int]
+    text: str
+
+
+@torch.inference_mode()
+def generate(
+    model: torch.nn.Module, tokenizer: Any, sample: Sample, cache: Any, ref: Reference | None = None
+) -> Generated:
+    """Greedy decoding of ``sample`` through ``cache`` (prefill replayed from ``ref`` when given)."""
+    device = model.device
+    ids = torch.tensor([sample.ids], device=device)
+    logits = _prefill(model, ids, cache, ref, None)
+    eos = tokenizer.eos_token_id
+    eos_ids = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+    tokens: list[int] = []
+    for _ in range(sample.max_new_tokens):
+        nxt = int(logits.argmax(-1))
+        if nxt in eos_ids:
+            break
+        tokens.append(nxt)
+        if sample.stop_at_newline:
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            if "\n" in text.lstrip("\n"):
+                break
+        if len(tokens) == sample.max_new_tokens:
+            break
+        logits = _forward(model, torch.tensor([[nxt]], device=device), cache)[:, -1].float()
+    return Generated(tokens, tokenizer.decode(tokens, skip_special_tokens=True))
+
+
+def task_scores(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    task: Task,
+    samples: list[Sample],
+    refs: list[Reference | None],
+    make_cache: Any,
+    progress: bool = False,
+) -> tuple[list[Metric], list[dict[str, Any]]]:
+    """Scores of a generation task, and one record per sample (answer, generation, scores)."""
+    scores: dict[str, list[float]] = {}
+    records = []
+    cache = None
+    length = 0
+    for sample, ref in tqdm(list(zip(samples, refs, strict=True)), desc="  samples", leave=False, disable=not progress):
+        cache = make_cache()
+        gen = generate(model, tokenizer, sample, cache, ref)
+        length = len(sample.ids) + len(gen.tokens)
+        got = task.score(sample, gen.text)
+        for k, v in got.items():
+            scores.setdefault(k, []).append(v)
+        records.append({"sample": sample.sample_id, "meta": sample.meta, "answer": _jsonable(sample.answer),
+                        "generated": gen.text, "scores": got})  # fmt: skip
+    out = []
+    for k, values in scores.items():
+        t = torch.tensor(values, dtype=torch.float64)
+        by: dict[str, list[float]] = {}
+        for rec in records:
+            if "depth" in rec["meta"]:
+                by.setdefault(str(rec["meta"]["depth"]), []).append(rec["scores"][k])
+        extra = {"by_depth": {d: statistics.fmean(v) for d, v in by.items()}} if by else {}
+        out.append(Metric(k, *_mean_se(t), n=len(values), extra=extra))
+    return out + _finish_bytes(cache, model, length), records
+
+
+def _jsonable(x: Any) -> Any:
+    return x if isinstance(x, (str, int, float, bool, type(None), list, dict)) else repr(x)
+
+
+@torch.inference_mode()
+def speed(model: torch.nn.Module, ids: list[int], make_cache: Any, steps: int = 8, repeats: int = 1) -> list[Metric]:
+    """Prefill ms (real forward, best of ``repeats``) and median decode ms per token over ``steps``
+    greedy steps, through a fresh cache."""
+    device = model.device
+    x = torch.tensor([ids], device=device)
+    prefill_ms: list[float] = []
+    decode_ms: list[float] = []
+    cache = None
+    for _ in range(repeats):
+        cache = make_cache()
+        t0 = time.perf_counter()
+        logits = _forward(model, x, cache)[:, -1]
+        prefill_ms.append((time.perf_counter() - t0) * 1e3)
+        for _ in range(steps):
+            nxt = logits.argmax(-1, keepdim=True)
+            t0 = time.perf_counter()
+            logits = _forward(model, nxt, cache)[:, -1]
+            decode_ms.append((time.perf_counter() - t0) * 1e3)
+    return [
+        Metric("prefill_ms", min(prefill_ms), n=repeats, extra={"tokens": len(ids)}),
+        Metric("decode_ms", statistics.median(decode_ms), n=len(decode_ms)),
+        *_finish_bytes(cache, model, len(ids) + steps),
+    ]

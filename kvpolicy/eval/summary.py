@@ -1,0 +1,124 @@
+"""Markdown tables of an ablation run (``summary.md``)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+#: column order and headers
+METRICS = {
+    "delta_nll": "ΔNLL (nats)",
+    "kl": "KL (nats)",
+    "top1": "top-1",
+    "attn_error": "attn rel. err",
+    "accuracy": "accuracy",
+    "exact_match": "exact match",
+    "edit_similarity": "edit sim.",
+    "score": "score",
+    "bytes_held": "bytes held",
+    "ratio": "vs 16-bit",
+    "prefill_ms": "prefill ms",
+    "decode_ms": "decode ms/tok",
+}
+
+
+def fmt(metric: str, value: float | None, se: float | None = None) -> str:
+    """A cell of a table."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if metric == "bytes_held":
+        return f"{value / 2**20:.2f} MiB"
+    if metric == "ratio":
+        return f"{value:.2f}×"
+    if metric in ("prefill_ms", "decode_ms"):
+        return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+    if metric in ("top1", "accuracy", "exact_match"):
+        text = f"{value:.0%}"
+        return text + (f" ± {se:.0%}" if se is not None and not math.isnan(se) and se > 0 else "")
+    text = f"{value:.4f}" if abs(value) < 10 else f"{value:.1f}"
+    if se is not None and not math.isnan(se):
+        text += f" ± {se:.4f}"
+    return text
+
+
+def groups(rows: list[dict[str, Any]]) -> dict[tuple[str, str, Any], list[dict[str, Any]]]:
+    """Rows by (model, task, context), in first-appearance order."""
+    out: dict[tuple[str, str, Any], list[dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault((r["model"], r["task"], r["context"]), []).append(r)
+    return out
+
+
+def table(rows: list[dict[str, Any]], caches: list[str] | None = None) -> str:
+    """One Markdown table: a row per cache, a column per metric present."""
+    by_cache: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        by_cache.setdefault(r["cache"], {})[r["metric"]] = r
+    order = [c for c in (caches or []) if c in by_cache] + [c for c in by_cache if c not in (caches or [])]
+    present = [m for m in METRICS if any(m in v for v in by_cache.values())]
+    has_error = any("error" in v for v in by_cache.values())
+    head = ["cache", *[METRICS[m] for m in present]] + (["error"] if has_error else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for cache in order:
+        cells = by_cache[cache]
+        vals = [fmt(m, cells[m]["value"], cells[m].get("se")) if m in cells else "–" for m in present]
+        if has_error:
+            vals.append(cells["error"]["extra"].get("error", "")[:80] if "error" in cells else "")
+        lines.append(f"| `{cache}` | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+def depth_table(rows: list[dict[str, Any]], metric: str = "accuracy") -> str | None:
+    """Accuracy by needle depth (passkey, kv), or None when the rows have no depths."""
+    data = {
+        r["cache"]: r["extra"].get("by_depth") for r in rows if r["metric"] == metric and r["extra"].get("by_depth")
+    }
+    if not data:
+        return None
+    depths = sorted({d for v in data.values() for d in v}, key=float)
+    lines = ["| cache | " + " | ".join(f"depth {d}" for d in depths) + " |", "|" + "---|" * (len(depths) + 1)]
+    for cache, v in data.items():
+        lines.append(f"| `{cache}` | " + " | ".join(f"{v[d]:.0%}" if d in v else "–" for d in depths) + " |")
+    return "\n".join(lines)
+
+
+def write_summary(out: Path, rows: list[dict[str, Any]], grid: Any, sizings: list[dict[str, Any]]) -> Path:
+    """Write ``out/summary.md`` and return its path."""
+    caches = [c.label for c in grid.caches]
+    parts = [
+        "# Ablation summary",
+        "",
+        f"Models: {', '.join(grid.models)}; dtype {grid.dtype}; device {grid.device}; seed {grid.seed}; "
+        f"prefill replay: {grid.replay}. Exact cache reprs: `config.json`. Rows: `results.jsonl`.",
+        "",
+        "ΔNLL, KL and top-1 are teacher-forced against the uncompressed cache on the same tokens (± standard "
+        "error over tokens); attention error is the per-layer relative error of the attention output on the same "
+        "input, averaged over layers; bytes held are counted from the tensors the cache holds after the last token.",
+    ]
+    for (model, task, context), grp in groups(rows).items():
+        parts += [
+            "",
+            f"## {model} · {task} · context {context if context is not None else '–'}",
+            "",
+            table(grp, caches),
+        ]
+        for metric in ("accuracy",):
+            d = depth_table(grp, metric)
+            if d:
+                parts += ["", f"{metric} by needle depth:", "", d]
+    if sizings:
+        parts += ["", "## Equal bytes", "",
+                  "| context | anchor | cache | size parameter | bytes/layer | anchor bytes/layer |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        seen = set()
+        for s in sizings:
+            key = (s["context"], s["label"])
+            if key in seen:
+                continue
+            seen.add(key)
+            parts.append(f"| {s['context']} | `{s['anchor']}` | `{s['label']}` | {s['value']} | {s['bytes']} | "
+                         f"{s['target']} |")  # fmt: skip
+    path = out / "summary.md"
+    path.write_text("\n".join(parts) + "\n", encoding="utf-8")
+    return path

@@ -1,0 +1,530 @@
+"""Evaluation tasks: each turns (tokenizer, context length, seed) into deterministic samples.
+
+Two kinds of samples:
+
+- ``teacher_forced``: a token sequence; the first ``prefill`` tokens are the context, the rest are
+  fed one at a time through the cache and scored against the uncompressed cache (ΔNLL, KL, top-1);
+- ``generate``: a prompt answered greedily (``max_new_tokens``, optional stop at a newline) and
+  scored by the task (passkey, key-value retrieval, line completion, GSM8K, LongBench).
+
+Every sample is a pure function of the task's parameters, the tokenizer, the context length and the
+seed. Text comes from the running Python's standard library (``sysconfig.get_paths()["stdlib"]``),
+generated strings, or local JSONL files (GSM8K, LongBench).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from kvpolicy.errors import ConfigError
+from kvpolicy.eval import scorers
+
+#: standard-library files for teacher-forced language modelling (present in Python 3.10-3.13)
+LM_FILES = (
+    "argparse.py", "inspect.py", "typing.py", "subprocess.py",
+    "difflib.py", "configparser.py", "doctest.py", "tarfile.py",
+)  # fmt: skip
+#: standard-library files for line completion (disjoint from LM_FILES)
+CODE_FILES = (
+    "pydoc.py", "threading.py", "mailbox.py", "smtplib.py",
+    "imaplib.py", "shutil.py", "statistics.py", "ftplib.py",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One evaluation item.
+
+    Attributes
+    ----------
+    task, sample_id : str
+        Task name and a stable id within the task.
+    kind : {"teacher_forced", "generate"}
+    ids : list of int
+        The token ids (the whole text for ``teacher_forced``, the prompt for ``generate``).
+    prefill : int
+        Context tokens (``teacher_forced``); ``len(ids)`` for ``generate``.
+    answer : Any
+        What the scorer compares the generation with.
+    max_new_tokens : int
+    stop_at_newline : bool
+        Stop generating at the first newline after some text (line completion).
+    meta : dict
+        Depth, file, prompt length... copied into the results.
+    """
+
+    task: str
+    sample_id: str
+    kind: str
+    ids: list[int]
+    prefill: int
+    answer: Any = None
+    max_new_tokens: int = 0
+    stop_at_newline: bool = False
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------- tokenizer helpers
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` without special tokens."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def chat_ids(tokenizer: Any, user: str) -> list[int]:
+    """Ids of a one-turn chat ending where the assistant answers: the model's chat template when it
+    has one, else ``"User: ...\\nAssistant:"``."""
+    if getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template(
+            [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        ids = out["input_ids"]
+        return list(ids[0] if ids and isinstance(ids[0], list) else ids)
+    return encode(tokenizer, f"User: {user}\nAssistant:")
+
+
+def stdlib_text(name: str) -> str:
+    """Source text of a standard-library file."""
+    path = Path(sysconfig.get_paths()["stdlib"]) / name
+    if not path.is_file():
+        raise ConfigError(f"standard-library file {name!r} not found in {path.parent}")
+    return path.read_text(encoding="utf-8")
+
+
+def _check_positive(owner: str, **values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{owner}: {name} must be an integer >= 1; got {name}={value!r}")
+
+
+def _check_depths(owner: str, depths: tuple[float, ...]) -> None:
+    if not depths or any(not isinstance(d, (int, float)) or not 0 <= d <= 1 for d in depths):
+        raise ConfigError(f"{owner}: depths must be numbers in [0, 1]; got depths={depths!r}")
+
+
+# ---------------------------------------------------------------------- tasks
+class Task:
+    """Base class: ``samples(tokenizer, context, seed)`` and ``score(sample, text)``."""
+
+    name: ClassVar[str] = ""
+    #: whether the samples depend on the context length (False: run once per cache)
+    uses_context: ClassVar[bool] = True
+
+    def samples(self, tokenizer: Any, context: int, seed: int) -> list[Sample]:
+        raise NotImplementedError
+
+    def score(self, sample: Sample, text: str) -> dict[str, float]:
+        """Scores of a generation in ``[0, 1]``; the first is the task's accuracy."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class LanguageModeling(Task):
+    """Teacher-forced language modelling on standard-library source files.
+
+    Sample ``i`` concatenates files of ``files`` (a seeded permutation, starting at file ``i``) until
+    ``context + tokens`` tokens; the first ``context`` are the prefill, the next ``tokens`` are scored.
+    """
+
+    samples_per_context: int = 2
+    tokens: int = 64
+    files: tuple[str, ...] = LM_FILES
+
+    name = "lm"
+
+    def __post_init__(self) -> None:
+        _check_positive("task 'lm'", samples_per_context=self.samples_per_context, tokens=self.tokens)
+        object.__setattr__(self, "files", tuple(self.files))
+        if not self.files:
+            raise ConfigError("task 'lm': files must name at least one standard-library file")
+
+    def samples(self, tokenizer: Any, context: int, seed: int) -> list[Sample]:
+        order = list(self.files)
+        random.Random(seed).shuffle(order)
+        need = context + self.tokens
+        out = []
+        for i in range(self.samples_per_context):
+            ids: list[int] = []
+            used = []
+            for name in order[i % len(order) :] + order[: i % len(order)]:
+                ids += encode(tokenizer, stdlib_text(name))
+                used.append(name)
+                if len(ids) >= need:
+                    break
+            if len(ids) < need:
+                raise ConfigError(f"task 'lm': the files {list(self.files)} hold {len(ids)} tokens; {need} needed")
+            out.append(Sample(self.name, f"{i}:{used[0]}", "teacher_forced", ids[:need], context, meta={"files": used}))
+        return out
+
+
+_FILLER = (
+    "The river ran past the old mill and on toward the sea.",
+    "A gardener planted rows of beans along the southern wall.",
+    "Clouds gathered over the hills in the late afternoon.",
+    "The library kept its maps in long, shallow drawers.",
+    "Two cats slept on the warm stones of the courtyard.",
+    "The baker opened the shop before the first train arrived.",
+    "Wind moved through the tall grass at the edge of the field.",
+    "Someone had left a lantern burning by the boathouse door.",
+    "The market sold apples, cheese and bread every Saturday.",
+    "An old clock in the hall struck the hour a little late.",
+)
+
+
+def _haystack(tokenizer: Any, budget: int, rng: random.Random) -> list[str]:
+    """Filler sentences (seeded order) whose tokens add up to at most ``budget``."""
+    costs = {s: len(encode(tokenizer, " " + s)) for s in _FILLER}
+    out: list[str] = []
+    used = 0
+    while True:
+        s = rng.choice(_FILLER)
+        if used + costs[s] > budget:
+            return out
+        out.append(s)
+        used += costs[s]
+
+
+class _HiddenItem(Task):
+    """Base of the retrieval tasks: ``samples_per_depth`` prompts per depth in ``depths``, each hiding
+    an item (the answer) at that depth (:meth:`_hide`); correct when the generation contains the answer."""
+
+    depths: tuple[float, ...]
+    samples_per_depth: int
+    max_new_tokens: int
+
+    def _check(self, **positive: int) -> None:
+        """Make ``depths`` a tuple and check it, then check ``positive`` (in order) are integers >= 1."""
+        owner = f"task {self.name!r}"
+        object.__setattr__(self, "depths", tuple(self.depths))
+        _check_depths(owner, self.depths)
+        _check_positive(owner, **positive)
+
+    def _hide(self, tokenizer: Any, context: int, depth: float, rng: random.Random) -> tuple[list[int], str, dict]:
+        """One prompt of about ``context`` tokens hiding an item at ``depth``: ``(ids, answer, meta)``."""
+        raise NotImplementedError
+
+    def samples(self, tokenizer: Any, context: int, seed: int) -> list[Sample]:
+        rng = random.Random(f"{seed}:{self.name}:{context}")
+        out = []
+        for depth in self.depths:
+            for j in range(self.samples_per_depth):
+                ids, answer, meta = self._hide(tokenizer, context, depth, rng)
+                meta = {"depth": depth, **meta, "prompt_tokens": len(ids)}
+                out.append(Sample(self.name, f"d{depth}:{j}", "generate", ids, len(ids), answer, self.max_new_tokens,
+                                  meta=meta))  # fmt: skip
+        return out
+
+    def score(self, sample: Sample, text: str) -> dict[str, float]:
+        return {"accuracy": float(str(sample.answer) in text)}
+
+
+@dataclass(frozen=True)
+class Passkey(_HiddenItem):
+    """Passkey retrieval: a random ``digits``-digit key hidden at ``depth`` in filler text of about
+    ``context`` tokens (chat template included); correct when the answer contains the key."""
+
+    depths: tuple[float, ...] = (0.1, 0.5, 0.9)
+    samples_per_depth: int = 1
+    digits: int = 5
+    max_new_tokens: int = 12
+
+    name = "passkey"
+
+    def __post_init__(self) -> None:
+        self._check(samples_per_depth=self.samples_per_depth, digits=self.digits, max_new_tokens=self.max_new_tokens)
+
+    def _prompt(self, haystack: list[str], key: str, depth: float) -> str:
+        at = round(depth * len(haystack))
+        needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+        text = " ".join([*haystack[:at], needle, *haystack[at:]])
+        return (
+            "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"
+            f"{text}\n\nWhat is the pass key? Answer with the number only."
+        )
+
+    def _hide(self, tokenizer: Any, context: int, depth: float, rng: random.Random) -> tuple[list[int], str, dict]:
+        key = str(rng.randrange(10 ** (self.digits - 1), 10**self.digits))
+        overhead = len(chat_ids(tokenizer, self._prompt([], key, depth)))
+        haystack = _haystack(tokenizer, max(0, context - overhead), rng)
+        return chat_ids(tokenizer, self._prompt(haystack, key, depth)), key, {}
+
+
+@dataclass(frozen=True)
+class KeyValueRetrieval(_HiddenItem):
+    """Key→value retrieval: a JSON object of random hex keys and values of about ``context`` tokens;
+    the question asks for the value of the key at ``depth``; correct when the answer contains it."""
+
+    depths: tuple[float, ...] = (0.1, 0.5, 0.9)
+    samples_per_depth: int = 1
+    max_new_tokens: int = 16
+
+    name = "kv"
+
+    def __post_init__(self) -> None:
+        self._check(samples_per_depth=self.samples_per_depth, max_new_tokens=self.max_new_tokens)
+
+    @staticmethod
+    def _prompt(pairs: list[tuple[str, str]], key: str) -> str:
+        body = json.dumps(dict(pairs), indent=0)
+        return (
+            f"Here is a JSON object of keys and values:\n{body}\n\n"
+            f'What is the value of the key "{key}"? Answer with the value only.'
+        )
+
+    def _hide(self, tokenizer: Any, context: int, depth: float, rng: random.Random) -> tuple[list[int], str, dict]:
+        pairs: list[tuple[str, str]] = []
+        overhead = len(chat_ids(tokenizer, self._prompt([], "0" * 8)))
+        pair_cost = None
+        while True:
+            pair = (f"{rng.getrandbits(32):08x}", f"{rng.getrandbits(32):08x}")
+            if pair_cost is None:
+                pair_cost = len(encode(tokenizer, json.dumps(dict([pair]), indent=0))) + 1
+            if overhead + (len(pairs) + 1) * pair_cost > context and pairs:
+                break
+            pairs.append(pair)
+            if overhead + len(pairs) * pair_cost > context:
+                break
+        key, value = pairs[min(len(pairs) - 1, round(depth * (len(pairs) - 1)))]
+        return chat_ids(tokenizer, self._prompt(pairs, key)), value, {"pairs": len(pairs)}
+
+
+@dataclass(frozen=True)
+class LineCompletion(Task):
+    """Next-line completion on long Python files (LongBench LCC in miniature): the prefix is the
+    file's first lines up to about ``context`` tokens, cut before a line with at least 8 characters of
+    code; scores are exact match and edit similarity of the first generated line."""
+
+    samples_per_context: int = 2
+    max_new_tokens: int = 48
+    files: tuple[str, ...] = CODE_FILES
+
+    name = "lines"
+
+    def __post_init__(self) -> None:
+        _check_positive("task 'lines'", samples_per_context=self.samples_per_context,
+                        max_new_tokens=self.max_new_tokens)  # fmt: skip
+        object.__setattr__(self, "files", tuple(self.files))
+        if not self.files:
+            raise ConfigError("task 'lines': files must name at least one standard-library file")
+
+    def samples(self, tokenizer: Any, context: int, seed: int) -> list[Sample]:
+        order = list(self.files)
+        random.Random(seed).shuffle(order)
+        out = []
+        for i in range(self.samples_per_context):
+            name = order[i % len(order)]
+            lines = stdlib_text(name).splitlines(keepends=True)
+            lo, hi = 0, len(lines)  # largest k with tokens(lines[:k]) <= context
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if len(encode(tokenizer, "".join(lines[:mid]))) <= context:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            k = lo
+            while k > 0 and not _interesting(lines[k] if k < len(lines) else ""):
+                k -= 1
+            if k == 0:
+                raise ConfigError(f"task 'lines': no line to complete in the first {context} tokens of {name}")
+            ids = encode(tokenizer, "".join(lines[:k]))
+            target = lines[k].rstrip("\n")
+            meta = {"file": name, "line": k + 1, "prompt_tokens": len(ids)}
+            out.append(Sample(self.name, f"{i}:{name}", "generate", ids, len(ids), target, self.max_new_tokens,
+                              stop_at_newline=True, meta=meta))  # fmt: skip
+        return out
+
+    def score(self, sample: Sample, text: str) -> dict[str, float]:
+        line = text.lstrip("\n").split("\n")[0]
+        return {
+            "exact_match": float(line.strip() == str(sample.answer).strip()),
+            "edit_similarity": scorers.edit_similarity(line.strip(), str(sample.answer).strip()),
+        }
+
+
+def _interesting(line: str) -> bool:
+    s = line.strip()
+    return len(s) >= 8 and not s.startswith(("#", '"""', "'''"))
+
+
+def read_jsonl(path: str | Path, fields: tuple[str, ...], owner: str) -> list[dict[str, Any]]:
+    """Rows of a JSONL file, each checked to have ``fields``."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"{owner}: path={str(path)!r} is not a file")
+    rows = []
+    with p.open(encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{owner}: {p}:{n} is not valid JSON ({exc})") from exc
+            missing = [f for f in fields if f not in row]
+            if missing:
+                raise ConfigError(f"{owner}: {p}:{n} lacks field(s) {missing}; expected {list(fields)}")
+            rows.append(row)
+    return rows
+
+
+@dataclass(frozen=True)
+class GSM8K(Task):
+    """GSM8K from a local JSONL file in the published format (``{"question", "answer"}`` with
+    ``#### <number>`` ending the answer); zero-shot chain of thought with the chat template, or
+    ``shots`` worked examples taken from the first rows (which are then not scored)."""
+
+    path: str = ""
+    limit: int = 0
+    shots: int = 0
+    max_new_tokens: int = 256
+
+    name = "gsm8k"
+    uses_context = False
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ConfigError("task 'gsm8k': path must name a local JSONL file (GSM8K's test.jsonl format)")
+        _check_positive("task 'gsm8k'", max_new_tokens=self.max_new_tokens)
+        for name in ("limit", "shots"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"task 'gsm8k': {name} must be an integer >= 0; got {name}={value!r}")
+
+    def samples(self, tokenizer: Any, context: int, seed: int) -> list[Sample]:
+        rows = read_jsonl(self.path, ("question", "answer"), "task 'gsm8k'")
+        shots, rows = rows[: self.shots], rows[self.shots :]
+        if self.limit:
+            rows = rows[: self.limit]
+        prefix = "".join(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in shots)
+        out = []
+        for i, row in enumerate(rows):
+            user = (f"{prefix}Question: {row['question']}\nSolve it step by step and end with "
+                    "'The answer is <number>.'")  # fmt: skip
+            ids = chat_ids(tokenizer, user)
+            out.append(Sample(self.name, str(i), "generate", ids, len(ids), row["answer"], self.max_new_tokens,
+                              meta={"prompt_tokens": len(ids)}))  # fmt: skip
+        return out
+
+    def score(self, sample: Sample, text: str) -> dict[str, float]:
+        return {"accuracy": scorers.gsm8k_score(text, sample.answer)}
+
+
+#: LongBench dataset -> (instruction before the context, question after it, new tokens)
+_LONGBENCH_PROMPTS = {
+    "qa_f1": ("Read the text below and answer the question as briefly as possible.\n\n", "\n\nQuestion: {input}\n"
+              "Answer (a few words):", 32),
+    "rouge_l": ("Read the text below.\n\n", "\n\n{input}\nWrite a concise summary:", 128),
+    "classification": ("Classify the question into one of the categories shown in the examples.\n\n",
+                       "\n{input}", 16),
+    "retrieval": ("Below are numbered paragraphs and a summary of one of them.\n\n", "\n\nSummary: {input}\n"
+                  "Which paragraph is it? Answer like 'Paragraph 3'.", 16),
+    "count": ("Below are paragraphs, some of them repeated.\n\n", "\n\nHow many distinct paragraphs are there? "
+              "Answer with a number only.", 16),
+    "code_sim": ("", "{input}", 64),
+}  # fmt: skip
+#: datasets whose prompt is raw text (no chat template), as in LongBench's own runs
+_RAW = ("trec", "triviaqa", "samsum", "lcc", "repobench-p")
+
+
+@dataclass(frozen=True)
+class LongBench(Task):
+    """LongBench (English datasets) from a local JSONL file in the published format (``input``,
+    ``context``, ``answers``, ``dataset``, optional ``all_classes``). The context is truncated in the
+    middle so that the prompt fits ``context`` tokens; scoring per dataset (:mod:`scorers`)."""
+
+    path: str = ""
+    limit: int = 0
+    max_new_tokens: int = 0
+
+    name = "longbench"
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ConfigError("task 'longbench': path must name a local JSONL file (LongBench's data/*.jsonl format)")
+        for name in ("limit", "max_new_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"task 'longbench': {name} must be an integer >= 0; got {name}={value!r}")
+
+    def samples(self, tokenizer: Any, context: int, seed: int) -> list[Sample]:
+        rows = read_jsonl(self.path, ("input", "context", "answers", "dataset"), "task 'longbench'")
+        if self.limit:
+            rows = rows[: self.limit]
+        out = []
+        for i, row in enumerate(rows):
+            dataset = str(row["dataset"]).removesuffix("_e")
+            metric = scorers.LONGBENCH_METRIC.get(dataset)
+            if metric is None:
+                scorers.longbench_score(dataset, "", [])  # raises the error naming the supported datasets
+            head, tail, new = _LONGBENCH_PROMPTS[metric]
+            new = self.max_new_tokens or new
+            tail = tail.format(input=row["input"])
+            ids = self._fit(tokenizer, head, row["context"], tail, context - new, dataset in _RAW)
+            meta = {"dataset": dataset, "prompt_tokens": len(ids)}
+            answer = {"answers": list(row["answers"]), "all_classes": row.get("all_classes") or [], "dataset": dataset}
+            out.append(Sample(self.name, str(row.get("_id", i)), "generate", ids, len(ids), answer, new,
+                              stop_at_newline=dataset in ("lcc", "repobench-p"), meta=meta))  # fmt: skip
+        return out
+
+    @staticmethod
+    def _fit(tokenizer: Any, head: str, body: str, tail: str, budget: int, raw: bool) -> list[int]:
+        def build(text: str) -> list[int]:
+            return encode(tokenizer, head + text + tail) if raw else chat_ids(tokenizer, head + text + tail)
+
+        ids = build(body)
+        if len(ids) <= budget:
+            return ids
+        body_ids = encode(tokenizer, body)
+        keep = max(0, len(body_ids) - (len(ids) - budget))
+        while True:
+            half = keep // 2
+            text = tokenizer.decode(body_ids[:half]) + tokenizer.decode(body_ids[len(body_ids) - (keep - half) :])
+            ids = build(text)
+            if len(ids) <= budget or keep == 0:
+                return ids
+            keep = max(0, keep - (len(ids) - budget) - 8)
+
+    def score(self, sample: Sample, text: str) -> dict[str, float]:
+        a = sample.answer
+        return {"score": scorers.longbench_score(a["dataset"], text, a["answers"], a["all_classes"])}
+
+
+TASKS: dict[str, type[Task]] = {
+    cls.name: cls for cls in (LanguageModeling, Passkey, KeyValueRetrieval, LineCompletion, GSM8K, LongBench)
+}
+
+
+def make_task(name: str, **params: Any) -> Task:
+    """Build a task by name with its parameters; unknown names or parameters raise ConfigError."""
+    cls = TASKS.get(name)
+    if cls is None:
+        raise ConfigError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ConfigError(f"task {name!r}: unknown parameter(s) {unknown}; accepted: {sorted(known)}")
+    tuple_fields = {f.name for f in dataclasses.fields(cls) if isinstance(f.default, tuple)}
+    fixed = {}
+    for k, v in params.items():
+        if k in tuple_fields and isinstance(v, str):
+            v = tuple(parse_number(x.strip()) for x in v.split(",") if x.strip())
+        elif k in tuple_fields and not isinstance(v, (list, tuple)):
+            v = (v,)
+        fixed[k] = tuple(v) if isinstance(v, list) else v
+    return cls(**fixed)
+
+
+def parse_number(text: str) -> Any:
+    """``"12"`` -> 12, ``"0.5"`` -> 0.5, anything else stays a string."""
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text

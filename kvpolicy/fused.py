@@ -1,0 +1,225 @@
+"""Fused decode attention: read the compressed history where it lies instead of rebuilding it.
+
+:func:`enable_fused` switches a model's attention implementation from ``"sdpa"`` (``"eager"``,
+or kvpolicy's score-reporting ``"kvpolicy_sdpa"``/``"kvpolicy_eager"``) to ``"kvpolicy_fused_sdpa"``
+(``"kvpolicy_fused_eager"``), a function registered with transformers' ``AttentionInterface``.
+
+On a decode step (one new token), a :class:`~kvpolicy.cache.CompressedLayer` whose model runs this
+function returns only its full-precision segment and announces it here (by tensor identity, like
+:mod:`kvpolicy.attention`). The function then computes, for the queries of each kv head,
+
+- attention over the full-precision segment plus the few stored tokens still staged
+  (plain float32 matmuls over a segment bounded by the policy),
+- attention over the quantized tokens from their packed codes (``Backend.attend``: the torch
+  backend dequantizes group by group in float32; the triton backend reads the codes in its kernel),
+
+and merges the two with their log-sum-exps: ``lse = logaddexp(lse_a, lse_b)``,
+``out = out_a·exp(lse_a − lse) + out_b·exp(lse_b − lse)``. Softmax attention is invariant to the
+order of keys, so neither the position order (``layout="ordered"``) nor a concatenation
+(``"agnostic"``) of the history is built: both layouts give the same fused result.
+
+Every other call (prefill, other caches, layers that cannot fuse) goes to kvpolicy's
+score-reporting wrapper of the original implementation, which runs it unchanged. When a decode
+step's call carries something the fused computation does not model (a mask that hides some keys,
+logit softcapping, attention sinks, dropout in training, ``output_attentions``), the function asks
+the layer for its materialised history and runs the original implementation on it, and the layer
+records why (``CompressedCache.attention_paths()``); a warning is issued once per reason.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+import torch
+
+from kvpolicy.attention import register as register_scores
+from kvpolicy.attention import register_wrappers, strip_wrapper
+from kvpolicy.errors import ConfigError
+
+PREFIX = "kvpolicy_fused_"
+INNER = ("sdpa", "eager")
+_SCORES_PREFIX = "kvpolicy_"
+
+_local = threading.local()
+_warned: set[str] = set()
+
+
+# ---------------------------------------------------------------------- handshake with the cache layer
+def expect_segments(layer: Any, keys: torch.Tensor) -> None:
+    """Called by a layer's ``update`` that returned its full-precision ``keys`` as placeholders."""
+    _local.segments = (layer, keys)
+
+
+def offer(layer: Any, keys: torch.Tensor) -> None:
+    """Called by a layer's ``update`` that returned its materialised view: if the model runs the fused
+    function, that function tells the layer (``layer.fused_seen()``), so the next decode step fuses."""
+    _local.offer = (layer, keys)
+
+
+def _take(slot: str, key: torch.Tensor) -> Any:
+    held = getattr(_local, slot, None)
+    if held is None or held[1] is not key:
+        return None
+    setattr(_local, slot, None)
+    return held[0]
+
+
+# ---------------------------------------------------------------------- the computation
+def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge partial attentions over disjoint key sets.
+
+    Parameters
+    ----------
+    parts : list of (out, lse)
+        ``out`` ``(..., q, dv)`` float32, ``lse`` ``(..., q)`` float32 (``-inf`` for an empty set).
+
+    Returns
+    -------
+    out, lse : torch.Tensor
+        The attention over the union of the key sets.
+    """
+    out, lse = parts[0]
+    for o, m in parts[1:]:
+        total = torch.logaddexp(lse, m)
+        out = out * torch.exp(lse - total).nan_to_num(0.0).unsqueeze(-1) + o * torch.exp(m - total).nan_to_num(
+            0.0
+        ).unsqueeze(-1)
+        lse = total
+    return out, lse
+
+
+def dense_attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float):
+    """``(out, lse)`` of float32 attention of ``query`` ``(B, H, q, D)`` over ``keys``/``values`` ``(B, H, n, D)``."""
+    scores = torch.matmul(query.float(), keys.float().transpose(-1, -2)) * scale
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values.float())
+    return out, lse
+
+
+def decode_attention(
+    query: torch.Tensor, full_keys: torch.Tensor, full_values: torch.Tensor, parts: tuple[Any, Any], backend: Any,
+    scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """Attention of decode queries over a full-precision segment and a store's parts.
+
+    Parameters
+    ----------
+    query : torch.Tensor
+        ``(batch, q_heads, q, head_dim)``.
+    full_keys, full_values : torch.Tensor
+        ``(batch, kv_heads, n_full, head_dim)``.
+    parts : (quantized, tail)
+        From ``QuantizedStore.attention_parts()``: ``(QTensor, QTensor)`` or None, and full-precision
+        ``(keys, values)`` or None.
+    backend : Backend
+        Computes the quantized part (``Backend.attend``).
+    scale : float
+        Score scale.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(batch, q_heads, q, head_dim_v)`` float32.
+    """
+    b, hq, nq, d = query.shape
+    hk = full_keys.shape[1]
+    q = query.reshape(b, hk, (hq // hk) * nq, d)  # the query heads of a group share their kv head
+    quantized, tail = parts
+    fk, fv = full_keys, full_values
+    if tail is not None:
+        fk, fv = torch.cat([tail[0], fk], dim=2), torch.cat([tail[1], fv], dim=2)
+    pieces = []
+    if fk.shape[2]:
+        pieces.append(dense_attend(q, fk, fv, scale))
+    if quantized is not None:
+        pieces.append(backend.attend(q, quantized[0], quantized[1], scale))
+    out, _ = merge(pieces)
+    return out.reshape(b, hq, nq, out.shape[-1])
+
+
+def _why_not(
+    module: Any, attention_mask: torch.Tensor | None, key_len: int, dropout: float, kwargs: dict
+) -> str | None:
+    """What in this call the fused computation does not model (None: nothing)."""
+    for name in ("softcap", "s_aux", "sinks", "position_bias"):
+        if kwargs.get(name) is not None:
+            return f"attention argument {name!r}"
+    if kwargs.get("output_attentions"):
+        return "output_attentions"
+    if dropout and getattr(module, "training", False):
+        return "dropout in training"
+    if attention_mask is not None:
+        mask = attention_mask[..., :key_len]
+        visible = mask.all() if mask.dtype == torch.bool else (mask == 0).all()
+        if not bool(visible):
+            return "an attention mask that hides some keys"
+    return None
+
+
+def _inner(name: str):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[f"{_SCORES_PREFIX}{name}"]
+
+
+def _make(inner_name: str):
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs: Any):
+        layer = _take("segments", key)
+        if layer is None:
+            seen = _take("offer", key)
+            if seen is not None:
+                seen.fused_seen()
+            return _inner(inner_name)(
+                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+            )
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        why = _why_not(module, attention_mask, layer.get_seq_length(), dropout, kwargs)
+        if why is not None:
+            layer.fused_done(why)
+            if why not in _warned:
+                _warned.add(why)
+                warnings.warn(
+                    f"kvpolicy fused attention: {why}; this step materialised the compressed history instead "
+                    "(see CompressedCache.attention_paths())",
+                    stacklevel=2,
+                )
+            k, v = layer.materialized_view()
+            return _inner(inner_name)(module, query, k, v, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        out = decode_attention(query, key, value, layer.fused_parts(), layer.backend, scale)
+        layer.fused_done()
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+    attention.__name__ = f"{PREFIX}{inner_name}"
+    return attention
+
+
+def register() -> None:
+    """Register ``kvpolicy_fused_sdpa`` and ``kvpolicy_fused_eager`` with transformers (idempotent)."""
+    register_scores()
+    register_wrappers(PREFIX, INNER, _make)
+
+
+def enable_fused(model: torch.nn.Module) -> None:
+    """Switch ``model`` to kvpolicy's fused decode attention (idempotent).
+
+    Outputs of every cache other than :class:`~kvpolicy.cache.CompressedCache` are unchanged (the
+    original implementation runs); score-based policies still get their scores (this function
+    includes :func:`kvpolicy.attention.enable_scores`).
+    """
+    current = model.config._attn_implementation
+    if current.startswith(PREFIX):
+        return
+    base = current[len(_SCORES_PREFIX) :] if current.startswith(_SCORES_PREFIX) else current
+    if base not in INNER:
+        raise ConfigError(
+            f"kvpolicy's fused attention wraps attn_implementation in {list(INNER)}; the model uses {current!r}"
+        )
+    register()
+    model.set_attn_implementation(f"{PREFIX}{base}")
+
+
+def disable_fused(model: torch.nn.Module) -> None:
+    """Undo :func:`enable_fused` (back to the original implementation). Start new caches afterwards."""
+    strip_wrapper(model, PREFIX)

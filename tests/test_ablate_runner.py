@@ -1,0 +1,172 @@
+"""The ablation runner end to end on a tiny random model: outputs, resume, plugins, errors."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+
+import pytest
+
+from kvpolicy import registry
+from kvpolicy.cli import main
+from kvpolicy.errors import ConfigError
+from kvpolicy.eval.grid import grid_from_dict
+from kvpolicy.eval.runner import RESULTS, Runner, load_done
+from kvpolicy.hookspecs import hookimpl
+from kvpolicy.policies.recent import RecentWindow
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _grid(**over):
+    d = {
+        "models": ["tiny-llama"],
+        "contexts": [64],
+        "tasks": {"lm": {"samples_per_context": 1, "tokens": 6}, "passkey": {"depths": [0.5], "max_new_tokens": 3},
+                  "speed": {"steps": 2, "contexts": [32, 64]}},
+        "caches": [{"kind": "dynamic", "label": "ref"}],
+        "cross": {"policies": ["log:window=8", "recent:window=16"], "actions": ["quantize", "evict"], "bits": [2]},
+        "equal_bytes": "log/quantize/2b(window=8)",
+        "only": {"speed": ["ref", "log/evict(window=8)"]},
+    }  # fmt: skip
+    d.update(over)
+    return grid_from_dict(d)
+
+
+def _rows(out):
+    return [json.loads(line) for line in (out / RESULTS).read_text().splitlines()]
+
+
+def test_run_writes_everything_and_resumes(tmp_path):
+    grid = _grid()
+    runner = Runner(grid, tmp_path, progress=False, log=lambda s: None)
+    assert runner.run() == 0
+    for name in ("config.json", "results.jsonl", "summary.md", "samples.jsonl"):
+        assert (tmp_path / name).is_file(), name
+    assert list(tmp_path.glob("quality_vs_bytes_*lm_64.png")) and list(tmp_path.glob("ms_vs_context_*.png"))
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert any("LogWindow(window=8)" in c["repr"] for c in config["caches"])
+    rows = _rows(tmp_path)
+    cells = {r["cell"] for r in rows}
+    # 5 caches + 3 equal-bytes copies on lm and passkey, 2 caches x 2 contexts on speed
+    assert len(cells) == 2 * 8 + 4
+    assert {r["task"] for r in rows} == {"lm", "passkey", "speed"}
+    eq = {r["cache"] for r in rows if r["equal_bytes"]}
+    assert len(eq) == 3 and all("@" in c for c in eq)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## tiny-llama · lm · context 64" in summary and "Equal bytes" in summary
+
+    # the results page is generated from the run directory, plots copied beside it
+    from kvpolicy.eval.docs_report import write_results_doc
+
+    doc = write_results_doc(tmp_path, tmp_path / "site" / "results.md", command="kvpolicy ablate --out X")
+    text = doc.read_text()
+    assert "kvpolicy ablate --out X" in text and "| `ref` |" in text and "Running your own ablations" in text
+    assert list((tmp_path / "site" / "img" / "results").glob("quality_vs_bytes_*.png"))
+
+    # resume: nothing recomputed
+    assert Runner(grid, tmp_path, progress=False, log=lambda s: None).run() == 0
+    assert len(_rows(tmp_path)) == len(rows)
+
+    # an interrupted cell (rows cut) runs again, and only that one
+    lines = (tmp_path / RESULTS).read_text().splitlines()
+    last = json.loads(lines[-1])["cell"]
+    kept = [line for line in lines if json.loads(line)["cell"] != last]
+    (tmp_path / RESULTS).write_text("\n".join(kept) + '\n{"cell": "' + last + '", "trunc')
+    assert last not in load_done(tmp_path / RESULTS)
+    Runner(grid, tmp_path, progress=False, log=lambda s: None).run()
+    again = _rows_lenient(tmp_path)
+    assert {r["cell"] for r in again} == cells
+    assert len([r for r in again if r["cell"] != last]) == len(kept)
+
+
+def _rows_lenient(out):
+    rows = []
+    for line in (out / RESULTS).read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            rows.append(json.loads(line))
+    return rows
+
+
+@dataclass(frozen=True)
+class EveryOther(RecentWindow):
+    """A plugin policy for the test (the recent window under another name)."""
+
+    name = "test-every-other"
+
+
+class _Plugin:
+    @hookimpl
+    def kvpolicy_register_policies(self):
+        return {"test-every-other": EveryOther}
+
+
+def test_plugin_policy_runs_without_code_changes(tmp_path):
+    plugin = _Plugin()
+    registry.register(plugin, name="test-plugin")
+    try:
+        grid = _grid(cross={"policies": ["test-every-other:window=8"], "actions": ["quantize"], "bits": [2]},
+                     equal_bytes=False, only={}, tasks={"lm": {"samples_per_context": 1, "tokens": 4}})  # fmt: skip
+        Runner(grid, tmp_path, progress=False, log=lambda s: None).run()
+        caches = {r["cache"] for r in _rows(tmp_path)}
+        assert "test-every-other/quantize/2b(window=8)" in caches
+        # --equal-bytes cannot guess a plugin's size parameter: a clear error naming the fix
+        grid = _grid(caches=[{"kind": "dynamic", "label": "ref"}, {"policy": "log", "window": 8, "bits": 2}],
+                     cross={"policies": ["test-every-other:window=8"], "actions": ["quantize"], "bits": [2]},
+                     equal_bytes=True, only={}, tasks={"lm": {"samples_per_context": 1, "tokens": 4}})  # fmt: skip
+        with pytest.raises(ConfigError, match="size_params"):
+            Runner(grid, tmp_path / "eq", progress=False, log=lambda s: None).run()
+    finally:
+        registry.unregister(plugin)
+
+
+def test_unknown_names_fail_before_any_work(tmp_path, capsys):
+    with pytest.raises(ConfigError, match=r"registered policies: \[.*'log'"):
+        _grid(cross={"policies": ["nope"]})
+    with pytest.raises(ConfigError, match="registered backends"):
+        _grid(cross={"backends": ["nope"]})
+    with pytest.raises(ConfigError, match="known tasks"):
+        _grid(tasks={"nope": {}})
+    with pytest.raises(ConfigError, match="unique"):
+        _grid(caches=[{"kind": "dynamic", "label": "x"}, {"kind": "dynamic", "label": "x"}])
+    with pytest.raises(ConfigError, match="nbits"):
+        _grid(caches=[{"kind": "hf-quantized", "backend": "quanto", "nbits": 3}])
+    rc = main(["ablate", "--out", str(tmp_path / "r"), "--model", "tiny-llama", "--policy", "nope"])
+    assert rc == 2
+    assert "unknown policy 'nope'" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_missing_model_fails_fast_and_clearly(tmp_path, capsys):
+    rc = main(["ablate", "--out", str(tmp_path / "r"), "--model", "no-such-org/no-such-model", "--baseline", "dynamic"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "no-such-org/no-such-model" in err and "--online" in err and "Traceback" not in err
+    rc = main(["ablate", "--out", str(tmp_path / "r"), "--model", "/nonexistent/model/dir", "--baseline", "dynamic"])
+    assert rc == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_config_files_toml_and_json(tmp_path):
+    from kvpolicy.eval.grid import load_config
+
+    toml = tmp_path / "g.toml"
+    toml.write_text('models = ["tiny-llama"]\ncontexts = [64]\n[tasks.lm]\ntokens = 4\n[[caches]]\nkind = "dynamic"\n')
+    js = tmp_path / "g.json"
+    js.write_text(json.dumps({"models": ["tiny-llama"], "contexts": [64], "tasks": {"lm": {"tokens": 4}},
+                              "caches": [{"kind": "dynamic"}]}))  # fmt: skip
+    assert grid_from_dict(load_config(toml)).to_dict() == grid_from_dict(load_config(js)).to_dict()
+    with pytest.raises(ConfigError, match="unknown config key"):
+        grid_from_dict({"modles": ["x"]})
+    with pytest.raises(ConfigError, match=r"\.toml or \.json"):
+        (tmp_path / "g.yaml").write_text("x")
+        load_config(tmp_path / "g.yaml")
+
+
+def test_cross_product_dedupes_and_applies_bits_only_where_accepted():
+    grid = _grid(cross={"policies": ["log", "sink"], "actions": ["quantize", "evict", "none"], "bits": [2, 4]},
+                 equal_bytes=False, only={})  # fmt: skip
+    labels = [c.label for c in grid.caches]
+    assert labels.count("none") == 0 and sum("none" in x for x in labels) == 1  # one uncompressed
+    assert "log/quantize/2b" in labels and "log/quantize/4b" in labels and "log/evict" in labels
+    assert len(labels) == 1 + 2 * 2 + 2 + 1  # ref + quantize x bits + evict + none

@@ -1,0 +1,63 @@
+"""``kvpolicy bench decode`` smoke runs on the tiny Llama (latency and capacity modes), and its parts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvpolicy.bench.decode import Variant, held_bytes, tiny_llama
+from kvpolicy.cli import main
+from kvpolicy.errors import ConfigError
+
+
+def test_latency_mode_smoke(tmp_path):
+    caches = ["dynamic", "hf-quanto-2", "log-2-torch-ordered-mat", "log-2-torch-agnostic-fused"]
+    rc = main(["bench", "decode", "--model", "tiny-llama", "--lengths", "96", "160", "--batch", "1", "2",
+               "--steps", "1", "--reps", "1", "--warmup", "0", "--window", "8", "--caches", *caches,
+               "--out", str(tmp_path)])  # fmt: skip
+    assert rc == 0
+    data = json.loads((tmp_path / "decode.json").read_text())
+    rows = data["rows"]
+    assert len(rows) == 2 * 2 * len(caches)
+    assert (tmp_path / "decode.png").stat().st_size > 0
+    by = {(r["length"], r["batch"], r["variant"]): r for r in rows}
+    for length in (96, 160):
+        for batch in (1, 2):
+            dyn = by[(length, batch, "dynamic")]
+            assert dyn["ratio_ms"] == 1.0
+            # fp32 DynamicCache: (length + steps) tokens x 4 layers x 2 kv heads x 64 x (k, v) x 4 bytes x batch
+            assert dyn["bytes_held"] == (length + 1) * 4 * 2 * 64 * 2 * 4 * batch
+            assert by[(length, batch, "log-2-torch-agnostic-fused")]["paths"] == "fused"
+            assert by[(length, batch, "log-2-torch-ordered-mat")]["paths"].startswith("materialized")
+            for name in caches[1:]:
+                assert 0 < by[(length, batch, name)]["bytes_held"] < dyn["bytes_held"]
+
+
+def test_capacity_mode_smoke(tmp_path):
+    rc = main(["bench", "decode", "--mode", "capacity", "--model", "tiny-llama", "--context", "128",
+               "--budget-gib", str(2**-10), "--max-batch", "6", "--steps", "1", "--reps", "1", "--window", "8",
+               "--caches", "dynamic", "log-2-torch-ordered-fused", "--out", str(tmp_path)])  # fmt: skip
+    assert rc == 0
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "capacity.json").read_text())["rows"]}
+    dyn, log = rows["dynamic"], rows["log-2-torch-ordered-fused"]
+    assert dyn["batch"] == 2**20 // dyn["bytes_per_sequence"]  # 1 MiB budget
+    assert log["bytes_per_sequence"] < dyn["bytes_per_sequence"]
+    assert log["batch"] > dyn["batch"]
+    assert dyn["within_budget"] and log["tokens_per_s"] > 0
+
+
+def test_held_bytes_counts_dynamic_cache():
+    model = tiny_llama(torch.float32)
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(torch.randint(3, 100, (1, 10)), cache=cache, use_cache=True)
+    assert held_bytes(cache) == 10 * 4 * 2 * 64 * 2 * 4
+
+
+@pytest.mark.parametrize("name", ["fast", "log-2-torch-sideways-fused", "hf-fp8-2"])
+def test_bad_variant_names(name):
+    with pytest.raises(ConfigError, match="not understood"):
+        Variant.parse(name)

@@ -1,0 +1,46 @@
+"""``kvpolicy analyze attention`` on a tiny random model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvpolicy.cli import main
+from kvpolicy.eval.attention_analysis import analyze_attention
+from kvpolicy.eval.tiny import TinySpec, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_histogram_counts_and_coverage(tmp_path):
+    model, tok = tiny_model(TinySpec("llama", layers=2))
+    before = model.config._attn_implementation
+    res = analyze_attention(model, tok, context=100, queries=5, top_k=4, window=8, out=tmp_path)
+    heads = model.config.num_attention_heads
+    assert len(res.histogram) == 2
+    assert all(sum(layer) == 5 * heads * 4 for layer in res.histogram)
+    assert sum(res.density()) == pytest.approx(1.0)
+    for v in res.coverage.values():
+        assert 0.0 <= v["topk"] <= 1.0 and 0.0 < v["mass"] <= 1.0
+    assert model.config._attn_implementation == before  # restored
+    assert (tmp_path / "attention_spikes.png").stat().st_size > 0
+    saved = json.loads((tmp_path / "attention_spikes.json").read_text())
+    assert saved["histogram"] == res.histogram
+    assert "| distance |" in res.markdown()
+
+
+def test_all_keys_kept_means_full_coverage():
+    """A window larger than the text keeps every key: coverage is exactly 1."""
+    model, tok = tiny_model(TinySpec("llama", layers=1))
+    res = analyze_attention(model, tok, context=40, queries=2, top_k=3, window=40)
+    for v in res.coverage.values():
+        assert v["topk"] == 1.0 and v["mass"] == pytest.approx(1.0)
+
+
+def test_cli(tmp_path, capsys):
+    rc = main(["analyze", "attention", "--model", "tiny-llama", "--context", "64", "--queries", "2", "--out",
+               str(tmp_path), "--no-progress"])  # fmt: skip
+    assert rc == 0
+    assert "high-attention keys kept" in capsys.readouterr().out
+    assert main(["analyze", "attention", "--model", "no-such-org/x", "--out", str(tmp_path)]) == 2
