@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvpolicy.backends.base import Capabilities, QTensor
-from kvpolicy.backends.torch_backend import PackedTensor, TorchBackend
+from kvpolicy.backends.torch_backend import PackedTensor, TorchBackend, per_head_views
 from kvpolicy.errors import ConfigError
 from kvpolicy.kernels import cpu_attention
 
@@ -113,32 +113,11 @@ class CpuBackend(TorchBackend):
                 torch.full((b, h, nq), -float("inf"), dtype=torch.float32),
             )
         q32 = (query.float() * scale).contiguous()
-        kc, ks, kz = _per_head(k)
-        vc, vs, vz = _per_head(v)
+        kc, ks, kz = per_head_views(k)
+        vc, vs, vz = per_head_views(v)
         n_tiles = n // k.group_size
         splits = self.splits if self.splits is not None else cpu_attention.default_splits(b * h, n_tiles)
         out, lse = self._kernel.attend(
             q32, kc, ks, kz, k.bits, k.group_size, vc, vs, vz, v.bits, v.group_size, max(1, int(splits))
         )
         return out, lse
-
-
-def _inner_contiguous(t: torch.Tensor) -> bool:
-    """Whether each (batch, head) slice of ``t`` is one contiguous block."""
-    expected = 1
-    for size, stride in zip(reversed(t.shape[2:]), reversed(t.stride()[2:]), strict=True):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _per_head(q: PackedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes, scales and minimums with each (batch, head) slice contiguous (token slices of a larger
-    container are read in place; anything else is copied)."""
-    codes, scales, zeros = q.codes, q.scales, q.zeros
-    if not _inner_contiguous(codes):
-        codes = codes.contiguous()
-    if scales.stride() != zeros.stride() or not _inner_contiguous(scales):
-        scales, zeros = scales.contiguous(), zeros.contiguous()
-    return codes, scales, zeros

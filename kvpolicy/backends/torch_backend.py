@@ -65,6 +65,28 @@ class PackedTensor(QTensor):
         )  # fmt: skip
 
 
+def _inner_contiguous(t: torch.Tensor) -> bool:
+    """Whether each (batch, head) slice of ``t`` is one contiguous block."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape[2:]), reversed(t.stride()[2:]), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def per_head_views(q: PackedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes, scales and minimums of ``q`` as attention kernels read them: batch and head strides are
+    free (token slices of a larger container are read in place), each (batch, head) slice is one
+    contiguous block (anything else is copied)."""
+    codes, scales, zeros = q.codes, q.scales, q.zeros
+    if not _inner_contiguous(codes):
+        codes = codes.contiguous()
+    if scales.stride() != zeros.stride() or not _inner_contiguous(scales):
+        scales, zeros = scales.contiguous(), zeros.contiguous()
+    return codes, scales, zeros
+
+
 def meta_dtype(dtype: torch.dtype) -> torch.dtype:
     """The 16-bit dtype used for scales and minimums of a tensor of ``dtype``."""
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float16

@@ -20,7 +20,7 @@ import dataclasses
 import torch
 
 from kvpolicy.backends.base import AXES, Backend, Capabilities, QTensor
-from kvpolicy.backends.torch_backend import PackedTensor, TorchBackend, meta_dtype
+from kvpolicy.backends.torch_backend import PackedTensor, TorchBackend, meta_dtype, per_head_views
 from kvpolicy.errors import ConfigError
 from kvpolicy.kernels import triton_runtime
 from kvpolicy.kernels.triton_runtime import next_pow2
@@ -225,8 +225,8 @@ class TritonBackend(Backend):
         out = torch.empty((b * h, splits, nq, dv), dtype=torch.float32, device=dev)
         lse = torch.empty((b * h, splits, nq), dtype=torch.float32, device=dev)
         opts = {} if interpret else dict(self._launch, enable_fp_fusion=True)
-        kc, ks, kz = _per_head(k)
-        vc, vs, vz = _per_head(v)
+        kc, ks, kz = per_head_views(k)
+        vc, vs, vz = per_head_views(v)
         self._kernels.attention[(b * h, splits, n_qb)](
             q32, kc, self._bits_view(ks), self._bits_view(kz), vc, self._bits_view(vs), self._bits_view(vz),
             out, lse, n, nq, per_split, float(scale), h,
@@ -253,27 +253,6 @@ class TritonBackend(Backend):
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         want = triton_cdiv(2 * sms, max(1, programs))
         return max(1, min(want, n_tiles // 4))
-
-
-def _inner_contiguous(t: torch.Tensor) -> bool:
-    """Whether each (batch, head) slice of ``t`` is one contiguous block."""
-    expected = 1
-    for size, stride in zip(reversed(t.shape[2:]), reversed(t.stride()[2:]), strict=True):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _per_head(q: PackedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes, scales and minimums as the attention kernel reads them: batch and head strides are
-    free (token slices of a larger container are read in place), each (batch, head) contiguous."""
-    codes, scales, zeros = q.codes, q.scales, q.zeros
-    if not _inner_contiguous(codes):
-        codes = codes.contiguous()
-    if scales.stride() != zeros.stride() or not _inner_contiguous(scales):
-        scales, zeros = scales.contiguous(), zeros.contiguous()
-    return codes, scales, zeros
 
 
 def triton_cdiv(a: int, b: int) -> int:

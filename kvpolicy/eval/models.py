@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvpolicy.paths import cache_dir as _user_cache_dir
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -67,14 +69,7 @@ def default_cache_dir() -> Path:
         ``$KVPOLICY_CACHE_DIR`` if set, else ``platformdirs.user_cache_dir("kvpolicy")``
         if platformdirs is importable, else ``~/.cache/kvpolicy``.
     """
-    env = os.environ.get("KVPOLICY_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    try:
-        import platformdirs
-    except ImportError:
-        return Path.home() / ".cache" / "kvpolicy"
-    return Path(platformdirs.user_cache_dir("kvpolicy"))
+    return _user_cache_dir()
 
 
 def _is_gguf(path: Path) -> bool:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from kvpolicy.errors import ConfigError
+from kvpolicy.paths import cache_dir
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 #: ``-march=native``: the build is for this machine's CPU (AVX2 / AVX-512 where present: ~20 % faster
@@ -37,17 +38,6 @@ _lock = threading.Lock()
 _module: Any = None
 #: seconds the last build (or load of an existing build) took in this process; None before
 build_seconds: float | None = None
-
-
-def _cache_dir() -> Path:
-    env = os.environ.get("KVPOLICY_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    try:
-        import platformdirs
-    except ImportError:
-        return Path.home() / ".cache" / "kvpolicy"
-    return Path(platformdirs.user_cache_dir("kvpolicy"))
 
 
 def cpu_identity() -> str:
@@ -74,7 +64,7 @@ def extension_name(source: str) -> str:
 
 def build_directory(name: str) -> Path:
     """Where the extension ``name`` is built."""
-    return _cache_dir() / "extensions" / name
+    return cache_dir() / "extensions" / name
 
 
 def load() -> Any:
