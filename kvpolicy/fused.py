@@ -36,6 +36,7 @@ import torch
 
 from kvpolicy.attention import register as register_scores
 from kvpolicy.attention import register_wrappers, strip_wrapper
+from kvpolicy.backends.base import dense_attention
 from kvpolicy.errors import ConfigError
 
 PREFIX = "kvpolicy_fused_"
@@ -90,14 +91,6 @@ def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor,
     return out, lse
 
 
-def dense_attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float):
-    """``(out, lse)`` of float32 attention of ``query`` ``(B, H, q, D)`` over ``keys``/``values`` ``(B, H, n, D)``."""
-    scores = torch.matmul(query.float(), keys.float().transpose(-1, -2)) * scale
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values.float())
-    return out, lse
-
-
 def decode_attention(
     query: torch.Tensor, full_keys: torch.Tensor, full_values: torch.Tensor, parts: tuple[Any, Any], backend: Any,
     scale: float,
@@ -132,7 +125,7 @@ def decode_attention(
         fk, fv = torch.cat([tail[0], fk], dim=2), torch.cat([tail[1], fv], dim=2)
     pieces = []
     if fk.shape[2]:
-        pieces.append(dense_attend(q, fk, fv, scale))
+        pieces.append(dense_attention(q, fk, fv, scale))
     if quantized is not None:
         pieces.append(backend.attend(q, quantized[0], quantized[1], scale))
     out, _ = merge(pieces)

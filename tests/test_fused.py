@@ -8,9 +8,10 @@ from conftest import teacher_forced_logits, tiny_model
 
 from kvpolicy import CompressedCache
 from kvpolicy.attention import enable_scores
+from kvpolicy.backends.base import dense_attention
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import ConfigError
-from kvpolicy.fused import decode_attention, dense_attend, disable_fused, enable_fused, merge
+from kvpolicy.fused import decode_attention, disable_fused, enable_fused, merge
 
 KW = dict(policy="log", window=8, bits=2, group_size=16)
 
@@ -197,7 +198,7 @@ def test_decode_attention_equals_softmax_over_everything(dtype):
 def test_merge_with_empty_part():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 1, 2, 8, generator=g) for _ in range(3))
-    out, lse = dense_attend(q, k, v, 1.0)
+    out, lse = dense_attention(q, k, v, 1.0)
     empty = (torch.zeros_like(out), torch.full_like(lse, -float("inf")))
     merged, total = merge([empty, (out, lse)])
     torch.testing.assert_close(merged, out)

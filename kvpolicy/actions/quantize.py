@@ -105,12 +105,7 @@ class QuantizedStream:
 
     def read(self) -> torch.Tensor:
         """All held tokens in append order, ``(batch, kv_heads, n, head_dim)``."""
-        parts = []
-        if self.q is not None:
-            parts.append(self.backend.dequantize(self.q))
-        if self.staging is not None:
-            parts.append(self.staging)
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+        return self.read_from(0)
 
     def read_from(self, start: int) -> torch.Tensor:
         """Tokens ``[start, n)`` at full precision (dequantized and staged), ``(batch, kv_heads, n - start, head_dim)``.
@@ -119,7 +114,8 @@ class QuantizedStream:
         """
         parts = []
         if self.q is not None and start < self.q.num_tokens:
-            parts.append(self.backend.dequantize(self.q.narrow(start, self.q.num_tokens - start)))
+            block = self.q if start == 0 else self.q.narrow(start, self.q.num_tokens - start)
+            parts.append(self.backend.dequantize(block))
         if self.staging is not None:
             parts.append(self.staging)
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)

@@ -45,6 +45,20 @@ class Capabilities:
     dtypes: tuple[torch.dtype, ...]
 
 
+def dense_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 attention in the mergeable ``(out, lse)`` form of :meth:`Backend.attend`.
+
+    ``query`` ``(B, H, q, D)`` over ``keys``/``values`` ``(B, H, n, D)``; returns ``out``
+    ``(B, H, q, Dv)`` and ``lse`` ``(B, H, q)``, both float32.
+    """
+    scores = torch.matmul(query.float(), keys.float().transpose(-1, -2)) * scale
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values.float())
+    return out, lse
+
+
 class QTensor(ABC):
     """A quantized block of keys or values, logically shaped ``(batch, kv_heads, tokens, head_dim)``.
 
@@ -142,12 +156,7 @@ class Backend(ABC):
         lse : torch.Tensor
             ``(batch, kv_heads, q)`` float32, ``logsumexp(scores)`` over these tokens.
         """
-        k = self.dequantize(keys).float()
-        v = self.dequantize(values).float()
-        scores = torch.matmul(query.float(), k.transpose(-1, -2)) * scale
-        lse = torch.logsumexp(scores, dim=-1)
-        out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v)
-        return out, lse
+        return dense_attention(query, self.dequantize(keys), self.dequantize(values), scale)
 
     def check(self, *, bits: int, group_size: int, axis: str, role: str = "") -> None:
         """Raise :class:`ConfigError` if this backend cannot do what is asked.
