@@ -15,16 +15,22 @@ Environment variables (read at the first lookup, or after :func:`reset`):
 ``KVPOLICY_PLUGINS``
     comma-separated entry-point names: load only these.
 
-A name registered twice (for the same kind) is a :class:`~kvpolicy.errors.ConfigError` naming both
-distributions. A plugin that fails to load (or whose hook raises) is skipped with a
-:class:`PluginWarning` naming it and its error; everything else keeps working.
+A name registered by two plugins (for the same kind) is a :class:`Conflict`: looking that name up
+is a :class:`~kvpolicy.errors.ConfigError` naming both distributions, every other name still
+resolves, and :func:`conflicts` lists it (``kvpolicy list`` and ``kvpolicy plugins`` print it).
+A plugin that fails to load, whose hook raises, or whose hook returns something malformed (not a
+dict, a name that is not a string, a value that is not a subclass of the kind's base class or, for a
+preset, not callable) is skipped as a whole with one :class:`PluginWarning` naming it, its
+distribution and every problem found; everything else keeps working.
 """
 
 from __future__ import annotations
 
 import os
+import reprlib
 import warnings
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import pluggy
@@ -34,6 +40,13 @@ from kvpolicy.errors import ConfigError
 
 KINDS = ("policies", "actions", "backends", "presets")
 _SINGULAR = {"policies": "policy", "actions": "action", "backends": "backend", "presets": "preset"}
+#: what each hook's dict maps names to, for messages
+_EXPECTED = {
+    "policies": "Policy subclass",
+    "actions": "Action subclass",
+    "backends": "Backend subclass",
+    "presets": "preset function",
+}
 
 #: entry-point group third-party distributions declare
 ENTRY_POINT_GROUP = "kvpolicy"
@@ -43,7 +56,7 @@ _BUILTIN_PLUGIN = "kvpolicy.builtins"
 
 
 class PluginWarning(UserWarning):
-    """A plugin could not be loaded or its hook failed; it was skipped."""
+    """A plugin could not be loaded, or its hook raised or returned something malformed; it was skipped."""
 
 
 @dataclass(frozen=True)
@@ -70,8 +83,57 @@ class Source:
         return f"{dist} ({self.origin})"
 
 
+@dataclass(frozen=True)
+class Conflict:
+    """A name that more than one plugin registers for the same kind: looking it up is an error.
+
+    Attributes
+    ----------
+    kind : str
+        One of :data:`KINDS`.
+    name : str
+        The name registered more than once.
+    sources : tuple of Source
+        Every plugin registering it, in registration order (the built-ins first).
+    """
+
+    kind: str
+    name: str
+    sources: tuple[Source, ...]
+
+    def __str__(self) -> str:
+        times = "twice" if len(self.sources) == 2 else f"{len(self.sources)} times"
+        by = " and by ".join(str(source) for source in self.sources)
+        return f"{_SINGULAR[self.kind]} name {self.name!r} is registered {times}: by {by}"
+
+    def error(self) -> ConfigError:
+        """The error a lookup of :attr:`name` raises, saying how to resolve the conflict."""
+        return ConfigError(
+            f"{self}. Uninstall all but one of these distributions, or choose the entry points to load "
+            f"with {ALLOW_ENV}=name,name"
+        )
+
+
+@dataclass
+class _Tables:
+    """What the hooks registered: ``parts[kind][name] = (object, source)`` for the names that resolve,
+    ``conflicts[kind][name] = [source, ...]`` for those registered more than once."""
+
+    parts: dict[str, dict[str, tuple[Any, Source]]] = field(default_factory=lambda: {k: {} for k in KINDS})
+    conflicts: dict[str, dict[str, list[Source]]] = field(default_factory=lambda: {k: {} for k in KINDS})
+
+    def add(self, kind: str, name: str, obj: Any, source: Source) -> None:
+        """Register ``name``; a name already present becomes a conflict and no longer resolves."""
+        if name in self.conflicts[kind]:
+            self.conflicts[kind][name].append(source)
+        elif name in self.parts[kind]:
+            self.conflicts[kind][name] = [self.parts[kind].pop(name)[1], source]
+        else:
+            self.parts[kind][name] = (obj, source)
+
+
 _manager: pluggy.PluginManager | None = None
-_tables: dict[str, dict[str, tuple[Any, Source]]] | None = None
+_tables: _Tables | None = None
 _sources: dict[str, Source] = {}
 _autoloaded = False
 
@@ -180,7 +242,101 @@ def load_entry_points() -> int:
     return count
 
 
-def _collect() -> dict[str, dict[str, tuple[Any, Source]]]:
+def _show(value: object) -> str:
+    """A short description of a returned value for messages: its (shortened) repr and its type."""
+    return f"{reprlib.repr(value)} ({type(value).__name__})"
+
+
+def _base_class(kind: str) -> type:
+    """The class every registered object of ``kind`` (not ``presets``) must subclass (imported lazily)."""
+    if kind == "policies":
+        from kvpolicy.policies.base import Policy
+
+        return Policy
+    if kind == "actions":
+        from kvpolicy.actions.base import Action
+
+        return Action
+    from kvpolicy.backends.base import Backend
+
+    return Backend
+
+
+def _part_problem(kind: str, obj: object) -> str | None:
+    """What is wrong with ``obj`` as a registered object of ``kind``, or ``None`` if it is acceptable."""
+    if kind == "presets":
+        if callable(obj):
+            return None
+        return f"{_show(obj)} is not callable; a preset is a function returning CompressedCache keyword arguments"
+    base = _base_class(kind)
+    expected = f"a subclass of {base.__module__}.{base.__qualname__}"
+    if not isinstance(obj, type):
+        return f"{_show(obj)} is not a class; expected {expected}"
+    if not issubclass(obj, base):
+        return f"class {obj.__module__}.{obj.__qualname__} is not {expected}"
+    return None
+
+
+def _problems(kind: str, returned: object) -> list[str]:
+    """Everything wrong with what the hook ``kvpolicy_register_{kind}`` returned (empty if nothing)."""
+    hook = f"kvpolicy_register_{kind}"
+    if not isinstance(returned, Mapping):
+        return [f"{hook} returned {_show(returned)}, not a dict {{name: {_EXPECTED[kind]}}}"]
+    problems = []
+    for name, obj in returned.items():
+        if not isinstance(name, str) or not name:
+            problems.append(f"{hook} returned the name {_show(name)}; a name must be a non-empty string")
+            continue
+        problem = _part_problem(kind, obj)
+        if problem is not None:
+            problems.append(f"{hook} returned {name!r}: {problem}")
+    return problems
+
+
+def _skip(plugin_name: str, source: Source, problems: list[str]) -> None:
+    """Warn that the plugin ``plugin_name`` is skipped, naming it, its distribution and every problem."""
+    warnings.warn(
+        f"kvpolicy plugin {plugin_name!r} from {source} is skipped, none of its names is registered: "
+        + "; ".join(problems),
+        PluginWarning,
+        stacklevel=5,  # _skip, _call_hooks, _collect, the public lookup, its caller
+    )
+
+
+def _call_hooks(plugin_name: str, impls: dict[str, Any], source: Source) -> dict[str, Mapping[str, Any]] | None:
+    """Call one plugin's hooks and check what they return.
+
+    Returns
+    -------
+    dict or None
+        ``{kind: {name: object}}``, or ``None`` when a hook raised or returned something malformed
+        (the plugin was then skipped with a :class:`PluginWarning`).
+
+    Raises
+    ------
+    Exception
+        For the built-in plugin, whose failure is a bug in kvpolicy: the hook's own exception, or
+        ``TypeError`` listing the malformed returns.
+    """
+    returned: dict[str, Any] = {}
+    for kind, impl in impls.items():
+        try:
+            returned[kind] = impl.function()
+        except Exception as exc:
+            if plugin_name == _BUILTIN_PLUGIN:
+                raise
+            _skip(plugin_name, source, [f"its hook kvpolicy_register_{kind} raised {type(exc).__name__}: {exc}"])
+            return None
+    problems = [problem for kind, value in returned.items() for problem in _problems(kind, value)]
+    if not problems:
+        return returned
+    if plugin_name == _BUILTIN_PLUGIN:
+        raise TypeError(f"kvpolicy's built-in registrations are malformed: {'; '.join(problems)}")
+    _skip(plugin_name, source, problems)
+    return None
+
+
+def _collect() -> _Tables:
     global _tables
     if _tables is not None:
         return _tables
@@ -190,54 +346,69 @@ def _collect() -> dict[str, dict[str, tuple[Any, Source]]]:
     for kind in KINDS:
         for impl in getattr(pm.hook, f"kvpolicy_register_{kind}").get_hookimpls():
             impls.setdefault(impl.plugin_name, {})[kind] = impl
-    tables: dict[str, dict[str, tuple[Any, Source]]] = {k: {} for k in KINDS}
+    tables = _Tables()
     for plugin_name, plugin in pm.list_name_plugin():  # registration order
         if plugin is None or plugin_name not in impls:  # blocked, or implements no hook
             continue
         source = _sources.get(plugin_name, Source(plugin_name, None, "registered at run time"))
-        provided: dict[str, dict[str, Any]] = {}
-        try:
-            for kind, impl in impls[plugin_name].items():
-                provided[kind] = impl.function() or {}
-        except Exception as exc:
-            if plugin_name == _BUILTIN_PLUGIN:
-                raise
-            warnings.warn(
-                f"kvpolicy plugin {plugin_name!r} from {source}: its hook kvpolicy_register_{kind} raised "
-                f"{type(exc).__name__}: {exc}; the plugin is skipped",
-                PluginWarning,
-                stacklevel=3,
-            )
-            continue
-        for kind, parts in provided.items():
+        provided = _call_hooks(plugin_name, impls[plugin_name], source)
+        for kind, parts in (provided or {}).items():
             for name, obj in parts.items():
-                if name in tables[kind]:
-                    other = tables[kind][name][1]
-                    raise ConfigError(
-                        f"{_SINGULAR[kind]} name {name!r} is registered twice: by {other} and by {source}. "
-                        f"Uninstall one of the two distributions, or choose the entry points to load with "
-                        f"{ALLOW_ENV}=name,name"
-                    )
-                tables[kind][name] = (obj, source)
+                tables.add(kind, name, obj, source)
     _tables = tables
     return tables
 
 
+def _check_kind(kind: object) -> str:
+    """``kind`` itself when it is one of :data:`KINDS`; a :class:`~kvpolicy.errors.ConfigError` otherwise."""
+    if kind not in KINDS:
+        raise ConfigError(f"kind must be one of {list(KINDS)}; got kind={kind!r}")
+    return str(kind)
+
+
 def names(kind: str) -> list[str]:
-    """Registered names of ``kind`` (one of ``policies``, ``actions``, ``backends``, ``presets``)."""
-    return sorted(_collect()[kind])
+    """Registered names of ``kind`` (one of ``policies``, ``actions``, ``backends``, ``presets``),
+    sorted; a name in conflict (see :func:`conflicts`) is listed, though looking it up is an error."""
+    kind = _check_kind(kind)
+    tables = _collect()
+    return sorted({*tables.parts[kind], *tables.conflicts[kind]})
 
 
 def entries(kind: str) -> list[tuple[str, Any, Source]]:
-    """``(name, object, source)`` for every registered name of ``kind``, sorted by name."""
-    table = _collect()[kind]
+    """``(name, object, source)`` for every name of ``kind`` that resolves, sorted by name (a name in
+    conflict has no single object: see :func:`conflicts`)."""
+    kind = _check_kind(kind)
+    table = _collect().parts[kind]
     return [(name, obj, source) for name, (obj, source) in sorted(table.items())]
 
 
+def conflicts(kind: str | None = None) -> list[Conflict]:
+    """The names registered more than once.
+
+    Parameters
+    ----------
+    kind : str or None
+        One of :data:`KINDS`, or ``None`` for every kind.
+
+    Returns
+    -------
+    list of Conflict
+        In :data:`KINDS` order, then by name. Looking one of these names up raises the
+        :class:`~kvpolicy.errors.ConfigError` of :meth:`Conflict.error`; every other name resolves.
+    """
+    kinds = KINDS if kind is None else (_check_kind(kind),)
+    tables = _collect()
+    return [Conflict(k, name, tuple(sources)) for k in kinds for name, sources in sorted(tables.conflicts[k].items())]
+
+
 def get(kind: str, name: str) -> Any:
-    """Look up ``name``; unknown names raise an error listing the registered ones."""
-    table = _collect()[kind]
+    """Look up ``name``; unknown names raise an error listing the registered ones, a name registered
+    more than once an error naming every distribution that registers it."""
+    kind = _check_kind(kind)
+    tables = _collect()
+    if isinstance(name, str) and name in tables.conflicts[kind]:
+        raise Conflict(kind, name, tuple(tables.conflicts[kind][name])).error()
+    table = tables.parts[kind]
     if not isinstance(name, str) or name not in table:
-        singular = _SINGULAR[kind]
-        raise ConfigError(f"unknown {singular} {name!r}; registered {kind}: {sorted(table)}")
+        raise ConfigError(f"unknown {_SINGULAR[kind]} {name!r}; registered {kind}: {names(kind)}")
     return table[name][0]

@@ -1,4 +1,4 @@
-"""``kvpolicy list``: registered names."""
+"""``kvpolicy list``: registered names, then the names registered more than once, if any."""
 
 from __future__ import annotations
 
@@ -7,9 +7,12 @@ import argparse
 
 def _run(args: argparse.Namespace) -> int:
     from kvpolicy import registry
+    from kvpolicy.commands.plugins import conflict_lines
 
     for kind in registry.KINDS:
         print(f"{kind}: {', '.join(registry.names(kind))}")
+    for line in conflict_lines():
+        print(line)
     return 0
 
 

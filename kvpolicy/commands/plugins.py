@@ -1,4 +1,5 @@
-"""``kvpolicy plugins``: every registered policy, action, backend and preset, and where it came from."""
+"""``kvpolicy plugins``: every registered policy, action, backend and preset, and where it came from;
+then the names registered more than once, if any."""
 
 from __future__ import annotations
 
@@ -8,6 +9,21 @@ import os
 
 def _describe(obj: object) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
+
+
+def conflict_lines() -> list[str]:
+    """The "conflicts" section shared by ``kvpolicy list`` and ``kvpolicy plugins``: a header and one
+    line per name registered more than once (naming every distribution and version), or nothing."""
+    from kvpolicy import registry
+
+    found = registry.conflicts()
+    if not found:
+        return []
+    header = (
+        "conflicts (looking these names up is an error; uninstall all but one of the distributions, "
+        f"or choose the entry points to load with {registry.ALLOW_ENV}=name,name):"
+    )
+    return [header, *(f"  {conflict}" for conflict in found)]
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -30,6 +46,8 @@ def _run(args: argparse.Namespace) -> int:
             if row[0] == kind:
                 name, dist, obj, origin = row[1:]
                 print(f"  {name:<{widths[0]}}  {dist:<{widths[1]}}  {obj:<{widths[2]}}  {origin}")
+    for line in conflict_lines():
+        print(line)
     return 0
 
 
