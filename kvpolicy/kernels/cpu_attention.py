@@ -1,38 +1,84 @@
-"""Building and calling the C++ decode-attention kernel of the ``cpu`` backend.
+"""Building, verifying and calling the C++ decode-attention kernel of the ``cpu`` backend.
 
 The kernel (``cpu_attention.cpp``, next to this file) reads the ``torch`` backend's
 :class:`~kvpolicy.backends.torch_backend.PackedTensor` directly: keys grouped per channel, values
 grouped per token, 2 or 4 bits, float16 / bfloat16 metadata. It is compiled with
 :func:`torch.utils.cpp_extension.load_inline` (``-O3 -march=native``, OpenMP through
-``at::parallel_for``) the first time it is needed in an environment, into
-``<kvpolicy cache>/extensions/<name>`` (the kvpolicy cache directory: ``$KVPOLICY_CACHE_DIR``, else
-the platform's user cache), and loaded from there afterwards. The name carries a hash of the source,
-the flags, the torch version and the CPU, so a changed source (or another CPU sharing the cache
+``at::parallel_for``) the first time it is needed in an environment, and kept as
+``<kvpolicy cache>/extensions/<name>/<name>.so`` (the kvpolicy cache directory:
+``$KVPOLICY_CACHE_DIR``, else the platform's user cache). The name carries a hash of the source, the
+flags, the torch version and the CPU, so a changed source (or another CPU sharing the cache
 directory) builds anew. Building needs a C++ compiler with OpenMP (``g++``) and ``ninja``; either
 missing, or a failing build, raises :class:`~kvpolicy.errors.ConfigError`.
+
+Loading compiled code runs it, so nothing is loaded that this user did not build:
+
+- every directory from the cache root down to the build directory is created with mode ``0o700``
+  and must be owned by the current user and not writable by group or others, else
+  :class:`~kvpolicy.errors.ConfigError` (:func:`kvpolicy.paths.private_dir`);
+- the build runs in a fresh private staging directory, in a child process (torch's ``load_inline``
+  imports what it built, and this process must not import anything unverified); the object's
+  sha256 is then recorded under the user's *state* directory (``$KVPOLICY_STATE_DIR``, else
+  ``~/.local/state/kvpolicy``; ``0o700`` directories, ``0o600`` file), apart from the cache, so the
+  record is not in the reach of whoever could write the cache directory;
+- before every load the object is hashed and compared with that record; a missing record or a
+  mismatch rebuilds, and the import itself is only ever done on an object that was just verified.
+
+Builds are serialised by a lock file ``build.lock`` in the build directory; a process waits for it
+at most ``$KVPOLICY_BUILD_LOCK_TIMEOUT`` seconds (default 300) and then raises, naming the file (a
+build killed hard leaves it behind).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import json
+import math
 import os
 import platform
 import shutil
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvpolicy.errors import ConfigError
-from kvpolicy.paths import cache_dir
+from kvpolicy.paths import cache_dir, check_private, private_dir, state_dir
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 #: ``-march=native``: the build is for this machine's CPU (AVX2 / AVX-512 where present: ~20 % faster
 #: than the baseline x86-64 here); the CPU's identity is part of the build's name
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
+#: file name suffix of a Python extension module (what torch's cpp_extension produces)
+LIB_EXT = ".pyd" if sys.platform == "win32" else ".so"
+#: environment variable: seconds to wait for another process's build lock
+LOCK_TIMEOUT_ENV = "KVPOLICY_BUILD_LOCK_TIMEOUT"
+DEFAULT_LOCK_TIMEOUT = 300.0
+LOCK_NAME = "build.lock"
+_STAGING_PREFIX = ".staging-"
+_LOCK_POLL_SECONDS = 0.1
+_WHAT = "the cpu backend's compiled kernel"
+#: run in a child process: build with torch (which imports the result there, not here); on failure
+#: print the error alone (torch's carries the compiler's output), without the traceback
+_BUILD_SCRIPT = """
+import json, sys
+from torch.utils.cpp_extension import load_inline
+try:
+    load_inline(**json.load(sys.stdin))
+except Exception as exc:
+    sys.exit(f"{type(exc).__name__}: {exc}")
+"""
 
 _lock = threading.Lock()
 _module: Any = None
@@ -63,58 +109,283 @@ def extension_name(source: str) -> str:
 
 
 def build_directory(name: str) -> Path:
-    """Where the extension ``name`` is built."""
+    """Where the extension ``name`` is built and kept."""
     return cache_dir() / "extensions" / name
 
 
-def load() -> Any:
-    """Build (first time in an environment) and load the kernel module; cached for the process.
+def library_path(name: str) -> Path:
+    """The compiled extension ``name``: ``<build directory>/<name>.so``."""
+    return build_directory(name) / f"{name}{LIB_EXT}"
+
+
+def record_path(library: Path) -> Path:
+    """Where the sha256 of ``library`` is recorded: ``<state dir>/kernels/<name>-<hash of its path>.sha256``.
+
+    One record per path, so two cache directories (``$KVPOLICY_CACHE_DIR``) each have their own.
+    """
+    key = hashlib.sha256(str(Path(library).resolve()).encode()).hexdigest()[:16]
+    return state_dir() / "kernels" / f"{Path(library).stem}-{key}.sha256"
+
+
+def lock_timeout() -> float:
+    """Seconds to wait for another process's build lock: ``$KVPOLICY_BUILD_LOCK_TIMEOUT``, else 300.
 
     Raises
     ------
     ConfigError
-        If there is no C++ compiler or no ``ninja``, or the build fails (the message carries the
-        compiler's error and what to install).
+        If the variable is set to something other than a finite number of seconds ``>= 0``.
+    """
+    raw = os.environ.get(LOCK_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_LOCK_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{LOCK_TIMEOUT_ENV}={raw!r} is not allowed: it must be a number of seconds >= 0")
+    return value
+
+
+def sha256_file(path: Path) -> str:
+    """The hex sha256 of the file ``path``."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_record(record: Path) -> str | None:
+    """The sha256 recorded in ``record``; ``None`` if there is none (or it is unreadable as one).
+
+    Raises
+    ------
+    ConfigError
+        If the record exists but is owned by another user or writable by group or others.
+    """
+    if not record.is_file():
+        return None
+    check_private(record, _WHAT + " (its sha256 record)")
+    fields = record.read_text(errors="replace").split()
+    digest = fields[0].lower() if fields else ""
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        return None
+    return digest
+
+
+def write_record(record: Path, digest: str, library: Path) -> None:
+    """Record ``digest`` as the sha256 of ``library`` in ``record`` (``0o600``, in ``0o700`` directories).
+
+    The file reads like ``sha256sum`` output (``<hex>  <path>``), so ``sha256sum -c`` can check it.
+    """
+    private_dir(record.parent, state_dir(), _WHAT + " (its sha256 records)")
+    fd, tmp = tempfile.mkstemp(prefix=f".{record.name}.", dir=record.parent)  # created 0o600
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(f"{digest}  {library}\n")
+        os.replace(tmp, record)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def is_verified(library: Path, record: Path, warn: bool = True) -> bool:
+    """True if ``library`` exists and its sha256 is the one recorded when this user built it.
+
+    A mismatch (the object changed since it was built) returns False like a missing record, and warns
+    if ``warn``.
+    """
+    if not library.is_file():
+        return False
+    expected = read_record(record)
+    if expected is None:
+        return False
+    actual = sha256_file(library)
+    if actual != expected:
+        if warn:
+            warnings.warn(
+                f"{library} does not match the sha256 recorded in {record} when it was built (expected "
+                f"{expected}, found {actual}): it changed since; not loading it, building the kernel again",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return False
+    return True
+
+
+def import_verified(name: str, library: Path, record: Path) -> Any:
+    """Hash ``library``, compare with ``record`` and only then import it as the module ``name``.
+
+    Raises
+    ------
+    ConfigError
+        If there is no record or the sha256 differs (nothing is loaded then).
+    """
+    expected = read_record(record)
+    actual = sha256_file(library)
+    if expected is None or actual != expected:
+        raise ConfigError(
+            f"refusing to load {library}: its sha256 {actual} does not match the one recorded when it was built "
+            f"({expected or 'no record'} in {record}); delete {library.parent} to build it again"
+        )
+    return _import_module(name, library)
+
+
+def _import_module(name: str, library: Path) -> Any:
+    """Import the extension module ``name`` from the file ``library`` (as torch's ``load`` does)."""
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{library} cannot be imported as the Python extension module {name!r}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextmanager
+def build_lock(lock: Path, timeout: float) -> Iterator[None]:
+    """Hold the lock file ``lock`` (created exclusively) for the duration; wait at most ``timeout`` s for it.
+
+    Raises
+    ------
+    ConfigError
+        If the file is still there after ``timeout`` seconds; the message names it and says to delete it
+        if no build is running (a build killed hard leaves it behind).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            break
+        except FileExistsError:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ConfigError(_lock_timeout_message(lock, timeout)) from None
+            time.sleep(min(_LOCK_POLL_SECONDS, remaining))
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _lock_timeout_message(lock: Path, timeout: float) -> str:
+    try:
+        holder = lock.read_text(errors="replace").strip()[:200] or "no holder written"
+    except OSError:
+        holder = "gone now"
+    return (
+        f"backend 'cpu' waited {timeout:g} s for the lock file {lock} of another build of its C++ kernel "
+        f"({holder}). A build takes about half a minute; if no kvpolicy process is building it now (a killed "
+        f"build leaves the file behind), delete {lock} and retry; or wait longer with {LOCK_TIMEOUT_ENV}=<seconds>"
+    )
+
+
+def _require_toolchain() -> str:
+    """The C++ compiler to use (``$CXX``, else ``c++``), after checking it and ``ninja`` are on PATH."""
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise ConfigError(
+            f"backend 'cpu' compiles a C++ kernel and found no C++ compiler ({cxx!r} is not on PATH); install "
+            "one with OpenMP support (e.g. apt install g++), or set CXX, or use backend='torch'"
+        )
+    if shutil.which("ninja") is None:
+        raise ConfigError(
+            "backend 'cpu' compiles a C++ kernel with torch.utils.cpp_extension, which needs the ninja build "
+            "tool on PATH; install it with: pip install ninja (and activate the environment so its bin/ "
+            "directory is on PATH), or use backend='torch'"
+        )
+    return cxx
+
+
+def compile_extension(name: str, source: str, staging: Path) -> Path:
+    """Compile the extension ``name`` from ``source`` in the empty directory ``staging``; return the object.
+
+    torch's ``load_inline`` imports what it builds, so it runs in a child process (working directory
+    ``staging``, this process's ``sys.path``); this process imports nothing here.
+
+    Raises
+    ------
+    ConfigError
+        If the build fails (the message carries the end of the compiler's output).
+    """
+    cxx = _require_toolchain()
+    args = {
+        "name": name,
+        "cpp_sources": [source],
+        "functions": ["attend"],
+        "extra_cflags": list(CFLAGS),
+        "extra_ldflags": list(LDFLAGS),
+        "build_directory": str(staging),
+        "verbose": False,
+    }
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _BUILD_SCRIPT],
+        input=json.dumps(args),
+        capture_output=True,
+        text=True,
+        cwd=staging,
+        env=env,
+        check=False,
+    )
+    built = staging / f"{name}{LIB_EXT}"
+    if proc.returncode != 0 or not built.is_file():
+        output = (proc.stderr or proc.stdout or "").strip()[-4000:]
+        raise ConfigError(
+            f"backend 'cpu' could not build its C++ kernel in {staging.parent} with {cxx!r} "
+            f"(exit code {proc.returncode}):"
+            f"\n{output}\nit needs a C++17 compiler with OpenMP (e.g. g++) and ninja (pip install ninja); "
+            "or use backend='torch'"
+        )
+    return built
+
+
+def build(name: str, source: str, library: Path, record: Path) -> None:
+    """Compile ``name`` in a fresh private staging directory, record its sha256, then move it to ``library``.
+
+    Nothing already in the build directory (objects, ninja files) takes part in the build. Called with
+    the build lock held, so staging directories already there are left by killed builds: removed.
+    """
+    for stale in library.parent.glob(_STAGING_PREFIX + "*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=library.parent))  # created 0o700
+    try:
+        built = compile_extension(name, source, staging)
+        write_record(record, sha256_file(built), library)
+        os.replace(built, library)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def load() -> Any:
+    """Build (first time in an environment), verify and load the kernel module; cached for the process.
+
+    Raises
+    ------
+    ConfigError
+        If a directory of the kernel cache (or of its sha256 records) is owned by another user or
+        writable by group or others; if another build's lock file stays longer than
+        ``$KVPOLICY_BUILD_LOCK_TIMEOUT`` seconds; if there is no C++ compiler or no ``ninja``, or the build
+        fails (the message carries the compiler's error and what to install).
     """
     global _module, build_seconds
     with _lock:
         if _module is not None:
             return _module
-        cxx = os.environ.get("CXX", "c++")
-        if shutil.which(cxx) is None:
-            raise ConfigError(
-                f"backend 'cpu' compiles a C++ kernel and found no C++ compiler ({cxx!r} is not on PATH); install "
-                "one with OpenMP support (e.g. apt install g++), or set CXX, or use backend='torch'"
-            )
-        if shutil.which("ninja") is None:
-            raise ConfigError(
-                "backend 'cpu' compiles a C++ kernel with torch.utils.cpp_extension, which needs the ninja build "
-                "tool on PATH; install it with: pip install ninja (and activate the environment so its bin/ "
-                "directory is on PATH), or use backend='torch'"
-            )
         source = SOURCE.read_text()
         name = extension_name(source)
-        directory = build_directory(name)
-        from torch.utils.cpp_extension import load_inline
-
+        library = library_path(name)
         t0 = time.perf_counter()
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            module = load_inline(
-                name=name,
-                cpp_sources=[source],
-                functions=["attend"],
-                extra_cflags=list(CFLAGS),
-                extra_ldflags=list(LDFLAGS),
-                build_directory=str(directory),
-                verbose=False,
-            )
-        except Exception as exc:  # the compiler's and ninja's errors come as RuntimeError / OSError / ...
-            raise ConfigError(
-                f"backend 'cpu' could not build its C++ kernel in {directory} with {cxx!r} "
-                f"({type(exc).__name__}: {exc}); it needs a C++17 compiler with OpenMP (e.g. g++) and ninja "
-                "(pip install ninja); or use backend='torch'"
-            ) from exc
+        private_dir(library.parent, cache_dir(), _WHAT)
+        record = record_path(library)
+        private_dir(record.parent, state_dir(), _WHAT + " (its sha256 records)")
+        if not is_verified(library, record):
+            with build_lock(library.parent / LOCK_NAME, lock_timeout()):
+                if not is_verified(library, record, warn=False):  # another process may have built it while we waited
+                    build(name, source, library, record)
+        module = import_verified(name, library, record)
         build_seconds = time.perf_counter() - t0
         _module = module
         return module
