@@ -24,6 +24,7 @@ _EXPORTS = {
     "CompressedLayer": "kvpolicy.cache",
     "ConfigError": "kvpolicy.errors",
     "NonFiniteError": "kvpolicy.errors",
+    "MetadataOverflowError": "kvpolicy.errors",
     "MissingDependencyError": "kvpolicy.errors",
     "LogWindow": "kvpolicy.policies.log",
     "MemoryReport": "kvpolicy.memory",
@@ -44,6 +45,7 @@ __all__ = [
     "HeavyHitters",
     "LogWindow",
     "MemoryReport",
+    "MetadataOverflowError",
     "MissingDependencyError",
     "NoCompression",
     "NonFiniteError",
@@ -60,7 +62,7 @@ if TYPE_CHECKING:
     from kvpolicy.actions.quantize import Quantize
     from kvpolicy.backends.torch_backend import TorchBackend
     from kvpolicy.cache import CompressedCache, CompressedLayer
-    from kvpolicy.errors import ConfigError, MissingDependencyError, NonFiniteError
+    from kvpolicy.errors import ConfigError, MetadataOverflowError, MissingDependencyError, NonFiniteError
     from kvpolicy.memory import MemoryReport
     from kvpolicy.policies.h2o import HeavyHitters
     from kvpolicy.policies.log import LogWindow

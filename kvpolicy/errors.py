@@ -8,7 +8,14 @@ class ConfigError(ValueError):
 
 
 class NonFiniteError(ValueError):
-    """NaN or Inf reached the quantizer; quantizing it would spread garbage through a whole group."""
+    """NaN or Inf reached the quantizer (quantizing it would spread garbage through a whole group), or
+    came out of it (:class:`MetadataOverflowError`)."""
+
+
+class MetadataOverflowError(NonFiniteError):
+    """Finite input gave a non-finite scale or minimum: the group's range does not fit the dtype the
+    quantization metadata is stored in (e.g. float32 keys beyond 65504 with float16 metadata). The
+    message names the dtype, the magnitude and the remedy (usually ``meta_dtype="float32"``)."""
 
 
 class MissingDependencyError(ConfigError, ImportError):

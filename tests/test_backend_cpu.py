@@ -106,6 +106,37 @@ def test_attend_equals_backend_reference_attend(dtype):
     torch.testing.assert_close(lse, t_lse, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("meta_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("kb", "vb"), [(2, 2), (4, 4), (2, 4)])
+def test_attend_reads_wide_metadata(meta_dtype, kb, vb):
+    """float32 keys around 1e5 (per channel) and values around 1e6 (per token), stored with float32 /
+    bfloat16 metadata: the kernel reads that dtype (queries scaled so the scores stay moderate)."""
+    gen = torch.Generator().manual_seed(kb * 10 + vb)
+    be = backend()
+    shape = (1, 2, 96, 64)
+    k_in, v_in = torch.randn(shape, generator=gen) * 1e5, torch.randn(shape, generator=gen) * 1e6
+    k_in[..., 1] += 2e5  # an all-positive channel: a large minimum
+    keys = be.quantize(k_in, kb, 32, "channel", meta_dtype=meta_dtype)
+    values = be.quantize(v_in, vb, 16, "token", meta_dtype=meta_dtype)
+    assert keys.scales.dtype == values.zeros.dtype == getattr(torch, meta_dtype)
+    query = torch.randn(1, 2, 3, 64, generator=gen) * 1e-5
+    out, lse = be.attend(query, keys, values, 0.125)
+    ref_out, ref_lse = reference(query, keys, values, 0.125)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    v_mag = float(exact(values).abs().max())
+    torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=3e-6 * v_mag * (1 + float(ref_lse.abs().max())))
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_large_values_with_default_metadata_raise(axis):
+    """The cpu backend quantizes like torch: float32 beyond float16's range raises, never stores inf."""
+    from kvpolicy.errors import MetadataOverflowError
+
+    with pytest.raises(MetadataOverflowError, match=r"backend 'cpu'.*float16 metadata.*meta_dtype='float32'"):
+        backend().quantize(torch.randn(1, 2, 32, 64) * 1e5, 2, 32, axis)
+
+
 def test_two_segments_merge_to_the_whole():
     gen = torch.Generator().manual_seed(5)
     be = backend()

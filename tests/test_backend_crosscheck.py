@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from kvpolicy import registry
 from kvpolicy.actions.quantize import QuantizedStream
-from kvpolicy.errors import ConfigError, MissingDependencyError
+from kvpolicy.errors import ConfigError, MetadataOverflowError, MissingDependencyError
 
 pytestmark = pytest.mark.usefixtures("quanto_extension")
 
@@ -94,10 +94,12 @@ def storage_bytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
 
 
-def reference_step(x: torch.Tensor, bits: int, g: int, axis: str) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_step(
+    x: torch.Tensor, bits: int, g: int, axis: str, meta_dtype: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``torch`` reference's output and per-element step ``s``."""
     ref = backend("torch")
-    q = ref.quantize(x, bits, g, axis)
+    q = ref.quantize(x, bits, g, axis, meta_dtype=meta_dtype)
     return ref.dequantize(q).double(), per_element(q.scales, g, axis, x.shape).double()
 
 
@@ -106,11 +108,11 @@ def reference_step(x: torch.Tensor, bits: int, g: int, axis: str) -> tuple[torch
 # --------------------------------------------------------------------------------------------------
 
 
-def check_minmax(name: str, x: torch.Tensor, bits: int, g: int, axis: str) -> None:
+def check_minmax(name: str, x: torch.Tensor, bits: int, g: int, axis: str, ref_meta: str = "auto") -> None:
     be = backend(name)
     xh = be.dequantize(be.quantize(x, bits, g, axis))
     assert xh.shape == x.shape and xh.dtype == x.dtype
-    xt, s = reference_step(x, bits, g, axis)
+    xt, s = reference_step(x, bits, g, axis, ref_meta)
     xd = x.double()
     qmax = (1 << bits) - 1
     eps = torch.finfo(x.dtype).eps
@@ -163,6 +165,85 @@ def test_error_bound(name, data):
         check_minmax(name, x, bits, g, axis)
     else:
         check_own_grid(name, x, bits, g, axis)
+
+
+# --------------------------------------------------------------------------------------------------
+# values beyond float16's range
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(CROSSCHECKED))
+@pytest.mark.parametrize("magnitude", [1e5, 1e6])
+@pytest.mark.parametrize("axis", ["channel", "token"])  # keys' default axis, values' default axis
+@pytest.mark.parametrize("bits", [2, 4])
+def test_large_float32_values(name, magnitude, axis, bits):
+    """float32 keys / values around 1e5 and 1e6: quanto (float32 scale and shift) and hqq (float32
+    metadata) hold them, within their usual bounds (quanto against the reference with float32 metadata)."""
+    gen = torch.Generator().manual_seed(bits)
+    x = torch.randn(2, 2, 16, 64, generator=gen) * magnitude
+    x[..., 1] += 2 * magnitude  # an all-positive channel: a large minimum
+    q = backend(name).quantize(x, bits, 16, axis)
+    assert all(torch.isfinite(t).all() for role, t in q.tensors().items() if role != "codes")
+    if CROSSCHECKED[name] == "minmax":
+        check_minmax(name, x, bits, 16, axis, ref_meta="float32")
+    else:
+        check_own_grid(name, x, bits, 16, axis)
+
+
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_quanto_float16_overflow_raises(axis):
+    """quanto computes in the input dtype: a float16 group spanning more than 65504 has an inf scale. The
+    backend raises, naming itself, the dtype and the remedy, instead of storing it."""
+    x = torch.full((1, 1, 16, 64), 40000.0, dtype=torch.float16)
+    x[..., ::2, :] = -40000.0
+    x[..., ::3] = -40000.0
+    with pytest.raises(MetadataOverflowError) as ei:
+        backend("quanto").quantize(x, 2, 16, axis)
+    msg = str(ei.value)
+    assert "backend 'quanto'" in msg and "float16" in msg and "4e+04" in msg and "backend='torch'" in msg
+
+
+@pytest.mark.parametrize("name", sorted(CROSSCHECKED))
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), low=st.sampled_from([-65504.0, -30000.0, 0.0, 30000.0, 65000.0]))
+def test_float16_near_the_limit_never_comes_back_inf(name, seed, low):
+    """float16 groups reaching 65504: either an error at quantize time or finite values (quanto's own
+    float16 arithmetic can put the top of the grid past 65504; the backend checks it)."""
+    be = backend(name)
+    gen = torch.Generator().manual_seed(seed)
+    x = (low + torch.rand(1, 2, 16, 64, generator=gen) * (65504.0 - low)).to(torch.float16)
+    x[..., 0, :] = 65504.0
+    for bits in (2, 4):
+        for axis in ("token", "channel"):
+            try:
+                q = be.quantize(x, bits, 16, axis)
+            except MetadataOverflowError as exc:
+                assert name == "quanto" and "float16" in str(exc)
+                continue
+            assert torch.isfinite(be.dequantize(q)).all()
+
+
+@pytest.mark.parametrize("name", sorted(CROSSCHECKED))
+def test_meta_dtype_options(name):
+    """quanto keeps the input dtype ("auto" only); hqq stores float32 ("auto" or "float32")."""
+    from kvpolicy.actions.quantize import Quantize
+
+    be = backend(name)
+    allowed = {"quanto": ["auto"], "hqq": ["auto", "float32"]}[name]
+    assert list(be.capabilities.meta_dtypes) == allowed
+    for meta in ("auto", "float16", "bfloat16", "float32"):
+        action = Quantize(bits=2, group_size=16, meta_dtype=meta)
+        if meta in allowed:
+            action.check_backend(be)
+        else:
+            with pytest.raises(ConfigError, match=rf"backend '{name}' does not support meta_dtype='{meta}'"):
+                action.check_backend(be)
+    if name == "hqq":
+        x = torch.randn(1, 1, 16, 64)
+        q = be.quantize(x, 2, 16, "token", meta_dtype="float32")
+        assert q.scales.dtype == torch.float32
+        with pytest.raises(ConfigError, match="meta_dtype='float16'"):
+            be.quantize(x, 2, 16, "token", meta_dtype="float16")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -439,4 +520,5 @@ def test_docs_capability_table_matches_the_code():
             str(caps.group_size_multiple),
             ", ".join(caps.devices),
             ", ".join(str(d).removeprefix("torch.") for d in caps.dtypes),
+            ", ".join(caps.meta_dtypes),
         ], name

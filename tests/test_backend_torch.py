@@ -14,6 +14,7 @@ Layout (from the ``PackedTensor`` docstring), for ``x`` of shape ``(B, H, T, D)`
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from hypothesis import strategies as st
 
 from kvpolicy.actions.quantize import QuantizedStream
 from kvpolicy.backends.torch_backend import TorchBackend, pack, unpack
-from kvpolicy.errors import ConfigError
+from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
 
 BACKEND = TorchBackend()
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -482,3 +483,110 @@ def test_check_tensor_rejects_dtype():
     with pytest.raises(ConfigError, match=r"does not accept dtype torch.int32; it supports \[.*torch.float64"):
         BACKEND.check_tensor(torch.zeros(1, dtype=torch.int32))
     BACKEND.check_tensor(torch.zeros(1, dtype=torch.float64))  # float64 models (reference runs) are accepted
+
+
+# --------------------------------------------------------------------------------------------------
+# metadata range: float32 data beyond float16's range (meta_dtype)
+# --------------------------------------------------------------------------------------------------
+
+
+def large(shape, magnitude: float, seed: int, dtype=torch.float32) -> torch.Tensor:
+    """Standard normal data times ``magnitude`` (groups with both signs), one channel offset by it."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * magnitude
+    x[..., 1] += 2 * magnitude  # an all-positive channel: its minimum is large too
+    return x.to(dtype)
+
+
+def check_bound_meta(x: torch.Tensor, bits: int, g: int, axis: str, meta_dtype: str):
+    q = BACKEND.quantize(x, bits, g, axis, meta_dtype=meta_dtype)
+    xh = BACKEND.dequantize(q)
+    assert torch.isfinite(q.scales).all() and torch.isfinite(q.zeros).all()
+    assert torch.isfinite(xh).all()
+    s = per_element(q.scales, g, axis).double()
+    z = per_element(q.zeros, g, axis).double()
+    err = (x.double() - xh.double()).abs()
+    assert (err <= tolerance(x.double(), s, z, bits, x.dtype)).all(), float((err / s.clamp_min(1e-30)).max())
+    return q
+
+
+@pytest.mark.parametrize("magnitude", [1e5, 1e6])
+@pytest.mark.parametrize("axis", ["channel", "token"])  # keys' default axis, values' default axis
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_large_values_raise_with_default_float16_metadata(magnitude, axis, dtype):
+    x = large((1, 2, 16, 64), magnitude, seed=int(magnitude) % 97, dtype=dtype)
+    with pytest.raises(MetadataOverflowError) as ei:
+        BACKEND.quantize(x, 2, 16, axis)
+    msg = str(ei.value)
+    assert "backend 'torch'" in msg and str(dtype).removeprefix("torch.") in msg
+    assert "float16 metadata" in msg and "65504" in msg
+    assert f"{float(x.abs().max()):.4g}" in msg  # the offending magnitude
+    assert "meta_dtype='float32'" in msg and "meta_dtype='bfloat16'" in msg  # the remedy
+    assert isinstance(ei.value, NonFiniteError)
+
+
+@pytest.mark.parametrize("magnitude", [1e5, 1e6])
+@pytest.mark.parametrize("axis", ["channel", "token"])
+@pytest.mark.parametrize("meta_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("bits", BITS)
+def test_large_values_within_half_step_with_wide_metadata(magnitude, axis, meta_dtype, bits):
+    x = large((2, 2, 16, 64), magnitude, seed=bits)
+    q = check_bound_meta(x, bits, 16, axis, meta_dtype)
+    assert q.scales.dtype == q.zeros.dtype == getattr(torch, meta_dtype)
+    # the bytes held are those of the stored dtype: 4 (float32) or 2 (bfloat16) per scale and minimum
+    n_groups = x.numel() // 16
+    size = 4 if meta_dtype == "float32" else 2
+    assert q.nbytes() == {"codes": x.numel() * bits // 8, "scales": size * n_groups, "zeros": size * n_groups}
+
+
+def test_float32_metadata_is_the_exact_minimum_and_quotient():
+    """float32 metadata of float32 input: nothing to round, z = min and s = (max - min) / qmax in float32."""
+    x = large((1, 2, 8, 32), 1e6, seed=5)
+    for axis in ("token", "channel"):
+        q = BACKEND.quantize(x, 4, 8, axis, meta_dtype="float32")
+        grp = to_groups(x, 8, axis)
+        lo, hi = grp.amin(-1), grp.amax(-1)
+        assert torch.equal(q.zeros, lo)
+        assert torch.equal(q.scales, (hi - lo) / 15)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_positive_groups_beyond_float16_keep_a_finite_grid(bits, axis):
+    """A group above 65504 with a narrow enough range: the minimum rounds down to 65504 and the grid still
+    covers the group (coarser than the data warrants, but within half of the stored step)."""
+    x = (1e5 + torch.rand(1, 1, 16, 32, generator=torch.Generator().manual_seed(bits)) * 1e3).float()
+    q = check_bound_meta(x, bits, 16, axis, "auto")
+    assert q.scales.dtype == torch.float16 and (q.zeros.float() == 65504).all()
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_float16_extremes_never_overflow_float16_metadata(bits, axis):
+    """float16 input: min >= -65504 and (max - min) / qmax <= 131008 / 3 always fit, so no check runs."""
+    from kvpolicy.backends.base import metadata_may_overflow
+
+    assert not metadata_may_overflow(torch.float16, torch.float16)
+    assert metadata_may_overflow(torch.float32, torch.float16) and metadata_may_overflow(torch.float64, torch.float32)
+    x = torch.full((1, 1, 16, 32), 65504.0, dtype=torch.float16)
+    x[..., ::2, ::3] = -65504.0
+    check_bound_meta(x, bits, 16, axis, "auto")
+
+
+def test_metadata_check_leaves_non_finite_input_to_the_caller():
+    """NaN in the input makes its group's metadata NaN: that is check_finite's business (the action's
+    check_finite=False keeps it), not an overflow, so the backend does not raise."""
+    x = torch.randn(1, 1, 4, 16) * 1e5
+    x[0, 0, 0, 0] = float("nan")
+    q = BACKEND.quantize(x, 2, 16, "token")
+    assert not torch.isfinite(q.scales).all()
+
+
+@pytest.mark.parametrize("bad", ["float64", "fp16", "", None, 32])
+def test_unknown_meta_dtype_rejected(bad):
+    with pytest.raises(ConfigError, match=re.escape(f"meta_dtype={bad!r}")):
+        BACKEND.quantize(torch.randn(1, 1, 4, 16), 2, 16, "token", meta_dtype=bad)
+    with pytest.raises(ConfigError, match=re.escape(f"meta_dtype={bad!r}")):
+        BACKEND.check_meta_dtype(bad)
+    for ok in ("auto", "float16", "bfloat16", "float32"):
+        BACKEND.check_meta_dtype(ok)

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from kvpolicy.backends.base import Backend
 from kvpolicy.backends.torch_backend import PackedTensor, TorchBackend
-from kvpolicy.errors import ConfigError
+from kvpolicy.errors import ConfigError, MetadataOverflowError
 
 GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if GPU else "cpu")
@@ -140,10 +140,10 @@ def near_tie(x: torch.Tensor, q: PackedTensor) -> torch.Tensor:
     return ((y - torch.floor(y)) - 0.5).abs() <= 8 * EPS32 * (1 + y.abs())
 
 
-def compare_with_reference(x: torch.Tensor, bits: int, g: int, axis: str) -> dict[str, int]:
+def compare_with_reference(x: torch.Tensor, bits: int, g: int, axis: str, meta_dtype: str = "auto") -> dict[str, int]:
     """Quantize with both backends; return mismatch counts (asserting the documented agreement)."""
-    q = BACKEND.quantize(x, bits, g, axis)
-    r = REF.quantize(x, bits, g, axis)
+    q = BACKEND.quantize(x, bits, g, axis, meta_dtype=meta_dtype)
+    r = REF.quantize(x, bits, g, axis, meta_dtype=meta_dtype)
     assert isinstance(q, PackedTensor)
     assert (q.bits, q.group_size, q.axis, q.shape, q.dtype) == (r.bits, r.group_size, r.axis, r.shape, r.dtype)
     for name in ("codes", "scales", "zeros"):
@@ -215,6 +215,71 @@ def test_float64_inputs_follow_the_reference():
     x = (torch.randn(1, 2, 16, 64, generator=gen, dtype=torch.float64) * 5).to(DEVICE)
     for axis in ("token", "channel"):
         compare_with_reference(x, 4, 16, axis)
+
+
+def large(shape, magnitude: float, seed: int) -> torch.Tensor:
+    """float32 standard normal data times ``magnitude``, one channel all positive (a large minimum)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) * magnitude
+    x[..., 1] += 2 * magnitude
+    return x.to(DEVICE)
+
+
+@pytest.mark.parametrize("magnitude", [1e5, 1e6])
+@pytest.mark.parametrize("axis", ["channel", "token"])  # keys' default axis, values' default axis
+def test_large_float32_values_raise_with_float16_metadata(magnitude, axis):
+    x = large((1, 2, 16, 64), magnitude, seed=1)
+    with pytest.raises(MetadataOverflowError) as ei:
+        BACKEND.quantize(x, 2, 16, axis)
+    msg = str(ei.value)
+    assert "backend 'triton'" in msg and "float16 metadata" in msg and "meta_dtype='float32'" in msg
+    assert f"{float(x.abs().max()):.4g}" in msg
+
+
+@pytest.mark.parametrize("magnitude", [1e5, 1e6])
+@pytest.mark.parametrize("axis", ["channel", "token"])
+@pytest.mark.parametrize("meta_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("bits", BITS)
+def test_large_float32_values_with_wide_metadata_match_torch(magnitude, axis, meta_dtype, bits):
+    """float32 / bfloat16 metadata: the same codes and metadata as the reference, within half a step."""
+    x = large((1, 2, 16, 64), magnitude, seed=bits)
+    compare_with_reference(x, bits, 16, axis, meta_dtype=meta_dtype)
+    q = BACKEND.quantize(x, bits, 16, axis, meta_dtype=meta_dtype)
+    assert q.scales.dtype == q.zeros.dtype == getattr(torch, meta_dtype)
+    xh = BACKEND.dequantize(q)
+    assert torch.isfinite(xh).all()
+    s = per_element(q.scales, 16, axis).double()
+    assert ((xh.double() - x.double()).abs() <= s * (0.5 + 1e-5) + 4 * EPS32 * x.double().abs()).all()
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_float16_grid_top_past_65504_is_clamped(bits):
+    """float16 groups spanning -65504..65504: the scale rounded up puts the top grid point past 65504;
+    dequantize clamps it like the reference instead of writing inf."""
+    x = torch.full((1, 1, 16, 32), 65504.0, dtype=torch.float16)
+    x[..., ::2, ::3] = -65504.0
+    x = x.to(DEVICE)
+    for axis in ("token", "channel"):
+        q = BACKEND.quantize(x, bits, 16, axis)
+        assert float(q.zeros.float().min()) + ((1 << bits) - 1) * float(q.scales.float().max()) > 65504
+        assert torch.equal(BACKEND.dequantize(q), x)
+        compare_with_reference(x, bits, 16, axis)
+
+
+@pytest.mark.parametrize("meta_dtype", ["float32", "bfloat16"])
+def test_attend_reads_wide_metadata(meta_dtype):
+    """Keys per channel around 1e5 and values per token around 1e6, float32 / bfloat16 metadata: attention
+    over the stored codes (queries scaled so the scores stay moderate)."""
+    gen = torch.Generator().manual_seed(11)
+    keys = large((1, 2, 32, 64), 1e5, seed=2)
+    values = large((1, 2, 32, 64), 1e6, seed=3)
+    for key_axis, value_axis in (("channel", "token"), ("token", "channel")):
+        k = BACKEND.quantize(keys, 4, 16, key_axis, meta_dtype=meta_dtype)
+        v = BACKEND.quantize(values, 4, 16, value_axis, meta_dtype=meta_dtype)
+        query = (torch.randn(1, 2, 3, 64, generator=gen) * 1e-5).to(DEVICE)
+        out, lse = BACKEND.attend(query, k, v, 0.125)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        assert_attention_close(out, lse, k, v, query, 0.125)
 
 
 def test_codes_agreement_measured():
@@ -490,11 +555,15 @@ variants = {
     "quantize": (triton_quant.quantize_pack_kernel,
         {"x_ptr": "*i16", "codes_ptr": "*u8", "scales_ptr": "*i16", "zeros_ptr": "*i16"},
         dict(R_DIV=96, R_OUTER=12 * 96, E_STRIDE=96, G=12, GP=16, BITS=2, PER=4, NB=3, NBP=4, BLOCK_N=64,
-             IN_BF16=True, META_BF16=True)),
+             IN_BF16=True, META_BF16=True, META_F32=False)),
+    "quantize_f32_meta": (triton_quant.quantize_pack_kernel,
+        {"x_ptr": "*fp32", "codes_ptr": "*u8", "scales_ptr": "*fp32", "zeros_ptr": "*fp32"},
+        dict(R_DIV=1, R_OUTER=64, E_STRIDE=1, G=64, GP=64, BITS=4, PER=2, NB=32, NBP=32, BLOCK_N=32,
+             IN_BF16=False, META_BF16=False, META_F32=True)),
     "dequantize": (triton_quant.unpack_dequantize_kernel,
         {"codes_ptr": "*u8", "scales_ptr": "*fp16", "zeros_ptr": "*fp16", "out_ptr": "*fp16"},
         dict(R_DIV=1, R_OUTER=64, E_STRIDE=1, G=64, GP=64, BITS=4, PER=2, NB=32, BLOCK_N=32, OUT_BF16=False,
-             META_BF16=False)),
+             OUT_F16=True, META_BF16=False)),
 }
 for kivi in (True, False):
     meta = "*i16" if kivi else "*fp16"
@@ -523,7 +592,7 @@ def test_kernels_compile_for_a_cuda_target(tmp_path):
     done = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
-    assert set(lines) == {"quantize", "dequantize", "attend_kivi", "attend_other_layouts"}
+    assert set(lines) == {"quantize", "quantize_f32_meta", "dequantize", "attend_kivi", "attend_other_layouts"}
     for name, rest in lines.items():
         words = rest.split()
         assert int(words[1]) > 0, name  # a non-empty cubin

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvpolicy.actions.quantize import Quantize, QuantizedStore, QuantizedStream
 from kvpolicy.backends.torch_backend import TorchBackend
-from kvpolicy.errors import ConfigError, NonFiniteError
+from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
 
 BACKEND = TorchBackend()
 
@@ -262,3 +263,174 @@ def test_check_head_dim_suggests_only_sizes_the_backend_packs():
     with pytest.raises(ConfigError) as ei:
         Quantize(group_size=64).check_head_dim(96, multiple=4)
     assert "[4, 8, 12, 16, 24, 32, 48, 96]" in str(ei.value)
+
+
+# --------------------------------------------------------------------------------------------------
+# metadata range (meta_dtype) and the metadata check
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["float64", "half", "", None, 16, torch.float32])
+def test_meta_dtype_validation(bad):
+    with pytest.raises(ConfigError) as ei:
+        Quantize(meta_dtype=bad)
+    msg = str(ei.value)
+    assert f"meta_dtype={bad!r}" in msg and "'auto'" in msg and "'float32'" in msg
+
+
+def test_meta_dtype_in_repr_only_when_set():
+    """The repr names a cache in results (and its cell id): the default keeps the old repr."""
+    assert repr(Quantize()) == (
+        "Quantize(bits=2, group_size=64, key_axis='channel', value_axis='token', check_finite=True)"
+    )
+    assert repr(Quantize(meta_dtype="float32")).endswith("check_finite=True, meta_dtype='float32')")
+    assert Quantize(meta_dtype="float32") != Quantize()
+
+
+class _AutoOnlyBackend(TorchBackend):
+    """A backend written before ``meta_dtype`` existed: its quantize takes no such argument."""
+
+    name = "auto-only"
+    capabilities = dataclasses.replace(TorchBackend.capabilities, meta_dtypes=("auto",))
+
+    def quantize(self, x, bits, group_size, axis):  # the old signature, without meta_dtype
+        return super().quantize(x, bits, group_size, axis)
+
+
+def test_meta_dtype_checked_against_the_backend():
+    old = _AutoOnlyBackend()
+    Quantize().check_backend(old)
+    store = Quantize(bits=4, group_size=8).new_store(old, 0)  # "auto" is never passed on
+    store.add(*_kv(n=8), torch.arange(8)[None])
+    assert len(store) == 8
+    with pytest.raises(ConfigError) as ei:
+        Quantize(meta_dtype="float32").check_backend(old)
+    assert "'auto-only'" in str(ei.value) and "meta_dtype='float32'" in str(ei.value) and "['auto']" in str(ei.value)
+    for ok in ("auto", "float16", "bfloat16", "float32"):
+        Quantize(meta_dtype=ok).check_backend(BACKEND)
+
+
+def _large_kv(magnitude, n=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, 2, n, 16, generator=gen) * magnitude for _ in range(2))
+
+
+@pytest.mark.parametrize("magnitude", [1e5, 1e6])
+@pytest.mark.parametrize("which", ["keys", "values"])
+@pytest.mark.parametrize("check_finite", [True, False])
+def test_store_refuses_metadata_overflow(magnitude, which, check_finite):
+    """float32 keys (per channel) or values (per token) beyond float16's range: a clear error naming the
+    layer, the magnitude, the dtype and the remedy, whatever check_finite says; nothing is stored."""
+    store = Quantize(bits=2, group_size=8, check_finite=check_finite).new_store(BACKEND, 3)
+    k, v = _kv(n=8)
+    big = next(_large_kv(magnitude, n=8))
+    if which == "keys":
+        k = big
+    else:
+        v = big
+    with pytest.raises(MetadataOverflowError) as ei:
+        store.add(k, v, torch.arange(8)[None])
+    msg = str(ei.value)
+    assert msg.startswith(f"{which} of layer 3: backend 'torch'")
+    assert "float16 metadata" in msg and f"{float(big.abs().max()):.4g}" in msg and "meta_dtype='float32'" in msg
+    assert isinstance(ei.value, NonFiniteError)
+    assert len(store) == 0 and store.k.q is None and store.k.staging is None and store.v.q is None
+
+
+@pytest.mark.parametrize("magnitude", [1e5, 1e6])
+@pytest.mark.parametrize("meta_dtype", ["float32", "bfloat16"])
+def test_store_keeps_large_values_with_wide_metadata(magnitude, meta_dtype):
+    store = Quantize(bits=4, group_size=8, meta_dtype=meta_dtype).new_store(BACKEND, 0)
+    k, v = _large_kv(magnitude, n=20)
+    store.add(k, v, torch.arange(20)[None])
+    assert store.k.q.scales.dtype == store.v.q.zeros.dtype == getattr(torch, meta_dtype)
+    for stored, x, step in ((store.keys(), k, store.k.q.scales), (store.values(), v, store.v.q.scales)):
+        assert torch.isfinite(stored).all()
+        # within half of the largest stored step (plus float32 rounding)
+        assert (stored - x).abs().max() <= float(step.float().max()) * (0.5 + 1e-5)
+    # bytes held: the metadata at its real width (keys: 2 groups of 8 tokens x 16 channels; values: 20 tokens)
+    size = torch.finfo(getattr(torch, meta_dtype)).bits // 8
+    groups = 2 * (2 * 16) + 2 * 20 * 2
+    assert store.nbytes()["scales"] == store.nbytes()["zeros"] == size * groups
+
+
+class _BrokenMetaBackend(TorchBackend):
+    """A plugin-like backend whose metadata overflows without it noticing (no check of its own)."""
+
+    name = "broken-meta"
+
+    def quantize(self, x, bits, group_size, axis):
+        q = super().quantize(x, bits, group_size, axis)
+        q.scales[..., 0] = float("inf")
+        return q
+
+
+@pytest.mark.parametrize("which", ["keys", "values"])
+def test_check_finite_covers_the_metadata_of_any_backend(which):
+    """check_finite=True checks what the backend stored, not only its input: finite input that comes
+    back with non-finite metadata raises, naming the layer and the backend; nothing is stored."""
+    store = Quantize(bits=4, group_size=8).new_store(_BrokenMetaBackend(), 5)
+    k, v = _kv(n=8)
+    if which == "values":  # keys are fine: only the values' metadata is broken
+        store.k.backend = BACKEND
+    with pytest.raises(MetadataOverflowError) as ei:
+        store.add(k, v, torch.arange(8)[None])
+    msg = str(ei.value)
+    assert msg.startswith(f"{which} of layer 5: backend 'broken-meta'") and "non-finite scales" in msg
+    assert len(store) == 0 and store.k.q is None and store.k.staging is None and store.v.q is None
+    # switched off, the store takes the backend's word for it
+    unchecked = Quantize(bits=4, group_size=8, check_finite=False).new_store(_BrokenMetaBackend(), 5)
+    unchecked.add(k, v, torch.arange(8)[None])
+    assert len(unchecked) == 8
+
+
+def test_check_finite_catches_float32_range_overflow_of_same_range_metadata():
+    """bfloat16 input with bfloat16 metadata: only (max - min) beyond float32's range overflows, which the
+    backend does not check (no cost on the common path); check_finite does."""
+    store = Quantize(bits=2, group_size=8).new_store(BACKEND, 1)
+    k, v = _kv(n=8, dtype=torch.bfloat16)
+    v[0, 0, 3, :8] = torch.tensor([3e38, -3e38] * 4, dtype=torch.bfloat16)
+    assert torch.isfinite(v).all()
+    with pytest.raises(MetadataOverflowError, match=r"^values of layer 1: backend 'torch'.*bfloat16 metadata"):
+        store.add(k, v, torch.arange(8)[None])
+
+
+def test_cache_routes_meta_dtype_to_the_action():
+    from kvpolicy import CompressedCache
+
+    cache = CompressedCache(policy="log", action="quantize", bits=2, meta_dtype="float32")
+    assert cache.action.meta_dtype == "float32"
+    with pytest.raises(ConfigError, match=r"meta_dtype='bfloat16'"):
+        CompressedCache(policy="log", action="quantize", bits=2, meta_dtype="bfloat16", backend=_AutoOnlyBackend())
+
+
+def test_cache_with_large_float32_keys_and_values():
+    """End to end through CompressedCache: keys ~1e5 and values ~1e6 (float32) raise a clear error with
+    the default metadata; meta_dtype='float32' holds them, and memory_report counts 4-byte metadata."""
+    from kvpolicy import CompressedCache
+
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 2, 80, 64, generator=gen) * 1e5, torch.randn(1, 2, 80, 64, generator=gen) * 1e6
+
+    def run(**kw):
+        cache = CompressedCache(policy="log", window=4, action="quantize", bits=4, group_size=16, **kw)
+        cache.update(k, v, 0)
+        keys, values = cache.update(k[:, :, :1], v[:, :, :1], 0)  # demotes (quantizes) most of the prompt
+        return cache, keys, values
+
+    with pytest.raises(MetadataOverflowError, match=r"^keys of layer 0: backend 'torch'.*meta_dtype='float32'"):
+        run()
+    segments = {}
+    for meta in ("float32", "bfloat16"):
+        cache, keys, values = run(meta_dtype=meta)
+        assert keys.shape == values.shape == (1, 2, 81, 64)
+        assert torch.isfinite(keys).all() and torch.isfinite(values).all()
+        seen_k, seen_v = torch.cat([k, k[:, :, :1]], dim=2), torch.cat([v, v[:, :, :1]], dim=2)
+        # within half a step; no group's step exceeds the whole tensor's range / (2**4 - 1)
+        for got, seen in ((keys, seen_k), (values, seen_v)):
+            half_step = float(seen.max() - seen.min()) / 15 / 2
+            assert float((got - seen).abs().max()) <= half_step * (1 + 1e-3)
+        segments[meta] = cache.memory_report().segments
+    assert segments["float32"]["scales"] == 2 * segments["bfloat16"]["scales"] > 0
+    assert segments["float32"]["zeros"] == 2 * segments["bfloat16"]["zeros"] > 0
+    assert segments["float32"]["codes"] == segments["bfloat16"]["codes"]

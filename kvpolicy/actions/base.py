@@ -74,9 +74,10 @@ class Action(ABC):
     def check_backend(self, backend: Backend) -> None:  # noqa: B027 - optional hook
         """Raise :class:`~kvpolicy.errors.ConfigError` if ``backend`` cannot serve this action."""
 
-    def check_head_dim(self, head_dim: int, multiple: int = 1) -> None:  # noqa: B027 - optional hook
+    def check_head_dim(self, head_dim: int, multiple: int = 1, role: str | None = None) -> None:  # noqa: B027
         """Raise :class:`~kvpolicy.errors.ConfigError` if tensors with ``head_dim`` channels cannot be
-        stored (checked on a layer's first update); ``multiple`` is the backend's group granularity."""
+        stored (checked on a layer's first update); ``multiple`` is the backend's group granularity,
+        ``role`` ``"key"`` or ``"value"`` (``None``: both) the tensor kind. Optional hook."""
 
     @abstractmethod
     def new_store(self, backend: Backend, layer_idx: int) -> DemotedStore:

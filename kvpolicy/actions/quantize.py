@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kvpolicy.actions.base import Action, DemotedStore
-from kvpolicy.backends.base import AXES, Backend, QTensor
-from kvpolicy.errors import ConfigError, NonFiniteError
+from kvpolicy.backends.base import AXES, META_DTYPES, Backend, QTensor, check_metadata, widen_remedy
+from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
 from kvpolicy.policies.base import check_int
 
 
@@ -22,7 +23,7 @@ class Quantize(Action):
     bits : int
         Code width; which widths exist depends on the backend (``torch``: 2, 4, 8).
     group_size : int
-        Elements sharing one 16-bit scale and minimum. ``"token"`` axis: channels of one token
+        Elements sharing one scale and minimum. ``"token"`` axis: channels of one token
         (must divide ``head_dim``); ``"channel"`` axis: tokens of one channel.
     key_axis, value_axis : {"channel", "token"}
         Grouping axis of keys and values. Defaults follow KIVI (keys per channel, values per
@@ -30,8 +31,16 @@ class Quantize(Action):
         loss far more than per-channel keys. Per-channel tokens wait in a full-precision staging
         buffer until ``group_size`` of them are demoted, then are quantized once, in demotion order.
     check_finite : bool
-        Raise :class:`~kvpolicy.errors.NonFiniteError` if NaN or Inf reaches the quantizer
-        (one reduction over the demoted tokens; switch off for speed once a model is known good).
+        Raise :class:`~kvpolicy.errors.NonFiniteError` if NaN or Inf reaches the quantizer, or comes
+        out of it in the stored metadata (one reduction over the demoted tokens and one over their
+        scales and minimums; switch off for speed once a model is known good).
+    meta_dtype : {"auto", "float16", "bfloat16", "float32"}
+        The dtype of each group's scale and minimum. ``"auto"``: the backend's default (``torch``,
+        ``cpu``, ``triton``: ``bfloat16`` for ``bfloat16`` inputs, ``float16`` otherwise). float16
+        holds magnitudes up to 65504 only: float32 keys or values beyond it raise
+        :class:`~kvpolicy.errors.MetadataOverflowError` whatever ``check_finite`` says, and
+        ``"float32"`` (32 more bits per group) or ``"bfloat16"`` (same bytes, 8-bit significand)
+        stores them. Which values a backend accepts: ``Backend.capabilities.meta_dtypes``.
     """
 
     bits: int = 2
@@ -39,6 +48,7 @@ class Quantize(Action):
     key_axis: str = "channel"
     value_axis: str = "token"
     check_finite: bool = True
+    meta_dtype: str = "auto"
 
     name = "quantize"
 
@@ -53,20 +63,35 @@ class Quantize(Action):
                 raise ConfigError(f"Quantize: {param} must be one of {list(AXES)}; got {param}={value!r}")
         if not isinstance(self.check_finite, bool):
             raise ConfigError(f"Quantize: check_finite must be a bool; got check_finite={self.check_finite!r}")
+        if not isinstance(self.meta_dtype, str) or self.meta_dtype not in META_DTYPES:
+            raise ConfigError(
+                f"Quantize: meta_dtype must be one of {list(META_DTYPES)}; got meta_dtype={self.meta_dtype!r}"
+            )
+
+    def __repr__(self) -> str:
+        # meta_dtype is shown only when set: the repr names a cache in results (and their cell ids),
+        # and caches described before the parameter existed used the default
+        shown = [f.name for f in dataclasses.fields(self) if f.name != "meta_dtype" or self.meta_dtype != "auto"]
+        return f"Quantize({', '.join(f'{name}={getattr(self, name)!r}' for name in shown)})"
 
     def check_backend(self, backend: Backend) -> None:
         backend.check(bits=self.bits, group_size=self.group_size, axis=self.key_axis, role="key")
         backend.check(bits=self.bits, group_size=self.group_size, axis=self.value_axis, role="value")
+        backend.check_meta_dtype(self.meta_dtype)
 
-    def check_head_dim(self, head_dim: int, multiple: int = 4) -> None:
+    def check_head_dim(self, head_dim: int, multiple: int = 4, role: str | None = None) -> None:
         """Per-token groups split each token's channels: ``group_size`` must divide ``head_dim``.
 
-        ``multiple`` is the backend's group-size granularity, used to suggest valid sizes.
+        ``multiple`` is the backend's group-size granularity, used to suggest valid sizes. ``role``
+        (``"key"`` or ``"value"``) checks that tensor kind's axis only (models whose keys and values
+        have different head dims); ``None`` checks both.
         """
-        if (self.key_axis == "token" or self.value_axis == "token") and head_dim % self.group_size != 0:
+        axes = {"key": (self.key_axis,), "value": (self.value_axis,)}.get(role or "", (self.key_axis, self.value_axis))
+        if "token" in axes and head_dim % self.group_size != 0:
             divisors = [g for g in range(multiple, head_dim + 1, multiple) if head_dim % g == 0]
+            what = f"the {role} head_dim" if role else "head_dim"
             raise ConfigError(
-                f"Quantize: group_size={self.group_size} does not divide head_dim={head_dim} "
+                f"Quantize: group_size={self.group_size} does not divide {what}={head_dim} "
                 f"(per-token groups split each token's channels); choose one of {divisors}"
             )
 
@@ -79,29 +104,49 @@ class QuantizedStream:
 
     Tokens are quantized in the order they are appended. With ``axis="channel"`` they first wait
     in ``staging`` (full precision) until a whole group of ``group_size`` tokens is there.
+    ``meta_dtype`` is handed to ``backend.quantize`` when it is not ``"auto"``.
     """
 
-    def __init__(self, backend: Backend, bits: int, group_size: int, axis: str) -> None:
+    def __init__(self, backend: Backend, bits: int, group_size: int, axis: str, meta_dtype: str = "auto") -> None:
         self.backend = backend
         self.bits = bits
         self.group_size = group_size
         self.axis = axis
+        self.meta_dtype = meta_dtype
         self.q: QTensor | None = None
         self.staging: torch.Tensor | None = None
 
     def append(self, x: torch.Tensor) -> None:
         """Append ``x``: ``(batch, kv_heads, n, head_dim)``."""
+        self.commit(*self.prepare(x))
+
+    def prepare(self, x: torch.Tensor) -> tuple[QTensor | None, torch.Tensor | None]:
+        """Quantize what appending ``x`` makes ready, without changing the stream.
+
+        Returns
+        -------
+        block : QTensor or None
+            The newly quantized tokens (``None`` when a per-channel group is not complete yet).
+        staging : torch.Tensor or None
+            The staging buffer after the append, ``(batch, kv_heads, n_staged, head_dim)``.
+        """
         if self.axis == "token":
-            self._push(self.backend.quantize(x, self.bits, self.group_size, "token"))
-            return
+            return self._quantize(x), self.staging
         staged = x if self.staging is None else torch.cat([self.staging, x], dim=2)
         ready = staged.shape[2] - staged.shape[2] % self.group_size
-        if ready:
-            self._push(self.backend.quantize(staged[:, :, :ready].contiguous(), self.bits, self.group_size, "channel"))
-        self.staging = staged[:, :, ready:].contiguous() if ready < staged.shape[2] else None
+        block = self._quantize(staged[:, :, :ready].contiguous()) if ready else None
+        return block, staged[:, :, ready:].contiguous() if ready < staged.shape[2] else None
 
-    def _push(self, block: QTensor) -> None:
-        self.q = block if self.q is None else self.backend.cat([self.q, block])
+    def commit(self, block: QTensor | None, staging: torch.Tensor | None) -> None:
+        """Store what :meth:`prepare` returned."""
+        if block is not None:
+            self.q = block if self.q is None else self.backend.cat([self.q, block])
+        self.staging = staging
+
+    def _quantize(self, x: torch.Tensor) -> QTensor:
+        if self.meta_dtype == "auto":  # backends that do not declare meta_dtype need not accept it
+            return self.backend.quantize(x, self.bits, self.group_size, self.axis)
+        return self.backend.quantize(x, self.bits, self.group_size, self.axis, meta_dtype=self.meta_dtype)  # type: ignore[call-arg]
 
     def read(self) -> torch.Tensor:
         """All held tokens in append order, ``(batch, kv_heads, n, head_dim)``."""
@@ -146,8 +191,8 @@ class QuantizedStore(DemotedStore):
     def __init__(self, action: Quantize, backend: Backend, layer_idx: int) -> None:
         self.action = action
         self.layer_idx = layer_idx
-        self.k = QuantizedStream(backend, action.bits, action.group_size, action.key_axis)
-        self.v = QuantizedStream(backend, action.bits, action.group_size, action.value_axis)
+        self.k = QuantizedStream(backend, action.bits, action.group_size, action.key_axis, action.meta_dtype)
+        self.v = QuantizedStream(backend, action.bits, action.group_size, action.value_axis, action.meta_dtype)
         self.positions = torch.empty(1, 0, dtype=torch.long)
 
     def _check_finite(self, x: torch.Tensor, what: str) -> None:
@@ -159,12 +204,37 @@ class QuantizedStore(DemotedStore):
                 "(e.g. fp16 overflow), or pass check_finite=False to skip this check."
             )
 
+    def _prepare(
+        self, stream: QuantizedStream, x: torch.Tensor, what: str
+    ) -> tuple[QTensor | None, torch.Tensor | None]:
+        """:meth:`QuantizedStream.prepare`, the metadata checked when ``check_finite`` is on."""
+        try:
+            block, staging = stream.prepare(x)
+        except MetadataOverflowError as exc:
+            raise MetadataOverflowError(f"{what} of layer {self.layer_idx}: {exc}") from None
+        if block is not None and self.action.check_finite:
+            # whatever the backend checks itself: finite input (checked in add) must not come back as
+            # non-finite scales or minimums
+            meta = {role: t for role, t in block.tensors().items() if t.is_floating_point()}
+            if meta and not bool(torch.isfinite(torch.cat([t.reshape(-1) for t in meta.values()])).all()):
+                narrowest = min((t.dtype for t in meta.values()), key=lambda d: torch.finfo(d).max)
+                remedy = widen_remedy(narrowest, stream.backend.capabilities.meta_dtypes)
+                quantized = x if stream.staging is None else torch.cat([stream.staging, x], dim=2)
+                try:
+                    check_metadata(stream.backend.name, quantized, meta, remedy)
+                except MetadataOverflowError as exc:
+                    raise MetadataOverflowError(f"{what} of layer {self.layer_idx}: {exc}") from None
+        return block, staging
+
     def add(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         if self.action.check_finite:
             self._check_finite(keys, "keys")
             self._check_finite(values, "values")
-        self.k.append(keys)
-        self.v.append(values)
+        # both quantized before either is stored: an error leaves the store as it was
+        k = self._prepare(self.k, keys, "keys")
+        v = self._prepare(self.v, values, "values")
+        self.k.commit(*k)
+        self.v.commit(*v)
         self.positions = torch.cat([self.positions.to(positions.device), positions], dim=1)
 
     def keys(self) -> torch.Tensor:

@@ -14,9 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpolicy.errors import ConfigError
+from kvpolicy.errors import ConfigError, MetadataOverflowError
 
 AXES = ("token", "channel")
+#: ``meta_dtype`` values of :class:`~kvpolicy.actions.quantize.Quantize`: ``"auto"`` (each backend's
+#: default) or the name of the dtype scales and minimums are stored in
+META_DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,13 @@ class Capabilities:
         Device types the kernels run on.
     dtypes : tuple of torch.dtype
         Input dtypes accepted.
+    fused : bool
+        Whether the fused decode path (:mod:`kvpolicy.fused`) can read this backend's blocks
+        (``attend`` over blocks that ``QTensor.narrow`` can cut to whole groups). Without it,
+        ``attention="auto"`` materialises the history and ``attention="fused"`` is refused.
+    meta_dtypes : tuple of str
+        ``meta_dtype`` values accepted (see :data:`META_DTYPES`); ``("auto",)``: the backend stores its
+        metadata its own way and takes no ``meta_dtype`` argument.
     """
 
     bits: tuple[int, ...]
@@ -43,6 +53,8 @@ class Capabilities:
     group_size_multiple: int
     devices: tuple[str, ...]
     dtypes: tuple[torch.dtype, ...]
+    fused: bool = True
+    meta_dtypes: tuple[str, ...] = ("auto",)
 
 
 def dense_attention(
@@ -57,6 +69,67 @@ def dense_attention(
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values.float())
     return out, lse
+
+
+def metadata_may_overflow(dtype: torch.dtype, meta: torch.dtype) -> bool:
+    """Whether finite input of ``dtype`` can give scales or minimums beyond the range of ``meta``.
+
+    True when ``meta`` holds smaller magnitudes than ``dtype`` (float32 or float64 input with float16
+    metadata, float32 input with bfloat16, float64 input with any). Otherwise only groups within a
+    factor of about 2 of float32's maximum can overflow (``max - min`` in float32).
+    """
+    return torch.finfo(meta).max < torch.finfo(dtype).max
+
+
+def check_metadata(backend: str, x: torch.Tensor, meta: dict[str, torch.Tensor], remedy: str) -> None:
+    """Raise :class:`~kvpolicy.errors.MetadataOverflowError` if finite ``x`` gave non-finite metadata.
+
+    One reduction over the metadata (``1 / G`` of the input) and one host synchronisation. When the
+    metadata is not finite because ``x`` itself is not (NaN / Inf input), nothing is raised: refusing
+    non-finite input is the caller's choice (``Quantize(check_finite=True)`` does it before quantizing).
+
+    Parameters
+    ----------
+    backend : str
+        The backend's name, for the message.
+    x : torch.Tensor
+        ``(batch, kv_heads, tokens, head_dim)``, the input just quantized.
+    meta : dict of str to torch.Tensor
+        The floating-point metadata held for ``x``, by role (``scales``, ``zeros``), any shapes.
+    remedy : str
+        What the user can do, appended to the message.
+    """
+    if not meta:
+        return
+    if bool(torch.isfinite(torch.cat([t.reshape(-1) for t in meta.values()])).all()):  # one reduction
+        return
+    if not bool(torch.isfinite(x).all()):
+        return
+    counts = ", ".join(f"{n} non-finite {name}" for name, t in meta.items() if (n := int((~torch.isfinite(t)).sum())))
+    dtypes = "/".join(sorted({str(t.dtype).removeprefix("torch.") for t in meta.values()}))
+    limit = min(torch.finfo(t.dtype).max for t in meta.values())
+    amax = float(x.detach().abs().amax()) if x.numel() else 0.0
+    raise MetadataOverflowError(
+        f"backend {backend!r}: quantizing finite {str(x.dtype).removeprefix('torch.')} values (largest |value| "
+        f"{amax:.4g}) gave {counts} in {dtypes} metadata, which holds magnitudes up to {limit:.6g} (a group's "
+        f"minimum, and its scale (max - min) / (2**bits - 1), must fit); dequantizing would give NaN/Inf. {remedy}"
+    )
+
+
+def widen_remedy(meta: torch.dtype, supported: tuple[str, ...]) -> str:
+    """What to do when metadata overflowed in ``meta``, given the ``meta_dtype`` values supported."""
+    wider = [n for n in ("float32", "bfloat16") if n in supported and str(meta) != f"torch.{n}"]
+    if meta == torch.float16 and wider:
+        options = " or ".join(f"meta_dtype={n!r}" for n in wider)
+        return (
+            f"Store the metadata with float32's range: {options} (Quantize(meta_dtype='float32') or "
+            "CompressedCache(..., meta_dtype='float32'); float32 costs 32 more bits per group, bfloat16 the "
+            "same bytes as float16 with an 8-bit significand)."
+        )
+    return (
+        "Magnitudes this close to float32's limit (3.4e38) mean the model's keys/values are overflowing; "
+        "check the model and the dtype it runs in."
+    )
 
 
 class QTensor(ABC):
@@ -120,6 +193,16 @@ class Backend(ABC):
             Elements per (scale, min) pair.
         axis : {"token", "channel"}
             Grouping axis.
+        meta_dtype : str, optional
+            The dtype scales and minimums are stored in, one of :data:`META_DTYPES`. Callers pass it
+            (as a keyword) only when it is not ``"auto"``, and only to a backend whose
+            ``capabilities.meta_dtypes`` lists it: backends that do not declare it need not accept it.
+
+        Raises
+        ------
+        MetadataOverflowError
+            If finite ``x`` would be stored with non-finite metadata. The built-in backends check
+            (:func:`check_metadata`) wherever finite input can overflow their metadata dtype.
         """
 
     @abstractmethod
@@ -182,6 +265,14 @@ class Backend(ABC):
         if group_size % mult != 0:
             raise ConfigError(
                 f"backend {self.name!r} needs group_size to be a multiple of {mult}; got group_size={group_size}"
+            )
+
+    def check_meta_dtype(self, meta_dtype: str) -> None:
+        """Raise :class:`ConfigError` if this backend cannot store metadata as ``meta_dtype`` asks."""
+        supported = self.capabilities.meta_dtypes
+        if meta_dtype not in supported:
+            raise ConfigError(
+                f"backend {self.name!r} does not support meta_dtype={meta_dtype!r}; it supports {list(supported)}"
             )
 
     def check_tensor(self, x: torch.Tensor) -> None:

@@ -9,15 +9,16 @@ reductions: per key group, scores are ``(q ⊙ s) · codes + q · z``; per token
 (batch, kv head, token split).
 
 The kernel covers one layout: **keys grouped per channel, values grouped per token** (the default,
-KIVI's), **2 or 4 bits**. Other layouts or widths are refused when a cache is built (``check``), not
-run some other way: use ``backend="torch"`` for them.
+KIVI's), **2 or 4 bits**, with float16, bfloat16 or float32 metadata (every ``meta_dtype``). Other
+layouts or widths are refused when a cache is built (``check``), not run some other way: use
+``backend="torch"`` for them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvpolicy.backends.base import Capabilities, QTensor
+from kvpolicy.backends.base import META_DTYPES, Capabilities, QTensor
 from kvpolicy.backends.torch_backend import PackedTensor, TorchBackend, per_head_views
 from kvpolicy.errors import ConfigError
 from kvpolicy.kernels import cpu_attention
@@ -43,6 +44,7 @@ class CpuBackend(TorchBackend):
         group_size_multiple=4,
         devices=("cpu",),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        meta_dtypes=META_DTYPES,
     )
 
     def __init__(self) -> None:

@@ -12,8 +12,11 @@ Each group is handed to HQQ as a column of a ``(G, n_groups)`` matrix with HQQ `
 HQQ packs along the group members: the packed codes are ``(G * bits / 8, n_groups)`` ``uint8``
 (3 bits: ``(ceil(G / 10), n_groups)`` ``int32``, ten codes per word), and columns can be
 concatenated along tokens and indexed by batch without unpacking. Scale and zero are stored in
-the input dtype, one each per group (zero in code units, ``z = -min / s``). Bits per element for
-16-bit inputs: ``bits + 32 / G`` (3 bits: ``32 * ceil(G / 10) / G + 32 / G``).
+float32, one each per group (zero in code units, ``z = -min / s``; ``meta_dtype`` ``"auto"`` or
+``"float32"``, the same thing). Bits per element: ``bits + 64 / G`` (3 bits:
+``32 * ceil(G / 10) / G + 64 / G``). HQQ computes in the input dtype; the float32 metadata is checked
+after every quantize (:class:`~kvpolicy.errors.MetadataOverflowError` rather than NaN / Inf; cheap
+next to HQQ's optimiser).
 
 Column order: ``axis="token"``: ``(b, h, t, j)`` for the group of channels ``j*G:(j+1)*G`` of
 token ``t``; ``axis="channel"``: ``(b, h, i, d)`` for the group of tokens ``i*G:(i+1)*G`` of
@@ -28,7 +31,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvpolicy.backends._optional import require
-from kvpolicy.backends.base import AXES, Backend, Capabilities, QTensor
+from kvpolicy.backends.base import AXES, Backend, Capabilities, QTensor, check_metadata
+from kvpolicy.errors import ConfigError
 
 
 @dataclass
@@ -87,6 +91,12 @@ def _uncolumns(w: torch.Tensor, axis: str, shape: tuple[int, int, int, int]) -> 
     return w.reshape(g, b, h, t // g, d).permute(1, 2, 3, 0, 4).reshape(shape)
 
 
+_REMEDY = (
+    "HQQ's optimiser runs in the input dtype; run the model in float32, or use backend='torch' with "
+    "meta_dtype='float32'."
+)
+
+
 class HQQBackend(Backend):
     """HQQ group-wise quantization with its zero-point optimiser (``pip install "kvpolicy[hqq]"``).
 
@@ -102,21 +112,36 @@ class HQQBackend(Backend):
         group_size_multiple=8,
         devices=("cpu", "cuda"),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        meta_dtypes=("auto", "float32"),
+        fused=False,  # its blocks cannot be narrowed to whole groups (QTensor.narrow)
     )
 
     def __init__(self) -> None:
         self._quantizer = require("hqq.core.quantize", self.name, "hqq").Quantizer
 
-    def quantize(self, x: torch.Tensor, bits: int, group_size: int, axis: str) -> HQQTensor:
+    def quantize(self, x: torch.Tensor, bits: int, group_size: int, axis: str, meta_dtype: str = "auto") -> HQQTensor:
+        """:meth:`Backend.quantize`; the metadata is float32 whatever ``meta_dtype`` (``"auto"`` or ``"float32"``).
+
+        Raises
+        ------
+        MetadataOverflowError
+            If finite ``x`` gives a non-finite scale or zero-point.
+        """
+        if meta_dtype not in self.capabilities.meta_dtypes:
+            raise ConfigError(
+                f"backend 'hqq' stores float32 metadata; meta_dtype must be one of "
+                f"{list(self.capabilities.meta_dtypes)}; got meta_dtype={meta_dtype!r}"
+            )
         self.check(bits=bits, group_size=group_size, axis=axis)
         w = _columns(x, group_size, axis)
         codes, meta = self._quantizer.quantize(
             w, nbits=bits, channel_wise=True, group_size=group_size, optimize=True, axis=0,
             bitpack=True, compute_dtype=x.dtype, device=x.device,
         )  # fmt: skip
+        scales, zeros = meta["scale"].float(), meta["zero"].float()
+        check_metadata(self.name, x, {"scales": scales, "zeros": zeros}, _REMEDY)
         return HQQTensor(
-            codes, meta["scale"].float(), meta["zero"].float(), bits, group_size, axis,
-            meta["packing"], tuple(x.shape), x.dtype,  # type: ignore[arg-type]
+            codes, scales, zeros, bits, group_size, axis, meta["packing"], tuple(x.shape), x.dtype,  # type: ignore[arg-type]
         )  # fmt: skip
 
     def _meta(self, q: HQQTensor) -> dict:

@@ -11,7 +11,10 @@ axis ``0`` (``group_size`` consecutive channels of one token), ``axis="channel"`
 Storage per group: codes packed ``8 // bits`` per ``uint8`` (quanto packs along the first axis
 of its grouped view, padding it to a multiple of ``8 // bits``), one scale and one shift in the
 input dtype (2 bytes each for 16-bit inputs, 4 for float32). Bits per element for 16-bit inputs:
-``bits + 32 / G``.
+``bits + 32 / G``. The metadata dtype follows the input (``meta_dtype="auto"`` only). For float16
+inputs the scale, shift and top grid point (``scale * (2**bits - 1) - shift``, as quanto dequantizes)
+are checked after quantizing: a group spanning more than 65504, or whose top grid point rounds past
+65504, raises :class:`~kvpolicy.errors.MetadataOverflowError` instead of storing or returning ``inf``.
 
 quanto's packing interleaves groups, so blocks cannot be concatenated byte-wise: :meth:`cat` and
 ``map_batch`` unpack the stored codes, rearrange them and pack them again (codes, scales and
@@ -32,11 +35,17 @@ from typing import Any
 import torch
 
 from kvpolicy.backends._optional import require
-from kvpolicy.backends.base import AXES, Backend, Capabilities, QTensor
+from kvpolicy.backends.base import AXES, Backend, Capabilities, QTensor, check_metadata
 from kvpolicy.errors import ConfigError
 
 #: quanto grouping axis for each kvpolicy axis
 QUANTO_AXIS = {"token": 0, "channel": -1}
+_FP16_REMEDY = (
+    "quanto computes a group's scale (max - min) / (2**bits - 1) and its grid (scale * code - shift) in the "
+    "input dtype, so float16 groups spanning about 65504, or reaching near +-65504, overflow; use "
+    "backend='torch' (it computes in float32 and holds every float16 group), or run the model in bfloat16 or "
+    "float32."
+)
 
 
 @dataclass
@@ -118,6 +127,7 @@ class QuantoBackend(Backend):
         group_size_multiple=1,
         devices=("cpu", "cuda", "mps"),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        fused=False,  # its blocks cannot be narrowed to whole groups (QTensor.narrow)
     )
 
     def __init__(self) -> None:
@@ -165,6 +175,13 @@ class QuantoBackend(Backend):
         # optimized=False: always the kernel-agnostic WeightQBitsTensor (quanto would otherwise pick
         # AWQ/TinyGemm layouts for some 2-D shapes, which this container does not know)
         qt = self._quantize_weight(x, qtype, qaxis, scale, shift, group_size, optimized=False)
+        if x.dtype == torch.float16:
+            # quanto computes in the input dtype: max - min of a float16 group wider than 65504 is an inf
+            # scale, and dequantizing (scale * code, then - shift) can pass 65504 at the top code even with
+            # a finite scale; that top grid point is checked as quanto computes it
+            top = qt._scale * ((1 << bits) - 1) - qt._shift
+            meta = {"scales": qt._scale, "zeros": qt._shift, "top grid points": top}
+            check_metadata(self.name, x, meta, _FP16_REMEDY)
         return QuantoTensor(qt, bits, group_size, axis, tuple(x.shape), x.dtype)  # type: ignore[arg-type]
 
     def dequantize(self, q: QuantoTensor) -> torch.Tensor:  # type: ignore[override]

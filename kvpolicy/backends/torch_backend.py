@@ -1,11 +1,18 @@
 """The ``torch`` backend: pure-PyTorch asymmetric min-max quantization with real bit packing.
 
-Codes are packed ``8 // bits`` to a ``uint8``; each group stores a 16-bit scale and a 16-bit minimum
-(``bfloat16`` for ``bfloat16`` inputs, ``float16`` otherwise). Bits per element: ``bits + 32 / G``.
+Codes are packed ``8 // bits`` to a ``uint8``; each group stores a scale and a minimum, by default
+16-bit (``meta_dtype="auto"``: ``bfloat16`` for ``bfloat16`` inputs, ``float16`` otherwise; bits per
+element ``bits + 32 / G``), or in the dtype ``meta_dtype`` names (``"float16"``, ``"bfloat16"``,
+``"float32"``: ``bits + 64 / G``).
 
-Rounding of the 16-bit metadata is directed so the error bound survives it: the minimum is rounded
-down and the scale up, so the representable range ``[min16, min16 + (2**bits - 1) * s16]`` always
-covers the group, and ``|x - x_hat| <= s16 / 2`` (plus the rounding of the output dtype).
+Rounding of the metadata is directed so the error bound survives it: the minimum is rounded down and
+the scale up, so the representable range ``[min16, min16 + (2**bits - 1) * s16]`` always covers the
+group, and ``|x - x_hat| <= s16 / 2`` (plus the rounding of the output dtype).
+
+Where finite input can overflow the metadata dtype (float32 / float64 input with float16 metadata:
+a group minimum below -65504 or a scale above 65504; see
+:func:`~kvpolicy.backends.base.metadata_may_overflow`), the metadata is checked after the cast and
+:class:`~kvpolicy.errors.MetadataOverflowError` raised instead of storing NaN / Inf.
 """
 
 from __future__ import annotations
@@ -15,7 +22,17 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpolicy.backends.base import AXES, Backend, Capabilities, QTensor
+from kvpolicy.backends.base import (
+    AXES,
+    META_DTYPES,
+    Backend,
+    Capabilities,
+    QTensor,
+    check_metadata,
+    metadata_may_overflow,
+    widen_remedy,
+)
+from kvpolicy.errors import ConfigError
 
 
 @dataclass
@@ -28,7 +45,8 @@ class PackedTensor(QTensor):
         ``uint8``. Token axis: ``(batch, kv_heads, tokens, head_dim // G, G * bits // 8)``.
         Channel axis: ``(batch, kv_heads, tokens // G, head_dim, G * bits // 8)``.
     scales, zeros : torch.Tensor
-        16-bit, the codes' shape without the last dimension.
+        The codes' shape without the last dimension, in the metadata dtype (``float16``,
+        ``bfloat16`` or ``float32``: see :func:`resolve_meta_dtype`).
     """
 
     codes: torch.Tensor
@@ -87,9 +105,40 @@ def per_head_views(q: PackedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return codes, scales, zeros
 
 
+#: ``meta_dtype`` names -> the dtype scales and minimums are stored in
+META_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+#: the largest finite float16 (float16 outputs of ``dequantize`` are clamped to it)
+FP16_MAX = torch.finfo(torch.float16).max
+
+
 def meta_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The 16-bit dtype used for scales and minimums of a tensor of ``dtype``."""
+    """The default (``meta_dtype="auto"``) 16-bit dtype of scales and minimums of a tensor of ``dtype``."""
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
+
+
+def resolve_meta_dtype(option: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype scales and minimums of a ``dtype`` tensor are stored in under ``meta_dtype=option``.
+
+    Raises
+    ------
+    ConfigError
+        If ``option`` is not one of :data:`~kvpolicy.backends.base.META_DTYPES`.
+    """
+    if option == "auto":
+        return meta_dtype(dtype)
+    if option not in META_TORCH_DTYPES:
+        raise ConfigError(f"meta_dtype must be one of {list(META_DTYPES)}; got meta_dtype={option!r}")
+    return META_TORCH_DTYPES[option]
+
+
+def metadata_check(backend: Backend, x: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+    """:func:`~kvpolicy.backends.base.check_metadata` of a freshly quantized ``PackedTensor``'s
+    metadata, run only where finite ``x`` can overflow it (no cost, no synchronisation otherwise)."""
+    if metadata_may_overflow(x.dtype, scales.dtype):
+        remedy = widen_remedy(scales.dtype, backend.capabilities.meta_dtypes)
+        check_metadata(backend.name, x, {"scales": scales, "zeros": zeros}, remedy)
 
 
 def _round_down(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -178,18 +227,37 @@ class TorchBackend(Backend):
         group_size_multiple=4,
         devices=("cpu", "cuda", "mps", "xpu"),
         dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64),
+        meta_dtypes=META_DTYPES,
     )
 
-    def quantize(self, x: torch.Tensor, bits: int, group_size: int, axis: str) -> PackedTensor:
+    def quantize(
+        self, x: torch.Tensor, bits: int, group_size: int, axis: str, meta_dtype: str = "auto"
+    ) -> PackedTensor:
+        """:meth:`Backend.quantize`; ``meta_dtype`` selects the metadata dtype (:func:`resolve_meta_dtype`).
+
+        Raises
+        ------
+        MetadataOverflowError
+            If finite ``x`` gives a non-finite scale or minimum in the metadata dtype.
+        """
+        mdt = resolve_meta_dtype(meta_dtype, x.dtype)
         shape = tuple(x.shape)
         g = _grouped(x, group_size, axis)
-        codes, scales, zeros = quantize_groups(g, bits, meta_dtype(x.dtype))
+        codes, scales, zeros = quantize_groups(g, bits, mdt)
+        metadata_check(self, x, scales, zeros)
         # contiguous storage: unpacking a transposed (per-channel) view is markedly slower on CPU
         packed = pack(codes, bits).contiguous()
         return PackedTensor(packed, scales.contiguous(), zeros.contiguous(), bits, group_size, axis, shape, x.dtype)  # type: ignore[arg-type]
 
     def dequantize(self, q: PackedTensor) -> torch.Tensor:  # type: ignore[override]
-        return _ungrouped(dequantize_groups(q), q.axis, q.shape).to(q.dtype)
+        """:meth:`Backend.dequantize`. float16 outputs are clamped to ``±65504`` first: the top of a
+        group's grid (``min + qmax * s``, the scale rounded up) can pass 65504 by a few ulps when the
+        group's maximum is within that of it, and would otherwise come back as ``inf``. Clamping moves
+        such an element towards its input, so the error bound holds."""
+        out = _ungrouped(dequantize_groups(q), q.axis, q.shape)
+        if q.dtype == torch.float16:
+            out = out.clamp_(-FP16_MAX, FP16_MAX)
+        return out.to(q.dtype)
 
     def attend(  # type: ignore[override]
         self, query: torch.Tensor, keys: PackedTensor, values: PackedTensor, scale: float

@@ -19,8 +19,14 @@ import dataclasses
 
 import torch
 
-from kvpolicy.backends.base import AXES, Backend, Capabilities, QTensor
-from kvpolicy.backends.torch_backend import PackedTensor, TorchBackend, meta_dtype, per_head_views
+from kvpolicy.backends.base import AXES, META_DTYPES, Backend, Capabilities, QTensor
+from kvpolicy.backends.torch_backend import (
+    PackedTensor,
+    TorchBackend,
+    metadata_check,
+    per_head_views,
+    resolve_meta_dtype,
+)
 from kvpolicy.errors import ConfigError
 from kvpolicy.kernels import triton_runtime
 from kvpolicy.kernels.triton_runtime import next_pow2
@@ -59,6 +65,7 @@ class TritonBackend(Backend):
         group_size_multiple=4,
         devices=("cuda", "cpu"),
         dtypes=_DTYPES,
+        meta_dtypes=META_DTYPES,
     )
 
     def __init__(self) -> None:
@@ -117,7 +124,13 @@ class TritonBackend(Backend):
 
     # ------------------------------------------------------------------ Backend
 
-    def quantize(self, x: torch.Tensor, bits: int, group_size: int, axis: str) -> PackedTensor:
+    def quantize(
+        self, x: torch.Tensor, bits: int, group_size: int, axis: str, meta_dtype: str = "auto"
+    ) -> PackedTensor:
+        """:meth:`Backend.quantize` in one kernel; ``meta_dtype`` as for the ``torch`` backend
+        (:func:`~kvpolicy.backends.torch_backend.resolve_meta_dtype`), checked the same way
+        (:class:`~kvpolicy.errors.MetadataOverflowError` where finite input can overflow it)."""
+        mdt = resolve_meta_dtype(meta_dtype, x.dtype)
         if not isinstance(group_size, int) or group_size < 1:
             raise ConfigError(f"backend 'triton': group_size must be a positive integer; got group_size={group_size!r}")
         self.check(bits=bits, group_size=group_size, axis=axis)
@@ -137,7 +150,6 @@ class TritonBackend(Backend):
         shape = (b, h, t, d)
         x = x.contiguous()
         per = 8 // bits
-        mdt = meta_dtype(x.dtype)
         n_groups, r_div, r_outer, e_stride = self._group_walk(shape, group_size, axis)
         lead = (b, h, t, d // group_size) if axis == "token" else (b, h, t // group_size, d)
         codes = torch.empty((*lead, group_size // per), dtype=torch.uint8, device=x.device)
@@ -151,8 +163,10 @@ class TritonBackend(Backend):
                 self._bits_view(x), codes, self._bits_view(scales), self._bits_view(zeros),
                 n_groups, R_DIV=r_div, R_OUTER=r_outer, E_STRIDE=e_stride,
                 G=group_size, GP=gp, BITS=bits, PER=per, NB=group_size // per, NBP=gp // per, BLOCK_N=block_n,
-                IN_BF16=x.dtype == torch.bfloat16, META_BF16=mdt == torch.bfloat16, **opts,
+                IN_BF16=x.dtype == torch.bfloat16, META_BF16=mdt == torch.bfloat16, META_F32=mdt == torch.float32,
+                **opts,
             )  # fmt: skip
+        metadata_check(self, x, scales, zeros)
         return PackedTensor(codes, scales, zeros, bits, group_size, axis, shape, x.dtype)  # type: ignore[arg-type]
 
     def dequantize(self, q: PackedTensor) -> torch.Tensor:  # type: ignore[override]
@@ -168,7 +182,8 @@ class TritonBackend(Backend):
                 q.codes.contiguous(), self._bits_view(q.scales.contiguous()), self._bits_view(q.zeros.contiguous()),
                 self._bits_view(out), n_groups, R_DIV=r_div, R_OUTER=r_outer, E_STRIDE=e_stride,
                 G=q.group_size, GP=gp, BITS=q.bits, PER=per, NB=q.group_size // per, BLOCK_N=block_n,
-                OUT_BF16=q.dtype == torch.bfloat16, META_BF16=q.scales.dtype == torch.bfloat16, **opts,
+                OUT_BF16=q.dtype == torch.bfloat16, OUT_F16=q.dtype == torch.float16,
+                META_BF16=q.scales.dtype == torch.bfloat16, **opts,
             )  # fmt: skip
         return out
 

@@ -3,7 +3,8 @@
 // Storage: the "torch" backend's PackedTensor. Keys grouped per channel: codes (B, H, n/GK, D, GK*KB/8),
 // scales/minimums (B, H, n/GK, D); values grouped per token: codes (B, H, n, DV/GV, GV*VB/8),
 // scales/minimums (B, H, n, DV/GV). Codes are packed 8/bits per byte, lowest bits first; metadata is
-// float16 or bfloat16. Each (batch, head) slice must be contiguous; batch and head strides are free.
+// float16, bfloat16 or float32 (keys and values alike). Each (batch, head) slice must be contiguous;
+// batch and head strides are free.
 //
 // One work item = one (batch, head, token split). It walks the key groups of its split (a tile of GK
 // tokens each): scores (q*s)·codes + q·z from the codes, an online softmax, then the values of the
@@ -230,9 +231,11 @@ std::vector<at::Tensor> attend(at::Tensor q, at::Tensor kc, at::Tensor ks, at::T
   float* pl = part_lse.data_ptr<float>();
   if (ks.scalar_type() == at::kHalf) {
     dispatch_bits<c10::Half>(kbits, vbits, qp, K, V, s, bh, n_tiles, per, splits, po, pl);
-  } else {
-    TORCH_CHECK(ks.scalar_type() == at::kBFloat16, "metadata must be float16 or bfloat16");
+  } else if (ks.scalar_type() == at::kBFloat16) {
     dispatch_bits<c10::BFloat16>(kbits, vbits, qp, K, V, s, bh, n_tiles, per, splits, po, pl);
+  } else {
+    TORCH_CHECK(ks.scalar_type() == at::kFloat, "metadata must be float16, bfloat16 or float32");
+    dispatch_bits<float>(kbits, vbits, qp, K, V, s, bh, n_tiles, per, splits, po, pl);
   }
   if (splits == 1) return {part_out.view({B, H, nq, DV}), part_lse.view({B, H, nq})};
   at::Tensor out = at::empty({B, H, nq, DV}, opts);

@@ -83,7 +83,7 @@ def decode_attention_kernel(
     """Partial attention of one split.
 
     ``q_ptr``: float32 ``(B*H, n_q, D)``; ``kc/vc``: packed ``uint8`` codes; ``ks/kz/vs/vz``: metadata
-    (``int16`` views of bf16 when ``*_BF16``, else float16), with batch / head strides ``*_sb``/``*_sh``
+    (``int16`` views of bf16 when ``*_BF16``, else float16 or float32), with batch / head strides ``*_sb``/``*_sh``
     (``kc``: key codes, ``km``: key scales and minimums, likewise ``vc``, ``vm``). Writes ``out_ptr``: float32
     ``(B*H, splits, n_q, DV)`` (normalised within the split) and ``lse_ptr``: ``(B*H, splits, n_q)``
     (``-inf`` for a split without tokens). ``TILE`` real tokens per tile (``K_G`` when

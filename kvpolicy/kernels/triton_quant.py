@@ -1,6 +1,7 @@
 """Triton kernels: asymmetric min-max quantize + bit-pack, and unpack + dequantize.
 
-Both work on *groups*: ``n_groups`` runs of ``G`` elements that share one 16-bit scale and minimum.
+Both work on *groups*: ``n_groups`` runs of ``G`` elements that share one scale and minimum (float16,
+bfloat16 or float32 metadata).
 Group ``r`` starts at element ``(r // R_DIV) * R_OUTER + r % R_DIV`` of the contiguous input and its
 members are ``E_STRIDE`` elements apart, which covers both layouts of
 :class:`~kvpolicy.backends.torch_backend.PackedTensor` for ``x`` of shape ``(B, H, T, D)``:
@@ -13,7 +14,8 @@ Codes, scales and minimums are stored group after group (``(n_groups, G * BITS /
 ``PER = 8 // BITS`` to a byte, lowest bits first.
 
 The arithmetic follows the ``torch`` reference operation for operation, in float32: the minimum is
-rounded *down* and the scale ``(max - min16) / qmax`` rounded *up* to the 16-bit metadata dtype,
+rounded *down* and the scale ``(max - min16) / qmax`` rounded *up* to the metadata dtype (a no-op for
+float32 metadata),
 ``code = clamp(round_half_even((x - min16) * (1 / scale16)), 0, qmax)`` (``1 / 0`` taken as 0), and
 ``x_hat = code * scale16 + min16`` (two roundings: launch with ``enable_fp_fusion=False``).
 
@@ -53,12 +55,14 @@ def quantize_pack_kernel(
     BLOCK_N: tl.constexpr,
     IN_BF16: tl.constexpr,
     META_BF16: tl.constexpr,
+    META_F32: tl.constexpr,
 ):
     """Quantize ``BLOCK_N`` groups per program.
 
     ``x_ptr``: the input (``int16`` view when ``IN_BF16``); ``codes_ptr``: ``uint8`` ``(n_groups, NB)``;
-    ``scales_ptr``/``zeros_ptr``: ``(n_groups,)``, ``int16`` views of bf16 when ``META_BF16``, else
-    float16. ``GP``/``NBP``: ``G``/``NB`` rounded up to powers of two (block shapes).
+    ``scales_ptr``/``zeros_ptr``: ``(n_groups,)``, ``int16`` views of bf16 when ``META_BF16``, float32
+    when ``META_F32``, else float16. ``GP``/``NBP``: ``G``/``NB`` rounded up to powers of two (block
+    shapes). Metadata that overflows its dtype is stored as it comes (``inf``): the backend checks it.
     """
     qmax = (1 << BITS) - 1
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -74,7 +78,13 @@ def quantize_pack_kernel(
     lo = tl.where(rmask, tl.reduce(tl.where(m, x, float("inf")), 1, _elementwise_min), 0.0)
     hi = tl.where(rmask, tl.reduce(tl.where(m, x, -float("inf")), 1, _elementwise_max), 0.0)
 
-    if META_BF16:
+    if META_F32:
+        # float32 metadata: the float32 minimum and quotient are stored as they are (nothing to round)
+        z = lo
+        s = tl.math.div_rn(hi - z, tl.full(hi.shape, qmax, tl.float32))
+        tl.store(zeros_ptr + rows, z, mask=rmask)
+        tl.store(scales_ptr + rows, s, mask=rmask)
+    elif META_BF16:
         # largest bf16 <= lo: truncate the low half of the float32, away from zero for negatives
         zb = lo.to(tl.int32, bitcast=True)
         zt = zb & -65536
@@ -144,10 +154,14 @@ def unpack_dequantize_kernel(
     NB: tl.constexpr,
     BLOCK_N: tl.constexpr,
     OUT_BF16: tl.constexpr,
+    OUT_F16: tl.constexpr,
     META_BF16: tl.constexpr,
 ):
     """Write ``code * scale + min`` of ``BLOCK_N`` groups per program into ``out_ptr`` (``int16``
-    view when ``OUT_BF16``; float32 -> bf16 rounds to nearest even)."""
+    view when ``OUT_BF16``; float32 -> bf16 rounds to nearest even). ``OUT_F16``: clamped to
+    ``±65504`` first, as the ``torch`` backend does (a grid top past 65504 would round to ``inf``).
+    Metadata: ``int16`` views of bf16 when ``META_BF16``, else float16 or float32 (read through the
+    pointer's own type)."""
     qmax = (1 << BITS) - 1
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < n_groups
@@ -163,6 +177,8 @@ def unpack_dequantize_kernel(
         s = tl.load(scales_ptr + rows, mask=rmask, other=0).to(tl.float32)
         z = tl.load(zeros_ptr + rows, mask=rmask, other=0).to(tl.float32)
     v = code.to(tl.float32) * s[:, None] + z[:, None]
+    if OUT_F16:
+        v = tl.minimum(tl.maximum(v, -65504.0), 65504.0)
     offs = base[:, None] + e[None, :] * E_STRIDE
     if OUT_BF16:
         vb = v.to(tl.int32, bitcast=True)
