@@ -1,4 +1,9 @@
-"""The ``kvpolicy`` command: one module per subcommand in :mod:`kvpolicy.commands`."""
+"""The ``kvpolicy`` command: one module per subcommand in :mod:`kvpolicy.commands`.
+
+Bad flag values stop at parse time (argparse: ``kvpolicy <command>: error: argument --flag: ...``,
+exit status 2); a :class:`~kvpolicy.errors.ConfigError` raised later, while a command checks its
+configuration, is reported the same way: one line on stderr, exit status 2, no traceback.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,14 @@ import argparse
 import importlib
 import sys
 
+from kvpolicy.errors import ConfigError
+
 #: subcommand modules under kvpolicy.commands, in help order
 COMMANDS = ("demo", "list", "plugins", "ablate", "analyze", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``kvpolicy`` parser with every subcommand of :data:`COMMANDS` registered."""
     parser = argparse.ArgumentParser(prog="kvpolicy", description="Pluggable KV-cache compression for transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
@@ -18,9 +26,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _prog(args: argparse.Namespace) -> str:
+    """``kvpolicy <command> [<what>]`` of the parsed command line, for error messages."""
+    words = [getattr(args, key, None) for key in ("command", "analysis", "benchmark")]
+    return " ".join(["kvpolicy", *(w for w in words if w)])
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status.
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        Arguments after the program name.
+
+    Returns
+    -------
+    int
+        0 on success, 2 for a configuration error (a one-line message on stderr), or the
+        command's own status (``kvpolicy ablate``: 1 when a cell failed).
+    """
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"{_prog(args)}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -25,27 +25,32 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", default="1,8,4096,128", help="batch,kv_heads,tokens,head_dim (default 1,8,4096,128)")
-    parser.add_argument("--bits", type=int, default=2, help="code width (default 2)")
-    parser.add_argument("--group-size", type=int, default=64, help="elements per group (default 64)")
+    """Flags of ``kvpolicy bench backends``; each value is checked at parse time."""
+    from kvpolicy.commands._types import available_device, positive_int
+
+    parser.add_argument("--shape", type=_shape, default="1,8,4096,128",
+                        help="batch,kv_heads,tokens,head_dim (default 1,8,4096,128)")  # fmt: skip
+    parser.add_argument("--bits", type=positive_int, default=2, help="code width (default 2)")
+    parser.add_argument("--group-size", type=positive_int, default=64, help="elements per group (default 64)")
     parser.add_argument(
         "--axis", choices=("channel", "token"), default="channel", help="grouping axis (default channel)"
     )
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float16", help="input dtype (default float16)")
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--device", type=available_device, default="cpu", help="torch device (default cpu)")
     parser.add_argument(
-        "--repeats", type=int, default=7, help="interleaved repetitions; the median is shown (default 7)"
+        "--repeats", type=positive_int, default=7, help="interleaved repetitions; the median is shown (default 7)"
     )
     parser.add_argument("--backends", default="", help="comma-separated backend names (default: every registered one)")
 
 
 def _shape(text: str) -> tuple[int, int, int, int]:
+    """``"1,8,4096,128"`` -> ``(1, 8, 4096, 128)``: four integers >= 1."""
     try:
         dims = tuple(int(v) for v in text.split(","))
     except ValueError:
         dims = ()
     if len(dims) != 4 or min(dims) < 1:
-        raise ConfigError(f"--shape must be four positive integers batch,kv_heads,tokens,head_dim; got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be four positive integers batch,kv_heads,tokens,head_dim; got {text!r}")
     return dims  # type: ignore[return-value]
 
 
@@ -80,9 +85,7 @@ def _available(names: list[str], x: torch.Tensor, args: argparse.Namespace) -> t
 
 
 def run(args: argparse.Namespace) -> int:
-    shape = _shape(args.shape)
-    if args.repeats < 1:
-        raise ConfigError(f"--repeats must be at least 1; got {args.repeats}")
+    shape = args.shape
     device = torch.device(args.device)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=_DTYPES[args.dtype])
     names = [n for n in args.backends.split(",") if n] or registry.names("backends")

@@ -22,7 +22,8 @@ Cache variants are named by short strings:
 - ``hf-<quanto|hqq>-<bits>``: transformers' ``QuantizedCache(backend, config, nbits=bits)``;
 - ``<policy>-<bits>-<backend>-<layout>-<fused|mat>``: ``CompressedCache(policy, action="quantize",
   bits, backend, layout, attention="auto" | "materialized")``; ``fused`` variants run with
-  :func:`kvpolicy.fused.enable_fused` on the model, ``mat`` ones without.
+  :func:`kvpolicy.fused.enable_fused` on the model, ``mat`` ones (and the baselines) with
+  :func:`kvpolicy.attention.enable_scores`, so the agnostic layout's mask check can run.
 """
 
 from __future__ import annotations
@@ -183,9 +184,16 @@ def _sync(device: str) -> None:
 
 
 def _set_fused(model: torch.nn.Module, on: bool) -> None:
+    """``fused`` variants: kvpolicy's fused attention; the others: the score-reporting wrapper (outputs
+    unchanged), which checks the mask so ``layout="agnostic"`` can be used (:mod:`kvpolicy.handoff`)."""
+    from kvpolicy.attention import enable_scores
     from kvpolicy.fused import disable_fused, enable_fused
 
-    (enable_fused if on else disable_fused)(model)
+    if on:
+        enable_fused(model)
+    else:
+        disable_fused(model)
+        enable_scores(model)
 
 
 @torch.inference_mode()
@@ -350,33 +358,51 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
 
 # ---------------------------------------------------------------------- CLI
 def _length(text: str) -> int:
-    value = int(text[:-1]) * 1024 if text.lower().endswith("k") else int(text)
+    """A token count: ``2048`` or ``8k`` (x 1024), at least 1."""
+    kilo = text.lower().endswith("k")
+    try:
+        value = int(text[:-1] if kilo else text) * (1024 if kilo else 1)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"context length must be >= 1; got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a token count >= 1 such as 2048 or 8k; got {text!r}")
     return value
 
 
+def _variant(text: str) -> str:
+    """A cache variant name that :meth:`Variant.parse` understands."""
+    try:
+        Variant.parse(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``kvpolicy bench decode``; each value is checked at parse time."""
+    from kvpolicy.commands._types import available_device, non_negative_int, out_dir, positive_float, positive_int
+
     parser.add_argument("--mode", choices=("latency", "capacity"), default="latency")
     parser.add_argument("--model", choices=MODELS, default="smollm2")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--device", type=available_device, default="cpu", help="cpu, cuda, cuda:N or mps")
     parser.add_argument("--lengths", type=_length, nargs="+", default=[1024, 2048, 4096, 8192, 16384],
                         help="context lengths (e.g. 1k 8k 16384)")  # fmt: skip
-    parser.add_argument("--batch", type=int, nargs="+", default=[1])
-    parser.add_argument("--caches", nargs="+", default=list(DEFAULT_VARIANTS), help="cache variants (module doc)")
+    parser.add_argument("--batch", type=positive_int, nargs="+", default=[1])
+    parser.add_argument("--caches", type=_variant, nargs="+", default=list(DEFAULT_VARIANTS),
+                        help="cache variants (module doc)")  # fmt: skip
     parser.add_argument("--fill", choices=("model", "synthetic"), default="model",
                         help="latency mode: prefill with the model (timed), or fill caches with random keys/values "
                         "by Cache.update (no prefill time; for long contexts on slow machines)")  # fmt: skip
-    parser.add_argument("--window", type=int, default=42, help="policy window (log: W; recent: window)")
-    parser.add_argument("--steps", type=int, default=4, help="decode steps per variant per round")
-    parser.add_argument("--reps", type=int, default=5, help="timed rounds (median)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    parser.add_argument("--budget-gib", type=float, default=1.0, help="capacity mode: cache budget")
+    parser.add_argument("--window", type=positive_int, default=42, help="policy window (log: W; recent: window)")
+    parser.add_argument("--steps", type=positive_int, default=4, help="decode steps per variant per round")
+    parser.add_argument("--reps", type=positive_int, default=5, help="timed rounds (median)")
+    parser.add_argument("--warmup", type=non_negative_int, default=1, help="untimed rounds first")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--budget-gib", type=positive_float, default=1.0, help="capacity mode: cache budget")
     parser.add_argument("--context", type=_length, default=8192, help="capacity mode: tokens per sequence")
-    parser.add_argument("--max-batch", type=int, default=None, help="capacity mode: cap the confirmed batch")
-    parser.add_argument("--out", type=Path, default=Path("bench-decode"), help="directory for JSON and PNG")
+    parser.add_argument("--max-batch", type=positive_int, default=None, help="capacity mode: cap the confirmed batch")
+    parser.add_argument("--out", type=out_dir, default=Path("bench-decode"), help="directory for JSON and PNG")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,9 +6,7 @@ import argparse
 import os
 import sys
 
-
-def _csv_ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+from kvpolicy.commands._types import device_name, int_list, non_negative_int, out_dir, out_file, positive_int
 
 
 def _build_config(args: argparse.Namespace) -> dict:
@@ -21,7 +19,7 @@ def _build_config(args: argparse.Namespace) -> dict:
         if getattr(args, key) is not None:
             d[key] = getattr(args, key)
     if args.context:
-        d["contexts"] = _csv_ints(args.context)
+        d["contexts"] = args.context
     if args.task:
         d["tasks"] = {}
         for t in args.task:
@@ -34,7 +32,7 @@ def _build_config(args: argparse.Namespace) -> dict:
         if args.action:
             cross["actions"] = args.action
         if args.bits:
-            cross["bits"] = _csv_ints(args.bits)
+            cross["bits"] = args.bits
         if args.backend:
             cross["backends"] = args.backend
         d["cross"] = cross
@@ -57,37 +55,34 @@ def _build_config(args: argparse.Namespace) -> dict:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kvpolicy.errors import ConfigError
-
     if not args.online:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missing model fails in seconds, not after retries
-    try:
-        from kvpolicy.eval.grid import grid_from_dict
-        from kvpolicy.eval.runner import Runner
+    from kvpolicy.eval.grid import grid_from_dict
+    from kvpolicy.eval.runner import Runner
 
-        grid = grid_from_dict(_build_config(args))
-        if args.threads:
-            import torch
+    grid = grid_from_dict(_build_config(args))
+    if args.threads:
+        import torch
 
-            torch.set_num_threads(args.threads)
-        runner = Runner(grid, args.out, progress=not args.no_progress)
-        if args.report_only:
-            runner.report()
-            failed = 0
-        else:
-            failed = runner.run()
-        if args.docs:
-            from kvpolicy.eval.docs_report import write_results_doc
+        torch.set_num_threads(args.threads)
+    runner = Runner(grid, args.out, progress=not args.no_progress)
+    if args.report_only:
+        runner.report()
+        failed = 0
+    else:
+        failed = runner.run()
+    if args.docs:
+        from kvpolicy.eval.docs_report import write_results_doc
 
-            write_results_doc(args.out, args.docs, command=" ".join(["kvpolicy", *sys.argv[1:]]) if args.command_line
-                              is None else args.command_line)  # fmt: skip
-    except ConfigError as exc:
-        print(f"kvpolicy ablate: error: {exc}", file=sys.stderr)
-        return 2
+        command = " ".join(["kvpolicy", *sys.argv[1:]]) if args.command_line is None else args.command_line
+        write_results_doc(args.out, args.docs, command=command)
     return 1 if failed else 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``kvpolicy ablate`` to ``sub``."""
+    from kvpolicy.eval.grid import MIN_CONTEXT
+
     p = sub.add_parser(
         "ablate",
         help="run an ablation grid: models x caches x contexts x tasks (resumable)",
@@ -95,18 +90,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         "are skipped on re-runs. Flags override or extend --config (TOML or JSON).",
     )
     p.add_argument("--config", help="grid file (.toml or .json)")
-    p.add_argument("--out", required=True, help="run directory")
+    p.add_argument("--out", required=True, type=out_dir, help="run directory (created if missing)")
     p.add_argument("--model", action="append", help="model: smollm2, tiny-llama, a local path or hub id (repeatable)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"))
-    p.add_argument("--device")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--context", help="context lengths, comma-separated (e.g. 2048,4096)")
+    p.add_argument("--device", type=device_name, help="cpu, cuda, cuda:N or mps")
+    p.add_argument("--seed", type=non_negative_int)
+    p.add_argument(
+        "--context", type=int_list(MIN_CONTEXT, "2048,4096"), help="context lengths, comma-separated (e.g. 2048,4096)"
+    )
     p.add_argument(
         "--task", action="append", help="task[:key=value...]: lm, passkey, kv, lines, gsm8k, longbench, speed"
     )
     p.add_argument("--policy", action="append", help="policy[:key=value...] of the cross product (repeatable)")
     p.add_argument("--action", action="append", help="action[:key=value...] of the cross product (repeatable)")
-    p.add_argument("--bits", help="bits of the cross product, comma-separated")
+    p.add_argument("--bits", type=int_list(1, "2,4"), help="bits of the cross product, comma-separated")
     p.add_argument("--backend", action="append", help="backend of the cross product (repeatable)")
     p.add_argument("--preset", action="append", help="preset[:key=value...] (repeatable)")
     p.add_argument("--baseline", action="append", help="dynamic, hf-quanto-2, hf-hqq-4[:residual_length=128...]")
@@ -115,9 +112,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "default: the first compressing cache)")  # fmt: skip
     p.add_argument("--no-replay", action="store_true", help="run every prefill instead of replaying the reference's")
     p.add_argument("--online", action="store_true", help="allow downloading models from the Hugging Face hub")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--threads", type=positive_int, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--report-only", action="store_true", help="rewrite summary.md and plots from results.jsonl")
-    p.add_argument("--docs", help="also write a results page (e.g. docs/results.md) from OUT")
+    p.add_argument("--docs", type=out_file, help="also write a results page (e.g. docs/results.md) from OUT")
     p.add_argument("--command-line", help=argparse.SUPPRESS)
     p.set_defaults(func=_run)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from kvpolicy.commands._types import positive_int
+
 
 def _run(args: argparse.Namespace) -> int:
     from kvpolicy.eval.demo import run_demo
@@ -18,11 +20,12 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``kvpolicy demo`` to ``sub``."""
     demo = sub.add_parser("demo", help="LogQuant on SmolLM2-135M-Instruct with a long prompt (CPU, ~2 min)")
-    demo.add_argument("--max-new-tokens", type=int, default=40, help="answer length (default: 40)")
-    demo.add_argument("--context-tokens", type=int, default=2048, help="fidelity context (default: 2048)")
+    demo.add_argument("--max-new-tokens", type=positive_int, default=40, help="answer length (default: 40)")
+    demo.add_argument("--context-tokens", type=positive_int, default=2048, help="fidelity context (default: 2048)")
     demo.add_argument(
-        "--continuation-tokens", type=int, default=256, help="teacher-forced tokens scored (default: 256)"
+        "--continuation-tokens", type=positive_int, default=256, help="teacher-forced tokens scored (default: 256)"
     )
-    demo.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    demo.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     demo.set_defaults(func=_run)

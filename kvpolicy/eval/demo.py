@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from kvpolicy.cache import CompressedCache
+from kvpolicy.errors import ConfigError
 from kvpolicy.eval.metrics import greedy_generate, next_token_kl, teacher_forced_logits
 
 #: (file in the standard library, question about it)
@@ -82,7 +83,10 @@ def run_demo(
     text = tokenizer(stdlib_source(FIDELITY_FILE), return_tensors="pt")["input_ids"]
     need = context_tokens + continuation_tokens
     if text.shape[1] < need:
-        raise ValueError(f"{FIDELITY_FILE} has {text.shape[1]} tokens; the demo needs {need}")
+        raise ConfigError(
+            f"--context-tokens {context_tokens} + --continuation-tokens {continuation_tokens} = {need} tokens, but "
+            f"the fidelity text {FIDELITY_FILE} has {text.shape[1]}; lower them"
+        )
     text = text[:, :need]
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     print(f"Prompt: {PROMPT_FILE} from the standard library + a question, {prompt.shape[1]} tokens.")

@@ -8,12 +8,11 @@ reported as not measured).
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
 
-from kvpolicy.eval.runner import CONFIG, read_rows
+from kvpolicy.eval.runner import read_config, read_rows
 from kvpolicy.eval.summary import depth_table, fmt, table
 
 #: (selection, quantize label, evict label)
@@ -175,7 +174,7 @@ def write_results_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pat
     """Write ``doc`` (e.g. ``docs/results.md``) from ``run_dir``; plots go to ``<doc dir>/img/results``."""
     run = Path(run_dir)
     doc = Path(doc)
-    config = json.loads((run / CONFIG).read_text())
+    config = read_config(run)
     ids = set(config.get("cells", []))
     latest: dict[tuple[str, str], dict[str, Any]] = {}
     for r in read_rows(run):

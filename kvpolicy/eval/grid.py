@@ -25,7 +25,12 @@ the same keys::
     bits = [2, 4]
     backends = ["torch"]
 
-Names are checked against the registry (plugins included) before any work starts.
+Names are checked against the registry (plugins included) before any work starts. List-valued
+keys (``models``, ``contexts``, the ``[cross]`` lists, the ``[only]`` lists, ``size_params``) must be
+lists: a plain string such as ``bits = "2,4"`` or ``policies = "log"`` is refused with the list to
+write instead (``bits = [2, 4]``), never split into characters. Task parameters are the exception
+that the command line needs: ``depths = "0.1,0.5"`` or speed's ``contexts = "512,1024"`` are split
+at commas.
 """
 
 from __future__ import annotations
@@ -42,11 +47,76 @@ from kvpolicy.eval.caches import CacheSpec
 from kvpolicy.eval.tasks import TASKS, Task, make_task, parse_number
 
 DTYPES = ("float32", "float16", "bfloat16")
+#: the shortest context length a grid runs at
+MIN_CONTEXT = 8
 #: the timing pseudo-task: real prefill + ``steps`` decode steps on the LM text
 SPEED = "speed"
 _TOP_KEYS = {"models", "dtype", "device", "contexts", "seed", "replay", "equal_bytes", "online", "tasks", "caches",
              "cross", "attention", "only"}  # fmt: skip
 _CROSS_KEYS = {"policies", "actions", "bits", "backends", "params"}
+_ATTENTION_KEYS = ("context", "queries", "top_k", "window")
+_SPEED_KEYS = ("contexts", "repeats", "steps")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _suggest(text: str, item: type) -> str:
+    """The TOML list a user meant by the string ``text`` (``"2,4"`` -> ``[2, 4]``)."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if item is int:
+        try:
+            return json.dumps([int(p) for p in parts])
+        except ValueError:
+            return "[2, 4]"
+    return json.dumps(parts or ["name"])
+
+
+def require_list(key: str, value: Any, item: type, what: str) -> list[Any]:
+    """``value`` as a list whose elements are all of type ``item``.
+
+    Parameters
+    ----------
+    key : str
+        The config key, as the message shows it (``"contexts"``, ``"[cross] bits"``).
+    value : Any
+        The value read from the config file or built from flags.
+    item : type
+        ``str`` or ``int`` (``bool`` is not an ``int`` here).
+    what : str
+        The elements in words, for the message (``"integers"``).
+
+    Returns
+    -------
+    list
+        ``value`` as a new list.
+
+    Raises
+    ------
+    ConfigError
+        ``value`` is a string (never split into characters; the message shows the list to write),
+        not a list, or has an element of another type.
+    """
+    name = key.rsplit(" ", 1)[-1]
+    if isinstance(value, str):
+        raise ConfigError(
+            f"{key} must be a list of {what}, e.g. {name} = {_suggest(value, item)}; got the string {value!r}"
+        )
+
+    def ok(v: Any) -> bool:
+        return _is_int(v) if item is int else isinstance(v, item)
+
+    if not isinstance(value, (list, tuple)) or not all(ok(v) for v in value):
+        raise ConfigError(f"{key} must be a list of {what}; got {name}={value!r}")
+    return list(value)
+
+
+def require_table(key: str, value: Any) -> dict[str, Any]:
+    """``value`` if it is a dict (a TOML table, a JSON object); else a :class:`ConfigError` naming ``key``."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key} must be a table (key = value pairs, e.g. [{key}]); got {key}={value!r}")
+    return value
 
 
 def parse_value(text: str) -> Any:
@@ -87,12 +157,15 @@ class Grid:
     only: dict[str, list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.models or not all(isinstance(m, str) and m for m in self.models):
+        self._check_types()
+        if not self.models or not all(self.models):
             raise ConfigError(f"models must be a non-empty list of names or paths; got models={self.models!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {list(DTYPES)}; got dtype={self.dtype!r}")
-        if not self.contexts or any(isinstance(c, bool) or not isinstance(c, int) or c < 8 for c in self.contexts):
-            raise ConfigError(f"contexts must be a non-empty list of integers >= 8; got contexts={self.contexts!r}")
+        if not self.contexts or any(c < MIN_CONTEXT for c in self.contexts):
+            raise ConfigError(
+                f"contexts must be a non-empty list of integers >= {MIN_CONTEXT}; got contexts={self.contexts!r}"
+            )
         if not self.tasks:
             raise ConfigError(f"tasks must name at least one task; known: {sorted([*TASKS, SPEED])}")
         if not self.caches:
@@ -111,23 +184,46 @@ class Grid:
             if missing:
                 raise ConfigError(f"only.{task}: unknown cache label(s) {missing}; labels: {labels}")
 
+    def _check_types(self) -> None:
+        """Every key has the type of its field (config files can hold anything)."""
+        from kvpolicy.devices import parse_device
+
+        self.models = require_list("models", self.models, str, "model names or paths")
+        self.contexts = require_list("contexts", self.contexts, int, "integers")
+        if not _is_int(self.seed) or self.seed < 0:
+            raise ConfigError(f"seed must be an integer >= 0; got seed={self.seed!r}")
+        for key in ("replay", "online"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{key} must be true or false; got {key}={getattr(self, key)!r}")
+        if not isinstance(self.equal_bytes, (str, bool)):
+            raise ConfigError(f"equal_bytes must be a cache label, true or false; got equal_bytes={self.equal_bytes!r}")
+        if not isinstance(self.device, str):
+            raise ConfigError(f"device must be a string such as 'cpu' or 'cuda'; got device={self.device!r}")
+        try:
+            parse_device(self.device)
+        except ConfigError as exc:
+            raise ConfigError(f"device: {exc}") from None
+        for name, params in require_table("tasks", self.tasks).items():
+            require_table(f"tasks.{name}", params)
+        self._check_attention()
+        self.only = {task: require_list(f"[only] {task}", names, str, "cache labels")
+                     for task, names in require_table("only", self.only).items()}  # fmt: skip
+
+    def _check_attention(self) -> None:
+        unknown = sorted(set(require_table("attention", self.attention)) - set(_ATTENTION_KEYS))
+        if unknown:
+            raise ConfigError(f"[attention]: unknown key(s) {unknown}; accepted: {list(_ATTENTION_KEYS)}")
+        for key, value in self.attention.items():
+            if not _is_int(value) or value < 1:
+                raise ConfigError(f"[attention] {key} must be an integer >= 1; got {key}={value!r}")
+
     # ------------------------------------------------------------------ derived
     def task_objects(self) -> dict[str, Task | dict[str, Any]]:
         """Task name -> task object (``speed`` -> its parameters)."""
         out: dict[str, Task | dict[str, Any]] = {}
         for name, params in self.tasks.items():
             if name == SPEED:
-                unknown = sorted(set(params) - {"steps", "repeats", "contexts"})
-                if unknown:
-                    raise ConfigError(
-                        f"task 'speed': unknown parameter(s) {unknown}; accepted: ['contexts', 'repeats', 'steps']"
-                    )
-                contexts = params.get("contexts", self.contexts)
-                contexts = [
-                    int(c) for c in (str(contexts).split(",") if isinstance(contexts, (str, int)) else contexts)
-                ]
-                out[name] = {"steps": int(params.get("steps", 8)), "repeats": int(params.get("repeats", 1)),
-                             "contexts": contexts}  # fmt: skip
+                out[name] = _speed_params(params, self.contexts)
             else:
                 out[name] = make_task(name, **params)
         return out
@@ -151,6 +247,46 @@ class Grid:
             for c in self.caches
         ]  # fmt: skip
         return d
+
+
+def _speed_params(params: dict[str, Any], contexts: list[int]) -> dict[str, Any]:
+    """Checked parameters of the ``speed`` task: ``steps``, ``repeats`` (integers >= 1) and ``contexts``.
+
+    ``contexts`` is a list of integers, one integer, or a comma-separated string (``"512,1024"``,
+    from ``--task speed:contexts=512,1024``); it defaults to the grid's contexts.
+    """
+    unknown = sorted(set(params) - set(_SPEED_KEYS))
+    if unknown:
+        raise ConfigError(f"task 'speed': unknown parameter(s) {unknown}; accepted: {list(_SPEED_KEYS)}")
+    out: dict[str, Any] = {}
+    for key, default in (("steps", 8), ("repeats", 1)):
+        value = params.get(key, default)
+        if not _is_int(value) or value < 1:
+            raise ConfigError(f"task 'speed': {key} must be an integer >= 1; got {key}={value!r}")
+        out[key] = value
+    raw = params.get("contexts", contexts)
+    values = _speed_contexts(raw)
+    if not values or any(c < MIN_CONTEXT for c in values):
+        raise ConfigError(
+            f"task 'speed': contexts must be integers >= {MIN_CONTEXT} (a list, or comma-separated); "
+            f"got contexts={raw!r}"
+        )
+    out["contexts"] = values
+    return out
+
+
+def _speed_contexts(raw: Any) -> list[int]:
+    """``[512, 1024]``, ``1024`` or ``"512,1024"`` as a list of integers; ``[]`` for anything else."""
+    if _is_int(raw):
+        return [raw]
+    items = raw.split(",") if isinstance(raw, str) else raw
+    if not isinstance(items, (list, tuple)):
+        return []
+    try:
+        values = [int(c) if isinstance(c, str) else c for c in items]
+    except ValueError:
+        return []
+    return values if all(_is_int(c) for c in values) else []
 
 
 def _jsonable(x: Any) -> Any:
@@ -179,14 +315,15 @@ def cross_specs(cross: dict[str, Any]) -> list[CacheSpec]:
     """
     from kvpolicy import registry
 
-    unknown = sorted(set(cross) - _CROSS_KEYS)
+    unknown = sorted(set(require_table("cross", cross)) - _CROSS_KEYS)
     if unknown:
         raise ConfigError(f"[cross]: unknown key(s) {unknown}; accepted: {sorted(_CROSS_KEYS)}")
-    policies = [parse_named(p) for p in cross.get("policies", ["log"])]
-    actions = [parse_named(a) for a in cross.get("actions", ["quantize"])]
-    bits = list(cross.get("bits", [2]))
-    backends = [parse_named(b) for b in cross.get("backends", ["torch"])]
-    common = dict(cross.get("params", {}))
+    names = lambda key, default: require_list(f"[cross] {key}", cross.get(key, default), str, "names")  # noqa: E731
+    policies = [parse_named(p) for p in names("policies", ["log"])]
+    actions = [parse_named(a) for a in names("actions", ["quantize"])]
+    bits = require_list("[cross] bits", cross.get("bits", [2]), int, "integers")
+    backends = [parse_named(b) for b in names("backends", ["torch"])]
+    common = dict(require_table("cross.params", cross.get("params", {})))
     specs: list[CacheSpec] = []
     seen: set[str] = set()
     for pname, pparams in policies:
@@ -228,10 +365,12 @@ def parse_baseline(text: str) -> CacheSpec:
 
 def spec_from_entry(entry: dict[str, Any]) -> CacheSpec:
     """A ``[[caches]]`` entry -> CacheSpec."""
+    if not isinstance(entry, dict):
+        raise ConfigError(f"each [[caches]] entry must be a table (kind = ..., policy = ...); got {entry!r}")
     entry = dict(entry)
     kind = entry.pop("kind", "compressed")
     label = entry.pop("label", "")
-    size = tuple(entry.pop("size_params", ()))
+    size = tuple(require_list("[[caches]] size_params", entry.pop("size_params", []), str, "parameter names"))
     resize = entry.pop("resize", True)
     return CacheSpec(kind, entry, label, size, resize)
 
@@ -240,23 +379,35 @@ def load_config(path: str | Path) -> dict[str, Any]:
     """Read a TOML or JSON grid file into a dict."""
     p = Path(path).expanduser()
     if not p.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    text = p.read_text(encoding="utf-8")
-    if p.suffix == ".json":
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{p}: invalid JSON ({exc})") from exc
-    if p.suffix == ".toml":
-        try:
-            import tomllib
-        except ImportError as exc:  # pragma: no cover - Python 3.10
-            raise ConfigError("TOML configs need Python >= 3.11 (tomllib); use a .json config") from exc
-        try:
-            return tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{p}: invalid TOML ({exc})") from exc
-    raise ConfigError(f"config file must end in .toml or .json; got {p.name!r}")
+        raise ConfigError(f"config file {str(path)!r} " + ("is a directory" if p.is_dir() else "does not exist"))
+    if p.suffix not in (".json", ".toml"):
+        raise ConfigError(f"config file must end in .toml or .json; got {p.name!r}")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {exc}") from None
+    d = _parse_json(p, text) if p.suffix == ".json" else _parse_toml(p, text)
+    if not isinstance(d, dict):
+        raise ConfigError(f"{p}: the top level must be an object of config keys; got a {type(d).__name__}")
+    return d
+
+
+def _parse_json(p: Path, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{p}: invalid JSON ({exc})") from None
+
+
+def _parse_toml(p: Path, text: str) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ImportError as exc:  # pragma: no cover - Python 3.10
+        raise ConfigError("TOML configs need Python >= 3.11 (tomllib); use a .json config") from exc
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: invalid TOML ({exc})") from None
 
 
 def grid_from_dict(d: dict[str, Any]) -> Grid:
@@ -264,7 +415,10 @@ def grid_from_dict(d: dict[str, Any]) -> Grid:
     unknown = sorted(set(d) - _TOP_KEYS)
     if unknown:
         raise ConfigError(f"unknown config key(s) {unknown}; accepted: {sorted(_TOP_KEYS)}")
-    caches = [spec_from_entry(e) for e in d.get("caches", [])]
+    entries = d.get("caches", [])
+    if not isinstance(entries, list):
+        raise ConfigError(f"caches must be a list of tables ([[caches]] entries); got caches={entries!r}")
+    caches = [spec_from_entry(e) for e in entries]
     if d.get("cross"):
         caches += cross_specs(d["cross"])
     kwargs = {k: d[k] for k in ("models", "dtype", "device", "contexts", "seed", "replay", "equal_bytes", "online",

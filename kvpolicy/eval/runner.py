@@ -11,11 +11,19 @@ Output (evaluation.md §4)::
 A cell is model × cache × context × task. Cells whose id (a hash of everything that determines the
 result) already has its rows in ``results.jsonl`` are skipped, so an interrupted run resumes where
 it stopped. A cell that raises is recorded as an error row and retried by the next run.
+
+Damaged run directories: a last line of ``results.jsonl`` (or ``samples.jsonl``) cut by an
+interruption is dropped before the run appends (its cell runs again); other lines that are not
+result rows are skipped with a one-line warning (the cells they belonged to run again).
+``config.json`` is rewritten by every run; only ``--report-only`` needs it, and an unreadable one
+is then a :class:`~kvpolicy.errors.ConfigError` that says how to recover. The ``sizing.json`` memo
+of ``--equal-bytes`` is recomputed when unreadable.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 import traceback
 from collections.abc import Callable
@@ -57,36 +65,138 @@ def open_model(name: str, dtype: str = "float32", device: str = "cpu", online: b
         raise ConfigError(f"model {name!r} could not be loaded: {exc}") from exc
 
 
-def load_done(path: Path) -> set[str]:
-    """Ids of finished cells in ``results.jsonl`` (every row of the cell present, no error)."""
-    if not path.is_file():
-        return set()
+def _is_row(row: Any) -> bool:
+    """Whether ``row`` (a parsed line) is a result row: an object with a cell id and a metric."""
+    return isinstance(row, dict) and isinstance(row.get("cell"), str) and isinstance(row.get("metric"), str)
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path} cannot be read ({exc.strerror}); fix its permissions or use a new --out") from None
+
+
+def scan_rows(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
+    """The result rows of a ``results.jsonl`` and the numbers of the lines that are not rows.
+
+    Parameters
+    ----------
+    path : Path
+        A JSON-lines file; missing means empty.
+
+    Returns
+    -------
+    rows : list of dict
+        Every line that parses as an object with ``cell`` and ``metric``, in file order.
+    bad : list of int
+        1-based numbers of the other non-blank lines (garbage, a row cut by an interruption).
+
+    Raises
+    ------
+    ConfigError
+        The file exists but cannot be read.
+    """
+    if not path.exists():
+        return [], []
+    rows, bad = [], []
+    for number, line in enumerate(_read_bytes(path).split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            row = None
+        if _is_row(row):
+            rows.append(row)
+        else:
+            bad.append(number)
+    return rows, bad
+
+
+def done_cells(rows: list[dict[str, Any]]) -> set[str]:
+    """Ids of the cells whose every row is among ``rows`` (error rows do not count)."""
     counts: dict[str, int] = {}
     expected: dict[str, int] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a row cut by an interruption
-        cid = row.get("cell")
-        if cid is None or row.get("metric") == "error":
+    for row in rows:
+        if row["metric"] == "error":
             continue
+        cid = row["cell"]
+        n = row.get("rows_in_cell", 0)
         counts[cid] = counts.get(cid, 0) + 1
-        expected[cid] = row.get("rows_in_cell", 0)
+        expected[cid] = n if isinstance(n, int) else 0
     return {c for c, n in counts.items() if n >= expected[c]}
 
 
+def load_done(path: Path) -> set[str]:
+    """Ids of finished cells in ``results.jsonl`` (every row of the cell present, no error)."""
+    return done_cells(scan_rows(path)[0])
+
+
 def read_rows(out: Path) -> list[dict[str, Any]]:
-    """Every parseable row of ``out/results.jsonl``."""
-    path = out / RESULTS
-    rows = []
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
+    """Every result row of ``out/results.jsonl`` (lines that are not rows are left out)."""
+    return scan_rows(out / RESULTS)[0]
+
+
+def repair_tail(path: Path) -> int:
+    """Make ``path`` end with a complete line, as an interrupted append may not have.
+
+    A last line without its newline is kept (newline added) when it is a whole JSON object, and
+    cut off otherwise, so that the next append starts on a line of its own.
+
+    Parameters
+    ----------
+    path : Path
+        A JSON-lines file; nothing happens when it is missing or ends with a newline.
+
+    Returns
+    -------
+    int
+        Bytes cut off (0 when nothing was).
+    """
+    if not path.exists():
+        return 0
+    data = _read_bytes(path)
+    if not data or data.endswith(b"\n"):
+        return 0
+    start = data.rfind(b"\n") + 1
+    try:
+        whole = isinstance(json.loads(data[start:].decode("utf-8")), dict)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        whole = False
+    try:
+        if whole:
+            with path.open("ab") as fh:
+                fh.write(b"\n")
+            return 0
+        os.truncate(path, start)
+    except OSError as exc:
+        raise ConfigError(
+            f"{path} cannot be repaired ({exc.strerror}); fix its permissions or use a new --out"
+        ) from None
+    return len(data) - start
+
+
+def read_config(out: Path) -> dict[str, Any]:
+    """``out/config.json`` as written by :class:`Runner`.
+
+    Raises
+    ------
+    ConfigError
+        The file is missing, unreadable, not JSON or not a run's config; the message names the file
+        and how to recover.
+    """
+    path = out / CONFIG
+    recover = "run the grid again without --report-only (it rewrites config.json and skips finished cells)"
+    if not path.is_file():
+        raise ConfigError(f"{path} not found: {out} holds no ablation run; {recover}")
+    try:
+        config = json.loads(_read_bytes(path).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path} is not valid JSON ({exc}); {recover}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("cells", []), list):
+        raise ConfigError(f"{path} is not an ablation run's config (no list of cells); {recover}")
+    return config
 
 
 def _spec_fields(spec: CacheSpec) -> dict[str, Any]:
@@ -124,6 +234,10 @@ class Runner:
         self.log = log
         self.sizings: list[dict[str, Any]] = []
         self.errors = 0
+        self.ran = 0
+        self.skipped = 0
+        self._finished: set[str] = set()
+        self._warned = False
         self._model_name = ""
 
     # ------------------------------------------------------------------ entry
@@ -132,17 +246,20 @@ class Runner:
         grid = self.grid
         for name in grid.models:  # fail fast on names before any work
             check_model_available(name, grid.online)
-        self.out.mkdir(parents=True, exist_ok=True)
-        self._write_config()
-        done = load_done(self.out / RESULTS)
+        _check_device(grid.device)
         tasks = grid.task_objects()
         total = len(grid.models) * self._count_cells(tasks)
+        self._make_out()
+        self._write_config()
+        done = self._load_results()
         bar = tqdm(total=total, desc="cells", disable=not self.progress, dynamic_ncols=True)
         t0 = time.perf_counter()
         for model_name in grid.models:
             self._run_model(model_name, tasks, done, bar)
         bar.close()
-        self.log(f"ablation: {total} cells, {self.errors} failed, {time.perf_counter() - t0:.0f} s -> {self.out}")
+        self._verify_rows()
+        self.log(f"ablation: {total} cells ({self.ran} run, {self.skipped} already done), {self.errors} failed, "
+                 f"{time.perf_counter() - t0:.0f} s -> {self.out}")  # fmt: skip
         self.report()
         return self.errors
 
@@ -157,16 +274,52 @@ class Runner:
 
     def current_rows(self) -> list[dict[str, Any]]:
         """Rows of ``results.jsonl`` that belong to the cells of this grid (latest per cell and metric)."""
-        config = json.loads((self.out / CONFIG).read_text()) if (self.out / CONFIG).is_file() else {}
-        ids = set(config.get("cells", []))
+        ids = set(read_config(self.out).get("cells", []))
+        rows, bad = scan_rows(self.out / RESULTS)
+        self._warn_bad_lines(bad, "the report leaves them out")
         latest: dict[tuple[str, str], dict[str, Any]] = {}
-        for row in read_rows(self.out):
+        for row in rows:
             if row.get("cell") in ids:
                 latest[(row["cell"], row["metric"])] = row
         ok = {cell for cell, metric in latest if metric != "error"}
         return [r for (cell, metric), r in latest.items() if metric != "error" or cell not in ok]
 
     # ------------------------------------------------------------------ internals
+    def _make_out(self) -> None:
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"run directory {str(self.out)!r} cannot be created ({exc.strerror}); "
+                              "choose another --out") from None  # fmt: skip
+
+    def _load_results(self) -> set[str]:
+        """Repair a cut last line, warn about lines that are not rows; the ids of finished cells."""
+        for name in (RESULTS, SAMPLES):
+            cut = repair_tail(self.out / name)
+            if cut:
+                self.log(f"warning: {self.out / name}: dropped its last line ({cut} bytes), cut by an interrupted "
+                         "run; that cell runs again")  # fmt: skip
+        rows, bad = scan_rows(self.out / RESULTS)
+        self._warn_bad_lines(bad, "cells missing rows run again")
+        return done_cells(rows)
+
+    def _warn_bad_lines(self, bad: list[int], consequence: str) -> None:
+        """One warning per runner for the lines of results.jsonl that are not rows."""
+        if not bad or self._warned:
+            return
+        self._warned = True
+        shown = ", ".join(str(n) for n in bad[:5]) + (", ..." if len(bad) > 5 else "")
+        self.log(f"warning: {self.out / RESULTS}: skipped {len(bad)} line(s) that are not result rows (line {shown}); "
+                 f"{consequence}. Delete those lines to silence this warning")  # fmt: skip
+
+    def _verify_rows(self) -> None:
+        """Count as failed any cell that ran without error but whose rows are not all in results.jsonl."""
+        lost = self._finished - load_done(self.out / RESULTS)
+        if lost:
+            self.log(f"warning: {len(lost)} cell(s) ran but their rows are incomplete in {self.out / RESULTS}; "
+                     "they are counted as failed and run again next time")  # fmt: skip
+            self.errors += len(lost)
+
     def _count_cells(self, tasks: dict[str, Any]) -> int:
         grid = self.grid
         resized: list[CacheSpec] = []
@@ -186,7 +339,7 @@ class Runner:
 
     def _write_config(self, cells: list[str] | None = None) -> None:
         path = self.out / CONFIG
-        old = json.loads(path.read_text()) if path.is_file() else {}
+        old = read_config(self.out) if cells is not None and path.is_file() else {}
         d = self.grid.to_dict()
         d["cells"] = sorted(set(old.get("cells", [])) | set(cells or [])) if cells is not None else []
         d["sizings"] = self.sizings
@@ -197,7 +350,10 @@ class Runner:
             d["transformers"] = transformers.__version__
         except ImportError:  # pragma: no cover
             pass
-        path.write_text(json.dumps(d, indent=2, default=repr))
+        try:
+            path.write_text(json.dumps(d, indent=2, default=repr))
+        except OSError as exc:
+            raise ConfigError(f"{path} cannot be written ({exc.strerror}); choose another --out") from None
 
     def _specs_for(self, model: Any, context: int, steps: int) -> list[tuple[CacheSpec, bool]]:
         """The grid's caches, plus their equal-bytes copies at ``context``."""
@@ -210,7 +366,7 @@ class Runner:
         anchor = anchor_of(self.grid.caches, None if eb is True else str(eb))
         self.log(f"--equal-bytes: sizing every method to the bytes of {anchor.label!r} at context {context} ...")
         memo_path = self.out / "sizing.json"
-        memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
+        memo = self._read_sizing_memo(memo_path)
         mine = memo.setdefault(self._model_name, {})
         sized, report = equalize(model, anchor, self.grid.caches, context, steps, memo=mine)
         memo_path.write_text(json.dumps(memo, indent=1))
@@ -251,6 +407,7 @@ class Runner:
                     cid = cell_id(model_name, spec, ctx, task_name, params, grid)
                     all_cells.append(cid)
                     if cid in done:
+                        self.skipped += 1
                         bar.update(1)
                     else:
                         todo.append((cid, spec, eq))
@@ -282,10 +439,13 @@ class Runner:
             samples = task.samples(tok, context or 0, grid.seed)
         refs: list[measure.Reference | None] | None = None
         for cid, spec, eq in todo:
+            self.ran += 1
             bar.set_postfix_str(f"{spec.label} | {task_name} | ctx {context}")
             t0 = time.perf_counter()
             scores = spec.needs_scores()
-            if scores:
+            if scores or model.config._attn_implementation in ("sdpa", "eager"):
+                # outputs unchanged; reports scores where a policy needs them and checks the mask, so
+                # layout="agnostic" can be used (kvpolicy.handoff)
                 from kvpolicy.attention import enable_scores
 
                 enable_scores(model)
@@ -327,6 +487,7 @@ class Runner:
                 self._append(SAMPLES, [{"cell": cid, "cache": spec.label, "task": task_name, "context": context, **r}
                                        for r in records])  # fmt: skip
             self._append(RESULTS, rows)
+            self._finished.add(cid)
             bar.update(1)
 
     def _row(self, cid: str, model: str, spec: CacheSpec, eq: bool, context: int | None, task: str, metric: str,
@@ -339,9 +500,35 @@ class Runner:
         }  # fmt: skip
 
     def _append(self, name: str, rows: list[dict[str, Any]]) -> None:
-        with (self.out / name).open("a", encoding="utf-8") as fh:
-            fh.write("".join(json.dumps(r, default=repr) + "\n" for r in rows))
-            fh.flush()
+        try:
+            with (self.out / name).open("a", encoding="utf-8") as fh:
+                fh.write("".join(json.dumps(r, default=repr) + "\n" for r in rows))
+                fh.flush()
+        except OSError as exc:
+            raise ConfigError(f"{self.out / name} cannot be written ({exc.strerror}); free space or choose another "
+                              "--out, then run again (finished cells are kept)") from None  # fmt: skip
+
+    def _read_sizing_memo(self, path: Path) -> dict[str, Any]:
+        """The ``--equal-bytes`` sizing memo; an unreadable one is discarded (the sizings are recomputed)."""
+        if not path.is_file():
+            return {}
+        try:
+            memo = json.loads(_read_bytes(path).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            memo = None
+        if not isinstance(memo, dict) or not all(isinstance(v, dict) for v in memo.values()):
+            self.log(f"warning: {path} is not a sizing memo; ignored, the sizings are recomputed")
+            return {}
+        return memo
+
+
+def _check_device(device: str) -> None:
+    from kvpolicy.devices import check_device
+
+    try:
+        check_device(device)
+    except ConfigError as exc:
+        raise ConfigError(f"device (--device): {exc}") from None
 
 
 def _slug(text: str) -> str:

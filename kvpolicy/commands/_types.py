@@ -1,0 +1,161 @@
+"""Argument types shared by the subcommands: each checks one flag's value at parse time.
+
+Each is an ``argparse`` ``type=`` callable: a bad value raises :class:`argparse.ArgumentTypeError`,
+which argparse reports as ``kvpolicy <command>: error: argument --flag: <message>`` on stderr with
+exit status 2, before any model is loaded. Messages name the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from kvpolicy.errors import ConfigError
+
+
+def _int(text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}; got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}; got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (steps, repetitions, threads, token counts)."""
+    return _int(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (seeds, warm-up rounds)."""
+    return _int(text, 0)
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (budgets)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0; got {text!r}")
+    return value
+
+
+def int_list(minimum: int, example: str) -> Callable[[str], list[int]]:
+    """A type for a non-empty comma-separated list of integers >= ``minimum`` (``"2048,4096"``).
+
+    Parameters
+    ----------
+    minimum : int
+        The smallest value allowed.
+    example : str
+        A valid value, shown in messages.
+
+    Returns
+    -------
+    callable
+        ``str -> list[int]``, raising :class:`argparse.ArgumentTypeError` on a bad list.
+    """
+
+    def parse(text: str) -> list[int]:
+        allowed = f"a comma-separated list of integers >= {minimum} (e.g. {example})"
+        parts = [p.strip() for p in text.split(",")]
+        try:
+            values = [int(p) for p in parts]
+        except ValueError:
+            bad = next(p for p in parts if not _is_int(p))
+            raise argparse.ArgumentTypeError(f"must be {allowed}; got {text!r} ({bad!r} is not an integer)") from None
+        if any(v < minimum for v in values):
+            raise argparse.ArgumentTypeError(f"must be {allowed}; got {text!r}")
+        return values
+
+    parse.__name__ = f"int_list_min_{minimum}"
+    return parse
+
+
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
+
+
+def device_name(text: str) -> str:
+    """A supported torch device name (``cpu``, ``cuda``, ``cuda:N``, ``mps``), present here or not."""
+    from kvpolicy.devices import parse_device
+
+    try:
+        return parse_device(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def available_device(text: str) -> str:
+    """A supported torch device that exists on this machine."""
+    from kvpolicy.devices import check_device
+
+    try:
+        return check_device(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def out_dir(text: str) -> Path:
+    """A directory that exists and is writable, or that can be created (nothing is created here)."""
+    path = Path(text).expanduser()
+    problem = dir_problem(path)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{text!r} {problem}; give a directory path (new or existing)")
+    return path
+
+
+def out_file(text: str) -> Path:
+    """A file path to write: not an existing directory, in a directory that exists or can be created."""
+    path = Path(text).expanduser()
+    problem = "is an existing directory, not a file" if path.is_dir() else dir_problem(path.absolute().parent)
+    if problem:
+        where = "" if path.is_dir() else f"its directory {str(path.absolute().parent)!r} "
+        raise argparse.ArgumentTypeError(f"{text!r}: {where}{problem}; give a file path such as docs/results.md")
+    return path
+
+
+def dir_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be used as an output directory, or ``None`` when it can.
+
+    Parameters
+    ----------
+    path : Path
+        An existing directory, or a path whose nearest existing ancestor is a writable directory.
+
+    Returns
+    -------
+    str or None
+        A reason such as ``"is an existing file"``; ``None`` when the path can be written to.
+    """
+    path = path.absolute()
+    try:
+        return _existing_dir_problem(path) if path.exists() else _new_dir_problem(path)
+    except OSError as exc:  # e.g. a parent directory that cannot be searched
+        return f"cannot be checked: {exc.strerror}"
+
+
+def _existing_dir_problem(path: Path) -> str | None:
+    if not path.is_dir():
+        return "is an existing file, not a directory"
+    return None if os.access(path, os.W_OK | os.X_OK) else "is a directory this user cannot write to"
+
+
+def _new_dir_problem(path: Path) -> str | None:
+    ancestor = next(p for p in path.parents if p.exists())
+    if not ancestor.is_dir():
+        return f"cannot be created: {str(ancestor)!r} is a file"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"cannot be created: {str(ancestor)!r} is not writable by this user"
+    return None
