@@ -9,9 +9,10 @@ over batch rows, query positions and the query heads of the group). A policy tha
 ``score_queries = k`` (SnapKV's observation window) gets the mass from the last ``k`` query
 positions of each forward only; the others are not even computed.
 
-Which layer receives the scores is decided by identity: the attention call whose key tensor is the
-one the layer's ``update`` just returned. The model's own attention (sdpa, or its own eager
-function with softcapping and the like) computes the output; the scores are recomputed in float32
+Which layer receives the scores is decided by the hand-off (:mod:`kvpolicy.handoff`): the keys a
+compressed layer's ``update`` returned carry a ticket naming the layer. The model's own attention
+(sdpa, or its own eager function with softcapping and the like) computes the output; the scores
+are recomputed in float32
 as ``softmax(q kᵀ · scale + mask)`` for both, so sdpa and eager select the same tokens (model-specific
 extras such as logit softcapping are not applied to the scores).
 
@@ -22,64 +23,16 @@ layers do not report (any cache without a score-based policy) run exactly as bef
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from kvpolicy.errors import ConfigError
+from kvpolicy.handoff import ticket_of
 
 WRAPPED = ("sdpa", "eager")
 PREFIX = "kvpolicy_"
-
-
-class ScoreSink(Protocol):
-    """What a cache layer exposes to the attention wrapper."""
-
-    layer_idx: int
-
-    def attention_done(self, scores: torch.Tensor | None) -> None:
-        """Called once the attention over the layer's returned keys ran through the wrapper.
-
-        ``scores``: ``(batch, kv_heads, keys)`` attention mass per returned key and batch row
-        (summed over query positions and the query heads of each group), or ``None`` when the layer
-        asked only for a key mask. When the layer has a ``policy`` whose ``score_queries`` is an int
-        ``k``, only the last ``k`` query positions of the forward are summed (all when ``None``).
-        """
-
-
-_local = threading.local()
-
-
-def expect_scores(
-    layer: ScoreSink | None, keys: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
-    scores: bool = True,
-) -> None:  # fmt: skip
-    """Called by a cache layer's ``update``: the attention call that receives exactly ``keys`` (the
-    tensor ``update`` returned) reports to ``layer``. Any earlier expectation is replaced.
-
-    Parameters
-    ----------
-    layer : ScoreSink or None
-        The layer to report to (``None`` clears the expectation).
-    keys : torch.Tensor
-        The key tensor ``update`` returned.
-    key_mask : torch.Tensor, optional
-        ``(batch, keys)`` bool, False for slots that hold no token of that row (a padded batch with
-        eviction): the wrapper masks them out on top of transformers' mask.
-    scores : bool
-        Whether the layer wants attention scores.
-    """
-    _local.expected = None if layer is None else (layer, keys, key_mask, scores)
-
-
-def _take(key: torch.Tensor) -> tuple[ScoreSink, torch.Tensor | None, bool] | None:
-    expected = getattr(_local, "expected", None)
-    if expected is None or expected[1] is not key:
-        return None
-    _local.expected = None
-    return expected[0], expected[2], expected[3]
 
 
 def with_key_mask(
@@ -130,11 +83,10 @@ def attention_probs(
 
 
 def _scored_queries(
-    layer: ScoreSink, query: torch.Tensor, attention_mask: torch.Tensor | None
+    policy: Any, query: torch.Tensor, attention_mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The query rows whose attention is reported: the last ``layer.policy.score_queries`` of them
     when the policy sets it (SnapKV's observation window), else all (the mask is cut to match)."""
-    policy = getattr(layer, "policy", None)
     keep = getattr(policy, "score_queries", None)
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ConfigError(f"policy {policy!r}: score_queries must be None or an integer >= 1; got {keep!r}")
@@ -166,25 +118,26 @@ def _wrap(inner_name: str):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        taken = _take(key)
-        if taken is not None and taken[1] is not None:
-            attention_mask = with_key_mask(attention_mask, taken[1], query.shape[2], query.dtype)
+        ticket = ticket_of(key)
+        if ticket is not None:
+            key, value, layout = ticket.materialize(attention_mask, query.shape[2], kwargs)
+            if ticket.key_mask is not None:
+                attention_mask = with_key_mask(attention_mask, ticket.key_mask, query.shape[2], query.dtype)
         if inner_name == "eager":
             out, weights = _eager(module, query, key, value, attention_mask, scale, dropout, **kwargs)
         else:
             inner = ALL_ATTENTION_FUNCTIONS[inner_name]
             out, weights = inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        if taken is not None:
-            layer, _, wants_scores = taken
+        if ticket is not None and ticket.wants_report:
             mass = None
-            if wants_scores:
+            if ticket.scores:
                 # recomputed in float32 for both implementations, so sdpa and eager select the same tokens
-                q_rows, mask_rows = _scored_queries(layer, query, attention_mask)
+                q_rows, mask_rows = _scored_queries(ticket.layer().policy, query, attention_mask)
                 probs = attention_probs(q_rows, key, mask_rows, scale)
                 b, hq, q_len, k_len = probs.shape
                 hk = key.shape[1]
                 mass = probs.reshape(b, hk, hq // hk, q_len, k_len).sum(dim=(2, 3))
-            layer.attention_done(mass)
+            ticket.report(mass, layout)
         return out, weights
 
     attention.__name__ = f"{PREFIX}{inner_name}"

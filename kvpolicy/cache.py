@@ -8,14 +8,14 @@ each with the logical positions of its tokens.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvpolicy import registry
+from kvpolicy import handoff, registry
 from kvpolicy.actions.base import Action, DemotedStore
-from kvpolicy.attention import expect_scores
 from kvpolicy.backends.base import Backend
 from kvpolicy.errors import ConfigError
 from kvpolicy.memory import LayerBytes, MemoryReport
@@ -53,9 +53,17 @@ class CompressedLayer(CacheLayerMixin):
 
     @property
     def is_croppable(self) -> bool:  # type: ignore[override]
-        """Rollback is exact for the tokens of the latest multi-token update, except with score-based
-        policies, whose accumulated scores already include the attention of those tokens."""
-        return not (self.action.compresses and self.policy.needs_scores)
+        """Whether :meth:`crop` can undo the latest update now: always without compression; otherwise
+        while the tokens of the latest multi-token update are still undemoted (assisted decoding's
+        verification forward), and never with score-based policies, whose accumulated scores already
+        include the attention of those tokens. After a decode step it is False, as ``crop`` would raise."""
+        if not self.action.compresses:
+            return True
+        if self.policy.needs_scores:
+            return False
+        if self.rows is not None:
+            return all(row.is_croppable for row in self.rows.rows)
+        return not self.is_initialized or self._pending > 0
 
     def __init__(
         self, policy: Policy, action: Action, backend: Backend, layout: str, layer_idx: int, attention: str = "auto"
@@ -63,11 +71,14 @@ class CompressedLayer(CacheLayerMixin):
         super().__init__()
         self.attention = attention
         #: why a decode step cannot use the fused path (None: it can), see :mod:`kvpolicy.fused`
-        self.unfusable = _unfusable(policy, action) if attention != "materialized" else "attention='materialized'"
+        self.unfusable = (
+            _unfusable(policy, action, backend) if attention != "materialized" else "attention='materialized'"
+        )
         #: how the latest update's attention was done: "fused", "full-precision" or "materialized: <why>"
         self.attention_path: str | None = None
-        self._fused_ok = False  # the latest forward ran kvpolicy's fused attention function on this layer
-        self._fused_pending = False  # placeholders returned, not yet consumed by the fused function
+        #: bumped by every change of the held tokens; a hand-off of an older version is refused
+        self.version = 0
+        self.internal = False  # a row layer of a padded batch: returns plain views to its PaddedRows
         self.policy = policy
         self.action = action
         self.backend = backend
@@ -79,7 +90,7 @@ class CompressedLayer(CacheLayerMixin):
         self.full_pos: torch.Tensor | None = None
         self._pending = 0  # tokens appended whose demotion is deferred (multi-token update)
         self._scored = True  # whether the last forward delivered the scores the policy needs
-        self._attended = True  # whether the last expectation of kvpolicy.attention was met
+        self._failed: str | None = None  # an error that left the policy and the store out of step
         self.rows: PaddedRows | None = None  # set for a left-padded batch
 
     # ------------------------------------------------------------------ transformers API
@@ -89,7 +100,9 @@ class CompressedLayer(CacheLayerMixin):
         self.keys = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[3]))
         self.values = value_states.new_empty((*value_states.shape[:2], 0, value_states.shape[3]))
         if self.action.compresses:
-            self.action.check_head_dim(key_states.shape[-1], self.backend.capabilities.group_size_multiple)
+            multiple = self.backend.capabilities.group_size_multiple
+            self.action.check_head_dim(key_states.shape[-1], multiple, role="key")
+            self.action.check_head_dim(value_states.shape[-1], multiple, role="value")
             self.backend.check_tensor(key_states)
             rows = key_states.shape[1] if self.policy.per_head else 1
             self.state = self.policy.new_state(num_heads=key_states.shape[1])
@@ -109,9 +122,9 @@ class CompressedLayer(CacheLayerMixin):
             pads = left_pads(_position_ids(kwargs), n) if self.action.compresses else None
             if pads is not None:
                 self.rows = PaddedRows([self._row_layer() for _ in pads], pads, keeps_demoted=self.action.keeps_demoted)
+        self.version += 1
         if self.rows is not None:
             return self._update_rows(key_states, value_states)
-        self._check_fused_consumed()
         start = self.length
         if self.action.compresses:
             if n > 1:
@@ -127,91 +140,53 @@ class CompressedLayer(CacheLayerMixin):
         self._pending = n
         if n == 1:
             self._settle()
-        if n == 1 and self._use_fused(start):
-            return self._fused_segments()
-        out = self._attention_view()
-        self._offer_fused(out[0])
-        if self.policy.needs_scores:
-            self._scored = False
-            expect_scores(self, out[0])
-        return out
+        return self._hand_out(n)
 
     def _row_layer(self) -> CompressedLayer:
-        return CompressedLayer(self.policy, self.action, self.backend, self.layout, self.layer_idx, "materialized")
+        layer = CompressedLayer(self.policy, self.action, self.backend, self.layout, self.layer_idx, "materialized")
+        layer.internal = True
+        return layer
+
+    # ------------------------------------------------------------------ the hand-off to attention
+    def _hand_out(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``update`` returns: plain tensors when any consumer may use them as they are, else a
+        hand-off (:mod:`kvpolicy.handoff`) that kvpolicy's attention functions serve and any other
+        consumer materialises in position order (or refuses)."""
+        assert self.store is not None
+        held = self.action.keeps_demoted and len(self.store) > 0
+        scores = self.policy.needs_scores
+        if scores:
+            self._scored = False
+        fusable = n == 1 and held and self.unfusable is None
+        if n == 1:
+            if not held:
+                self.attention_path = "full-precision"  # nothing compressed to read: the plain view is the segment
+            elif self.unfusable is not None:
+                self.attention_path = f"materialized: {self.unfusable}"
+            else:
+                self.attention_path = "handed out, not attended"  # set by whoever consumes it
+        agnostic = self.layout == "agnostic" and held
+        if self.internal or not (fusable or agnostic or scores):
+            return self.attention_view("ordered")
+        ticket = handoff.Ticket(
+            self, fusable=fusable, scores=scores, layout=self.layout if agnostic else "ordered",
+            strict=self.attention == "fused",
+        )  # fmt: skip
+        b, h, _, d = self.keys.shape
+        count = self.length if held else self.keys.shape[2]
+        return handoff.hand_out(
+            ticket, torch.Size((b, h, count, d)), torch.Size((b, h, count, self.values.shape[-1])),
+            self.keys.dtype, self.keys.device,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ kvpolicy.fused
-    def _use_fused(self, start: int) -> bool:
-        """Whether this single-token update returns the segments for the fused attention function."""
-        if not self.action.keeps_demoted or len(self.store) == 0:
-            self.attention_path = "full-precision"  # nothing compressed to read: the plain view is the segment
-            return False
-        if self.unfusable is not None:
-            self.attention_path = f"materialized: {self.unfusable}"
-            return False
-        if self._fused_ok:
-            return True
-        if self.attention == "fused" and start > 0:
-            raise RuntimeError(
-                f"CompressedCache(attention='fused'): layer {self.layer_idx}'s last forward did not run kvpolicy's "
-                "fused attention function. Call kvpolicy.fused.enable_fused(model) once before running the model."
-            )
-        self.attention_path = "materialized: the model does not run kvpolicy's fused attention"
-        return False
-
-    def _fused_segments(self) -> tuple[torch.Tensor, torch.Tensor]:
-        from kvpolicy import fused
-
-        self._fused_ok = False  # re-earned when the fused function consumes the segments
-        self._fused_pending = True
-        self.attention_path = "fused"
-        fused.expect_segments(self, self.keys)
-        return self.keys, self.values
-
-    def _offer_fused(self, keys: torch.Tensor) -> None:
-        """Let the fused attention function, if the model runs it, announce itself to this layer."""
-        if self.unfusable is None and self.action.keeps_demoted:
-            from kvpolicy import fused
-
-            fused.offer(self, keys)
-
-    def fused_seen(self) -> None:
-        """Called by :mod:`kvpolicy.fused`: the model's attention is the fused function."""
-        self._fused_ok = True
-
-    def fused_done(self, reason: str | None = None) -> None:
-        """Called by :mod:`kvpolicy.fused` once it consumed this layer's segments (``reason``: why it
-        had to materialise them after all)."""
-        self._fused_pending = False
-        self._fused_ok = True
-        if reason is not None:
-            self.attention_path = f"materialized: {reason}"
-
     def fused_parts(self) -> tuple[Any, Any]:
         """``(quantized, tail)`` of the store (see ``QuantizedStore.attention_parts``)."""
         return self.store.attention_parts()  # type: ignore[union-attr]
 
-    def materialized_view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole history as the materialised path returns it (the fused function's fallback)."""
-        return self._attention_view()
-
-    def _check_fused_consumed(self) -> None:
-        if self._fused_pending:
-            self._fused_pending = False
-            raise RuntimeError(
-                f"layer {self.layer_idx} returned its compressed segments for kvpolicy's fused attention, but the "
-                "last forward did not run it (was kvpolicy.fused.disable_fused(model) called mid-generation?); "
-                "that forward attended to the full-precision tokens only. Start a new cache."
-            )
-
     def _update_rows(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A left-padded batch: each row runs alone (see :mod:`kvpolicy.padded`)."""
         assert self.rows is not None
-        if not self._attended:
-            raise RuntimeError(
-                f"layer {self.layer_idx} holds a left-padded batch with action {self.action.name!r}: its rows hold "
-                "different numbers of tokens, and the empty key slots must be masked by kvpolicy's attention "
-                "wrapper. Call kvpolicy.attention.enable_scores(model) once before running the model."
-            )
         self.length += key_states.shape[-2]
         keys, values, key_mask = self.rows.update(key_states, value_states, self.length)
         self.attention_path = "materialized: left-padded batch (one layer per row)"
@@ -221,10 +196,10 @@ class CompressedLayer(CacheLayerMixin):
                 "use attention='auto', which materialises their history"
             )
         needs_scores = self.policy.needs_scores
-        if needs_scores or not self.action.keeps_demoted:
-            self._attended = False
-            expect_scores(self, keys, key_mask=key_mask, scores=needs_scores)
-        return keys, values
+        if not needs_scores and key_mask is None:
+            return keys, values
+        ticket = handoff.Ticket(self, scores=needs_scores, key_mask=key_mask, views=(keys, values))
+        return handoff.hand_out(ticket, keys.shape, values.shape, keys.dtype, keys.device)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self.rows is not None:
@@ -250,14 +225,14 @@ class CompressedLayer(CacheLayerMixin):
         self.full_pos = None
         self._pending = 0
         self._scored = True
-        self._attended = True
+        self._failed = None
         self.rows = None
-        self._fused_ok = False
-        self._fused_pending = False
+        self.version += 1
         self.attention_path = None
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.version += 1
         if self.rows is not None:
             self.rows.select(beam_idx.tolist())
         elif self.is_initialized:
@@ -265,12 +240,14 @@ class CompressedLayer(CacheLayerMixin):
             self._map_batch(lambda t: t.index_select(0, idx))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.version += 1
         if self.rows is not None:
             self.rows.select(torch.arange(len(self.rows.rows))[indices].tolist())
         elif self.is_initialized:
             self._map_batch(lambda t: t[indices, ...])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self.version += 1
         if self.rows is not None:
             self.rows.select([i for i in range(len(self.rows.rows)) for _ in range(repeats)])
         elif self.is_initialized:
@@ -290,6 +267,7 @@ class CompressedLayer(CacheLayerMixin):
         k = -tokens_to_remove
         if k == 0 or not self.is_initialized:
             return
+        self.version += 1
         if self.rows is not None:
             for layer in self.rows.rows:
                 layer.crop(tokens_to_remove)
@@ -315,21 +293,20 @@ class CompressedLayer(CacheLayerMixin):
             self._pending -= k
 
     # ------------------------------------------------------------------ kvpolicy.attention
-    def attention_done(self, scores: torch.Tensor | None) -> None:
+    def attention_done(self, scores: torch.Tensor | None, layout: str = "ordered") -> None:
         """The wrapper of :mod:`kvpolicy.attention` ran the attention over this layer's keys;
-        ``scores`` (``(batch, kv_heads, keys)``) when the policy asked for them."""
-        self._attended = True
+        ``scores`` (``(batch, kv_heads, keys)``, keys in ``layout``'s order) when the policy asked for them."""
         if self.rows is not None:
             self.rows.attention_done(scores)
         elif scores is not None:
-            self.observe_attention(scores.sum(dim=0))
+            self.observe_attention(scores.sum(dim=0), layout)
 
-    def observe_attention(self, scores: torch.Tensor) -> None:
-        """Attention mass per returned key, ``(kv_heads, keys)``; forwarded to the policy for the
-        full-precision tokens."""
+    def observe_attention(self, scores: torch.Tensor, layout: str = "ordered") -> None:
+        """Attention mass per returned key, ``(kv_heads, keys)`` with keys in ``layout``'s order;
+        forwarded to the policy for the full-precision tokens."""
         if not self.action.keeps_demoted or len(self.store) == 0:
             full = scores
-        elif self.layout == "agnostic":
+        elif layout == "agnostic":
             full = scores[:, len(self.store) :]
         else:
             full = scores.gather(1, self.full_pos.expand(scores.shape[0], -1))
@@ -351,9 +328,18 @@ class CompressedLayer(CacheLayerMixin):
                 "in the last forward. Call kvpolicy.attention.enable_scores(model) once before running the model: "
                 "it wraps the model's sdpa/eager attention to report them (see docs/policies.md)."
             )
+        if self._failed is not None:
+            raise RuntimeError(
+                f"layer {self.layer_idx} of this CompressedCache failed while demoting tokens ({self._failed}); its "
+                "policy and its store no longer agree, so it cannot go on. Start a new cache (or call reset())."
+            )
         if self._pending:
             n, self._pending = self._pending, 0
-            self._demote(n)
+            try:
+                self._demote(n)
+            except Exception as exc:
+                self._failed = f"{type(exc).__name__}: {exc}"
+                raise
 
     def _demote(self, n: int) -> None:
         assert self.state is not None and self.store is not None and self.full_pos is not None
@@ -375,12 +361,15 @@ class CompressedLayer(CacheLayerMixin):
         self.values = _take(self.values, keep_idx)
         self.full_pos = self.full_pos.gather(1, keep_idx)
 
-    def _attention_view(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def attention_view(self, layout: str = "ordered") -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole history, materialised: ``(batch, kv_heads, keys, head_dim)`` keys and values in
+        position order (``"ordered"``) or as ``[demoted tokens, full-precision tokens]``
+        (``"agnostic"``, valid only under a purely causal mask)."""
         assert self.store is not None
         if not self.action.keeps_demoted or len(self.store) == 0:
             return self.keys, self.values
         dk, dv = self.store.keys(), self.store.values()
-        if self.layout == "agnostic":
+        if layout == "agnostic":
             return torch.cat([dk, self.keys], dim=-2), torch.cat([dv, self.values], dim=-2)
         return (
             _scatter_ordered(self.length, (self.store.positions, dk), (self.full_pos, self.keys)),
@@ -443,12 +432,14 @@ class CompressedLayer(CacheLayerMixin):
         return f"CompressedLayer(layer_idx={self.layer_idx}, length={self.length})"
 
 
-def _unfusable(policy: Policy, action: Action) -> str | None:
+def _unfusable(policy: Policy, action: Action, backend: Backend) -> str | None:
     """Why decode attention of this composition cannot run fused (None: it can)."""
     if not action.compresses:
         return f"action {action.name!r} does not compress"
     if not action.keeps_demoted:
         return None  # nothing is held besides the full-precision segment: the plain view is already cheap
+    if not backend.capabilities.fused:
+        return f"backend {backend.name!r} cannot attend over its blocks without dequantizing them"
     if policy.per_head:
         return f"policy {policy.name!r} selects per head"
     if policy.needs_scores:
@@ -587,7 +578,7 @@ class CompressedCache(Cache):
         if self.action.compresses:
             self.action.check_backend(self.backend)
         if attention == "fused":
-            reason = _unfusable(self.policy, self.action)
+            reason = _unfusable(self.policy, self.action, self.backend)
             if reason is not None:
                 raise ConfigError(
                     f"attention='fused' cannot serve this composition: {reason}; use attention='auto' (materialises "
@@ -597,10 +588,23 @@ class CompressedCache(Cache):
         self._layer_types: list[str] | None = None
         self._layer_kwargs: list[dict] = []
         if config is not None:
+            from transformers import PretrainedConfig
             from transformers.cache_utils import get_layer_types_and_kwargs
 
+            if not isinstance(config, PretrainedConfig):
+                raise ConfigError(
+                    f"config must be the model's transformers PretrainedConfig (model.config); got a "
+                    f"{type(config).__name__}: {config!r:.80}"
+                )
             self._layer_types, self._layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
             self.layers = [self._new_layer(i) for i in range(len(self._layer_types))]
+            if not any(isinstance(layer, CompressedLayer) for layer in self.layers):
+                kinds = sorted(set(self._layer_types))
+                warnings.warn(
+                    f"CompressedCache: config= leaves no layer compressed (layer types: {kinds}); only "
+                    "'full_attention' layers are compressed, so this cache holds as many bytes as DynamicCache",
+                    stacklevel=2,
+                )
 
     def _new_layer(self, layer_idx: int) -> CacheLayerMixin:
         """A compressed layer, or transformers' own layer for non-full-attention layer types."""
@@ -610,6 +614,37 @@ class CompressedCache(Cache):
         from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
 
         return DYNAMIC_LAYER_TYPE_MAPPING[kind](**self._layer_kwargs[layer_idx])
+
+    # transformers' state updates of non-attention layers (linear attention, state space, sparse indexers)
+    def get_conv_state(self, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+        self._check_state_layer(layer_idx, "convolution state")
+        return super().get_conv_state(layer_idx, *args, **kwargs)
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+        self._check_state_layer(layer_idx, "convolution state")
+        return super().update_conv_state(conv_states, layer_idx, *args, **kwargs)
+
+    def get_recurrent_state(self, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+        self._check_state_layer(layer_idx, "recurrent state")
+        return super().get_recurrent_state(layer_idx, *args, **kwargs)
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+        self._check_state_layer(layer_idx, "recurrent state")
+        return super().update_recurrent_state(recurrent_states, layer_idx, *args, **kwargs)
+
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> Any:
+        self._check_state_layer(layer_idx, "sparse-attention indexer")
+        return super().update_indexer(indexer_key_states, layer_idx)
+
+    def _check_state_layer(self, layer_idx: int, what: str) -> None:
+        """A hybrid model's non-attention layer asks for its state: only a cache built with ``config=``
+        has such layers."""
+        if self._layer_types is None:
+            raise ConfigError(
+                f"CompressedCache: layer {layer_idx} of this model is not an attention layer (it keeps a {what}); "
+                "pass config=model.config so transformers' own layers serve it and only full-attention layers "
+                "are compressed"
+            )
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> CompressedCache:

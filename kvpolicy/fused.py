@@ -4,9 +4,9 @@
 or kvpolicy's score-reporting ``"kvpolicy_sdpa"``/``"kvpolicy_eager"``) to ``"kvpolicy_fused_sdpa"``
 (``"kvpolicy_fused_eager"``), a function registered with transformers' ``AttentionInterface``.
 
-On a decode step (one new token), a :class:`~kvpolicy.cache.CompressedLayer` whose model runs this
-function returns only its full-precision segment and announces it here (by tensor identity, like
-:mod:`kvpolicy.attention`). The function then computes, for the queries of each kv head,
+On a decode step (one new token), a :class:`~kvpolicy.cache.CompressedLayer` hands its history
+to attention as a :mod:`kvpolicy.handoff` pair whose ticket offers its segments. This function
+then computes, for the queries of each kv head,
 
 - attention over the full-precision segment plus the few stored tokens still staged
   (plain float32 matmuls over a segment bounded by the policy),
@@ -19,17 +19,19 @@ order of keys, so neither the position order (``layout="ordered"``) nor a concat
 (``"agnostic"``) of the history is built: both layouts give the same fused result.
 
 Every other call (prefill, other caches, layers that cannot fuse) goes to kvpolicy's
-score-reporting wrapper of the original implementation, which runs it unchanged. When a decode
-step's call carries something the fused computation does not model (a mask that hides some keys,
-logit softcapping, attention sinks, dropout in training, ``output_attentions``), the function asks
-the layer for its materialised history and runs the original implementation on it, and the layer
+score-reporting wrapper of the original implementation, which serves the hand-off (materialising
+it) and runs the original implementation unchanged. When a decode step's call carries something
+the fused computation does not model (a mask that hides some keys, logit softcapping, attention
+sinks, dropout in training, ``output_attentions``), the step goes the same way and the layer
 records why (``CompressedCache.attention_paths()``); a warning is issued once per reason.
+
+If the model's attention is anything else (``disable_fused`` mid-generation, a layer that reuses
+another layer's keys and values), the hand-off materialises itself in position order on first use,
+so the result is correct either way; only the path (``attention_paths()``) differs.
 """
 
 from __future__ import annotations
 
-import threading
-import warnings
 from typing import Any
 
 import torch
@@ -38,33 +40,11 @@ from kvpolicy.attention import register as register_scores
 from kvpolicy.attention import register_wrappers, strip_wrapper
 from kvpolicy.backends.base import dense_attention
 from kvpolicy.errors import ConfigError
+from kvpolicy.handoff import ticket_of, warn_once
 
 PREFIX = "kvpolicy_fused_"
 INNER = ("sdpa", "eager")
 _SCORES_PREFIX = "kvpolicy_"
-
-_local = threading.local()
-_warned: set[str] = set()
-
-
-# ---------------------------------------------------------------------- handshake with the cache layer
-def expect_segments(layer: Any, keys: torch.Tensor) -> None:
-    """Called by a layer's ``update`` that returned its full-precision ``keys`` as placeholders."""
-    _local.segments = (layer, keys)
-
-
-def offer(layer: Any, keys: torch.Tensor) -> None:
-    """Called by a layer's ``update`` that returned its materialised view: if the model runs the fused
-    function, that function tells the layer (``layer.fused_seen()``), so the next decode step fuses."""
-    _local.offer = (layer, keys)
-
-
-def _take(slot: str, key: torch.Tensor) -> Any:
-    held = getattr(_local, slot, None)
-    if held is None or held[1] is not key:
-        return None
-    setattr(_local, slot, None)
-    return held[0]
 
 
 # ---------------------------------------------------------------------- the computation
@@ -159,30 +139,22 @@ def _inner(name: str):
 
 def _make(inner_name: str):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs: Any):
-        layer = _take("segments", key)
-        if layer is None:
-            seen = _take("offer", key)
-            if seen is not None:
-                seen.fused_seen()
-            return _inner(inner_name)(
-                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        ticket = ticket_of(key)
+        if ticket is not None and ticket.fusable:
+            why = _why_not(module, attention_mask, key.shape[2], dropout, kwargs)
+            if why is None:
+                layer = ticket.layer()
+                scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+                out = decode_attention(query, layer.keys, layer.values, layer.fused_parts(), layer.backend, scale)
+                layer.attention_path = "fused"
+                return out.to(query.dtype).transpose(1, 2).contiguous(), None
+            ticket.reason = why
+            warn_once(
+                f"kvpolicy fused attention: {why}; this step materialised the compressed history instead "
+                "(see CompressedCache.attention_paths())"
             )
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        why = _why_not(module, attention_mask, layer.get_seq_length(), dropout, kwargs)
-        if why is not None:
-            layer.fused_done(why)
-            if why not in _warned:
-                _warned.add(why)
-                warnings.warn(
-                    f"kvpolicy fused attention: {why}; this step materialised the compressed history instead "
-                    "(see CompressedCache.attention_paths())",
-                    stacklevel=2,
-                )
-            k, v = layer.materialized_view()
-            return _inner(inner_name)(module, query, k, v, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        out = decode_attention(query, key, value, layer.fused_parts(), layer.backend, scale)
-        layer.fused_done()
-        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+        # everything else: the score-reporting wrapper of the original implementation serves the hand-off
+        return _inner(inner_name)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
     attention.__name__ = f"{PREFIX}{inner_name}"
     return attention
@@ -214,5 +186,6 @@ def enable_fused(model: torch.nn.Module) -> None:
 
 
 def disable_fused(model: torch.nn.Module) -> None:
-    """Undo :func:`enable_fused` (back to the original implementation). Start new caches afterwards."""
+    """Undo :func:`enable_fused` (back to the original implementation). Caches in use stay correct: their
+    next decode steps materialise the history (``attention_paths()`` says so)."""
     strip_wrapper(model, PREFIX)

@@ -13,10 +13,11 @@ import types
 import pytest
 import torch
 from conftest import teacher_forced_logits, tiny_model
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from kvpolicy import CompressedCache
-from kvpolicy.attention import disable_scores, enable_scores, expect_scores
+from kvpolicy import CompressedCache, handoff
+from kvpolicy.attention import disable_scores, enable_scores
 from kvpolicy.cache import CompressedLayer
 from kvpolicy.errors import ConfigError
 
@@ -34,23 +35,20 @@ def _mass(weights: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return weights.float().reshape(b, kv_heads, hq // kv_heads, q, k).sum(dim=(0, 2, 3))
 
 
-@pytest.fixture(autouse=True)
-def _no_leftover_expectation():
-    """A cache layer's pending score expectation is thread-local: never let one leak between tests."""
-    expect_scores(None)
-    yield
-    expect_scores(None)
-
-
 @pytest.fixture
 def recorded(monkeypatch):
     """Every ``(layer, scores)`` that ``CompressedLayer.observe_attention`` receives."""
     seen: list[tuple[CompressedLayer, torch.Tensor]] = []
     original = CompressedLayer.observe_attention
 
-    def spy(self, scores):
-        seen.append((self, scores.detach().clone()))
-        return original(self, scores)
+    def spy(self, scores, layout="ordered"):
+        """Record the scores in position order (the agnostic view puts the demoted tokens first)."""
+        ordered = scores.detach().clone()
+        if layout == "agnostic" and len(self.store):
+            order = torch.cat([self.store.positions, self.full_pos], dim=1).expand(scores.shape[0], -1)
+            ordered = torch.empty_like(ordered).scatter_(1, order, ordered)
+        seen.append((self, ordered))
+        return original(self, scores, layout)
 
     monkeypatch.setattr(CompressedLayer, "observe_attention", spy)
     return seen
@@ -162,10 +160,21 @@ def test_scores_equal_eager_probabilities_at_every_step(recorded, action, layout
     expected: list[torch.Tensor] = []
 
     def feed(module, args, kwargs, output):
-        expect_scores(None)  # nobody consumes the expectation in plain eager
         mass = _mass(output[1], KV_HEADS)
         expected.append(mass)
         ref_cache.layers[0].observe_attention(mass)
+
+    def reference_eager(module, query, key, value, attention_mask, **kwargs):
+        """transformers' eager attention over the reference layer's history; its weights are fed to
+        that layer by ``feed`` above (so the hand-off reports nothing itself)."""
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        key, value = handoff.ticket_of(key).view("ordered")
+        return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("test_reference_eager", reference_eager)
+    AttentionMaskInterface.register("test_reference_eager", ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+    reference.set_attn_implementation("test_reference_eager")
 
     handle = reference.model.layers[0].self_attn.register_forward_hook(feed, with_kwargs=True)
     try:
@@ -201,11 +210,10 @@ def test_h2o_without_enable_scores_raises(attn, action):
     model = tiny_model("llama", attn)
     ids = _ids(1, 10)
     cache = CompressedCache(policy="h2o", heavy=2, recent=2, action=action)
-    model(ids[:, :8], cache=cache, use_cache=True)
+    with pytest.raises(RuntimeError, match="enable_scores"):  # in the forward whose scores are missing
+        model(ids[:, :8], cache=cache, use_cache=True)
     with pytest.raises(RuntimeError, match="enable_scores"):
         cache.positions(0)
-    with pytest.raises(RuntimeError, match="enable_scores"):
-        model(ids[:, 8:9], cache=cache, use_cache=True)
 
 
 def test_h2o_without_enable_scores_raises_in_generate():
@@ -222,16 +230,16 @@ def test_h2o_after_disable_scores_raises():
     disable_scores(model)
     ids = _ids(1, 10)
     cache = CompressedCache(policy="h2o", heavy=2, recent=2, action="evict")
-    model(ids[:, :8], cache=cache, use_cache=True)
     with pytest.raises(RuntimeError, match="enable_scores"):
-        model(ids[:, 8:9], cache=cache, use_cache=True)
+        model(ids[:, :8], cache=cache, use_cache=True)
 
 
 def test_forgotten_enable_scores_is_not_masked_by_another_models_forward():
     ids = _ids(1, 10)
     plain = tiny_model("llama", "sdpa", layers=1)
     cache = CompressedCache(policy="h2o", heavy=2, recent=2, action="evict")
-    plain(ids[:, :8], cache=cache, use_cache=True)  # no scores: the next step must fail
+    with pytest.raises(RuntimeError, match="enable_scores"):
+        plain(ids[:, :8], cache=cache, use_cache=True)  # no scores
     other = tiny_model("llama", "sdpa", layers=1, seed=1)
     enable_scores(other)
     other(ids[:, :8], cache=DynamicCache(), use_cache=True)

@@ -158,15 +158,15 @@ def test_beam_search_and_batch_ops(models):
     teacher_forced_logits(model, _ids(3, 60), 30, cache)
     before = [layer.positions() for layer in cache.layers]
     layer = cache.layers[0]
-    k0, v0 = layer._attention_view()
+    k0, v0 = layer.attention_view()
     cache.reorder_cache(torch.tensor([2, 0, 1]))
-    k1, v1 = layer._attention_view()
+    k1, v1 = layer.attention_view()
     assert torch.equal(k1, k0[[2, 0, 1]]) and torch.equal(v1, v0[[2, 0, 1]])
     cache.batch_select_indices(torch.tensor([0, 2]))
-    k2, _ = layer._attention_view()
+    k2, _ = layer.attention_view()
     assert torch.equal(k2, k0[[2, 1]])
     cache.batch_repeat_interleave(2)
-    k3, _ = layer._attention_view()
+    k3, _ = layer.attention_view()
     assert torch.equal(k3, k0[[2, 2, 1, 1]])
     after = [lay.positions() for lay in cache.layers]
     assert all(torch.equal(a[key], b[key]) for a, b in zip(before, after, strict=True) for key in a)
@@ -175,5 +175,5 @@ def test_beam_search_and_batch_ops(models):
 
 def test_group_size_must_divide_head_dim_in_model(models):
     cache = CompressedCache(policy="log", action="quantize", bits=2, group_size=48, value_axis="token")
-    with pytest.raises(ValueError, match=r"group_size=48 does not divide head_dim=64"):
+    with pytest.raises(ValueError, match=r"group_size=48 does not divide the value head_dim=64"):
         models("llama")(_ids(1, 8), cache=cache, use_cache=True)

@@ -15,7 +15,7 @@ from conftest import tiny_model
 from transformers import DynamicCache
 
 from kvpolicy import CompressedCache
-from kvpolicy.attention import enable_scores, expect_scores
+from kvpolicy.attention import enable_scores
 from kvpolicy.errors import ConfigError
 from kvpolicy.policies.base import Policy, PolicyState
 
@@ -66,10 +66,8 @@ LOGS: dict[LastQueries, list] = {}
 
 @pytest.fixture(autouse=True)
 def _clean():
-    expect_scores(None)
     LOGS.clear()
     yield
-    expect_scores(None)
 
 
 def _mass(weights: torch.Tensor, rows: int) -> torch.Tensor:

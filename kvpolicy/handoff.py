@@ -1,0 +1,243 @@
+"""The hand-off between ``CompressedLayer.update`` and the attention that consumes its keys.
+
+A compressed layer's ``update`` cannot always return its history as plain tensors: on a decode
+step the fused attention function (:mod:`kvpolicy.fused`) reads the quantized segment from its
+packed codes, the score wrapper (:mod:`kvpolicy.attention`) must report attention mass to the
+policy, and ``layout="agnostic"`` is only valid when the mask does not depend on key order. Which
+of these can happen depends on the attention function the model runs, and the layer cannot know
+that when ``update`` returns.
+
+So ``update`` returns a pair of :class:`HandedOff` tensors. Each has the shape, dtype and device of
+the full history it stands for, holds no storage, and carries a :class:`Ticket`: what the layer
+offers (segments for fused attention, a reorderable view) and what it needs (scores, a key mask).
+
+- kvpolicy's attention functions recognise the ticket (:func:`ticket_of`) and serve it: fused
+  attention from the segments, or a materialised view in the layout the mask allows, reporting
+  scores where asked.
+- Any other consumer — a model's own attention after ``disable_fused``, a layer that reuses
+  another layer's keys (shared-KV models), any tensor operation — goes through
+  ``__torch_dispatch__``, which materialises the history in position order first. When the layer
+  needs something only kvpolicy's functions can provide (scores, a key mask) or the cache was built
+  with ``attention="fused"``, that raises instead of computing a wrong result.
+
+A hand-off can therefore never be half-completed, and a placeholder never passes for a full
+history. Nothing is kept in globals: a ticket holds its layer by weak reference and dies with the
+tensors of the forward that consumed it. A ticket used after its layer changed (a later update,
+``crop``, a beam reorder, ``reset``) raises.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """Issue ``message`` as a warning once per process."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+class Ticket:
+    """What one ``update`` of a compressed layer handed to attention.
+
+    Parameters
+    ----------
+    layer : CompressedLayer
+        The layer (held by weak reference).
+    fusable : bool
+        Whether fused decode attention may read the layer's segments
+        (``layer.keys``/``layer.values`` and ``layer.fused_parts()``).
+    scores : bool
+        Whether the layer's policy needs the attention mass of this forward.
+    layout : {"ordered", "agnostic"}
+        The view the layer would like when materialised; ``"agnostic"`` is used only when the
+        consumer checked the mask.
+    strict : bool
+        ``attention="fused"``: a fusable step consumed by anything but the fused function raises.
+    key_mask : torch.Tensor, optional
+        ``(batch, keys)`` bool, False for key slots that hold no token of that row (padded batches
+        with eviction); only kvpolicy's wrapper can apply it.
+    views : (torch.Tensor, torch.Tensor), optional
+        The materialised view, when the layer built it already (padded batches).
+    """
+
+    def __init__(
+        self, layer: Any, *, fusable: bool = False, scores: bool = False, layout: str = "ordered",
+        strict: bool = False, key_mask: torch.Tensor | None = None,
+        views: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:  # fmt: skip
+        self._layer = weakref.ref(layer)
+        self.version = layer.version
+        self.fusable = fusable
+        self.scores = scores
+        self.layout = layout
+        self.strict = strict
+        self.key_mask = key_mask
+        self._views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {} if views is None else {"ordered": views}
+        self.reported = False
+        #: why the fused function declined this step (the path it records when it materialises)
+        self.reason: str | None = None
+
+    @property
+    def wants_report(self) -> bool:
+        """Whether the layer waits for :meth:`report` (scores, or acknowledgement of a key mask)."""
+        return self.scores or self.key_mask is not None
+
+    def layer(self) -> Any:
+        """The layer, checked to be alive and unchanged since it issued this ticket."""
+        layer = self._layer()
+        if layer is None:
+            raise RuntimeError("a key/value tensor handed out by a CompressedCache outlived its cache")
+        if layer.version != self.version:
+            raise RuntimeError(
+                f"a key/value tensor handed out by layer {layer.layer_idx} of a CompressedCache was used after "
+                "that layer changed (a later update, crop, beam reorder or reset); attention must consume the "
+                "keys and values of the update that returned them"
+            )
+        return layer
+
+    def view(self, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The materialised history in ``layout`` (built once per layout)."""
+        if layout not in self._views:
+            self._views[layout] = self.layer().attention_view(layout)
+        return self._views[layout]
+
+    def materialize(
+        self, attention_mask: torch.Tensor | None = None, q_len: int = 1, kwargs: dict | None = None,
+        *, checked: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor, str]:  # fmt: skip
+        """The materialised ``(keys, values, layout)`` for a consumer of kvpolicy's (``checked``: it
+        passes the mask it applies) or any other (``checked=False``: position order)."""
+        layer = self.layer()
+        layout = "ordered"
+        note = None
+        if self.layout == "agnostic":
+            if not checked:
+                note = (
+                    "layout='agnostic' needs kvpolicy's attention wrapper (kvpolicy.fused.enable_fused or "
+                    "kvpolicy.attention.enable_scores) to check the mask; the ordered view was used"
+                )
+            elif not reorder_safe(attention_mask, q_len, kwargs or {}):
+                note = "layout='agnostic' with a mask that is not purely causal; the ordered view was used"
+            else:
+                layout = "agnostic"
+        if self.fusable:
+            why = self.reason or "the model's attention is not kvpolicy's fused function (kvpolicy.fused.enable_fused)"
+            layer.attention_path = f"materialized: {why}"
+        if note is not None:
+            warn_once(f"kvpolicy: {note} (see CompressedCache.attention_paths())")
+            path = layer.attention_path
+            layer.attention_path = (
+                f"{path}; {note}" if path and path.startswith("materialized") else f"materialized: {note}"
+            )
+        keys, values = self.view(layout)
+        return keys, values, layout
+
+    def report(self, scores: torch.Tensor | None, layout: str) -> None:
+        """Deliver the attention mass (``(batch, kv_heads, keys)`` in ``layout``'s key order) once;
+        later consumers of the same tensors (shared-KV layers) do not count again."""
+        if self.reported:
+            return
+        self.reported = True
+        self.layer().attention_done(scores, layout)
+
+    def foreign(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Serve a consumer that is not one of kvpolicy's attention functions: position order, or an
+        error when the layer needs what only kvpolicy's functions provide."""
+        layer = self.layer()
+        if self.key_mask is not None:
+            raise RuntimeError(
+                f"layer {layer.layer_idx} holds a left-padded batch with action {layer.action.name!r}: its rows hold "
+                "different numbers of tokens, and the empty key slots must be masked by kvpolicy's attention "
+                "wrapper. Call kvpolicy.attention.enable_scores(model) once before running the model."
+            )
+        if self.scores:
+            raise RuntimeError(
+                f"policy {layer.policy.name!r} needs attention scores, but layer {layer.layer_idx}'s keys reached an "
+                "attention function that does not report them. Call kvpolicy.attention.enable_scores(model) once "
+                "before running the model: it wraps the model's sdpa/eager attention to report them "
+                "(see docs/policies.md)."
+            )
+        if self.fusable and self.strict:
+            raise RuntimeError(
+                f"CompressedCache(attention='fused'): layer {layer.layer_idx}'s keys reached an attention function "
+                "that is not kvpolicy's fused function. Call kvpolicy.fused.enable_fused(model) once before running "
+                "the model, or use attention='auto' (materialises the history instead)."
+            )
+        keys, values, _ = self.materialize(checked=False)
+        return keys, values
+
+
+def reorder_safe(attention_mask: torch.Tensor | None, q_len: int, kwargs: dict) -> bool:
+    """Whether keys held before this forward may be reordered: every query sees every one of them with
+    no bias (the mask over the first ``keys - q_len`` columns is all visible / all zero) and no
+    sliding window is passed to the kernel."""
+    if kwargs.get("sliding_window") is not None:
+        return False
+    if attention_mask is None:
+        return True
+    past = attention_mask[..., : attention_mask.shape[-1] - q_len]
+    visible = past.all() if past.dtype == torch.bool else (past == 0).all()
+    return bool(visible)
+
+
+class HandedOff(torch.Tensor):
+    """The keys or values of a compressed layer's history, as handed to attention.
+
+    A tensor without storage whose shape, dtype and device are those of the history. kvpolicy's
+    attention functions read its :attr:`ticket`; any other operation on it materialises the history
+    in position order (or raises, see :meth:`Ticket.foreign`) and runs on that.
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    ticket: Ticket
+    role: int
+
+    @staticmethod
+    def __new__(cls, ticket: Ticket, role: int, like: torch.Size, dtype: torch.dtype, device: torch.device):
+        return torch.Tensor._make_wrapper_subclass(cls, like, dtype=dtype, device=device)
+
+    def __init__(self, ticket: Ticket, role: int, like: torch.Size, dtype: torch.dtype, device: torch.device):
+        self.ticket = ticket
+        self.role = role
+
+    def __repr__(self) -> str:  # no data to print
+        return (
+            f"HandedOff(role={'keys' if self.role == 0 else 'values'}, shape={tuple(self.shape)}, dtype={self.dtype})"
+        )
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def plain(x: Any) -> Any:
+            return x.ticket.foreign()[x.role] if isinstance(x, HandedOff) else x
+
+        return func(*tree_map(plain, args), **tree_map(plain, kwargs or {}))
+
+
+def hand_out(
+    ticket: Ticket, keys_shape: torch.Size, values_shape: torch.Size, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(keys, values)`` pair ``update`` returns for ``ticket``."""
+    return HandedOff(ticket, 0, keys_shape, dtype, device), HandedOff(ticket, 1, values_shape, dtype, device)
+
+
+def ticket_of(t: Any) -> Ticket | None:
+    """The ticket of a handed-off tensor (``None`` for any other object)."""
+    return t.ticket if isinstance(t, HandedOff) else None
+
+
+def materialize(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain ``(keys, values)`` for any pair ``update`` returned (position order for handed-off ones)."""
+    ticket = ticket_of(keys)
+    if ticket is None:
+        return keys, values
+    return ticket.foreign()

@@ -1,0 +1,257 @@
+"""The hand-off between ``CompressedLayer.update`` and attention (kvpolicy.handoff).
+
+Whatever consumes a compressed layer's keys — kvpolicy's fused function, its score wrapper, the
+model's own attention, a layer that reuses another layer's keys — the result equals the
+materialised position-order reference, and ``attention_paths()`` says which path ran.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from conftest import teacher_forced_logits, tiny_model
+
+from kvpolicy import CompressedCache, handoff
+from kvpolicy.attention import disable_scores, enable_scores
+from kvpolicy.errors import ConfigError
+from kvpolicy.fused import disable_fused, enable_fused
+from kvpolicy.handoff import HandedOff
+
+KW = dict(policy="log", window=8, bits=2, group_size=16)
+FOREIGN = "materialized: the model's attention is not kvpolicy's fused function (kvpolicy.fused.enable_fused)"
+
+
+def _ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, 96, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _tiny_gemma4(kv_shared: int = 2, layers: int = 4) -> torch.nn.Module:
+    """A tiny Gemma 4 whose last ``kv_shared`` layers reuse the keys and values of an earlier layer."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    cfg = Gemma4TextConfig(
+        vocab_size=96, hidden_size=128, intermediate_size=192, num_hidden_layers=layers, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, global_head_dim=64, num_kv_shared_layers=kv_shared,
+        layer_types=["full_attention"] * layers, max_position_embeddings=4096, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, hidden_size_per_layer_input=16, vocab_size_per_layer_input=96,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = Gemma4ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(4.0)
+    return model
+
+
+def _steps(model, ids, prefill, cache, *, mask=None, switch_at=None, switch=None):
+    """Teacher-forced logits, optionally calling ``switch(model)`` before step ``switch_at``."""
+    outs = []
+    with torch.inference_mode():
+        for t in range(prefill, ids.shape[1] + 1):
+            if switch_at is not None and t == switch_at:
+                switch(model)
+            lo = 0 if t == prefill else t - 1
+            kw = {} if mask is None else {"attention_mask": mask[:, :t], "position_ids": torch.arange(lo, t)[None]}
+            out = model(ids[:, lo:t], cache=cache, use_cache=True, **kw)
+            outs.append(out.logits[:, -1].float())
+    return torch.stack(outs, 1)
+
+
+# ---------------------------------------------------------------------- a change of attention mid-run
+@pytest.mark.parametrize("switch", ["disable_fused", "set_attn_implementation"])
+def test_changing_attention_mid_run_stays_correct(switch):
+    """The consumer after the switch is the model's own sdpa: it gets the history in position order."""
+    model = tiny_model("llama")
+    ids = _ids(1, 60)
+    ref = _steps(model, ids, 40, CompressedCache(**KW, attention="materialized"))
+    enable_fused(model)
+    try:
+        cache = CompressedCache(**KW)
+        flip = disable_fused if switch == "disable_fused" else (lambda m: m.set_attn_implementation("sdpa"))
+        got = _steps(model, ids, 40, cache, switch_at=50, switch=flip)
+    finally:
+        disable_fused(model)
+    torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
+    assert set(cache.attention_paths().values()) == {FOREIGN}
+
+
+def test_fused_after_materialized_steps():
+    """Enabling the fused function mid-run takes effect on the very next decode step."""
+    model = tiny_model("llama")
+    ids = _ids(1, 56)
+    ref = _steps(model, ids, 40, CompressedCache(**KW, attention="materialized"))
+    cache = CompressedCache(**KW)
+    try:
+        got = _steps(model, ids, 40, cache, switch_at=48, switch=enable_fused)
+        assert set(cache.attention_paths().values()) == {"fused"}
+    finally:
+        disable_fused(model)
+    torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
+
+
+def test_fused_mode_refuses_a_foreign_consumer_before_computing():
+    model = tiny_model("llama")
+    ids = _ids(1, 44)
+    cache = CompressedCache(**KW, attention="fused")
+    with torch.inference_mode():
+        model(ids[:, :40], cache=cache, use_cache=True)
+        with pytest.raises(RuntimeError, match="enable_fused"):
+            model(ids[:, 40:41], cache=cache, use_cache=True)
+
+
+# ---------------------------------------------------------------------- shared-KV layers (Gemma 4)
+@pytest.mark.parametrize("wrapper", ["fused", "scores", "none"])
+def test_shared_kv_layers_see_the_whole_history(wrapper):
+    """Gemma 4's last layers reuse the keys and values an earlier layer's update returned."""
+    model = _tiny_gemma4()
+    ids = _ids(1, 64)
+    ref = _steps(model, ids, 40, CompressedCache(**KW, attention="materialized"))
+    enable = {"fused": enable_fused, "scores": enable_scores, "none": lambda m: None}[wrapper]
+    enable(model)
+    try:
+        cache = CompressedCache(**KW)
+        got = _steps(model, ids, 40, cache)
+    finally:
+        disable_fused(model)
+        disable_scores(model)
+    torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
+    expected = "fused" if wrapper == "fused" else FOREIGN
+    assert set(cache.attention_paths().values()) == {expected}
+    assert len(cache.layers) == 2  # the reusing layers hold nothing of their own
+    # and the quantized history really is attended by the reusing layers
+    evicted = _steps(model, ids, 40, CompressedCache(policy="log", window=8, action="evict"))
+    assert (got - evicted).abs().max() > 1e-3
+
+
+# ---------------------------------------------------------------------- layout="agnostic" and masks
+def _hole_mask(length: int) -> torch.Tensor:
+    mask = torch.ones(1, length, dtype=torch.long)
+    mask[0, 3] = 0
+    return mask
+
+
+@pytest.mark.parametrize("wrapper", ["none", "scores", "fused"])
+@pytest.mark.parametrize("attention", ["auto", "materialized"])
+def test_agnostic_layout_with_a_mask_hiding_a_past_token(wrapper, attention, monkeypatch):
+    monkeypatch.setattr(handoff, "_warned", set())  # each warning is issued once per process
+    model = tiny_model("llama")
+    ids = _ids(1, 52)
+    mask = _hole_mask(52)
+    ref = _steps(model, ids, 40, CompressedCache(**KW, attention="materialized"), mask=mask)
+    {"fused": enable_fused, "scores": enable_scores, "none": lambda m: None}[wrapper](model)
+    try:
+        cache = CompressedCache(**KW, layout="agnostic", attention=attention)
+        expected = "mask" if wrapper == "fused" and attention == "auto" else "agnostic"
+        with pytest.warns(UserWarning, match=expected):
+            got = _steps(model, ids, 40, cache, mask=mask)
+    finally:
+        disable_fused(model)
+        disable_scores(model)
+    torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
+    assert all("ordered view" in p or "mask" in p for p in cache.attention_paths().values())
+
+
+def test_agnostic_layout_is_used_when_the_mask_allows_it():
+    """Under a purely causal mask the score wrapper may use the agnostic view: same logits, no note."""
+    model = tiny_model("llama")
+    ids = _ids(1, 52)
+    ref = _steps(model, ids, 40, CompressedCache(**KW, attention="materialized"))
+    enable_scores(model)
+    try:
+        cache = CompressedCache(**KW, layout="agnostic", attention="materialized")
+        got = _steps(model, ids, 40, cache)
+    finally:
+        disable_scores(model)
+    torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
+    assert set(cache.attention_paths().values()) == {"materialized: attention='materialized'"}
+
+
+@pytest.mark.parametrize("wrapper", ["none", "scores"])
+def test_agnostic_layout_on_sliding_window_layers_without_config(wrapper):
+    """Mistral with a sliding window of 12 and no ``config=``: every layer is compressed, and the mask
+    indexes keys by position, so the ordered view must be used."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(
+        vocab_size=96, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, sliding_window=12, max_position_embeddings=4096, pad_token_id=0,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = MistralForCausalLM(cfg).eval()
+    ids = _ids(1, 52)
+    ref = _steps(model, ids, 40, CompressedCache(**KW, attention="materialized"))
+    if wrapper == "scores":
+        enable_scores(model)
+    try:
+        cache = CompressedCache(**KW, layout="agnostic", attention="materialized")
+        got = _steps(model, ids, 40, cache)
+    finally:
+        disable_scores(model)
+    torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
+    assert all("ordered view" in p for p in cache.attention_paths().values())
+
+
+# ---------------------------------------------------------------------- backends that cannot fuse
+@pytest.mark.parametrize("backend", ["hqq", "quanto"])
+def test_backends_without_fused_attention(backend, quanto_extension):
+    with pytest.raises(ConfigError, match=f"backend '{backend}'"):
+        CompressedCache(**KW, backend=backend, attention="fused")
+    model = tiny_model("llama")
+    ids = _ids(1, 48)
+    ref = teacher_forced_logits(model, ids, 40, CompressedCache(**KW, backend=backend, attention="materialized"))
+    enable_fused(model)
+    try:
+        cache = CompressedCache(**KW, backend=backend)
+        got = teacher_forced_logits(model, ids, 40, cache)
+    finally:
+        disable_fused(model)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    assert all(p.startswith(f"materialized: backend '{backend}'") for p in cache.attention_paths().values())
+
+
+# ---------------------------------------------------------------------- nothing outlives the cache
+@pytest.mark.parametrize("policy", ["log", "h2o"])
+def test_a_deleted_cache_is_freed(policy):
+    model = tiny_model("llama")
+    ids = _ids(1, 44)
+    enable_fused(model)
+    try:
+        cache = CompressedCache(policy=policy, bits=2, group_size=16)
+        teacher_forced_logits(model, ids, 40, cache)
+        layer = weakref.ref(cache.layers[0])
+        keys = weakref.ref(cache.layers[0].keys)
+        del cache
+        gc.collect()
+        assert layer() is None and keys() is None
+    finally:
+        disable_fused(model)
+
+
+def test_a_stale_hand_off_is_refused():
+    """Keys returned by an older update cannot be used once the layer moved on."""
+    cache = CompressedCache(**KW, layout="agnostic")
+    g = torch.Generator().manual_seed(0)
+    kv = lambda n: (torch.randn(1, 2, n, 64, generator=g), torch.randn(1, 2, n, 64, generator=g))  # noqa: E731
+    cache.update(*kv(40), 0)
+    old_k, _ = cache.update(*kv(1), 0)
+    assert isinstance(old_k, HandedOff)
+    assert old_k.shape == (1, 2, 41, 64)
+    torch.testing.assert_close(old_k + 0, cache.layers[0].attention_view("ordered")[0])  # served in position order
+    cache.update(*kv(1), 0)
+    with pytest.raises(RuntimeError, match="after that layer changed"):
+        old_k + 0
+
+
+def test_scores_policy_with_a_foreign_attention_raises_at_once():
+    """H2O's keys reaching an attention that reports no scores fail in that forward, not one later."""
+    model = tiny_model("llama")
+    ids = _ids(1, 30)
+    cache = CompressedCache(policy="h2o", heavy=4, recent=4, bits=2, group_size=16)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="enable_scores"):
+        model(ids, cache=cache, use_cache=True)
