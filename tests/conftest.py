@@ -6,11 +6,21 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
 
 from kvpolicy.eval.metrics import teacher_forced_logits  # noqa: F401 - re-exported for tests
 from kvpolicy.eval.tiny import random_model
 
 os.environ.setdefault("KVPOLICY_DISABLE_PLUGIN_AUTOLOAD", "1")
+
+# Hypothesis profiles. Tests that set their own ``max_examples`` keep it; the profile sizes the rest,
+# above all the stateful fuzzing of tests/test_fuzz_stateful.py (one run per combination):
+# "ci" (default) a few short runs, well under a minute for that file on 2 cores;
+# "deep" many long ones, for local runs: ``pytest --hypothesis-profile=deep`` (or HYPOTHESIS_PROFILE=deep).
+# No deadline: model steps vary with the load of the machine.
+settings.register_profile("ci", max_examples=3, stateful_step_count=10, deadline=None)
+settings.register_profile("deep", max_examples=200, stateful_step_count=50, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 FAMILIES = ("llama", "qwen2", "phi3", "mistral")
 ATTN = ("sdpa", "eager")
