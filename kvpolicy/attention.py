@@ -12,9 +12,8 @@ positions of each forward only; the others are not even computed.
 Which layer receives the scores is decided by the hand-off (:mod:`kvpolicy.handoff`): the keys a
 compressed layer's ``update`` returned carry a ticket naming the layer. The model's own attention
 (sdpa, or its own eager function with softcapping and the like) computes the output; the scores
-are recomputed in float32
-as ``softmax(q kᵀ · scale + mask)`` for both, so sdpa and eager select the same tokens (model-specific
-extras such as logit softcapping are not applied to the scores).
+are recomputed in float32 as ``softmax(q kᵀ · scale + mask)`` for both, so sdpa and eager select
+the same tokens (model-specific extras such as logit softcapping are not applied to the scores).
 
 Cost: one extra ``(batch, heads, queries, keys)`` matmul and softmax per layer whose policy needs
 scores, and the memory of eager attention's weights for that layer while it runs. Models whose
@@ -85,7 +84,7 @@ def attention_probs(
 def _scored_queries(
     policy: Any, query: torch.Tensor, attention_mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The query rows whose attention is reported: the last ``layer.policy.score_queries`` of them
+    """The query rows whose attention is reported: the last ``policy.score_queries`` of them
     when the policy sets it (SnapKV's observation window), else all (the mask is cut to match)."""
     keep = getattr(policy, "score_queries", None)
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
@@ -128,7 +127,7 @@ def _wrap(inner_name: str):
         else:
             inner = ALL_ATTENTION_FUNCTIONS[inner_name]
             out, weights = inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        if ticket is not None and ticket.wants_report:
+        if ticket is not None and ticket.wants_report and not ticket.reported:  # once, not per shared-KV consumer
             mass = None
             if ticket.scores:
                 # recomputed in float32 for both implementations, so sdpa and eager select the same tokens

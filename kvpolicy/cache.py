@@ -140,7 +140,8 @@ class CompressedLayer(CacheLayerMixin):
         self._pending = n
         if n == 1:
             self._settle()
-        return self._hand_out(n)
+        grad = torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad)
+        return self._hand_out(n, grad)
 
     def _row_layer(self) -> CompressedLayer:
         layer = CompressedLayer(self.policy, self.action, self.backend, self.layout, self.layer_idx, "materialized")
@@ -148,24 +149,38 @@ class CompressedLayer(CacheLayerMixin):
         return layer
 
     # ------------------------------------------------------------------ the hand-off to attention
-    def _hand_out(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _hand_out(self, n: int, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """What ``update`` returns: plain tensors when any consumer may use them as they are, else a
         hand-off (:mod:`kvpolicy.handoff`) that kvpolicy's attention functions serve and any other
-        consumer materialises in position order (or refuses)."""
+        consumer materialises in position order (or refuses).
+
+        ``grad``: autograd records this forward and the new keys or values require gradients. A
+        hand-off materialises below autograd, so it would cut their graph: such a forward gets plain
+        position-ordered tensors (score-based policies still go through kvpolicy's wrapper, which
+        materialises above autograd)."""
         assert self.store is not None
         held = self.action.keeps_demoted and len(self.store) > 0
         scores = self.policy.needs_scores
         if scores:
             self._scored = False
-        fusable = n == 1 and held and self.unfusable is None
-        if n == 1:
-            if not held:
-                self.attention_path = "full-precision"  # nothing compressed to read: the plain view is the segment
-            elif self.unfusable is not None:
-                self.attention_path = f"materialized: {self.unfusable}"
-            else:
-                self.attention_path = "handed out, not attended"  # set by whoever consumes it
-        agnostic = self.layout == "agnostic" and held
+        if not held:
+            self.attention_path = "full-precision"  # nothing compressed to read: the plain view is the segment
+        elif self.unfusable is not None:
+            self.attention_path = f"materialized: {self.unfusable}"
+        elif n > 1:
+            self.attention_path = "materialized: multi-token update"
+        elif grad:
+            if self.attention == "fused":
+                raise RuntimeError(
+                    f"CompressedCache(attention='fused'): layer {self.layer_idx}'s forward records gradients, which "
+                    "the fused decode path does not propagate; run under torch.no_grad()/inference_mode(), or use "
+                    "attention='auto'"
+                )
+            self.attention_path = "materialized: autograd is recording (the fused path computes no gradients)"
+        else:
+            self.attention_path = "handed out, not attended"  # set by whoever consumes it
+        fusable = n == 1 and held and self.unfusable is None and not grad
+        agnostic = self.layout == "agnostic" and held and not grad
         if self.internal or not (fusable or agnostic or scores):
             return self.attention_view("ordered")
         ticket = handoff.Ticket(
@@ -356,6 +371,7 @@ class CompressedLayer(CacheLayerMixin):
         keep = torch.ones(rows, full, dtype=torch.bool, device=self.device)
         keep.scatter_(1, idx, False)
         keep_idx = torch.arange(full, device=self.device).expand(rows, full)[keep].view(rows, full - k)
+        self.version += 1
         self.store.add(_take(self.keys, idx), _take(self.values, idx), pos)
         self.keys = _take(self.keys, keep_idx)
         self.values = _take(self.values, keep_idx)
@@ -380,10 +396,14 @@ class CompressedLayer(CacheLayerMixin):
     def positions(self) -> dict[str, torch.Tensor]:
         """Logical positions held at full precision and in compressed form (sorted int64).
 
-        1-D for shared policies; ``(batch, kv_heads, n)`` for per-head ones. With eviction,
-        ``"full"`` is what is still held and ``"compressed"`` is empty. ``"staged_keys"`` lists
-        demoted positions whose keys still wait, at full precision, for a complete per-channel
-        group (they are also in ``"compressed"``).
+        1-D for shared policies; ``(batch, kv_heads, n)`` for per-head ones (whatever the number of
+        kv heads). With eviction, ``"full"`` is what is still held and ``"compressed"`` is empty.
+        ``"staged_keys"`` lists demoted positions whose keys still wait, at full precision, for a
+        complete per-channel group (they are also in ``"compressed"``).
+
+        Like :meth:`memory`, this first applies the demotions a multi-token update deferred (it
+        reports what the next step attends over); the tokens of that update can then no longer be
+        cropped (``is_croppable`` turns False).
         """
         if self.rows is not None:
             per_row = [layer.positions() for layer in self.rows.rows]
@@ -399,7 +419,7 @@ class CompressedLayer(CacheLayerMixin):
             "compressed": torch.sort(self.store.positions, dim=1).values,
             "staged_keys": torch.sort(staged, dim=1).values,
         }
-        if self.full_pos.shape[0] == 1:
+        if not self.policy.per_head:
             return {key: value[0] for key, value in out.items()}
         batch = self.keys.shape[0]
         return {key: value.unsqueeze(0).expand(batch, -1, -1) for key, value in out.items()}

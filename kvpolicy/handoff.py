@@ -83,6 +83,7 @@ class Ticket:
         self.key_mask = key_mask
         self._views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {} if views is None else {"ordered": views}
         self.reported = False
+        self.noted = False  # the layer's attention_path was set from this hand-off
         #: why the fused function declined this step (the path it records when it materialises)
         self.reason: str | None = None
 
@@ -117,6 +118,12 @@ class Ticket:
         """The materialised ``(keys, values, layout)`` for a consumer of kvpolicy's (``checked``: it
         passes the mask it applies) or any other (``checked=False``: position order)."""
         layer = self.layer()
+        if checked and self.fusable and self.strict and self.reason is None:
+            raise RuntimeError(
+                f"CompressedCache(attention='fused'): layer {layer.layer_idx}'s keys reached kvpolicy's score "
+                "wrapper, not its fused function. Call kvpolicy.fused.enable_fused(model) once before running "
+                "the model, or use attention='auto' (materialises the history instead)."
+            )
         layout = "ordered"
         note = None
         if self.layout == "agnostic":
@@ -129,15 +136,18 @@ class Ticket:
                 note = "layout='agnostic' with a mask that is not purely causal; the ordered view was used"
             else:
                 layout = "agnostic"
-        if self.fusable:
-            why = self.reason or "the model's attention is not kvpolicy's fused function (kvpolicy.fused.enable_fused)"
-            layer.attention_path = f"materialized: {why}"
-        if note is not None:
-            warn_once(f"kvpolicy: {note} (see CompressedCache.attention_paths())")
-            path = layer.attention_path
-            layer.attention_path = (
-                f"{path}; {note}" if path and path.startswith("materialized") else f"materialized: {note}"
-            )
+        if not self.noted:  # the path of this hand-off is recorded once, by its first consumer
+            self.noted = True
+            if self.fusable:
+                why = (
+                    self.reason
+                    or "the model's attention is not kvpolicy's fused function (kvpolicy.fused.enable_fused)"
+                )
+                layer.attention_path = f"materialized: {why}"
+            if note is not None:
+                warn_once(f"kvpolicy: {note} (see CompressedCache.attention_paths())")
+                path = layer.attention_path or ""
+                layer.attention_path = f"{path}; {note}" if path.startswith("materialized") else f"materialized: {note}"
         keys, values = self.view(layout)
         return keys, values, layout
 
@@ -233,11 +243,3 @@ def hand_out(
 def ticket_of(t: Any) -> Ticket | None:
     """The ticket of a handed-off tensor (``None`` for any other object)."""
     return t.ticket if isinstance(t, HandedOff) else None
-
-
-def materialize(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain ``(keys, values)`` for any pair ``update`` returned (position order for handed-off ones)."""
-    ticket = ticket_of(keys)
-    if ticket is None:
-        return keys, values
-    return ticket.foreign()

@@ -255,3 +255,76 @@ def test_scores_policy_with_a_foreign_attention_raises_at_once():
     cache = CompressedCache(policy="h2o", heavy=4, recent=4, bits=2, group_size=16)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="enable_scores"):
         model(ids, cache=cache, use_cache=True)
+
+
+# ---------------------------------------------------------------------- review follow-ups
+@pytest.mark.parametrize("layout", ["ordered", "agnostic"])
+def test_gradients_reach_the_new_keys_and_values(layout):
+    """A hand-off materialises below autograd, so a forward that records gradients gets plain tensors:
+    the key/value projections receive the gradient DynamicCache gives them (none is silently cut)."""
+    from transformers import DynamicCache
+
+    model = tiny_model("llama")
+    ids = _ids(1, 45)
+    grads = {}
+    for name, cache in (("dynamic", DynamicCache()), ("kvpolicy", CompressedCache(**KW, layout=layout))):
+        with torch.no_grad():
+            model(ids[:, :40], cache=cache, use_cache=True)
+            for t in range(40, 44):
+                model(ids[:, t : t + 1], cache=cache, use_cache=True)
+        model.zero_grad()
+        model(ids[:, 44:45], cache=cache, use_cache=True).logits.sum().backward()
+        grads[name] = model.model.layers[1].self_attn.k_proj.weight.grad
+        if name == "kvpolicy":
+            assert set(cache.attention_paths().values()) == {
+                "materialized: autograd is recording (the fused path computes no gradients)"
+            }
+    assert grads["kvpolicy"] is not None and grads["kvpolicy"].norm() > 0
+    # the same order of magnitude as an uncompressed cache (the history differs by quantization)
+    ratio = float(grads["kvpolicy"].norm() / grads["dynamic"].norm())
+    assert 0.3 < ratio < 3, ratio
+
+
+def test_fused_mode_refuses_the_score_wrapper():
+    """attention='fused' with only enable_scores: the wrapper is not the fused function."""
+    model = tiny_model("llama")
+    ids = _ids(1, 44)
+    enable_scores(model)
+    try:
+        cache = CompressedCache(**KW, attention="fused")
+        with torch.inference_mode():
+            model(ids[:, :40], cache=cache, use_cache=True)
+            with pytest.raises(RuntimeError, match="not its fused function"):
+                model(ids[:, 40:41], cache=cache, use_cache=True)
+    finally:
+        disable_scores(model)
+
+
+def test_attention_path_is_set_once_per_update():
+    model = tiny_model("llama")
+    ids = _ids(1, 60)
+    cache = CompressedCache(**KW, layout="agnostic")
+    paths = set()
+    with torch.inference_mode():
+        model(ids[:, :40], cache=cache, use_cache=True)
+        for t in range(40, 60, 4):  # multi-token turns over a held history
+            model(ids[:, t : t + 4], cache=cache, use_cache=True)
+            paths |= set(cache.attention_paths().values())
+    assert paths == {
+        "materialized: multi-token update; layout='agnostic' needs kvpolicy's attention wrapper "
+        "(kvpolicy.fused.enable_fused or kvpolicy.attention.enable_scores) to check the mask; the ordered view was used"
+    }
+
+
+def test_a_hand_off_is_stale_once_deferred_demotions_ran():
+    """Inspecting the cache applies the deferred demotions of a multi-token update; a hand-off of that
+    update served afterwards would index the wrong segment, so it raises."""
+    cache = CompressedCache(**KW, layout="agnostic")
+    g = torch.Generator().manual_seed(0)
+    cache.update(torch.randn(1, 2, 40, 64, generator=g), torch.randn(1, 2, 40, 64, generator=g), 0)
+    cache.update(torch.randn(1, 2, 1, 64, generator=g), torch.randn(1, 2, 1, 64, generator=g), 0)
+    keys, _ = cache.update(torch.randn(1, 2, 8, 64, generator=g), torch.randn(1, 2, 8, 64, generator=g), 0)
+    assert isinstance(keys, HandedOff)
+    cache.memory_report()
+    with pytest.raises(RuntimeError, match="after that layer changed"):
+        keys + 0
