@@ -14,13 +14,17 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvpolicy import handoff, registry
+from kvpolicy import fused, handoff, registry
 from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.backends.base import Backend
 from kvpolicy.errors import ConfigError
 from kvpolicy.memory import LayerBytes, MemoryReport
 from kvpolicy.padded import PaddedRows, left_pads
 from kvpolicy.policies.base import Policy, PolicyState
+
+# kvpolicy's attention implementations ("kvpolicy_fused_sdpa", "kvpolicy_sdpa", ... ) are known to
+# transformers from here on, so a model can be loaded with attn_implementation="kvpolicy_fused_sdpa"
+fused.register()
 
 LAYOUTS = ("ordered", "agnostic")
 #: how a decode step's attention reads the compressed segment (see :mod:`kvpolicy.fused`)

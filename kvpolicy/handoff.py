@@ -37,11 +37,16 @@ from torch.utils._pytree import tree_map
 
 _warned: set[str] = set()
 
+#: a decode step that materialises at least this many tokens because the model's attention is not
+#: kvpolicy's fused function warns once (with the remedy)
+LONG_HISTORY = 1024
 
-def warn_once(message: str) -> None:
-    """Issue ``message`` as a warning once per process."""
-    if message not in _warned:
-        _warned.add(message)
+
+def warn_once(message: str, key: str | None = None) -> None:
+    """Issue ``message`` as a warning once per process (per ``key``, by default the message itself)."""
+    key = message if key is None else key
+    if key not in _warned:
+        _warned.add(key)
         warnings.warn(message, stacklevel=3)
 
 
@@ -144,6 +149,14 @@ class Ticket:
                     or "the model's attention is not kvpolicy's fused function (kvpolicy.fused.enable_fused)"
                 )
                 layer.attention_path = f"materialized: {why}"
+                if self.reason is None and layer.length >= LONG_HISTORY:
+                    warn_once(
+                        f"kvpolicy: decode steps rebuild the compressed history (here {layer.length} tokens) because "
+                        "the model's attention is not kvpolicy's fused function; call kvpolicy.fused.enable_fused("
+                        "model) once, or load the model with attn_implementation='kvpolicy_fused_sdpa', to attend "
+                        "over the packed codes instead",
+                        key="long history materialised",
+                    )
             if note is not None:
                 warn_once(f"kvpolicy: {note} (see CompressedCache.attention_paths())")
                 path = layer.attention_path or ""

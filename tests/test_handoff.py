@@ -8,6 +8,7 @@ materialised position-order reference, and ``attention_paths()`` says which path
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -328,3 +329,45 @@ def test_a_hand_off_is_stale_once_deferred_demotions_ran():
     cache.memory_report()
     with pytest.raises(RuntimeError, match="after that layer changed"):
         keys + 0
+
+
+# ---------------------------------------------------------------------- the fast path without hidden knowledge
+def test_a_model_loaded_with_the_fused_implementation(tmp_path):
+    """``from kvpolicy import CompressedCache`` registers kvpolicy's attention implementations, so a model
+    can be loaded with ``attn_implementation="kvpolicy_fused_sdpa"``; another model in the same process
+    keeps its own implementation and logits."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    tiny_model("llama").save_pretrained(tmp_path)
+    fast = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="kvpolicy_fused_sdpa").eval()
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    ids = _ids(1, 52)
+    ref = _steps(plain, ids, 40, CompressedCache(**KW, attention="materialized"))
+    cache = CompressedCache(**KW)
+    got = _steps(fast, ids, 40, cache)
+    torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
+    assert set(cache.attention_paths().values()) == {"fused"}
+    assert plain.config._attn_implementation == "sdpa"
+    dyn_plain = _steps(plain, ids, 40, DynamicCache())
+    dyn_fast = _steps(fast, ids, 40, DynamicCache())
+    torch.testing.assert_close(dyn_fast, dyn_plain, rtol=0, atol=1e-6)  # other caches are unaffected
+
+
+def test_a_long_history_materialised_for_want_of_the_fused_function_warns_once(monkeypatch):
+    monkeypatch.setattr(handoff, "_warned", set())
+    monkeypatch.setattr(handoff, "LONG_HISTORY", 48)
+    model = tiny_model("llama")
+    ids = _ids(1, 60)
+    with pytest.warns(UserWarning, match=r"enable_fused\(model\)") as record:
+        _steps(model, ids, 50, CompressedCache(**KW))
+    assert sum("rebuild the compressed history" in str(w.message) for w in record) == 1
+    short = CompressedCache(**KW)
+    monkeypatch.setattr(handoff, "_warned", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _steps(model, ids[:, :45], 40, short)  # below the threshold: no warning
+        enable_fused(model)
+        try:
+            _steps(model, ids, 50, CompressedCache(**KW))  # fused: nothing rebuilt, no warning
+        finally:
+            disable_fused(model)
