@@ -31,6 +31,7 @@ def test_demo_on_smollm2(capsys):
     assert none.prompt_tokens >= 2048
     out = capsys.readouterr().out
     assert "MemoryReport" in out and "ms/token" in out and "mean next-token KL" in out
+    assert out.count("decode attention: fused") == 2  # the compressed caches decode on the fused path
 
 
 def test_load_model_errors_are_clear(tmp_path):

