@@ -521,4 +521,5 @@ def test_docs_capability_table_matches_the_code():
             ", ".join(caps.devices),
             ", ".join(str(d).removeprefix("torch.") for d in caps.dtypes),
             ", ".join(caps.meta_dtypes),
+            "yes" if caps.fused else "no",
         ], name
