@@ -16,6 +16,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpolicy import fused, handoff, registry
 from kvpolicy.actions.base import Action, DemotedStore
+from kvpolicy.backends import auto as auto_backend
 from kvpolicy.backends.base import Backend
 from kvpolicy.errors import ConfigError
 from kvpolicy.memory import LayerBytes, MemoryReport
@@ -70,10 +71,13 @@ class CompressedLayer(CacheLayerMixin):
         return not self.is_initialized or self._pending > 0
 
     def __init__(
-        self, policy: Policy, action: Action, backend: Backend, layout: str, layer_idx: int, attention: str = "auto"
-    ) -> None:
+        self, policy: Policy, action: Action, backend: Backend, layout: str, layer_idx: int, attention: str = "auto",
+        auto: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.attention = attention
+        #: the backend was chosen by backend="auto": chosen again if this layer's tensors need another
+        self.auto = auto
         #: why a decode step cannot use the fused path (None: it can), see :mod:`kvpolicy.fused`
         self.unfusable = (
             _unfusable(policy, action, backend) if attention != "materialized" else "attention='materialized'"
@@ -99,6 +103,11 @@ class CompressedLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ transformers API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        caps = self.backend.capabilities
+        if self.auto and (key_states.device.type not in caps.devices or key_states.dtype not in caps.dtypes):
+            self.backend = auto_backend.choose(self.action, key_states.device.type, key_states.dtype)
+            if self.attention != "materialized":
+                self.unfusable = _unfusable(self.policy, self.action, self.backend)
         self.device = key_states.device
         self.dtype = key_states.dtype
         self.keys = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[3]))
@@ -148,7 +157,9 @@ class CompressedLayer(CacheLayerMixin):
         return self._hand_out(n, grad)
 
     def _row_layer(self) -> CompressedLayer:
-        layer = CompressedLayer(self.policy, self.action, self.backend, self.layout, self.layer_idx, "materialized")
+        layer = CompressedLayer(
+            self.policy, self.action, self.backend, self.layout, self.layer_idx, "materialized", self.auto
+        )
         layer.internal = True
         return layer
 
@@ -547,7 +558,9 @@ class CompressedCache(Cache):
         What happens to the others: ``"quantize"``, or ``"none"`` (keep everything; equals
         ``DynamicCache`` bit for bit).
     backend : str or Backend
-        How bits are packed (``"torch"``).
+        How bits are packed. ``"auto"`` (default): the fastest built-in backend that serves the
+        composition on the device (``cpu`` on CPU, ``triton`` on CUDA, else ``torch``; see
+        :mod:`kvpolicy.backends.auto`); or a registered name (``"torch"``, ``"cpu"``...) or object.
     layout : {"ordered", "agnostic"}
         ``"ordered"`` returns keys in position order (correct with any mask). ``"agnostic"``
         returns ``[demoted tokens, full-precision tokens]`` without reordering (LogQuant's
@@ -583,16 +596,17 @@ class CompressedCache(Cache):
         self,
         policy: str | Policy = "log",
         action: str | Action = "quantize",
-        backend: str | Backend = "torch",
+        backend: str | Backend = "auto",
         layout: str = "ordered",
         config: Any = None,
         attention: str = "auto",
         **params: Any,
     ) -> None:
-        parts = _compose({"policy": policy, "action": action, "backend": backend}, params)
+        self._auto = isinstance(backend, str) and backend == auto_backend.AUTO
+        parts = _compose({"policy": policy, "action": action, "backend": "torch" if self._auto else backend}, params)
         self.policy: Policy = parts["policy"]
         self.action: Action = parts["action"]
-        self.backend: Backend = parts["backend"]
+        self.backend: Backend = auto_backend.choose(self.action) if self._auto else parts["backend"]
         if layout not in LAYOUTS:
             raise ConfigError(f"layout must be one of {list(LAYOUTS)}; got layout={layout!r}")
         self.layout = layout
@@ -634,7 +648,9 @@ class CompressedCache(Cache):
         """A compressed layer, or transformers' own layer for non-full-attention layer types."""
         kind = "full_attention" if self._layer_types is None else self._layer_types[layer_idx]
         if kind == "full_attention":
-            return CompressedLayer(self.policy, self.action, self.backend, self.layout, layer_idx, self.attention)
+            return CompressedLayer(
+                self.policy, self.action, self.backend, self.layout, layer_idx, self.attention, self._auto
+            )
         from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
 
         return DYNAMIC_LAYER_TYPE_MAPPING[kind](**self._layer_kwargs[layer_idx])

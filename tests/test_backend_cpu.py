@@ -231,7 +231,9 @@ def test_build_failures_raise_config_error(monkeypatch, tmp_path):
         backend()
     monkeypatch.delenv("CXX")
     real_which = cpu_attention.shutil.which
-    monkeypatch.setattr(cpu_attention.shutil, "which", lambda name: None if name == "ninja" else real_which(name))
+    monkeypatch.setattr(
+        cpu_attention.shutil, "which", lambda name, **kw: None if name == "ninja" else real_which(name, **kw)
+    )
     with pytest.raises(ConfigError, match="needs the ninja build tool"):
         backend()
     monkeypatch.setattr(cpu_attention.shutil, "which", real_which)

@@ -419,7 +419,9 @@ def test_cache_with_large_float32_keys_and_values():
         return cache, keys, values
 
     with pytest.raises(MetadataOverflowError, match=r"^keys of layer 0: backend 'torch'.*meta_dtype='float32'"):
-        run()
+        run(backend="torch")
+    with pytest.raises(MetadataOverflowError, match=r"^keys of layer 0: backend 'cpu'.*meta_dtype='float32'"):
+        run()  # the default on CPU (backend="auto")
     segments = {}
     for meta in ("float32", "bfloat16"):
         cache, keys, values = run(meta_dtype=meta)

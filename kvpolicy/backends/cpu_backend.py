@@ -52,6 +52,17 @@ class CpuBackend(TorchBackend):
         #: token splits per (batch, kv head); ``None``: :func:`cpu_attention.default_splits`
         self.splits: int | None = None
 
+    # the loaded kernel is a module: copies of a cache share it, pickles load it again
+    def __deepcopy__(self, memo: dict) -> CpuBackend:
+        return self
+
+    def __getstate__(self) -> dict:
+        return {"splits": self.splits}
+
+    def __setstate__(self, state: dict) -> None:
+        self._kernel = cpu_attention.load()
+        self.splits = state["splits"]
+
     def check(self, *, bits: int, group_size: int, axis: str, role: str = "") -> None:
         """:meth:`Backend.check`, and keys must be grouped per channel, values per token."""
         super().check(bits=bits, group_size=group_size, axis=axis, role=role)

@@ -282,6 +282,12 @@ def _lock_timeout_message(lock: Path, timeout: float) -> str:
     )
 
 
+def _tool_path() -> str:
+    """``PATH`` with this interpreter's ``bin/`` first: a ``ninja`` installed in the environment is found
+    even when the environment is not activated (``.venv/bin/kvpolicy demo``)."""
+    return os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+
+
 def _require_toolchain() -> str:
     """The C++ compiler to use (``$CXX``, else ``c++``), after checking it and ``ninja`` are on PATH."""
     cxx = os.environ.get("CXX", "c++")
@@ -290,7 +296,7 @@ def _require_toolchain() -> str:
             f"backend 'cpu' compiles a C++ kernel and found no C++ compiler ({cxx!r} is not on PATH); install "
             "one with OpenMP support (e.g. apt install g++), or set CXX, or use backend='torch'"
         )
-    if shutil.which("ninja") is None:
+    if shutil.which("ninja", path=_tool_path()) is None:
         raise ConfigError(
             "backend 'cpu' compiles a C++ kernel with torch.utils.cpp_extension, which needs the ninja build "
             "tool on PATH; install it with: pip install ninja (and activate the environment so its bin/ "
@@ -320,7 +326,7 @@ def compile_extension(name: str, source: str, staging: Path) -> Path:
         "build_directory": str(staging),
         "verbose": False,
     }
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "PATH": _tool_path()}
     proc = subprocess.run(
         [sys.executable, "-c", _BUILD_SCRIPT],
         input=json.dumps(args),
@@ -384,6 +390,11 @@ def load() -> Any:
         if not is_verified(library, record):
             with build_lock(library.parent / LOCK_NAME, lock_timeout()):
                 if not is_verified(library, record, warn=False):  # another process may have built it while we waited
+                    print(
+                        "kvpolicy: compiling the cpu backend's C++ kernel (once per environment, about half a minute)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     build(name, source, library, record)
         module = import_verified(name, library, record)
         build_seconds = time.perf_counter() - t0
