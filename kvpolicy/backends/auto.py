@@ -74,11 +74,10 @@ def choose(action: Action, device_type: str | None = None, dtype: torch.dtype | 
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     fast = {"cuda": "triton", "cpu": "cpu"}.get(device_type)
-    torch_backend = registry.get("backends", "torch")()
     if action.compresses and action.keeps_demoted and fast is not None:  # eviction quantizes nothing
         cls = registry.get("backends", fast)
         if device_type in cls.capabilities.devices and _serves(cls.__new__(cls), action, dtype):
             built = _build(fast)
             if built is not None and device_type in built.capabilities.devices:
                 return built
-    return torch_backend
+    return registry.get("backends", "torch")()
