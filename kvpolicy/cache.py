@@ -22,6 +22,7 @@ from kvpolicy.errors import ConfigError
 from kvpolicy.memory import LayerBytes, MemoryReport
 from kvpolicy.padded import PaddedRows, left_pads
 from kvpolicy.policies.base import Policy, PolicyState
+from kvpolicy.positions import POSITION_DTYPE, PositionBook, check_length, held_bytes
 
 # kvpolicy's attention implementations ("kvpolicy_fused_sdpa", "kvpolicy_sdpa", ... ) are known to
 # transformers from here on, so a model can be loaded with attn_implementation="kvpolicy_fused_sdpa"
@@ -37,7 +38,9 @@ class CompressedLayer(CacheLayerMixin):
 
     Holds a full-precision segment (``keys``/``values``: ``(batch, kv_heads, n_full, head_dim)``,
     positions ``full_pos``: ``(1, n_full)`` for shared policies, ``(kv_heads, n_full)`` for
-    per-head ones, sorted) and the action's store of demoted tokens.
+    per-head ones, sorted) and the action's store of demoted tokens. Positions are held as int32
+    (:mod:`kvpolicy.positions`); a shared policy's demoted positions are held once per cache
+    (its ``book``) for all the layers that demoted the same ones.
 
     Contract with transformers:
 
@@ -100,6 +103,8 @@ class CompressedLayer(CacheLayerMixin):
         self._scored = True  # whether the last forward delivered the scores the policy needs
         self._failed: str | None = None  # an error that left the policy and the store out of step
         self.rows: PaddedRows | None = None  # set for a left-padded batch
+        #: where a shared policy's demoted positions are held once for the cache's layers (None: own copy)
+        self.book: PositionBook | None = None
 
     # ------------------------------------------------------------------ transformers API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -120,8 +125,8 @@ class CompressedLayer(CacheLayerMixin):
             rows = key_states.shape[1] if self.policy.per_head else 1
             self.state = self.policy.new_state(num_heads=key_states.shape[1])
             self.store = self.action.new_store(self.backend, self.layer_idx)
-            self.store.positions = torch.empty(rows, 0, dtype=torch.long, device=self.device)
-            self.full_pos = torch.empty(rows, 0, dtype=torch.long, device=self.device)
+            self.store.positions = torch.empty(rows, 0, dtype=POSITION_DTYPE, device=self.device)
+            self.full_pos = torch.empty(rows, 0, dtype=POSITION_DTYPE, device=self.device)
         self.is_initialized = True
 
     def update(
@@ -148,7 +153,8 @@ class CompressedLayer(CacheLayerMixin):
         self.values = torch.cat([self.values, value_states], dim=-2)
         if not self.action.compresses:
             return self.keys, self.values
-        new = torch.arange(start, start + n, device=self.device).expand(self.full_pos.shape[0], n)
+        check_length(self.length)
+        new = torch.arange(start, start + n, dtype=POSITION_DTYPE, device=self.device).expand(self.full_pos.shape[0], n)
         self.full_pos = torch.cat([self.full_pos, new], dim=1)
         self._pending = n
         if n == 1:
@@ -339,8 +345,8 @@ class CompressedLayer(CacheLayerMixin):
         elif layout == "agnostic":
             full = scores[:, len(self.store) :]
         else:
-            full = scores.gather(1, self.full_pos.expand(scores.shape[0], -1))
-        self.state.observe(full, self.full_pos)
+            full = scores.gather(1, self.full_pos.long().expand(scores.shape[0], -1))
+        self.state.observe(full, self.full_pos.long())
         self._scored = True
 
     # ------------------------------------------------------------------ internals
@@ -375,9 +381,9 @@ class CompressedLayer(CacheLayerMixin):
         assert self.state is not None and self.store is not None and self.full_pos is not None
         demoted = self.state.append(n)
         if isinstance(demoted, torch.Tensor):
-            pos = demoted.to(self.device)
+            pos = demoted.to(self.device, POSITION_DTYPE)
         else:
-            pos = torch.tensor(demoted, dtype=torch.long, device=self.device).view(1, -1)
+            pos = torch.tensor(demoted, dtype=POSITION_DTYPE, device=self.device).view(1, -1)
         k = pos.shape[1]
         if k == 0:
             return
@@ -388,6 +394,8 @@ class CompressedLayer(CacheLayerMixin):
         keep_idx = torch.arange(full, device=self.device).expand(rows, full)[keep].view(rows, full - k)
         self.version += 1
         self.store.add(_take(self.keys, idx), _take(self.values, idx), pos)
+        if self.book is not None and rows == 1:
+            self.store.positions = self.book.intern(self.store.positions)
         self.keys = _take(self.keys, keep_idx)
         self.values = _take(self.values, keep_idx)
         self.full_pos = self.full_pos.gather(1, keep_idx)
@@ -409,7 +417,7 @@ class CompressedLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ inspection
     def positions(self) -> dict[str, torch.Tensor]:
-        """Logical positions held at full precision and in compressed form (sorted int64).
+        """Logical positions held at full precision and in compressed form (sorted int64; held as int32).
 
         1-D for shared policies; ``(batch, kv_heads, n)`` for per-head ones (whatever the number of
         kv heads). With eviction, ``"full"`` is what is still held and ``"compressed"`` is empty.
@@ -430,19 +438,23 @@ class CompressedLayer(CacheLayerMixin):
         self._settle()
         staged = getattr(self.store, "staged_key_positions", lambda: self.store.positions[:, :0])()
         out = {
-            "full": self.full_pos.clone(),
-            "compressed": torch.sort(self.store.positions, dim=1).values,
-            "staged_keys": torch.sort(staged, dim=1).values,
+            "full": self.full_pos.long(),
+            "compressed": torch.sort(self.store.positions.long(), dim=1).values,
+            "staged_keys": torch.sort(staged.long(), dim=1).values,
         }
         if not self.policy.per_head:
             return {key: value[0] for key, value in out.items()}
         batch = self.keys.shape[0]
         return {key: value.unsqueeze(0).expand(batch, -1, -1) for key, value in out.items()}
 
-    def memory(self) -> LayerBytes:
-        """Bytes of every tensor this layer holds, by segment."""
+    def memory(self, seen: set[tuple[str, int]] | None = None) -> LayerBytes:
+        """Bytes of every tensor this layer holds, by segment.
+
+        Positions count the whole storage they live in; ``seen`` (storages already counted, updated
+        here) makes positions shared with other layers count once, at the first layer reported.
+        """
         if self.rows is not None:
-            parts = [layer.memory() for layer in self.rows.rows]
+            parts = [layer.memory(seen) for layer in self.rows.rows]
             merged = dict.fromkeys(parts[0].segments, 0)
             for part in parts:
                 for name, n in part.segments.items():
@@ -457,14 +469,26 @@ class CompressedLayer(CacheLayerMixin):
             b, h, _, d = self.keys.shape
             baseline = self.length * b * h * (d + self.values.shape[-1]) * 2
             if self.full_pos is not None:
-                segments["positions"] += _nbytes(self.full_pos)
+                segments["positions"] += held_bytes(self.full_pos, seen)
             if self.store is not None:
                 for role, n in self.store.nbytes().items():
-                    segments[role] = segments.get(role, 0) + n
+                    if role != "positions":  # counted from the storage: it may be shared
+                        segments[role] = segments.get(role, 0) + n
+                if len(self.store.positions.shape) == 2 and self.store.positions.numel():
+                    segments["positions"] += held_bytes(self.store.positions, seen)
         return LayerBytes(self.layer_idx, self.length, segments, baseline)
 
     def __repr__(self) -> str:
         return f"CompressedLayer(layer_idx={self.layer_idx}, length={self.length})"
+
+
+def _described(layer: CompressedLayer) -> str | None:
+    """``layer.attention_path`` with the backend that served it (fused or materialised paths)."""
+    path = layer.attention_path
+    if path is None or not (path == "fused" or path.startswith("materialized")):
+        return path
+    head, sep, rest = path.partition(":")
+    return f"{head} ({layer.backend.name}){sep}{rest}"
 
 
 def _unfusable(policy: Policy, action: Action, backend: Backend) -> str | None:
@@ -521,15 +545,15 @@ def _scatter_ordered(length: int, *parts: tuple[torch.Tensor, torch.Tensor]) -> 
     out = first.new_empty((b, h, length, d))
     for pos, x in parts:
         if pos.shape[0] == 1:
-            out.index_copy_(2, pos[0], x)
+            out.index_copy_(2, pos[0].long(), x)
         else:
-            out.scatter_(2, pos[None, :, :, None].expand(b, h, pos.shape[1], d), x)
+            out.scatter_(2, pos.long()[None, :, :, None].expand(b, h, pos.shape[1], d), x)
     return out
 
 
-def _layer_memory(layer: CacheLayerMixin, layer_idx: int) -> LayerBytes:
+def _layer_memory(layer: CacheLayerMixin, layer_idx: int, seen: set[tuple[str, int]]) -> LayerBytes:
     if isinstance(layer, CompressedLayer):
-        return layer.memory()
+        return layer.memory(seen)
     segments = dict.fromkeys(("full_precision", "codes", "scales", "zeros", "staging", "positions"), 0)
     if not layer.is_initialized or layer.keys is None or layer.keys.dim() != 4:
         return LayerBytes(layer_idx, layer.get_seq_length(), segments, 0)
@@ -623,6 +647,7 @@ class CompressedCache(Cache):
                     "the history for it) or 'materialized'"
                 )
         super().__init__(layers=[])
+        self._book = PositionBook()  # the demoted positions of shared policies, held once for all layers
         self._layer_types: list[str] | None = None
         self._layer_kwargs: list[dict] = []
         if config is not None:
@@ -648,9 +673,11 @@ class CompressedCache(Cache):
         """A compressed layer, or transformers' own layer for non-full-attention layer types."""
         kind = "full_attention" if self._layer_types is None else self._layer_types[layer_idx]
         if kind == "full_attention":
-            return CompressedLayer(
+            layer = CompressedLayer(
                 self.policy, self.action, self.backend, self.layout, layer_idx, self.attention, self._auto
             )
+            layer.book = self._book
+            return layer
         from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
 
         return DYNAMIC_LAYER_TYPE_MAPPING[kind](**self._layer_kwargs[layer_idx])
@@ -715,14 +742,17 @@ class CompressedCache(Cache):
         return layer.positions()
 
     def attention_paths(self) -> dict[int, str | None]:
-        """How each compressed layer's attention read its history on the latest step: ``"fused"``,
-        ``"full-precision"`` (nothing compressed held) or ``"materialized: <reason>"``."""
-        return {i: layer.attention_path for i, layer in enumerate(self.layers) if isinstance(layer, CompressedLayer)}
+        """How each compressed layer's attention read its history on the latest step, and with which
+        backend: ``"fused (<backend>)"`` (e.g. ``"fused (cpu)"``), ``"materialized (<backend>): <reason>"``
+        (the history dequantized by that backend), ``"full-precision"`` (nothing compressed held) or
+        ``None`` (no step yet)."""
+        return {i: _described(layer) for i, layer in enumerate(self.layers) if isinstance(layer, CompressedLayer)}
 
     def memory_report(self) -> MemoryReport:
         """Bytes held (from the tensors actually held) vs a 16-bit cache of the same tokens; layers
         left to transformers (sliding-window layers) count as full precision."""
-        return MemoryReport([_layer_memory(layer, i) for i, layer in enumerate(self.layers)])
+        seen: set[tuple[str, int]] = set()  # positions shared by layers count once
+        return MemoryReport([_layer_memory(layer, i, seen) for i, layer in enumerate(self.layers)])
 
     def __repr__(self) -> str:
         return (

@@ -78,7 +78,7 @@ def test_fused_equals_materialized_with_the_default_backend(family, cpu_kernel):
     finally:
         disable_fused(model)
     assert cache.backend.name == "cpu"
-    assert set(cache.attention_paths().values()) == {"fused"}
+    assert set(cache.attention_paths().values()) == {"fused (cpu)"}
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
 
 
@@ -100,5 +100,5 @@ def test_copies_of_a_cache_on_the_cpu_backend_continue_alike(how, cpu_kernel):
             b = model(ids[:, 50:51], cache=twin, use_cache=True).logits
     finally:
         disable_fused(model)
-    assert set(twin.attention_paths().values()) == {"fused"}
+    assert set(twin.attention_paths().values()) == {"fused (cpu)"}
     torch.testing.assert_close(b, a, rtol=0, atol=0)

@@ -197,7 +197,7 @@ def test_end_to_end_logits_equal_torch_backend(bits):
         got = teacher_forced_logits(model, ids, 38, cache)
     finally:
         disable_fused(model)
-    assert set(cache.attention_paths().values()) == {"fused"}
+    assert set(cache.attention_paths().values()) == {f"fused ({cache.backend.name})"}
     diff = (got - ref).abs()
     assert float(diff.median()) < 5e-6
     assert float(diff.max()) < 2e-3

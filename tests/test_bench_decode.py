@@ -30,7 +30,7 @@ def test_latency_mode_smoke(tmp_path):
             assert dyn["ratio_ms"] == 1.0
             # fp32 DynamicCache: (length + steps) tokens x 4 layers x 2 kv heads x 64 x (k, v) x 4 bytes x batch
             assert dyn["bytes_held"] == (length + 1) * 4 * 2 * 64 * 2 * 4 * batch
-            assert by[(length, batch, "log-2-torch-agnostic-fused")]["paths"] == "fused"
+            assert by[(length, batch, "log-2-torch-agnostic-fused")]["paths"] == "fused (torch)"
             assert by[(length, batch, "log-2-torch-ordered-mat")]["paths"].startswith("materialized")
             for name in caches[1:]:
                 assert 0 < by[(length, batch, name)]["bytes_held"] < dyn["bytes_held"]
@@ -61,3 +61,18 @@ def test_held_bytes_counts_dynamic_cache():
 def test_bad_variant_names(name):
     with pytest.raises(ConfigError, match="not understood"):
         Variant.parse(name)
+
+
+def test_one_liner_variant_is_the_readme_cache_on_the_fused_path(tmp_path):
+    from kvpolicy import CompressedCache
+
+    v = Variant.parse("one-liner")
+    assert v.fused
+    assert repr(v.build(None, 8)) == repr(CompressedCache(policy="log", action="quantize", bits=2))
+    rc = main(["bench", "decode", "--model", "tiny-llama", "--lengths", "300", "--steps", "1", "--reps", "1",
+               "--warmup", "0", "--caches", "dynamic", "one-liner", "--out", str(tmp_path)])  # fmt: skip
+    assert rc == 0
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "decode.json").read_text())["rows"]}
+    chosen = CompressedCache(policy="log", action="quantize", bits=2).backend.name
+    assert rows["one-liner"]["paths"] == f"fused ({chosen})"
+    assert rows["one-liner"]["bytes_held"] < rows["dynamic"]["bytes_held"]

@@ -48,7 +48,7 @@ def test_callers_dict_is_not_mutated():
         (dict(bits=3), r"backend 'torch' does not support bits=3; it supports bits in \[2, 4, 8\]"),
         (dict(bits=9), r"bits must be between 1 and 8; got bits=9"),
         (dict(window=0), r"window must be an integer >= 1; got window=0"),
-        (dict(group_size=6), r"group_size to be a multiple of 4; got group_size=6"),
+        (dict(group_size=6), r"multiples of 4; got group_size=6"),
         (dict(key_axis="row"), r"key_axis must be one of \['token', 'channel'\]; got key_axis='row'"),
         (dict(layout="sorted"), r"layout must be one of \['ordered', 'agnostic'\]; got layout='sorted'"),
         (dict(policy=3), r"policy must be a registered name or a Policy object; got policy=3"),
@@ -80,31 +80,40 @@ def test_non_finite_values_reaching_the_quantizer_raise(bad, where):
     _feed(cache, k[:, :, :1], v[:, :, :1])
 
 
-def test_memory_report_ratio_at_8k_tokens_log_2bit():
-    """W = 42, T = 8192, fp16, head_dim 64, 3 kv heads (SmolLM2-135M's shape), batch 1.
+@pytest.mark.parametrize(
+    ("kwargs", "key_groups", "total"),
+    [({}, 126, 2137864), ({"key_group_size": 128}, 63, 2041096)],
+)
+def test_memory_report_ratio_at_8k_tokens_log_2bit(kwargs, key_groups, total):
+    """W = 42, T = 8192, fp16, head_dim 64, 3 kv heads (SmolLM2-135M's shape), batch 1, two layers.
 
     |FP| = 2W + 1 + ((T - 3W - 1) mod W) = 85 + (8065 mod 42) = 86, so 8106 tokens are demoted.
-    Keys per channel (G = 64 tokens): 126 full groups = 8064 tokens quantized, 42 staged.
-    Per kv head: FP 86*64*2*2 = 22016; K codes 8064*64/4 = 129024; K scales+zeros
-    126*64*2*2 = 32256; K staging 42*64*2 = 5376; V codes 8106*64/4 = 129696; V scales+zeros
-    8106*1*2*2 = 32424 -> 350792 bytes. Positions: (86 + 8106) * 8 = 65536 bytes per layer.
-    Per layer: 3 * 350792 + 65536 = 1117912 bytes vs 16-bit 8192*3*64*2*2 = 6291456 -> 5.628x.
+    Keys per channel, G = 64 (default): 126 full groups = 8064 tokens quantized, 42 staged; G = 128:
+    63 groups, the same 8064 tokens. Per kv head: FP 86*64*2*2 = 22016; K codes 8064*64/4 = 129024;
+    K scales+zeros groups*64*2*2 (32256 or 16128); K staging 42*64*2 = 5376; V codes 8106*64/4 =
+    129696; V scales+zeros (G = 64 channels) 8106*1*2*2 = 32424 -> 350792 (G = 64) or 334664 bytes.
+    Positions, int32: 86 * 4 = 344 bytes per layer at full precision, and 8106 * 4 = 32424 bytes of
+    demoted positions held once for both layers (the log policy demotes the same ones in every layer).
+    Total: 2 * (3 * 350792 + 344) + 32424 = 2137864 (5.89x) or 2 * (3 * 334664 + 344) + 32424 =
+    2041096 bytes (6.16x) vs 16-bit 2 * 8192*3*64*2*2 = 12582912.
     """
-    cache = CompressedCache(policy="log", action="quantize", bits=2)
+    cache = CompressedCache(policy="log", action="quantize", bits=2, **kwargs)
     torch.manual_seed(0)
     k = torch.randn(1, 3, 8192, 64, dtype=torch.float16)
     v = torch.randn(1, 3, 8192, 64, dtype=torch.float16)
     _feed(cache, k, v, layers=2)
     report = cache.memory_report()
     assert isinstance(report, MemoryReport)
-    assert report.total_bytes == 2 * 1117912
+    assert report.total_bytes == total
     assert report.baseline_bytes == 2 * 6291456
-    assert report.ratio == pytest.approx(6291456 / 1117912)
-    assert report.ratio > 5
+    assert report.ratio == pytest.approx(12582912 / total)
     seg = report.segments
     assert seg["full_precision"] == 2 * 3 * 22016
     assert seg["staging"] == 2 * 3 * 5376
-    assert seg["positions"] == 2 * 65536
+    assert seg["scales"] == seg["zeros"] == 2 * 3 * (key_groups * 64 * 2 + 8106 * 2)
+    assert seg["positions"] == 2 * 344 + 32424
+    # the shared positions are charged to the first layer reported
+    assert [layer.segments["positions"] for layer in report.layers] == [344 + 32424, 344]
     text = str(report)
     for name in ("full_precision", "codes", "scales", "zeros", "staging", "positions", "ratio"):
         assert name in text
@@ -117,13 +126,18 @@ def test_memory_report_counts_every_held_tensor():
     for n in (23, 1, 1, 7, 1, 30, 1):
         _feed(cache, torch.randn(2, 2, n, 16), torch.randn(2, 2, n, 16), layers=2)
     seen: set[int] = set()
+    storages: set[int] = set()
 
     def walk(obj) -> int:
         if id(obj) in seen:
             return 0
         seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            return obj.numel() * obj.element_size()
+        if isinstance(obj, torch.Tensor):  # a storage once, whole (views of it keep all of it alive)
+            ptr = obj.untyped_storage().data_ptr()
+            if ptr in storages:
+                return 0
+            storages.add(ptr)
+            return obj.untyped_storage().nbytes()
         if isinstance(obj, (list, tuple)):
             return sum(walk(o) for o in obj)
         if isinstance(obj, dict):

@@ -68,7 +68,7 @@ After every step, besides: ``get_seq_length()`` is the logical length; ``positio
 ``memory_report()`` counts ``length * batch * kv_heads * head_dim * 4`` baseline bytes per layer
 (16-bit keys and values), the full-precision bytes of exactly ``|FP|`` tokens, the staging bytes
 of exactly the staged keys and values, and codes exactly when something is quantized; after a
-decode step with something quantized, ``attention_paths()`` is ``"fused"`` on every layer
+decode step with something quantized, ``attention_paths()`` is ``"fused (<backend>)"`` on every layer
 exactly when the fused path must be taken (``"fused"``, or ``"auto"`` on a fused model, with a
 data-independent policy), and a ``"materialized: ..."`` path otherwise. ``crop(-k)`` succeeds
 exactly when ``k`` is at most the tokens of the latest multi-token forward that are still
@@ -451,7 +451,8 @@ class CacheMachine(RuleBasedStateMachine):
             if self.action == "evict" or not compressed:
                 assert path == "full-precision", f"layer {layer_idx}: {path!r}"
             elif self.fused_model and not self.per_head and self.attention != "materialized":
-                assert path == "fused", f"layer {layer_idx}: {path!r}, expected the fused path"
+                want = f"fused ({self.cache.layers[layer_idx].backend.name})"
+                assert path == want, f"layer {layer_idx}: {path!r}, expected the fused path"
             else:
                 assert path.startswith("materialized"), f"layer {layer_idx}: {path!r}"
 

@@ -22,7 +22,7 @@ from kvpolicy.fused import disable_fused, enable_fused
 from kvpolicy.handoff import HandedOff
 
 KW = dict(policy="log", window=8, bits=2, group_size=16)
-FOREIGN = "materialized: the model's attention is not kvpolicy's fused function (kvpolicy.fused.enable_fused)"
+FOREIGN = "materialized ({}): the model's attention is not kvpolicy's fused function (kvpolicy.fused.enable_fused)"
 
 
 def _ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
@@ -78,7 +78,7 @@ def test_changing_attention_mid_run_stays_correct(switch):
     finally:
         disable_fused(model)
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
-    assert set(cache.attention_paths().values()) == {FOREIGN}
+    assert set(cache.attention_paths().values()) == {FOREIGN.format(cache.backend.name)}
 
 
 def test_fused_after_materialized_steps():
@@ -89,7 +89,7 @@ def test_fused_after_materialized_steps():
     cache = CompressedCache(**KW)
     try:
         got = _steps(model, ids, 40, cache, switch_at=48, switch=enable_fused)
-        assert set(cache.attention_paths().values()) == {"fused"}
+        assert set(cache.attention_paths().values()) == {f"fused ({cache.backend.name})"}
     finally:
         disable_fused(model)
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
@@ -121,7 +121,8 @@ def test_shared_kv_layers_see_the_whole_history(wrapper):
         disable_fused(model)
         disable_scores(model)
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
-    expected = "fused" if wrapper == "fused" else FOREIGN
+    backend = cache.backend.name
+    expected = f"fused ({backend})" if wrapper == "fused" else FOREIGN.format(backend)
     assert set(cache.attention_paths().values()) == {expected}
     assert len(cache.layers) == 2  # the reusing layers hold nothing of their own
     # and the quantized history really is attended by the reusing layers
@@ -169,7 +170,7 @@ def test_agnostic_layout_is_used_when_the_mask_allows_it():
     finally:
         disable_scores(model)
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
-    assert set(cache.attention_paths().values()) == {"materialized: attention='materialized'"}
+    assert set(cache.attention_paths().values()) == {f"materialized ({cache.backend.name}): attention='materialized'"}
 
 
 @pytest.mark.parametrize("wrapper", ["none", "scores"])
@@ -213,7 +214,7 @@ def test_backends_without_fused_attention(backend, quanto_extension):
     finally:
         disable_fused(model)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
-    assert all(p.startswith(f"materialized: backend '{backend}'") for p in cache.attention_paths().values())
+    assert all(p.startswith(f"materialized ({backend}): backend '{backend}'") for p in cache.attention_paths().values())
 
 
 # ---------------------------------------------------------------------- nothing outlives the cache
@@ -278,7 +279,7 @@ def test_gradients_reach_the_new_keys_and_values(layout):
         grads[name] = model.model.layers[1].self_attn.k_proj.weight.grad
         if name == "kvpolicy":
             assert set(cache.attention_paths().values()) == {
-                "materialized: autograd is recording (the fused path computes no gradients)"
+                f"materialized ({cache.backend.name}): autograd is recording (the fused path computes no gradients)"
             }
     assert grads["kvpolicy"] is not None and grads["kvpolicy"].norm() > 0
     # the same order of magnitude as an uncompressed cache (the history differs by quantization)
@@ -312,8 +313,9 @@ def test_attention_path_is_set_once_per_update():
             model(ids[:, t : t + 4], cache=cache, use_cache=True)
             paths |= set(cache.attention_paths().values())
     assert paths == {
-        "materialized: multi-token update; layout='agnostic' needs kvpolicy's attention wrapper "
-        "(kvpolicy.fused.enable_fused or kvpolicy.attention.enable_scores) to check the mask; the ordered view was used"
+        f"materialized ({cache.backend.name}): multi-token update; layout='agnostic' needs kvpolicy's attention "
+        "wrapper (kvpolicy.fused.enable_fused or kvpolicy.attention.enable_scores) to check the mask; the ordered "
+        "view was used"
     }
 
 
@@ -346,7 +348,7 @@ def test_a_model_loaded_with_the_fused_implementation(tmp_path):
     cache = CompressedCache(**KW)
     got = _steps(fast, ids, 40, cache)
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
-    assert set(cache.attention_paths().values()) == {"fused"}
+    assert set(cache.attention_paths().values()) == {f"fused ({cache.backend.name})"}
     assert plain.config._attn_implementation == "sdpa"
     dyn_plain = _steps(plain, ids, 40, DynamicCache())
     dyn_fast = _steps(fast, ids, 40, DynamicCache())

@@ -35,8 +35,8 @@ def test_log_quantize_16k_full_precision_bounded_and_bytes_linear(one_layer_mode
     window, group = 16, 16
     cache = CompressedCache(policy="log", window=window, action="quantize", bits=2, group_size=group)
     # per compressed token (1 head, head_dim 64, 2 bits): keys per channel 16 B codes + 64 channels x 4 B of
-    # scale/min per 16 tokens = 16 B; values per token 16 B codes + 4 groups x 4 B = 16 B; position 8 B
-    per_token = 16 + 16 + 16 + 16 + 8
+    # scale/min per 16 tokens = 16 B; values per token 16 B codes + 4 groups x 4 B = 16 B; position 4 B (int32)
+    per_token = 16 + 16 + 16 + 16 + 4
     worst = {"fp": 0}
 
     def check(length, cache):
@@ -49,8 +49,8 @@ def test_log_quantize_16k_full_precision_bounded_and_bytes_linear(one_layer_mode
             compressed = length - n_full
             staged = layer.store.k.staging.shape[2] if layer.store.k.staging is not None else 0
             assert staged < group
-            expected = n_full * (64 * 2 * 4 + 8) + (compressed - staged) * per_token
-            expected += staged * (64 * 4 + 16 + 4 + 8)  # staged key (fp32) + its value codes/meta + position
+            expected = n_full * (64 * 2 * 4 + 4) + (compressed - staged) * per_token
+            expected += staged * (64 * 4 + 16 + 4 + 4)  # staged key (fp32) + its value codes/meta + position
             assert cache.memory_report().total_bytes == expected, (length, seg)
 
     _decode(one_layer_model, cache, check)
@@ -71,4 +71,4 @@ def test_recent_evict_16k_holds_a_constant_number_of_tokens(one_layer_model):
             sizes.add(cache.memory_report().total_bytes)
 
     _decode(one_layer_model, cache, check)
-    assert sizes == {32 * 64 * 2 * 4 + 32 * 8}
+    assert sizes == {32 * 64 * 2 * 4 + 32 * 4}  # fp32 keys and values, int32 positions

@@ -52,7 +52,9 @@ def test_quantize_axis_message_lists_allowed():
 
 def test_quantize_defaults_valid():
     q = Quantize()
-    assert (q.bits, q.group_size, q.key_axis, q.value_axis, q.check_finite) == (2, 64, "channel", "token", True)
+    assert (q.bits, q.key_axis, q.value_axis, q.check_finite) == (2, "channel", "token", True)
+    # group sizes by axis: 64 tokens per key channel, 64 channels per value token
+    assert (q.group_size, q.key_group, q.value_group) == (None, 64, 64)
     q.check_backend(BACKEND)
     assert isinstance(q.new_store(BACKEND, 0), QuantizedStore)
 
@@ -436,3 +438,75 @@ def test_cache_with_large_float32_keys_and_values():
     assert segments["float32"]["scales"] == 2 * segments["bfloat16"]["scales"] > 0
     assert segments["float32"]["zeros"] == 2 * segments["bfloat16"]["zeros"] > 0
     assert segments["float32"]["codes"] == segments["bfloat16"]["codes"]
+
+
+# ---------------------------------------------------------------------- key and value group sizes
+@pytest.mark.parametrize(
+    ("kwargs", "key", "value"),
+    [
+        ({}, 64, 64),
+        ({"group_size": 32}, 32, 32),
+        ({"key_group_size": 128}, 128, 64),
+        ({"value_group_size": 32}, 64, 32),
+        ({"group_size": 16, "key_group_size": 16}, 16, 16),
+        ({"key_axis": "token", "key_group_size": 32}, 32, 64),
+        ({"value_axis": "channel", "key_group_size": 128}, 128, 64),
+    ],
+)
+def test_group_sizes_resolve_per_kind(kwargs, key, value):
+    q = Quantize(**kwargs)
+    assert (q.key_group, q.value_group) == (key, value)
+    store = q.new_store(BACKEND, 0)
+    assert (store.k.group_size, store.v.group_size) == (key, value)
+
+
+def test_group_size_shorthand_contradicting_a_kind_is_refused():
+    with pytest.raises(ConfigError) as ei:
+        Quantize(group_size=64, key_group_size=128)
+    msg = str(ei.value)
+    assert "group_size=64" in msg and "key_group_size=128" in msg
+
+
+@pytest.mark.parametrize("param", ["key_group_size", "value_group_size"])
+@pytest.mark.parametrize("bad", [0, -8, 2.0, "64", True])
+def test_kind_group_size_validated(param, bad):
+    with pytest.raises(ConfigError) as ei:
+        Quantize(**{param: bad})
+    assert f"{param}={bad!r}" in str(ei.value)
+
+
+def test_both_per_channel_need_dividing_group_sizes():
+    Quantize(value_axis="channel", key_group_size=128, value_group_size=64)  # 64 divides 128
+    with pytest.raises(ConfigError) as ei:
+        Quantize(value_axis="channel", key_group_size=96, value_group_size=64)
+    assert "key_group_size=96" in str(ei.value) and "value_group_size=64" in str(ei.value)
+
+
+def test_equal_when_quantizing_alike_and_repr_names_the_sizes_in_effect():
+    assert Quantize() == Quantize(group_size=64) == Quantize(key_group_size=64, value_group_size=64)
+    assert hash(Quantize()) == hash(Quantize(key_group_size=64, value_group_size=64))
+    assert Quantize() != Quantize(key_group_size=128)
+    # the default's repr is the one results were recorded under before the kinds could differ
+    assert repr(Quantize()) == repr(Quantize(group_size=64))
+    assert repr(Quantize(key_group_size=128)) == (
+        "Quantize(bits=2, key_group_size=128, value_group_size=64, key_axis='channel', value_axis='token', "
+        "check_finite=True)"
+    )
+    # equal sizes print as the shorthand, whichever way they were given
+    assert repr(Quantize(key_group_size=64)) == repr(Quantize(group_size=64))
+
+
+def test_value_group_that_does_not_divide_head_dim_names_the_parameter():
+    with pytest.raises(ConfigError) as ei:
+        Quantize(value_group_size=48).check_head_dim(64, role="value")
+    assert "value_group_size=48" in str(ei.value) and "[4, 8, 16, 32, 64]" in str(ei.value)
+    Quantize(key_group_size=48).check_head_dim(64)  # per-channel keys: any size serves any head_dim
+    with pytest.raises(ConfigError, match="value_group_size \\(default\\)=64"):
+        Quantize().check_head_dim(80, multiple=4, role="value")
+
+
+def test_backend_refusal_names_the_kind_group_size():
+    q = Quantize(key_group_size=6)  # the torch backend packs groups in multiples of 4
+    with pytest.raises(ConfigError) as ei:
+        q.check_backend(BACKEND)
+    assert "group_size=6" in str(ei.value)

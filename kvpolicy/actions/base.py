@@ -25,7 +25,7 @@ class DemotedStore(ABC):
     concatenate them as they are.
     """
 
-    #: ``(1, n)`` (shared policies) or ``(kv_heads, n)`` (per-head policies) int64 positions of the
+    #: ``(1, n)`` (shared policies) or ``(kv_heads, n)`` (per-head policies) int32 positions of the
     #: stored tokens, in demotion (= storage) order
     positions: torch.Tensor
 
@@ -38,7 +38,7 @@ class DemotedStore(ABC):
         keys, values : torch.Tensor
             ``(batch, kv_heads, n, head_dim)``, full precision.
         positions : torch.Tensor
-            ``(1, n)`` or ``(kv_heads, n)`` int64, their logical positions, in demotion order.
+            ``(1, n)`` or ``(kv_heads, n)`` int32, their logical positions, in demotion order.
         """
 
     @abstractmethod

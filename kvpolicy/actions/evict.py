@@ -9,6 +9,7 @@ import torch
 
 from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.backends.base import Backend
+from kvpolicy.positions import POSITION_DTYPE
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class EvictedStore(DemotedStore):
     """Holds nothing; counts what was evicted."""
 
     def __init__(self) -> None:
-        self.positions = torch.empty(1, 0, dtype=torch.long)
+        self.positions = torch.empty(1, 0, dtype=POSITION_DTYPE)
         self.evicted = 0
 
     def add(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,9 +11,20 @@ from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.backends.base import AXES, META_DTYPES, Backend, QTensor, check_metadata, widen_remedy
 from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
 from kvpolicy.policies.base import check_int
+from kvpolicy.positions import POSITION_DTYPE
+
+#: group size by grouping axis when none is given: 64 tokens per channel, 64 channels per token;
+#: docs/quantization.md measures the alternatives (128-token key groups: fewer bytes, higher loss)
+DEFAULT_GROUP_SIZE = {"channel": 64, "token": 64}
 
 
-@dataclass(frozen=True)
+def _resolve(own: int | None, shorthand: int | None, axis: str) -> int:
+    if own is not None:
+        return own
+    return shorthand if shorthand is not None else DEFAULT_GROUP_SIZE[axis]
+
+
+@dataclass(frozen=True, eq=False)
 class Quantize(Action):
     """Quantize demoted tokens to ``bits`` with asymmetric min-max groups of ``group_size``.
 
@@ -22,9 +32,15 @@ class Quantize(Action):
     ----------
     bits : int
         Code width; which widths exist depends on the backend (``torch``: 2, 4, 8).
-    group_size : int
-        Elements sharing one scale and minimum. ``"token"`` axis: channels of one token
-        (must divide ``head_dim``); ``"channel"`` axis: tokens of one channel.
+    group_size : int, optional
+        Elements sharing one scale and minimum, for keys and values alike (the shorthand for
+        ``key_group_size`` and ``value_group_size``). ``"token"`` axis: channels of one token
+        (must divide ``head_dim``); ``"channel"`` axis: tokens of one channel. ``None``: each
+        tensor kind's default by its axis, :data:`DEFAULT_GROUP_SIZE` (64 either way).
+    key_group_size, value_group_size : int, optional
+        The group size of keys or values alone. Given together with a different ``group_size``
+        they are a :class:`~kvpolicy.errors.ConfigError`. When both kinds are grouped per channel,
+        one size must divide the other (tokens are read back in whole groups of both).
     key_axis, value_axis : {"channel", "token"}
         Grouping axis of keys and values. Defaults follow KIVI (keys per channel, values per
         token): on SmolLM2-135M at 2 bits with the log policy, per-token keys raise next-token
@@ -44,11 +60,13 @@ class Quantize(Action):
     """
 
     bits: int = 2
-    group_size: int = 64
+    group_size: int | None = None
     key_axis: str = "channel"
     value_axis: str = "token"
     check_finite: bool = True
     meta_dtype: str = "auto"
+    key_group_size: int | None = None
+    value_group_size: int | None = None
 
     name = "quantize"
 
@@ -56,11 +74,28 @@ class Quantize(Action):
         check_int("bits", self.bits, 1, "Quantize")
         if self.bits > 8:
             raise ConfigError(f"Quantize: bits must be between 1 and 8; got bits={self.bits!r}")
-        check_int("group_size", self.group_size, 1, "Quantize")
         for param in ("key_axis", "value_axis"):
             value = getattr(self, param)
             if value not in AXES:
                 raise ConfigError(f"Quantize: {param} must be one of {list(AXES)}; got {param}={value!r}")
+        for param in ("group_size", "key_group_size", "value_group_size"):
+            if getattr(self, param) is not None:
+                check_int(param, getattr(self, param), 1, "Quantize")
+        for param in ("key_group_size", "value_group_size"):
+            own = getattr(self, param)
+            if self.group_size is not None and own is not None and own != self.group_size:
+                raise ConfigError(
+                    f"Quantize: group_size={self.group_size} (the shorthand for both) contradicts "
+                    f"{param}={own}; give group_size alone, or key_group_size and value_group_size"
+                )
+        if self.key_axis == self.value_axis == "channel":
+            small, big = sorted((self.key_group, self.value_group))
+            if big % small:
+                raise ConfigError(
+                    f"Quantize: keys and values both grouped per channel need one group size to divide the "
+                    f"other (tokens are read back in whole groups of both); got key_group_size={self.key_group}, "
+                    f"value_group_size={self.value_group}"
+                )
         if not isinstance(self.check_finite, bool):
             raise ConfigError(f"Quantize: check_finite must be a bool; got check_finite={self.check_finite!r}")
         if not isinstance(self.meta_dtype, str) or self.meta_dtype not in META_DTYPES:
@@ -68,15 +103,58 @@ class Quantize(Action):
                 f"Quantize: meta_dtype must be one of {list(META_DTYPES)}; got meta_dtype={self.meta_dtype!r}"
             )
 
+    @property
+    def key_group(self) -> int:
+        """The keys' group size in effect."""
+        return _resolve(self.key_group_size, self.group_size, self.key_axis)
+
+    @property
+    def value_group(self) -> int:
+        """The values' group size in effect."""
+        return _resolve(self.value_group_size, self.group_size, self.value_axis)
+
+    def _canonical(self) -> tuple:
+        return (self.bits, self.key_group, self.value_group, self.key_axis, self.value_axis, self.check_finite,
+                self.meta_dtype)  # fmt: skip
+
+    def __eq__(self, other: object) -> bool:
+        # equal when they quantize alike: Quantize() == Quantize(key_group_size=128, value_group_size=64)
+        return isinstance(other, Quantize) and self._canonical() == other._canonical()
+
+    def __hash__(self) -> int:
+        return hash(("quantize", *self._canonical()))
+
     def __repr__(self) -> str:
-        # meta_dtype is shown only when set: the repr names a cache in results (and their cell ids),
-        # and caches described before the parameter existed used the default
-        shown = [f.name for f in dataclasses.fields(self) if f.name != "meta_dtype" or self.meta_dtype != "auto"]
-        return f"Quantize({', '.join(f'{name}={getattr(self, name)!r}' for name in shown)})"
+        # the repr names a cache in results (and their cell ids): the group sizes in effect, one
+        # ``group_size`` when they agree; meta_dtype only when set (caches described before the
+        # parameter existed used the default)
+        if self.key_group == self.value_group:
+            groups = f"group_size={self.key_group!r}"
+        else:
+            groups = f"key_group_size={self.key_group!r}, value_group_size={self.value_group!r}"
+        shown = [f"bits={self.bits!r}", groups]
+        shown += [f"{name}={getattr(self, name)!r}" for name in ("key_axis", "value_axis", "check_finite")]
+        if self.meta_dtype != "auto":
+            shown.append(f"meta_dtype={self.meta_dtype!r}")
+        return f"Quantize({', '.join(shown)})"
+
+    def _group_param(self, kind: str) -> str:
+        """The parameter that set ``kind``'s group size, as the user wrote it."""
+        own = f"{kind}_group_size"
+        if getattr(self, own) is None and self.group_size is not None:
+            return "group_size"
+        return own if getattr(self, own) is not None else f"{own} (default)"
 
     def check_backend(self, backend: Backend) -> None:
-        backend.check(bits=self.bits, group_size=self.group_size, axis=self.key_axis, role="key")
-        backend.check(bits=self.bits, group_size=self.group_size, axis=self.value_axis, role="value")
+        mult = backend.capabilities.group_size_multiple
+        for kind, group in (("key", self.key_group), ("value", self.value_group)):
+            if group % mult:
+                raise ConfigError(
+                    f"backend {backend.name!r} needs group sizes that are multiples of {mult}; got "
+                    f"{self._group_param(kind)}={group}"
+                )
+        backend.check(bits=self.bits, group_size=self.key_group, axis=self.key_axis, role="key")
+        backend.check(bits=self.bits, group_size=self.value_group, axis=self.value_axis, role="value")
         backend.check_meta_dtype(self.meta_dtype)
 
     def check_head_dim(self, head_dim: int, multiple: int = 4, role: str | None = None) -> None:
@@ -86,12 +164,17 @@ class Quantize(Action):
         (``"key"`` or ``"value"``) checks that tensor kind's axis only (models whose keys and values
         have different head dims); ``None`` checks both.
         """
-        axes = {"key": (self.key_axis,), "value": (self.value_axis,)}.get(role or "", (self.key_axis, self.value_axis))
-        if "token" in axes and head_dim % self.group_size != 0:
+        kinds = {
+            "key": (self.key_axis, self.key_group),
+            "value": (self.value_axis, self.value_group),
+        }
+        for kind, (axis, group) in kinds.items():
+            if role not in (None, kind) or axis != "token" or head_dim % group == 0:
+                continue
             divisors = [g for g in range(multiple, head_dim + 1, multiple) if head_dim % g == 0]
             what = f"the {role} head_dim" if role else "head_dim"
             raise ConfigError(
-                f"Quantize: group_size={self.group_size} does not divide {what}={head_dim} "
+                f"Quantize: {self._group_param(kind)}={group} does not divide {what}={head_dim} "
                 f"(per-token groups split each token's channels); choose one of {divisors}"
             )
 
@@ -191,9 +274,9 @@ class QuantizedStore(DemotedStore):
     def __init__(self, action: Quantize, backend: Backend, layer_idx: int) -> None:
         self.action = action
         self.layer_idx = layer_idx
-        self.k = QuantizedStream(backend, action.bits, action.group_size, action.key_axis, action.meta_dtype)
-        self.v = QuantizedStream(backend, action.bits, action.group_size, action.value_axis, action.meta_dtype)
-        self.positions = torch.empty(1, 0, dtype=torch.long)
+        self.k = QuantizedStream(backend, action.bits, action.key_group, action.key_axis, action.meta_dtype)
+        self.v = QuantizedStream(backend, action.bits, action.value_group, action.value_axis, action.meta_dtype)
+        self.positions = torch.empty(1, 0, dtype=POSITION_DTYPE)
 
     def _check_finite(self, x: torch.Tensor, what: str) -> None:
         if not torch.isfinite(x).all():

@@ -19,6 +19,9 @@ Two modes:
 Cache variants are named by short strings:
 
 - ``dynamic``: transformers' ``DynamicCache``;
+- ``one-liner``: ``CompressedCache(policy="log", action="quantize", bits=2)`` exactly as the README
+  writes it (every default: ``backend="auto"``, ``check_finite=True``, the default group sizes), run
+  with :func:`kvpolicy.fused.enable_fused` on the model (``--window`` does not apply);
 - ``hf-<quanto|hqq>-<bits>``: transformers' ``QuantizedCache(backend, config, nbits=bits)``;
 - ``<policy>-<bits>-<backend>-<layout>-<fused|mat>``: ``CompressedCache(policy, action="quantize",
   bits, backend, layout, attention="auto" | "materialized")``; ``fused`` variants run with
@@ -65,7 +68,7 @@ class Variant:
     """One cache configuration, parsed from its name (see the module docstring)."""
 
     name: str
-    kind: str  # "dynamic", "hf", "kv"
+    kind: str  # "dynamic", "one-liner", "hf", "kv"
     policy: str = ""
     bits: int = 0
     backend: str = ""
@@ -77,6 +80,8 @@ class Variant:
         parts = name.split("-")
         if name == "dynamic":
             return cls(name, "dynamic")
+        if name == "one-liner":
+            return cls(name, "one-liner", policy="log", bits=2, backend="auto", fused=True)
         if parts[0] == "hf" and len(parts) == 3 and parts[1] in ("quanto", "hqq") and parts[2].isdigit():
             return cls(name, "hf", backend=parts[1], bits=int(parts[2]))
         if (
@@ -87,7 +92,7 @@ class Variant:
         ):
             return cls(name, "kv", parts[0], int(parts[1]), parts[2], parts[3], parts[4] == "fused")
         raise ConfigError(
-            f"cache variant {name!r} not understood; use 'dynamic', 'hf-<quanto|hqq>-<bits>' or "
+            f"cache variant {name!r} not understood; use 'dynamic', 'one-liner', 'hf-<quanto|hqq>-<bits>' or "
             "'<policy>-<bits>-<backend>-<ordered|agnostic>-<fused|mat>' (e.g. log-2-torch-ordered-fused)"
         )
 
@@ -101,6 +106,8 @@ class Variant:
             return QuantizedCache(self.backend, config, nbits=self.bits)
         from kvpolicy import CompressedCache
 
+        if self.kind == "one-liner":
+            return CompressedCache(policy="log", action="quantize", bits=2)
         return CompressedCache(
             policy=self.policy, action="quantize", bits=self.bits, backend=self.backend, layout=self.layout,
             attention="auto" if self.fused else "materialized", window=window, check_finite=False,
@@ -410,7 +417,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     variants = [Variant.parse(name) for name in args.caches]
     for v in variants:  # construct once: an unavailable backend fails before any model runs
-        if v.kind == "kv":
+        if v.kind in ("kv", "one-liner"):
             v.build(None, args.window)
     model = load(args.model, DTYPES[args.dtype], args.device)
     args.out.mkdir(parents=True, exist_ok=True)

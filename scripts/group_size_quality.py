@@ -1,0 +1,105 @@
+"""Quality of the 2-bit log cache by key group size, on SmolLM2-135M-Instruct (fp32, CPU).
+
+Each text: ``--context`` tokens of a standard-library file (continued by the next files of the list
+when short) as prefill, then ``--tokens`` teacher-forced tokens, scored against ``DynamicCache``:
+ΔNLL and KL in nats per token and top-1 agreement (mean ± s.e. over all scored tokens). Decode runs
+kvpolicy's fused path (``enable_fused``, ``backend="auto"``). Bits per element count everything
+held after the last token; ``bits16`` counts the full-precision window and the key staging at 16
+bits (what they cost in a 16-bit model).
+
+The group sizes were chosen on ``--texts calibration`` (files no other measurement uses); the
+numbers in docs/quantization.md are from ``--texts heldout`` (the ablation's LM files).
+
+Usage::
+
+    python scripts/group_size_quality.py --texts calibration
+    python scripts/group_size_quality.py --texts heldout --caches g64 k128
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+from transformers import DynamicCache
+
+from kvpolicy import CompressedCache
+from kvpolicy.eval.metrics import next_token_kl, nll, teacher_forced_logits
+from kvpolicy.eval.models import load_smollm2
+from kvpolicy.eval.tasks import LM_FILES, stdlib_text
+from kvpolicy.fused import enable_fused
+
+TEXTS = {
+    "calibration": ("enum.py", "dataclasses.py", "functools.py", "pickle.py", "zipfile.py"),
+    "heldout": LM_FILES[:5],
+}
+CACHES = {
+    "g32": ("keys G=32, values G=32", dict(group_size=32)),
+    "g64": ("keys G=64, values G=64", dict(group_size=64)),
+    "k128": ("keys G=128, values G=64 (default)", dict()),
+    "k256": ("keys G=256, values G=64", dict(key_group_size=256)),
+}
+
+
+def _ids(tokenizer, files: tuple[str, ...], first: int, need: int) -> torch.Tensor:
+    ids: list[int] = []
+    for name in files[first:] + files[:first]:
+        ids += tokenizer(stdlib_text(name))["input_ids"]
+        if len(ids) >= need:
+            return torch.tensor([ids[:need]])
+    raise SystemExit(f"the files {files} hold {len(ids)} tokens; {need} needed")
+
+
+def _mean_se(x: torch.Tensor) -> str:
+    x = x.double().flatten()
+    return f"{float(x.mean()):.4f} ± {float(x.std() / math.sqrt(x.numel())):.4f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--texts", choices=sorted(TEXTS), default="heldout")
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--caches", nargs="+", choices=list(CACHES), default=list(CACHES))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_smollm2()
+    enable_fused(model)
+    files = TEXTS[args.texts]
+    texts = [_ids(tokenizer, files, i, args.context + args.tokens) for i in range(len(files))]
+    with torch.inference_mode():
+        refs = [teacher_forced_logits(model, ids, args.context, DynamicCache()) for ids in texts]
+    print(
+        f"SmolLM2-135M fp32, {args.texts} texts {list(files)}: {args.context} context + {args.tokens} "
+        "teacher-forced tokens each; log policy W=42, 2-bit"
+    )
+    print(f"{'cache':<36}{'ΔNLL':>18}{'KL':>18}{'top-1':>18}{'bits/el':>9}{'bits16':>8}")
+    for key in args.caches:
+        name, kwargs = CACHES[key]
+        deltas, kls, top1 = [], [], []
+        for ids, ref in zip(texts, refs, strict=True):
+            cache = CompressedCache(policy="log", action="quantize", bits=2, **kwargs)
+            with torch.inference_mode():
+                got = teacher_forced_logits(model, ids, args.context, cache)
+            targets = ids[0, args.context :]
+            deltas.append(nll(got[0], targets) - nll(ref[0], targets))
+            kls.append(next_token_kl(ref[0], got[0]))
+            top1.append((ref[0].argmax(-1) == got[0].argmax(-1)).double())
+        report = cache.memory_report()
+        cfg = model.config
+        d = cfg.hidden_size // cfg.num_attention_heads
+        elements = report.layers[0].tokens * cfg.num_hidden_layers * cfg.num_key_value_heads * 2 * d
+        seg = report.segments
+        bits = 8 * report.total_bytes / elements
+        bits16 = 8 * (report.total_bytes - (seg["full_precision"] + seg["staging"]) / 2) / elements
+        print(
+            f"{name:<36}{_mean_se(torch.cat(deltas)):>18}{_mean_se(torch.cat(kls)):>18}"
+            f"{_mean_se(torch.cat(top1)):>18}{bits:>9.3f}{bits16:>8.3f}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
