@@ -22,7 +22,7 @@ from kvpolicy.errors import ConfigError
 from kvpolicy.memory import LayerBytes, MemoryReport
 from kvpolicy.padded import PaddedRows, left_pads
 from kvpolicy.policies.base import Policy, PolicyState
-from kvpolicy.positions import POSITION_DTYPE, PositionBook, check_length, held_bytes
+from kvpolicy.positions import POSITION_DTYPE, PositionBook, check_length, storage_bytes
 
 # kvpolicy's attention implementations ("kvpolicy_fused_sdpa", "kvpolicy_sdpa", ... ) are known to
 # transformers from here on, so a model can be loaded with attn_implementation="kvpolicy_fused_sdpa"
@@ -459,24 +459,29 @@ class CompressedLayer(CacheLayerMixin):
             for part in parts:
                 for name, n in part.segments.items():
                     merged[name] = merged.get(name, 0) + n
-            return LayerBytes(self.layer_idx, self.length, merged, sum(part.baseline_bytes for part in parts))
+            return LayerBytes(
+                self.layer_idx, self.length, merged, sum(part.baseline_bytes for part in parts),
+                max(part.element_size for part in parts),
+            )  # fmt: skip
         segments = dict.fromkeys(("full_precision", "codes", "scales", "zeros", "staging", "positions"), 0)
         baseline = 0
+        element_size = 2
         if self.is_initialized:
+            element_size = self.keys.element_size()
             if self.store is not None:
                 self._settle()
             segments["full_precision"] = _nbytes(self.keys) + _nbytes(self.values)
             b, h, _, d = self.keys.shape
             baseline = self.length * b * h * (d + self.values.shape[-1]) * 2
             if self.full_pos is not None:
-                segments["positions"] += held_bytes(self.full_pos, seen)
+                segments["positions"] += storage_bytes(self.full_pos, seen)
             if self.store is not None:
                 for role, n in self.store.nbytes().items():
                     if role != "positions":  # counted from the storage: it may be shared
                         segments[role] = segments.get(role, 0) + n
                 if len(self.store.positions.shape) == 2 and self.store.positions.numel():
-                    segments["positions"] += held_bytes(self.store.positions, seen)
-        return LayerBytes(self.layer_idx, self.length, segments, baseline)
+                    segments["positions"] += storage_bytes(self.store.positions, seen)
+        return LayerBytes(self.layer_idx, self.length, segments, baseline, element_size)
 
     def __repr__(self) -> str:
         return f"CompressedLayer(layer_idx={self.layer_idx}, length={self.length})"
@@ -559,7 +564,8 @@ def _layer_memory(layer: CacheLayerMixin, layer_idx: int, seen: set[tuple[str, i
         return LayerBytes(layer_idx, layer.get_seq_length(), segments, 0)
     segments["full_precision"] = _nbytes(layer.keys) + _nbytes(layer.values)
     b, h, n, d = layer.keys.shape
-    return LayerBytes(layer_idx, layer.get_seq_length(), segments, n * b * h * (d + layer.values.shape[-1]) * 2)
+    baseline = n * b * h * (d + layer.values.shape[-1]) * 2
+    return LayerBytes(layer_idx, layer.get_seq_length(), segments, baseline, layer.keys.element_size())
 
 
 def _nbytes(t: torch.Tensor) -> int:

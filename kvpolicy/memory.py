@@ -25,16 +25,29 @@ class LayerBytes:
         (index tensors).
     baseline_bytes : int
         A 16-bit cache holding the same tokens: ``tokens * batch * kv_heads * head_dim * 2 * 2``.
+    element_size : int
+        Bytes per element of the layer's full-precision tensors (``full_precision`` and
+        ``staging``): 4 for a float32 model, 2 for float16/bfloat16.
     """
 
     layer_idx: int
     tokens: int
     segments: dict[str, int]
     baseline_bytes: int
+    element_size: int = 2
 
     @property
     def total_bytes(self) -> int:
         return sum(self.segments.values())
+
+    @property
+    def total_bytes_16bit(self) -> int:
+        """:attr:`total_bytes` with the full-precision tensors counted at 16 bits per element (what
+        they would hold in a 16-bit model; codes, metadata and positions as held)."""
+        wide = self.segments.get("full_precision", 0) + self.segments.get("staging", 0)
+        if self.element_size <= 2:
+            return self.total_bytes
+        return self.total_bytes - wide + wide * 2 // self.element_size
 
 
 @dataclass(frozen=True)
@@ -74,6 +87,25 @@ class MemoryReport:
         total = self.total_bytes
         return float("inf") if total == 0 else self.baseline_bytes / total
 
+    @property
+    def total_bytes_16bit(self) -> int:
+        """:attr:`total_bytes` with full-precision tensors (the window and the staging) counted at 16
+        bits per element: for models run in float32, what the same cache holds in a 16-bit model."""
+        return sum(layer.total_bytes_16bit for layer in self.layers)
+
+    @property
+    def bits_per_element(self) -> float:
+        """``8 * total_bytes / (tokens * layers * batch * kv_heads * (key dim + value dim))``: every
+        byte held (codes, scales, zero-points, positions, staging, the full-precision window) per
+        cached element; 16 for a 16-bit ``DynamicCache``. ``nan`` for an empty cache."""
+        return 16 * self.total_bytes / self.baseline_bytes if self.baseline_bytes else float("nan")
+
+    @property
+    def bits_per_element_16bit(self) -> float:
+        """:attr:`bits_per_element` with the full-precision tensors counted at 16 bits (see
+        :attr:`total_bytes_16bit`): the figure to compare across model dtypes."""
+        return 16 * self.total_bytes_16bit / self.baseline_bytes if self.baseline_bytes else float("nan")
+
     def __str__(self) -> str:
         total = self.total_bytes
         tokens = max((layer.tokens for layer in self.layers), default=0)
@@ -87,6 +119,10 @@ class MemoryReport:
         lines.append(f"  {'total':<16}{_human(total):>14}")
         lines.append(f"  {'16-bit baseline':<16}{_human(self.baseline_bytes):>14}")
         lines.append(f"  ratio (baseline / total): {self.ratio:.2f}x")
+        bits = f"  bits per element: {self.bits_per_element:.2f}"
+        if self.total_bytes_16bit != self.total_bytes:
+            bits += f" ({self.bits_per_element_16bit:.2f} with full-precision tensors at 16 bits)"
+        lines.append(bits)
         return "\n".join(lines)
 
 

@@ -4,7 +4,7 @@ Positions are held as ``int32`` (:data:`POSITION_DTYPE`; a context of 2**31 toke
 widened to ``int64`` only where torch indexes with them. Shared policies (``per_head = False``:
 log, recent, sink) demote the same positions in every layer, so a :class:`PositionBook` lets the
 layers of one cache hold one tensor of demoted positions between them instead of one each; memory
-reports count a storage once (:func:`held_bytes`).
+reports count a storage once (:func:`storage_bytes`).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class PositionBook:
         return positions
 
 
-def held_bytes(t: torch.Tensor, seen: set[tuple[str, int]] | None = None) -> int:
+def storage_bytes(t: torch.Tensor, seen: set[tuple[str, int]] | None = None) -> int:
     """Bytes of the storage behind ``t`` (all of it: a view keeps its whole storage alive).
 
     With ``seen``, a storage already in it counts 0, and the storage is added to it.

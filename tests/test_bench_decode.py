@@ -30,6 +30,9 @@ def test_latency_mode_smoke(tmp_path):
             assert dyn["ratio_ms"] == 1.0
             # fp32 DynamicCache: (length + steps) tokens x 4 layers x 2 kv heads x 64 x (k, v) x 4 bytes x batch
             assert dyn["bytes_held"] == (length + 1) * 4 * 2 * 64 * 2 * 4 * batch
+            assert (dyn["bits_per_element"], dyn["bits16"]) == (pytest.approx(32.0), pytest.approx(16.0))
+            log = by[(length, batch, "log-2-torch-agnostic-fused")]
+            assert log["bits16"] < log["bits_per_element"] < 32
             assert by[(length, batch, "log-2-torch-agnostic-fused")]["paths"] == "fused (torch)"
             assert by[(length, batch, "log-2-torch-ordered-mat")]["paths"].startswith("materialized")
             for name in caches[1:]:

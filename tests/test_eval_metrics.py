@@ -53,6 +53,9 @@ def test_uncompressed_is_exact(setup):
     # float32 model: 2x the bytes of a 16-bit cache of the same tokens (96 + 12 - the last, a target only)
     assert m["bytes_held"].value == 2 * baseline_bytes(model.config, 107)
     assert m["ratio"].value == pytest.approx(0.5)
+    # bits per element: 32 as held, 16 with the full-precision tensors counted at 16 bits
+    assert m["bits_per_element"].value == pytest.approx(32.0)
+    assert m["bits_per_element_16"].value == pytest.approx(16.0)
 
 
 def test_damaged_cache_moves_every_metric(setup):

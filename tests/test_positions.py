@@ -9,7 +9,7 @@ import torch
 
 from kvpolicy import CompressedCache
 from kvpolicy.errors import ConfigError
-from kvpolicy.positions import POSITION_DTYPE, PositionBook, check_length, held_bytes
+from kvpolicy.positions import POSITION_DTYPE, PositionBook, check_length, storage_bytes
 
 
 def _fill(cache: CompressedCache, layers: int, prompt: int, steps: int, seed: int = 0) -> None:
@@ -106,12 +106,12 @@ def test_position_book_keeps_nothing_alive():
     assert book.held is None
 
 
-def test_held_bytes_counts_a_storage_once_and_whole():
+def test_storage_bytes_counts_a_storage_once_and_whole():
     base = torch.arange(100, dtype=torch.int32)[None]
     seen: set = set()
-    assert held_bytes(base[:, :10], seen) == 400
-    assert held_bytes(base, seen) == 0
-    assert held_bytes(base[:, :10]) == 400
+    assert storage_bytes(base[:, :10], seen) == 400
+    assert storage_bytes(base, seen) == 0
+    assert storage_bytes(base[:, :10]) == 400
 
 
 def test_lengths_beyond_int32_are_refused():

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from kvpolicy.errors import ConfigError
+from kvpolicy.eval.caches import baseline_bytes, held_bytes
 
 HELP = "decode ms/token, prefill ms and bytes held: DynamicCache vs QuantizedCache vs CompressedCache variants"
 
@@ -114,36 +115,6 @@ class Variant:
         )  # fmt: skip
 
 
-def held_bytes(cache: Any) -> int:
-    """Bytes of every tensor a cache holds (DynamicCache, QuantizedCache with quanto/hqq, CompressedCache)."""
-    if hasattr(cache, "memory_report"):
-        return cache.memory_report().total_bytes
-    seen: set[int] = set()
-    total = 0
-
-    def count(obj: Any) -> None:
-        nonlocal total
-        if isinstance(obj, torch.Tensor):
-            if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):  # quanto's subclasses
-                names, _ = obj.__tensor_flatten__()
-                for name in names:
-                    count(getattr(obj, name))
-            elif id(obj) not in seen:
-                seen.add(id(obj))
-                total += obj.numel() * obj.element_size()
-        elif isinstance(obj, (tuple, list)):
-            for item in obj:
-                count(item)
-        elif isinstance(obj, dict):
-            for item in obj.values():
-                count(item)
-
-    for layer in cache.layers:
-        for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
-            count(getattr(layer, name, None))
-    return total
-
-
 # ---------------------------------------------------------------------- models
 def tiny_llama(dtype: torch.dtype) -> torch.nn.Module:
     """A small random Llama (4 layers, 4 query / 2 kv heads of 64 channels), built in code."""
@@ -183,6 +154,9 @@ class Row:
     paths: str = ""
     ratio_ms: float = float("nan")
     ratio_bytes: float = float("nan")
+    #: 8 x bytes held per cached element; ``bits16``: full-precision tensors counted at 16 bits
+    bits_per_element: float = float("nan")
+    bits16: float = float("nan")
 
 
 def _sync(device: str) -> None:
@@ -251,9 +225,12 @@ def latency(args: argparse.Namespace, model: torch.nn.Module, variants: list[Var
             for v in variants:
                 cache, _, pre, times = state[v.name]
                 paths = sorted(set(getattr(cache, "attention_paths", dict)().values()) - {None})
+                base = baseline_bytes(model.config, cache.get_seq_length(), batch)
                 rows.append(
                     Row(args.model, args.dtype, args.device, length, batch, v.name, pre, statistics.median(times),
-                        times, held_bytes(cache), "; ".join(str(p) for p in paths))
+                        times, held_bytes(cache), "; ".join(str(p) for p in paths),
+                        bits_per_element=16 * held_bytes(cache) / base,
+                        bits16=16 * held_bytes(cache, at_16bit=True) / base)
                 )  # fmt: skip
             del state
     _ratios(rows)
@@ -325,13 +302,13 @@ def capacity(args: argparse.Namespace, model: torch.nn.Module, variants: list[Va
 def table(rows: list[Row]) -> str:
     head = (
         f"{'length':>7} {'batch':>5} {'cache':<30} {'prefill ms':>11} {'decode ms/tok':>14} {'x dyn':>6} "
-        f"{'MiB held':>9} {'x dyn':>6}"
+        f"{'MiB held':>9} {'x dyn':>6} {'bits/el':>8} {'@16-bit':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r.length:>7} {r.batch:>5} {r.variant:<30} {r.prefill_ms:>11.1f} {r.decode_ms:>14.2f} {r.ratio_ms:>6.2f} "
-            f"{r.bytes_held / 2**20:>9.1f} {r.ratio_bytes:>6.3f}"
+            f"{r.bytes_held / 2**20:>9.1f} {r.ratio_bytes:>6.3f} {r.bits_per_element:>8.2f} {r.bits16:>8.2f}"
         )
     return "\n".join(lines)
 

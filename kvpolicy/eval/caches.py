@@ -185,22 +185,27 @@ def _check_hf_args(args: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------- bytes
-def held_bytes(cache: Any) -> int:
+def held_bytes(cache: Any, at_16bit: bool = False) -> int:
     """Bytes of every tensor ``cache`` holds.
 
     kvpolicy caches answer through ``memory_report()`` (codes, scales, staging and position indices
     included). For other caches every tensor reachable from the cache's layers is counted once:
     plain tensors, tensor subclasses that flatten into inner tensors (optimum-quanto's quantized
     tensors) and tensors inside tuples, lists and dicts (hqq's metadata).
+
+    ``at_16bit``: count full-precision tensors at 16 bits per element, as a 16-bit model would hold
+    them (kvpolicy: ``MemoryReport.total_bytes_16bit``; other caches: every floating-point tensor
+    wider than 16 bits, their residuals and their metadata alike, since those follow the model's dtype).
     """
     report = getattr(cache, "memory_report", None)
     if callable(report):
-        return int(report().total_bytes)
+        r = report()
+        return int(r.total_bytes_16bit if at_16bit else r.total_bytes)
     seen: set[int] = set()
-    return sum(_walk(layer, seen, 0) for layer in getattr(cache, "layers", []))
+    return sum(_walk(layer, seen, 0, at_16bit) for layer in getattr(cache, "layers", []))
 
 
-def _walk(obj: Any, seen: set[int], depth: int) -> int:
+def _walk(obj: Any, seen: set[int], depth: int, at_16bit: bool = False) -> int:
     if depth > 6 or id(obj) in seen:
         return 0
     seen.add(id(obj))
@@ -208,14 +213,17 @@ def _walk(obj: Any, seen: set[int], depth: int) -> int:
         flatten = getattr(obj, "__tensor_flatten__", None)
         if flatten is not None and type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
             names, _ = flatten()
-            return sum(_walk(getattr(obj, n), seen, depth + 1) for n in names)
-        return obj.numel() * obj.element_size()
+            return sum(_walk(getattr(obj, n), seen, depth + 1, at_16bit) for n in names)
+        size = obj.element_size()
+        if at_16bit and obj.is_floating_point():
+            size = min(size, 2)
+        return obj.numel() * size
     if isinstance(obj, (list, tuple)):
-        return sum(_walk(x, seen, depth + 1) for x in obj)
+        return sum(_walk(x, seen, depth + 1, at_16bit) for x in obj)
     if isinstance(obj, dict):
-        return sum(_walk(x, seen, depth + 1) for x in obj.values())
+        return sum(_walk(x, seen, depth + 1, at_16bit) for x in obj.values())
     if hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
-        return sum(_walk(x, seen, depth + 1) for x in vars(obj).values())
+        return sum(_walk(x, seen, depth + 1, at_16bit) for x in vars(obj).values())
     return 0
 
 

@@ -209,7 +209,10 @@ def write_results_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pat
         f"uncompressed cache holds 32-bit tensors: 0.5× of a 16-bit cache). Context {ctx} tokens of Python "
         f"standard-library source, then {lm.get('tokens', 64)} teacher-forced tokens scored against the "
         "uncompressed cache. Quantization: keys per channel, values per token, groups of 64, the torch backend. "
-        "Small model, one text, short continuation: read differences smaller than two standard errors as noise.",
+        "Small model, one text, short continuation: read differences smaller than two standard errors as noise. "
+        "Bits per element: `bits/el` counts every byte held as held (full-precision tensors in float32); "
+        "`bits/el (16-bit FP)` counts the full-precision tensors at 16 bits, as a 16-bit model holds them, and is "
+        "the figure to compare methods by (runs made before these columns existed show only bytes held).",
         "",
         "## What the paper reports and what reproduces here",
         "",

@@ -109,11 +109,15 @@ def _prefill(
 
 
 def _finish_bytes(cache: Any, model: torch.nn.Module, tokens: int) -> list[Metric]:
+    """Bytes held, the ratio to a 16-bit cache, and bits per element (as held, and with
+    full-precision tensors counted at 16 bits: the figure to compare across model dtypes)."""
     held = held_bytes(cache)
     base = baseline_bytes(model.config, tokens)
     return [
         Metric("bytes_held", float(held), extra={"tokens": tokens}),
         Metric("ratio", base / held if held else math.inf, extra={"baseline_16bit": base}),
+        Metric("bits_per_element", 16 * held / base),
+        Metric("bits_per_element_16", 16 * held_bytes(cache, at_16bit=True) / base),
     ]
 
 

@@ -18,6 +18,8 @@ METRICS = {
     "score": "score",
     "bytes_held": "bytes held",
     "ratio": "vs 16-bit",
+    "bits_per_element": "bits/el",
+    "bits_per_element_16": "bits/el (16-bit FP)",
     "prefill_ms": "prefill ms",
     "decode_ms": "decode ms/tok",
 }
@@ -31,6 +33,8 @@ def fmt(metric: str, value: float | None, se: float | None = None) -> str:
         return f"{value / 2**20:.2f} MiB"
     if metric == "ratio":
         return f"{value:.2f}×"
+    if metric in ("bits_per_element", "bits_per_element_16"):
+        return f"{value:.2f}"
     if metric in ("prefill_ms", "decode_ms"):
         return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
     if metric in ("top1", "accuracy", "exact_match"):
