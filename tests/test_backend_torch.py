@@ -18,7 +18,7 @@ import re
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from kvpolicy.actions.quantize import QuantizedStream
@@ -27,7 +27,7 @@ from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
 
 BACKEND = TorchBackend()
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-BITS = (2, 4, 8)
+BITS = (2, 3, 4, 8)
 HEAD_DIMS = (8, 16, 64, 96, 128)
 EPS32 = torch.finfo(torch.float32).eps
 
@@ -44,8 +44,22 @@ def meta_dtype_of(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
 
 
+def _bit_stream(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes as one little-endian bit stream: ``(..., n)`` -> ``(..., n * bits)`` bits, code ``i`` at
+    bits ``i * bits ..`` (how 3-bit codes are packed, and what 2/4/8 bits amount to as well)."""
+    c = codes.to(torch.int64)
+    bit = torch.stack([(c >> b) & 1 for b in range(bits)], dim=-1)
+    return bit.reshape(*codes.shape[:-1], codes.shape[-1] * bits)
+
+
 def ref_unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """``8 // bits`` codes per byte, lowest bits first; returns int64 codes."""
+    """``8 // bits`` codes per byte, lowest bits first (3 bits: a little-endian bit stream, eight codes
+    per three bytes); returns int64 codes."""
+    if bits == 3:
+        p = packed.to(torch.int64)
+        stream = torch.stack([(p >> b) & 1 for b in range(8)], dim=-1).reshape(*p.shape[:-1], -1)
+        stream = stream.reshape(*p.shape[:-1], -1, 3)
+        return stream[..., 0] | (stream[..., 1] << 1) | (stream[..., 2] << 2)
     per = 8 // bits
     mask = (1 << bits) - 1
     p = packed.to(torch.int64)
@@ -54,6 +68,9 @@ def ref_unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def ref_pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits == 3:
+        stream = _bit_stream(codes, 3).reshape(*codes.shape[:-1], -1, 8)
+        return sum(stream[..., k] << k for k in range(8)).to(torch.uint8)
     per = 8 // bits
     c = codes.to(torch.int64).reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
     out = torch.zeros(c.shape[:-1], dtype=torch.int64)
@@ -115,11 +132,12 @@ def configs(draw, axes=("token", "channel")):
     batch = draw(st.integers(1, 3))
     heads = draw(st.integers(1, 4))
     head_dim = draw(st.sampled_from(HEAD_DIMS))
+    step = 8 if bits == 3 else 4  # 3-bit groups hold whole runs of eight codes (three bytes)
     if axis == "token":
-        g = draw(st.sampled_from([v for v in range(4, head_dim + 1, 4) if head_dim % v == 0]))
+        g = draw(st.sampled_from([v for v in range(step, head_dim + 1, step) if head_dim % v == 0]))
         tokens = draw(st.integers(1, 24))
     else:
-        g = draw(st.sampled_from([4, 8, 12, 16, 32]))
+        g = draw(st.sampled_from([v for v in (4, 8, 12, 16, 32) if v % step == 0]))
         tokens = g * draw(st.integers(1, 3))
     return axis, dtype, bits, (batch, heads, tokens, head_dim), g
 
@@ -357,17 +375,17 @@ def test_packing_shrinks_bytes(d):
     assert sum(q.nbytes().values()) * 8 == pytest.approx(n * (bits + 32 / g))
     # documented shapes
     b, h, t, dd = shape
-    per_byte = 8 // bits
+    packed_group = g * bits // 8  # bytes per group (3 bits: eight codes to three bytes)
     if axis == "token":
-        assert tuple(q.codes.shape) == (b, h, t, dd // g, g // per_byte)
+        assert tuple(q.codes.shape) == (b, h, t, dd // g, packed_group)
         assert tuple(q.scales.shape) == (b, h, t, dd // g)
     else:
-        assert tuple(q.codes.shape) == (b, h, t // g, dd, g // per_byte)
+        assert tuple(q.codes.shape) == (b, h, t // g, dd, packed_group)
         assert tuple(q.scales.shape) == (b, h, t // g, dd)
 
 
 @SETTINGS
-@given(bits=st.sampled_from(BITS), lead=st.integers(1, 5), n=st.integers(1, 8), seed=st.integers(0, 2**31 - 1))
+@given(bits=st.sampled_from((2, 4, 8)), lead=st.integers(1, 5), n=st.integers(1, 8), seed=st.integers(0, 2**31 - 1))
 def test_pack_unpack_round_trip(bits, lead, n, seed):
     gen = torch.Generator().manual_seed(seed)
     per = 8 // bits
@@ -401,6 +419,7 @@ def test_pack_known_bytes():
     seed=st.integers(0, 2**31 - 1),
 )
 def test_stream_codes_never_change(axis, dtype, bits, g, chunks, seed):
+    assume(bits != 3 or g % 8 == 0)
     gen = torch.Generator().manual_seed(seed)
     stream = QuantizedStream(BACKEND, bits, g, axis)
     snaps = []
@@ -434,6 +453,7 @@ def test_stream_codes_never_change(axis, dtype, bits, g, chunks, seed):
     seed=st.integers(0, 2**31 - 1),
 )
 def test_cat_then_dequantize_equals_dequantize_then_cat(axis, dtype, bits, g, sizes, seed):
+    assume(bits != 3 or g % 8 == 0)
     gen = torch.Generator().manual_seed(seed)
     blocks = []
     for i, k in enumerate(sizes):
@@ -452,9 +472,9 @@ def test_cat_then_dequantize_equals_dequantize_then_cat(axis, dtype, bits, g, si
 
 def test_check_rejects_unsupported_bits():
     with pytest.raises(ConfigError) as ei:
-        BACKEND.check(bits=3, group_size=32, axis="token")
+        BACKEND.check(bits=5, group_size=32, axis="token")
     msg = str(ei.value)
-    assert "torch" in msg and "bits=3" in msg and "[2, 4, 8]" in msg
+    assert "torch" in msg and "bits=5" in msg and "[2, 3, 4, 8]" in msg
 
 
 def test_check_rejects_bad_axis():
@@ -590,3 +610,30 @@ def test_unknown_meta_dtype_rejected(bad):
         BACKEND.check_meta_dtype(bad)
     for ok in ("auto", "float16", "bfloat16", "float32"):
         BACKEND.check_meta_dtype(ok)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    bits=st.sampled_from(BITS),
+    lead=st.lists(st.integers(1, 3), max_size=3),
+    runs=st.integers(1, 6),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_pack_unpack_round_trip_against_the_bit_stream(bits, lead, runs, seed):
+    """pack/unpack invert each other and agree with an independent bit-level reference; 3-bit codes
+    take exactly 3 bits each (eight per three bytes)."""
+    n = 8 * runs
+    codes = torch.randint(0, 1 << bits, (*lead, n), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    packed = pack(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (*lead, n * bits // 8)
+    assert torch.equal(packed, ref_pack(codes, bits))
+    assert torch.equal(unpack(packed, bits), codes)
+    assert torch.equal(ref_unpack(packed, bits), codes.long())
+
+
+def test_three_bit_groups_must_hold_runs_of_eight():
+    with pytest.raises(ConfigError, match="multiple of 8 with bits=3; got value_group_size=12"):
+        BACKEND.check(bits=3, group_size=12, axis="token", role="value")
+    with pytest.raises(ConfigError, match="got group_size=12"):
+        BACKEND.quantize(torch.randn(1, 1, 2, 24), 3, 12, "token")
+    BACKEND.check(bits=3, group_size=16, axis="channel")

@@ -312,7 +312,7 @@ def exact_attention(query: torch.Tensor, k: PackedTensor, v: PackedTensor, scale
 @st.composite
 def attend_configs(draw):
     dtype = draw(st.sampled_from(DTYPES))
-    bits = draw(st.sampled_from(BITS))
+    bits = (draw(st.sampled_from(BITS)), draw(st.sampled_from(BITS)))  # key and value widths, mixed pairs too
     key_axis = draw(st.sampled_from(["channel", "channel", "token"]))  # the default layout, more often
     value_axis = draw(st.sampled_from(["token", "token", "channel"]))
     head_dim = draw(st.sampled_from(HEAD_DIMS))
@@ -326,11 +326,13 @@ def attend_configs(draw):
 
 
 def make_segment(shape, dtype, bits, g, key_axis, value_axis, seed):
+    """Quantized keys and values; ``bits`` is one width for both or a ``(key_bits, value_bits)`` pair."""
+    key_bits, value_bits = bits if isinstance(bits, tuple) else (bits, bits)
     gen = torch.Generator().manual_seed(seed)
     d = shape[3]
     keys = (torch.randn(shape, generator=gen) * 2 + torch.randn(1, 1, 1, d, generator=gen)).to(dtype).to(DEVICE)
     values = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
-    return BACKEND.quantize(keys, bits, g, key_axis), BACKEND.quantize(values, bits, g, value_axis)
+    return BACKEND.quantize(keys, key_bits, g, key_axis), BACKEND.quantize(values, value_bits, g, value_axis)
 
 
 def assert_attention_close(out, lse, k, v, query, scale, slack: float = 1.0):

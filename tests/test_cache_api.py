@@ -45,7 +45,7 @@ def test_callers_dict_is_not_mutated():
         (dict(policy="logg"), r"unknown policy 'logg'; registered policies: \['h2o', 'log', 'recent', 'sink'\]"),
         (dict(action="squash"), r"unknown action 'squash'; registered actions: \[.*'none'.*'quantize'.*\]"),
         (dict(backend="cuda-magic"), r"unknown backend 'cuda-magic'; registered backends: \[.*'torch'.*\]"),
-        (dict(bits=3), r"backend 'torch' does not support bits=3; it supports bits in \[2, 4, 8\]"),
+        (dict(bits=5), r"backend 'torch' does not support bits=5; it supports bits in \[2, 3, 4, 8\]"),
         (dict(bits=9), r"bits must be between 1 and 8; got bits=9"),
         (dict(window=0), r"window must be an integer >= 1; got window=0"),
         (dict(group_size=6), r"multiples of 4; got group_size=6"),

@@ -193,7 +193,7 @@ def test_merge_with_empty_part():
     torch.testing.assert_close(total, lse)
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("key_axis", ["channel", "token"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_attend_equals_float64_attention_over_the_stored_codes(bits, key_axis, dtype):

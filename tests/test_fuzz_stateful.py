@@ -313,7 +313,7 @@ def params_for(policy: str, action: str) -> st.SearchStrategy[dict]:
     if action == "quantize":
         act = st.fixed_dictionaries(
             {
-                "bits": st.sampled_from([2, 4, 8]),
+                "bits": st.sampled_from([2, 3, 4, 8]),
                 "group_size": st.sampled_from([16, 32, 64]),
                 "key_axis": st.sampled_from(["channel", "token"]),
                 "value_axis": st.sampled_from(["token", "channel"]),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,6 +17,8 @@ from kvpolicy.positions import POSITION_DTYPE
 #: group size by grouping axis when none is given: 64 tokens per channel, 64 channels per token;
 #: docs/quantization.md measures the alternatives (128-token key groups: fewer bytes, higher loss)
 DEFAULT_GROUP_SIZE = {"channel": 64, "token": 64}
+#: code width when neither ``bits`` nor a per-kind width is given
+DEFAULT_BITS = 2
 
 
 def _resolve(own: int | None, shorthand: int | None, axis: str) -> int:
@@ -30,8 +33,9 @@ class Quantize(Action):
 
     Parameters
     ----------
-    bits : int
-        Code width; which widths exist depends on the backend (``torch``: 2, 4, 8).
+    bits : int, optional
+        Code width of keys and values alike (the shorthand for ``key_bits`` and ``value_bits``);
+        default 2. Which widths exist depends on the backend (``torch``: 2, 4, 8).
     group_size : int, optional
         Elements sharing one scale and minimum, for keys and values alike (the shorthand for
         ``key_group_size`` and ``value_group_size``). ``"token"`` axis: channels of one token
@@ -41,6 +45,10 @@ class Quantize(Action):
         The group size of keys or values alone. Given together with a different ``group_size``
         they are a :class:`~kvpolicy.errors.ConfigError`. When both kinds are grouped per channel,
         one size must divide the other (tokens are read back in whole groups of both).
+    key_bits, value_bits : int, optional
+        The code width of keys or values alone (keys usually need more: see docs/quantization.md).
+        Given together with a different ``bits`` they are a :class:`~kvpolicy.errors.ConfigError`;
+        a pair the backend lacks is refused with the pairs it has.
     key_axis, value_axis : {"channel", "token"}
         Grouping axis of keys and values. Defaults follow KIVI (keys per channel, values per
         token): on SmolLM2-135M at 2 bits with the log policy, per-token keys raise next-token
@@ -59,7 +67,7 @@ class Quantize(Action):
         stores them. Which values a backend accepts: ``Backend.capabilities.meta_dtypes``.
     """
 
-    bits: int = 2
+    bits: int | None = None
     group_size: int | None = None
     key_axis: str = "channel"
     value_axis: str = "token"
@@ -67,13 +75,25 @@ class Quantize(Action):
     meta_dtype: str = "auto"
     key_group_size: int | None = None
     value_group_size: int | None = None
+    key_bits: int | None = None
+    value_bits: int | None = None
 
     name = "quantize"
 
     def __post_init__(self) -> None:
-        check_int("bits", self.bits, 1, "Quantize")
-        if self.bits > 8:
-            raise ConfigError(f"Quantize: bits must be between 1 and 8; got bits={self.bits!r}")
+        for param in ("bits", "key_bits", "value_bits"):
+            value = getattr(self, param)
+            if value is not None:
+                check_int(param, value, 1, "Quantize")
+                if value > 8:
+                    raise ConfigError(f"Quantize: {param} must be between 1 and 8; got {param}={value!r}")
+        for param in ("key_bits", "value_bits"):
+            own = getattr(self, param)
+            if self.bits is not None and own is not None and own != self.bits:
+                raise ConfigError(
+                    f"Quantize: bits={self.bits} (the shorthand for both) contradicts {param}={own}; give bits "
+                    "alone, or key_bits and value_bits"
+                )
         for param in ("key_axis", "value_axis"):
             value = getattr(self, param)
             if value not in AXES:
@@ -104,6 +124,16 @@ class Quantize(Action):
             )
 
     @property
+    def key_width(self) -> int:
+        """The keys' code width in bits."""
+        return next(b for b in (self.key_bits, self.bits, DEFAULT_BITS) if b is not None)
+
+    @property
+    def value_width(self) -> int:
+        """The values' code width in bits."""
+        return next(b for b in (self.value_bits, self.bits, DEFAULT_BITS) if b is not None)
+
+    @property
     def key_group(self) -> int:
         """The keys' group size in effect."""
         return _resolve(self.key_group_size, self.group_size, self.key_axis)
@@ -114,8 +144,8 @@ class Quantize(Action):
         return _resolve(self.value_group_size, self.group_size, self.value_axis)
 
     def _canonical(self) -> tuple:
-        return (self.bits, self.key_group, self.value_group, self.key_axis, self.value_axis, self.check_finite,
-                self.meta_dtype)  # fmt: skip
+        return (self.key_width, self.value_width, self.key_group, self.value_group, self.key_axis, self.value_axis,
+                self.check_finite, self.meta_dtype)  # fmt: skip
 
     def __eq__(self, other: object) -> bool:
         # equal when they quantize alike: Quantize() == Quantize(key_group_size=128, value_group_size=64)
@@ -132,7 +162,11 @@ class Quantize(Action):
             groups = f"group_size={self.key_group!r}"
         else:
             groups = f"key_group_size={self.key_group!r}, value_group_size={self.value_group!r}"
-        shown = [f"bits={self.bits!r}", groups]
+        if self.key_width == self.value_width:
+            widths = f"bits={self.key_width!r}"
+        else:
+            widths = f"key_bits={self.key_width!r}, value_bits={self.value_width!r}"
+        shown = [widths, groups]
         shown += [f"{name}={getattr(self, name)!r}" for name in ("key_axis", "value_axis", "check_finite")]
         if self.meta_dtype != "auto":
             shown.append(f"meta_dtype={self.meta_dtype!r}")
@@ -153,8 +187,15 @@ class Quantize(Action):
                     f"backend {backend.name!r} needs group sizes that are multiples of {mult}; got "
                     f"{self._group_param(kind)}={group}"
                 )
-        backend.check(bits=self.bits, group_size=self.key_group, axis=self.key_axis, role="key")
-        backend.check(bits=self.bits, group_size=self.value_group, axis=self.value_axis, role="value")
+        caps = backend.capabilities
+        pairs = caps.bit_pairs if caps.bit_pairs is not None else tuple(itertools.product(caps.bits, caps.bits))
+        if self.key_width != self.value_width and (self.key_width, self.value_width) not in pairs:
+            raise ConfigError(
+                f"backend {backend.name!r} does not support key_bits={self.key_width}, value_bits={self.value_width}; "
+                f"it supports (key_bits, value_bits) in {[tuple(p) for p in pairs]}"
+            )
+        backend.check(bits=self.key_width, group_size=self.key_group, axis=self.key_axis, role="key")
+        backend.check(bits=self.value_width, group_size=self.value_group, axis=self.value_axis, role="value")
         backend.check_meta_dtype(self.meta_dtype)
 
     def check_head_dim(self, head_dim: int, multiple: int = 4, role: str | None = None) -> None:
@@ -274,8 +315,8 @@ class QuantizedStore(DemotedStore):
     def __init__(self, action: Quantize, backend: Backend, layer_idx: int) -> None:
         self.action = action
         self.layer_idx = layer_idx
-        self.k = QuantizedStream(backend, action.bits, action.key_group, action.key_axis, action.meta_dtype)
-        self.v = QuantizedStream(backend, action.bits, action.value_group, action.value_axis, action.meta_dtype)
+        self.k = QuantizedStream(backend, action.key_width, action.key_group, action.key_axis, action.meta_dtype)
+        self.v = QuantizedStream(backend, action.value_width, action.value_group, action.value_axis, action.meta_dtype)
         self.positions = torch.empty(1, 0, dtype=POSITION_DTYPE)
 
     def _check_finite(self, x: torch.Tensor, what: str) -> None:

@@ -46,6 +46,9 @@ class Capabilities:
     meta_dtypes : tuple of str
         ``meta_dtype`` values accepted (see :data:`META_DTYPES`); ``("auto",)``: the backend stores its
         metadata its own way and takes no ``meta_dtype`` argument.
+    bit_pairs : tuple of (int, int), optional
+        ``(key_bits, value_bits)`` pairs served when keys and values differ; ``None``: every pair of
+        ``bits`` (keys and values are quantized, stored and attended independently).
     """
 
     bits: tuple[int, ...]
@@ -55,6 +58,7 @@ class Capabilities:
     dtypes: tuple[torch.dtype, ...]
     fused: bool = True
     meta_dtypes: tuple[str, ...] = ("auto",)
+    bit_pairs: tuple[tuple[int, int], ...] | None = None
 
 
 def dense_attention(

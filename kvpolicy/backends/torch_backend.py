@@ -1,9 +1,9 @@
 """The ``torch`` backend: pure-PyTorch asymmetric min-max quantization with real bit packing.
 
-Codes are packed ``8 // bits`` to a ``uint8``; each group stores a scale and a minimum, by default
-16-bit (``meta_dtype="auto"``: ``bfloat16`` for ``bfloat16`` inputs, ``float16`` otherwise; bits per
-element ``bits + 32 / G``), or in the dtype ``meta_dtype`` names (``"float16"``, ``"bfloat16"``,
-``"float32"``: ``bits + 64 / G``).
+Codes are packed ``8 // bits`` to a ``uint8`` (3 bits: eight codes to three bytes); each group
+stores a scale and a minimum, by default 16-bit (``meta_dtype="auto"``: ``bfloat16`` for
+``bfloat16`` inputs, ``float16`` otherwise; bits per element ``bits + 32 / G``), or in the dtype
+``meta_dtype`` names (``"float16"``, ``"bfloat16"``, ``"float32"``: ``bits + 64 / G``).
 
 Rounding of the metadata is directed so the error bound survives it: the minimum is rounded down and
 the scale up, so the representable range ``[min16, min16 + (2**bits - 1) * s16]`` always covers the
@@ -152,7 +152,18 @@ def _round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack ``uint8`` codes along the last dimension, ``8 // bits`` per byte (lowest bits first)."""
+    """Pack ``uint8`` codes along the last dimension, ``8 // bits`` per byte (lowest bits first).
+
+    3 bits: each run of eight codes becomes three bytes, code ``j`` at bits ``3j .. 3j + 2`` of the
+    little-endian 24-bit word (the last dimension must be a multiple of 8); ``n * 3 / 8`` bytes.
+    """
+    if bits == 3:
+        c = codes.view(*codes.shape[:-1], codes.shape[-1] // 8, 8).to(torch.int32)
+        word = c[..., 0].clone()
+        for j in range(1, 8):
+            word |= c[..., j] << (3 * j)
+        out = torch.stack([(word >> (8 * i)) & 0xFF for i in range(3)], dim=-1).to(torch.uint8)
+        return out.reshape(*codes.shape[:-1], codes.shape[-1] // 8 * 3)
     per = 8 // bits
     if per == 1:
         return codes
@@ -165,6 +176,11 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack`: ``(..., n)`` bytes to ``(..., n * 8 // bits)`` codes."""
+    if bits == 3:
+        b = packed.view(*packed.shape[:-1], packed.shape[-1] // 3, 3).to(torch.int32)
+        word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+        codes = torch.stack([(word >> (3 * j)) & 7 for j in range(8)], dim=-1).to(torch.uint8)
+        return codes.reshape(*packed.shape[:-1], packed.shape[-1] // 3 * 8)
     per = 8 // bits
     if per == 1:
         return packed
@@ -222,13 +238,23 @@ class TorchBackend(Backend):
 
     name = "torch"
     capabilities = Capabilities(
-        bits=(2, 4, 8),
+        bits=(2, 3, 4, 8),
         axes=AXES,
         group_size_multiple=4,
         devices=("cpu", "cuda", "mps", "xpu"),
         dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64),
         meta_dtypes=META_DTYPES,
     )
+
+    def check(self, *, bits: int, group_size: int, axis: str, role: str = "") -> None:
+        """:meth:`Backend.check`, and 3-bit groups hold whole runs of eight codes (three bytes)."""
+        super().check(bits=bits, group_size=group_size, axis=axis, role=role)
+        if bits == 3 and group_size % 8:
+            name = f"{role}_group_size" if role else "group_size"
+            raise ConfigError(
+                f"backend {self.name!r} packs 3-bit codes eight to three bytes: {name} must be a multiple of 8 "
+                f"with bits=3; got {name}={group_size}"
+            )
 
     def quantize(
         self, x: torch.Tensor, bits: int, group_size: int, axis: str, meta_dtype: str = "auto"
@@ -240,6 +266,8 @@ class TorchBackend(Backend):
         MetadataOverflowError
             If finite ``x`` gives a non-finite scale or minimum in the metadata dtype.
         """
+        if bits == 3:
+            self.check(bits=bits, group_size=group_size, axis=axis)
         mdt = resolve_meta_dtype(meta_dtype, x.dtype)
         shape = tuple(x.shape)
         g = _grouped(x, group_size, axis)

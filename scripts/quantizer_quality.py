@@ -1,4 +1,4 @@
-"""Quality of the 2-bit log cache by key group size, on SmolLM2-135M-Instruct (fp32, CPU).
+"""Quality of the log cache by quantizer setting (group sizes, key/value bits) on SmolLM2-135M-Instruct.
 
 Each text: ``--context`` tokens of a standard-library file (continued by the next files of the list
 when short) as prefill, then ``--tokens`` teacher-forced tokens, scored against ``DynamicCache``:
@@ -7,13 +7,13 @@ kvpolicy's fused path (``enable_fused``, ``backend="auto"``). Bits per element c
 held after the last token; ``bits16`` counts the full-precision window and the key staging at 16
 bits (what they cost in a 16-bit model).
 
-The group sizes were chosen on ``--texts calibration`` (files no other measurement uses); the
+Settings are compared on ``--texts calibration`` (files no other measurement uses); the
 numbers in docs/quantization.md are from ``--texts heldout`` (the ablation's LM files).
 
 Usage::
 
-    python scripts/group_size_quality.py --texts calibration
-    python scripts/group_size_quality.py --texts heldout --caches g64 k128
+    python scripts/quantizer_quality.py --texts calibration
+    python scripts/quantizer_quality.py --texts heldout --caches g64 k128 k4v2 k2v4 k3v2 b3
 """
 
 from __future__ import annotations
@@ -36,9 +36,13 @@ TEXTS = {
 }
 CACHES = {
     "g32": ("keys G=32, values G=32", dict(group_size=32)),
-    "g64": ("keys G=64, values G=64", dict(group_size=64)),
-    "k128": ("keys G=128, values G=64 (default)", dict()),
+    "g64": ("keys G=64, values G=64 (default)", dict(group_size=64)),
+    "k128": ("keys G=128, values G=64", dict(key_group_size=128, value_group_size=64)),
     "k256": ("keys G=256, values G=64", dict(key_group_size=256)),
+    "k4v2": ("keys 4-bit, values 2-bit, G=64", dict(key_bits=4, value_bits=2, group_size=64)),
+    "k2v4": ("keys 2-bit, values 4-bit, G=64", dict(key_bits=2, value_bits=4, group_size=64)),
+    "k3v2": ("keys 3-bit, values 2-bit, G=64", dict(key_bits=3, value_bits=2, group_size=64)),
+    "b3": ("keys and values 3-bit, G=64", dict(bits=3, group_size=64)),
 }
 
 
@@ -73,14 +77,14 @@ def main() -> None:
         refs = [teacher_forced_logits(model, ids, args.context, DynamicCache()) for ids in texts]
     print(
         f"SmolLM2-135M fp32, {args.texts} texts {list(files)}: {args.context} context + {args.tokens} "
-        "teacher-forced tokens each; log policy W=42, 2-bit"
+        "teacher-forced tokens each; log policy W=42, 2-bit unless said"
     )
     print(f"{'cache':<36}{'ΔNLL':>18}{'KL':>18}{'top-1':>18}{'bits/el':>9}{'bits16':>8}")
     for key in args.caches:
         name, kwargs = CACHES[key]
         deltas, kls, top1 = [], [], []
         for ids, ref in zip(texts, refs, strict=True):
-            cache = CompressedCache(policy="log", action="quantize", bits=2, **kwargs)
+            cache = CompressedCache(policy="log", action="quantize", **kwargs)
             with torch.inference_mode():
                 got = teacher_forced_logits(model, ids, args.context, cache)
             targets = ids[0, args.context :]

@@ -1,0 +1,128 @@
+"""Separate key and value code widths (``key_bits``/``value_bits``) in every backend and on the fused path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import teacher_forced_logits, tiny_model
+
+from kvpolicy import CompressedCache, Quantize, registry
+from kvpolicy.fused import disable_fused, enable_fused
+
+PAIRS = [(4, 2), (2, 4)]
+
+
+def _backend(name: str):
+    return registry.get("backends", name)()
+
+
+def _step(x: torch.Tensor, bits: int, g: int, axis: str) -> torch.Tensor:
+    """Per-element min-max step of ``x`` (``(b, h, t, d)``) in groups of ``g`` along ``axis``."""
+    b, h, t, d = x.shape
+    if axis == "token":
+        xg = x.double().reshape(b, h, t, d // g, g)
+        s = (xg.amax(-1) - xg.amin(-1)) / (2**bits - 1)
+        return s.repeat_interleave(g, dim=3)
+    xg = x.double().reshape(b, h, t // g, g, d)
+    s = (xg.amax(3) - xg.amin(3)) / (2**bits - 1)
+    return s.repeat_interleave(g, dim=2)
+
+
+@pytest.mark.usefixtures("quanto_extension")
+@pytest.mark.parametrize("name", ["torch", "cpu", "quanto", "hqq"])
+@pytest.mark.parametrize(("key_bits", "value_bits"), PAIRS)
+def test_every_backend_stores_each_kind_at_its_width(name, key_bits, value_bits):
+    """Keys and values come back within their own width's step; min-max backends also agree with
+    the ``torch`` reference within one step (hqq's optimiser moves the grid, so for it the mean error
+    must shrink with the width instead)."""
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 2, 64, 32, generator=g), torch.randn(1, 2, 64, 32, generator=g)
+    action = Quantize(key_bits=key_bits, value_bits=value_bits, group_size=16)
+    be = _backend(name)
+    action.check_backend(be)
+    store = action.new_store(be, 0)
+    store.add(k, v, torch.arange(64, dtype=torch.int32)[None])
+    assert (store.k.q.bits, store.v.q.bits) == (key_bits, value_bits)
+    ref = action.new_store(_backend("torch"), 0)
+    ref.add(k, v, torch.arange(64, dtype=torch.int32)[None])
+    for kind, x, bits, axis, got, want in (
+        ("keys", k, key_bits, "channel", store.keys(), ref.keys()),
+        ("values", v, value_bits, "token", store.values(), ref.values()),
+    ):
+        s = _step(x, bits, 16, axis)
+        err = (got.double() - x.double()).abs()
+        if name != "hqq":
+            assert (err <= s / 2 + 1e-3 * s + 1e-6).all(), f"{name} {kind}: beyond half a {bits}-bit step"
+            assert ((got.double() - want.double()).abs() <= s + 1e-3 * s + 1e-6).all(), f"{name} {kind} vs torch"
+        else:  # hqq moves its grid, not its width: the mean error stays within a step
+            assert err.mean() < s.mean()
+    # the wider kind's absolute error is the smaller one (both inputs are standard normal)
+    abs_err = {
+        kind: float((x - y).abs().mean()) for kind, x, y in (("keys", k, store.keys()), ("values", v, store.values()))
+    }
+    wide, narrow = ("keys", "values") if key_bits > value_bits else ("values", "keys")
+    assert abs_err[wide] < 0.5 * abs_err[narrow]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize(("key_bits", "value_bits"), PAIRS)
+def test_fused_equals_materialized_with_mixed_bits(backend, key_bits, value_bits, cpu_kernel):
+    """Across group flushes with staging non-empty (group 16, window 8, 75 tokens, batch 2)."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 96, (2, 75), generator=torch.Generator().manual_seed(1))
+    kw = dict(policy="log", window=8, key_bits=key_bits, value_bits=value_bits, group_size=16, backend=backend)
+    ref = teacher_forced_logits(model, ids, 38, CompressedCache(**kw, attention="materialized"))
+    enable_fused(model)
+    try:
+        cache = CompressedCache(**kw)
+        got = teacher_forced_logits(model, ids, 38, cache)
+    finally:
+        disable_fused(model)
+    assert set(cache.attention_paths().values()) == {f"fused ({backend})"}
+    layer = cache.layers[0]
+    assert (layer.store.k.q.bits, layer.store.v.q.bits) == (key_bits, value_bits)
+    torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
+
+
+def test_more_key_bits_cost_the_bytes_of_the_key_codes_only():
+    g = torch.Generator().manual_seed(0)
+    reports = {}
+    for pair in ((2, 2), (4, 2)):
+        cache = CompressedCache(policy="log", window=8, key_bits=pair[0], value_bits=pair[1], group_size=16)
+        k, v = torch.randn(1, 2, 200, 32, generator=g), torch.randn(1, 2, 200, 32, generator=g)
+        cache.update(k, v, 0)
+        reports[pair] = cache.memory_report().segments
+    extra = reports[(4, 2)]["codes"] - reports[(2, 2)]["codes"]
+    quantized_keys = cache.layers[0].store.k.num_quantized
+    assert extra == quantized_keys * 2 * 32 * 2 // 8  # 2 more bits per quantized key element
+    assert {s: reports[(4, 2)][s] for s in reports[(4, 2)] if s != "codes"} == {
+        s: reports[(2, 2)][s] for s in reports[(2, 2)] if s != "codes"
+    }
+
+
+def test_cache_keywords_route_to_the_action_and_refuse_contradictions():
+    cache = CompressedCache(policy="log", key_bits=4, value_bits=2)
+    assert (cache.action.key_width, cache.action.value_width) == (4, 2)
+    assert "key_bits=4, value_bits=2" in repr(cache)
+    with pytest.raises(Exception, match="contradicts key_bits=4"):
+        CompressedCache(policy="log", bits=2, key_bits=4)
+
+
+def test_three_bit_keys_take_the_torch_backend_under_auto_and_run_fused():
+    """The ``cpu`` kernel reads 2 and 4 bits only: ``backend="auto"`` picks ``torch`` for 3-bit keys,
+    whose fused path equals its materialised path."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 96, (2, 75), generator=torch.Generator().manual_seed(1))
+    kw = dict(policy="log", window=8, key_bits=3, value_bits=2, group_size=16)
+    assert CompressedCache(**kw).backend.name == "torch"
+    ref = teacher_forced_logits(model, ids, 38, CompressedCache(**kw, attention="materialized"))
+    enable_fused(model)
+    try:
+        cache = CompressedCache(**kw)
+        got = teacher_forced_logits(model, ids, 38, cache)
+    finally:
+        disable_fused(model)
+    assert set(cache.attention_paths().values()) == {"fused (torch)"}
+    codes = cache.layers[0].store.k.q.codes
+    assert codes.shape[-1] == 16 * 3 // 8  # eight codes per three bytes
+    torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
