@@ -51,12 +51,13 @@ def _data(gen, shape, dtype, spread, offset):
 def cases(draw):
     dtype = draw(st.sampled_from(DTYPES))
     d = draw(st.sampled_from([16, 32, 64, 96]))
-    gk = draw(st.sampled_from([4, 8, 12, 20, 32, 64]))
-    gv = draw(st.sampled_from([g for g in (4, 8, 16, 32, 48, 64) if d % g == 0]))
+    kb, vb = draw(st.sampled_from([2, 3, 4])), draw(st.sampled_from([2, 3, 4]))
+    # 3-bit groups hold whole runs of eight codes (three bytes)
+    gk = draw(st.sampled_from([g for g in (4, 8, 12, 20, 32, 64) if kb != 3 or g % 8 == 0]))
+    gv = draw(st.sampled_from([g for g in (4, 8, 16, 32, 48, 64) if d % g == 0 and (vb != 3 or g % 8 == 0)]))
     n = gk * draw(st.integers(1, 7))  # whole key groups; odd token counts with gk = 4 * odd
     b, h = draw(st.integers(1, 2)), draw(st.integers(1, 3))
     nq = draw(st.integers(1, 9))  # GQA heads x query tokens
-    kb, vb = draw(st.sampled_from([2, 4])), draw(st.sampled_from([2, 4]))
     spread = draw(st.sampled_from([0.05, 1.0, 4.0]))
     offset = draw(st.sampled_from([0.0, -3.0, 20.0]))
     splits = draw(st.sampled_from([None, 1, 2, 3, 8]))
@@ -107,7 +108,7 @@ def test_attend_equals_backend_reference_attend(dtype):
 
 
 @pytest.mark.parametrize("meta_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize(("kb", "vb"), [(2, 2), (4, 4), (2, 4)])
+@pytest.mark.parametrize(("kb", "vb"), [(2, 2), (4, 4), (2, 4), (3, 2), (3, 3)])
 def test_attend_reads_wide_metadata(meta_dtype, kb, vb):
     """float32 keys around 1e5 (per channel) and values around 1e6 (per token), stored with float32 /
     bfloat16 metadata: the kernel reads that dtype (queries scaled so the scores stay moderate)."""
@@ -176,7 +177,7 @@ def test_empty_segment():
     assert lse.shape == (1, 2, 3) and (lse == -float("inf")).all()
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 def test_end_to_end_logits_equal_torch_backend(bits):
     """Tiny GQA Llama, fused decode: 36 steps across key-group flushes; only the backend differs.
 

@@ -65,7 +65,7 @@ def test_every_backend_stores_each_kind_at_its_width(name, key_bits, value_bits)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-@pytest.mark.parametrize(("key_bits", "value_bits"), PAIRS)
+@pytest.mark.parametrize(("key_bits", "value_bits"), [*PAIRS, (3, 2), (2, 3), (3, 4)])
 def test_fused_equals_materialized_with_mixed_bits(backend, key_bits, value_bits, cpu_kernel):
     """Across group flushes with staging non-empty (group 16, window 8, 75 tokens, batch 2)."""
     model = tiny_model("llama")
@@ -108,13 +108,13 @@ def test_cache_keywords_route_to_the_action_and_refuse_contradictions():
         CompressedCache(policy="log", bits=2, key_bits=4)
 
 
-def test_three_bit_keys_take_the_torch_backend_under_auto_and_run_fused():
-    """The ``cpu`` kernel reads 2 and 4 bits only: ``backend="auto"`` picks ``torch`` for 3-bit keys,
-    whose fused path equals its materialised path."""
+def test_three_bit_keys_run_fused_on_the_default_backend():
+    """``backend="auto"`` picks the ``cpu`` kernel for 3-bit keys too; fused equals materialised."""
     model = tiny_model("llama")
     ids = torch.randint(3, 96, (2, 75), generator=torch.Generator().manual_seed(1))
     kw = dict(policy="log", window=8, key_bits=3, value_bits=2, group_size=16)
-    assert CompressedCache(**kw).backend.name == "torch"
+    chosen = CompressedCache(**kw).backend.name
+    assert chosen in ("cpu", "torch")  # torch only where the kernel cannot build (warned)
     ref = teacher_forced_logits(model, ids, 38, CompressedCache(**kw, attention="materialized"))
     enable_fused(model)
     try:
@@ -122,7 +122,7 @@ def test_three_bit_keys_take_the_torch_backend_under_auto_and_run_fused():
         got = teacher_forced_logits(model, ids, 38, cache)
     finally:
         disable_fused(model)
-    assert set(cache.attention_paths().values()) == {"fused (torch)"}
+    assert set(cache.attention_paths().values()) == {f"fused ({chosen})"}
     codes = cache.layers[0].store.k.q.codes
     assert codes.shape[-1] == 16 * 3 // 8  # eight codes per three bytes
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)

@@ -3,7 +3,7 @@
 - CUDA: ``triton`` (fused decode attention in a kernel) when Triton is installed and the composition
   fits its capabilities, else ``torch``;
 - CPU: ``cpu`` (the C++ fused decode-attention kernel) when the composition fits it (keys per
-  channel, values per token, 2 or 4 bits) and the kernel builds — the first time in an environment
+  channel, values per token, 2, 3 or 4 bits) and the kernel builds — the first time in an environment
   it compiles (about half a minute, announced on stderr); if it cannot build (no compiler, no
   ``ninja``, a failed build), ``torch`` with one warning saying why;
 - anything else: ``torch``.

@@ -9,8 +9,8 @@ reductions: per key group, scores are ``(q ⊙ s) · codes + q · z``; per token
 (batch, kv head, token split).
 
 The kernel covers one layout: **keys grouped per channel, values grouped per token** (the default,
-KIVI's), **2 or 4 bits**, with float16, bfloat16 or float32 metadata (every ``meta_dtype``). Other
-layouts or widths are refused when a cache is built (``check``), not run some other way: use
+KIVI's), **2, 3 or 4 bits** (any key/value pair), with float16, bfloat16 or float32 metadata (every
+``meta_dtype``). Other layouts or widths are refused when a cache is built (``check``), not run some other way: use
 ``backend="torch"`` for them.
 """
 
@@ -39,7 +39,7 @@ class CpuBackend(TorchBackend):
 
     name = "cpu"
     capabilities = Capabilities(
-        bits=(2, 4),
+        bits=(2, 3, 4),
         axes=("channel", "token"),
         group_size_multiple=4,
         devices=("cpu",),
@@ -91,7 +91,7 @@ class CpuBackend(TorchBackend):
         query : torch.Tensor
             ``(B, H, q, D)``, float32 / float16 / bfloat16 (converted to float32 and scaled).
         keys, values : PackedTensor
-            ``(B, H, n, D)`` / ``(B, H, n, Dv)``: keys per channel, values per token, 2 or 4 bits.
+            ``(B, H, n, D)`` / ``(B, H, n, Dv)``: keys per channel, values per token, 2, 3 or 4 bits each.
         scale : float
             Score scale.
 

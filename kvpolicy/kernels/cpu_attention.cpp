@@ -2,7 +2,8 @@
 //
 // Storage: the "torch" backend's PackedTensor. Keys grouped per channel: codes (B, H, n/GK, D, GK*KB/8),
 // scales/minimums (B, H, n/GK, D); values grouped per token: codes (B, H, n, DV/GV, GV*VB/8),
-// scales/minimums (B, H, n, DV/GV). Codes are packed 8/bits per byte, lowest bits first; metadata is
+// scales/minimums (B, H, n, DV/GV). Codes are packed 8/bits per byte, lowest bits first (3 bits: eight
+// codes per three bytes, a little-endian bit stream); metadata is
 // float16, bfloat16 or float32 (keys and values alike). Each (batch, head) slice must be contiguous;
 // batch and head strides are free.
 //
@@ -54,11 +55,26 @@ inline void expand(const uint8_t* __restrict src, int nb, float* __restrict dst)
       dst[k * nb + j] = static_cast<float>((src[j] >> (BITS * k)) & MASK) - Centre<BITS>::MID;
 }
 
+// 3 bits: each run of three bytes holds eight codes (code k at bits 3k .. 3k + 2 of the little-endian
+// 24-bit word); they are written in element order (planar order is the identity for 3 bits)
+template <>
+inline void expand<3>(const uint8_t* __restrict src, int nb, float* __restrict dst) {
+  for (int c = 0; c < nb / 3; ++c) {
+    const uint32_t word = static_cast<uint32_t>(src[3 * c]) | (static_cast<uint32_t>(src[3 * c + 1]) << 8) |
+                          (static_cast<uint32_t>(src[3 * c + 2]) << 16);
+    for (int k = 0; k < 8; ++k) dst[8 * c + k] = static_cast<float>((word >> (3 * k)) & 7u) - Centre<3>::MID;
+  }
+}
+
 // position of element e of a row of nb bytes in planar order
 template <int BITS>
 inline int64_t planar(int64_t e, int64_t nb) {
-  constexpr int PER = 8 / BITS;
-  return (e % PER) * nb + e / PER;
+  if constexpr (BITS == 3) {
+    return e;
+  } else {
+    constexpr int PER = 8 / BITS;
+    return (e % PER) * nb + e / PER;
+  }
 }
 
 // acc[e] += w * x[e]
@@ -80,10 +96,8 @@ struct Shape {
 template <int KB, int VB, typename M>
 void run_item(const float* q, const Packed& K, const Packed& V, const Shape& s, int64_t b, int64_t h,
               int64_t tile0, int64_t tile1, float* out, float* lse) {
-  constexpr int KPER = 8 / KB;
-  constexpr int VPER = 8 / VB;
   const int64_t nq = s.nq, D = s.d, DV = s.dv, GK = s.gk, GV = s.gv, J = DV / GV;
-  const int kgb = static_cast<int>(GK / KPER), vgb = static_cast<int>(GV / VPER);
+  const int kgb = static_cast<int>(GK * KB / 8), vgb = static_cast<int>(GV * VB / 8);  // bytes per group
   const uint8_t* kc = K.codes + b * K.c0 + h * K.c1;
   const M* ks = static_cast<const M*>(K.scales) + b * K.m0 + h * K.m1;
   const M* kz = static_cast<const M*>(K.zeros) + b * K.m0 + h * K.m1;
@@ -183,11 +197,13 @@ void run_all(const float* q, const Packed& K, const Packed& V, const Shape& s, i
 template <typename M>
 void dispatch_bits(int64_t kb, int64_t vb, const float* q, const Packed& K, const Packed& V, const Shape& s,
                    int64_t bh, int64_t n_tiles, int64_t per, int64_t splits, float* po, float* pl) {
-  if (kb == 2 && vb == 2) return run_all<2, 2, M>(q, K, V, s, bh, n_tiles, per, splits, po, pl);
-  if (kb == 2 && vb == 4) return run_all<2, 4, M>(q, K, V, s, bh, n_tiles, per, splits, po, pl);
-  if (kb == 4 && vb == 2) return run_all<4, 2, M>(q, K, V, s, bh, n_tiles, per, splits, po, pl);
-  if (kb == 4 && vb == 4) return run_all<4, 4, M>(q, K, V, s, bh, n_tiles, per, splits, po, pl);
-  TORCH_CHECK(false, "cpu_attention: bits must be 2 or 4; got key bits ", kb, ", value bits ", vb);
+#define KVPOLICY_PAIR(K_, V_) \
+  if (kb == K_ && vb == V_) return run_all<K_, V_, M>(q, K, V, s, bh, n_tiles, per, splits, po, pl);
+  KVPOLICY_PAIR(2, 2) KVPOLICY_PAIR(2, 3) KVPOLICY_PAIR(2, 4)
+  KVPOLICY_PAIR(3, 2) KVPOLICY_PAIR(3, 3) KVPOLICY_PAIR(3, 4)
+  KVPOLICY_PAIR(4, 2) KVPOLICY_PAIR(4, 3) KVPOLICY_PAIR(4, 4)
+#undef KVPOLICY_PAIR
+  TORCH_CHECK(false, "cpu_attention: bits must be 2, 3 or 4; got key bits ", kb, ", value bits ", vb);
 }
 
 void check_packed(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, const char* what) {
@@ -210,9 +226,9 @@ std::vector<at::Tensor> attend(at::Tensor q, at::Tensor kc, at::Tensor ks, at::T
   TORCH_CHECK(ks.scalar_type() == vs.scalar_type(), "keys and values must have the same metadata dtype");
   const int64_t B = q.size(0), H = q.size(1), nq = q.size(2), D = q.size(3);
   const int64_t n_tiles = kc.size(2), DV = vc.size(3) * gv;
-  TORCH_CHECK(kc.size(0) == B && kc.size(1) == H && kc.size(3) == D && kc.size(4) * (8 / kbits) == gk,
+  TORCH_CHECK(kc.size(0) == B && kc.size(1) == H && kc.size(3) == D && kc.size(4) * 8 == gk * kbits,
               "keys do not match q");
-  TORCH_CHECK(vc.size(0) == B && vc.size(1) == H && vc.size(2) == n_tiles * gk && vc.size(4) * (8 / vbits) == gv,
+  TORCH_CHECK(vc.size(0) == B && vc.size(1) == H && vc.size(2) == n_tiles * gk && vc.size(4) * 8 == gv * vbits,
               "values do not hold the tokens of keys");
   Shape s{H, nq, D, DV, gk, gv};
   Packed K{kc.data_ptr<uint8_t>(), ks.data_ptr(), kz.data_ptr(), kc.stride(0), kc.stride(1), ks.stride(0),
