@@ -56,13 +56,21 @@ inline void expand(const uint8_t* __restrict src, int nb, float* __restrict dst)
 }
 
 // 3 bits: each run of three bytes holds eight codes (code k at bits 3k .. 3k + 2 of the little-endian
-// 24-bit word); they are written in element order (planar order is the identity for 3 bits)
+// 24-bit word). Planar order too, by run: code k of run c lands at k * R + c (R = nb / 3 runs); the
+// words of up to 64 runs are assembled first, then each plane is one vectorisable shift-and-mask.
 template <>
 inline void expand<3>(const uint8_t* __restrict src, int nb, float* __restrict dst) {
-  for (int c = 0; c < nb / 3; ++c) {
-    const uint32_t word = static_cast<uint32_t>(src[3 * c]) | (static_cast<uint32_t>(src[3 * c + 1]) << 8) |
-                          (static_cast<uint32_t>(src[3 * c + 2]) << 16);
-    for (int k = 0; k < 8; ++k) dst[8 * c + k] = static_cast<float>((word >> (3 * k)) & 7u) - Centre<3>::MID;
+  const int R = nb / 3;
+  uint32_t w[64];
+  for (int c0 = 0; c0 < R; c0 += 64) {
+    const int m = std::min(64, R - c0);
+    for (int c = 0; c < m; ++c) {
+      const uint8_t* p = src + 3 * (c0 + c);
+      w[c] = static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) | (static_cast<uint32_t>(p[2]) << 16);
+    }
+    for (int k = 0; k < 8; ++k)
+      for (int c = 0; c < m; ++c)
+        dst[k * R + c0 + c] = static_cast<float>((w[c] >> (3 * k)) & 7u) - Centre<3>::MID;
   }
 }
 
@@ -70,7 +78,7 @@ inline void expand<3>(const uint8_t* __restrict src, int nb, float* __restrict d
 template <int BITS>
 inline int64_t planar(int64_t e, int64_t nb) {
   if constexpr (BITS == 3) {
-    return e;
+    return (e % 8) * (nb / 3) + e / 8;
   } else {
     constexpr int PER = 8 / BITS;
     return (e % PER) * nb + e / PER;
