@@ -79,3 +79,13 @@ def test_one_liner_variant_is_the_readme_cache_on_the_fused_path(tmp_path):
     chosen = CompressedCache(policy="log", action="quantize", bits=2).backend.name
     assert rows["one-liner"]["paths"] == f"fused ({chosen})"
     assert rows["one-liner"]["bytes_held"] < rows["dynamic"]["bytes_held"]
+
+
+def test_mixed_width_variants_build_key_and_value_bits():
+    v = Variant.parse("log-k4v2-cpu-ordered-fused")
+    assert (v.widths, v.backend, v.fused) == ((4, 2), "cpu", True)
+    cache = v.build(None, 16)
+    assert (cache.action.key_width, cache.action.value_width) == (4, 2)
+    assert Variant.parse("log-2-torch-ordered-mat").build(None, 16).action.key_width == 2
+    with pytest.raises(ConfigError, match="k<K>v<V>"):
+        Variant.parse("log-k4-cpu-ordered-fused")

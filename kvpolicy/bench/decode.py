@@ -24,7 +24,8 @@ Cache variants are named by short strings:
   with :func:`kvpolicy.fused.enable_fused` on the model (``--window`` does not apply);
 - ``hf-<quanto|hqq>-<bits>``: transformers' ``QuantizedCache(backend, config, nbits=bits)``;
 - ``<policy>-<bits>-<backend>-<layout>-<fused|mat>``: ``CompressedCache(policy, action="quantize",
-  bits, backend, layout, attention="auto" | "materialized")``; ``fused`` variants run with
+  bits, backend, layout, attention="auto" | "materialized")``; ``<bits>`` is one width (``2``) or
+  ``k<key bits>v<value bits>`` (``k4v2``: ``key_bits=4, value_bits=2``); ``fused`` variants run with
   :func:`kvpolicy.fused.enable_fused` on the model, ``mat`` ones (and the baselines) with
   :func:`kvpolicy.attention.enable_scores`, so the agnostic layout's mask check can run.
 """
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -72,6 +74,8 @@ class Variant:
     kind: str  # "dynamic", "one-liner", "hf", "kv"
     policy: str = ""
     bits: int = 0
+    #: ``(key_bits, value_bits)`` of a ``k<K>v<V>`` variant (``bits`` is then 0)
+    widths: tuple[int, int] | None = None
     backend: str = ""
     layout: str = "ordered"
     fused: bool = False
@@ -85,16 +89,19 @@ class Variant:
             return cls(name, "one-liner", policy="log", bits=2, backend="auto", fused=True)
         if parts[0] == "hf" and len(parts) == 3 and parts[1] in ("quanto", "hqq") and parts[2].isdigit():
             return cls(name, "hf", backend=parts[1], bits=int(parts[2]))
+        mixed = re.fullmatch(r"k(\d)v(\d)", parts[1]) if len(parts) == 5 else None
         if (
             len(parts) == 5
-            and parts[1].isdigit()
+            and (parts[1].isdigit() or mixed)
             and parts[3] in ("ordered", "agnostic")
             and parts[4] in ("fused", "mat")
         ):
-            return cls(name, "kv", parts[0], int(parts[1]), parts[2], parts[3], parts[4] == "fused")
+            bits, widths = (0, (int(mixed[1]), int(mixed[2]))) if mixed else (int(parts[1]), None)
+            return cls(name, "kv", parts[0], bits, widths, parts[2], parts[3], parts[4] == "fused")
         raise ConfigError(
             f"cache variant {name!r} not understood; use 'dynamic', 'one-liner', 'hf-<quanto|hqq>-<bits>' or "
-            "'<policy>-<bits>-<backend>-<ordered|agnostic>-<fused|mat>' (e.g. log-2-torch-ordered-fused)"
+            "'<policy>-<bits|k<K>v<V>>-<backend>-<ordered|agnostic>-<fused|mat>' (e.g. log-2-torch-ordered-fused, "
+            "log-k4v2-cpu-ordered-fused)"
         )
 
     def build(self, config: Any, window: int) -> Any:
@@ -109,8 +116,9 @@ class Variant:
 
         if self.kind == "one-liner":
             return CompressedCache(policy="log", action="quantize", bits=2)
+        widths = dict(key_bits=self.widths[0], value_bits=self.widths[1]) if self.widths else dict(bits=self.bits)
         return CompressedCache(
-            policy=self.policy, action="quantize", bits=self.bits, backend=self.backend, layout=self.layout,
+            policy=self.policy, action="quantize", **widths, backend=self.backend, layout=self.layout,
             attention="auto" if self.fused else "materialized", window=window, check_finite=False,
         )  # fmt: skip
 
