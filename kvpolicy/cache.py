@@ -479,8 +479,7 @@ class CompressedLayer(CacheLayerMixin):
                 for role, n in self.store.nbytes().items():
                     if role != "positions":  # counted from the storage: it may be shared
                         segments[role] = segments.get(role, 0) + n
-                if len(self.store.positions.shape) == 2 and self.store.positions.numel():
-                    segments["positions"] += storage_bytes(self.store.positions, seen)
+                segments["positions"] += storage_bytes(self.store.positions, seen)
         return LayerBytes(self.layer_idx, self.length, segments, baseline, element_size)
 
     def __repr__(self) -> str:

@@ -21,10 +21,13 @@ DEFAULT_GROUP_SIZE = {"channel": 64, "token": 64}
 DEFAULT_BITS = 2
 
 
-def _resolve(own: int | None, shorthand: int | None, axis: str) -> int:
-    if own is not None:
-        return own
-    return shorthand if shorthand is not None else DEFAULT_GROUP_SIZE[axis]
+#: shorthand parameter -> the per-kind parameters it sets
+SHORTHANDS = {"bits": ("key_bits", "value_bits"), "group_size": ("key_group_size", "value_group_size")}
+
+
+def _first(*values: int | None) -> int:
+    """The first value given: a kind's own, else the shorthand, else the default."""
+    return next(v for v in values if v is not None)
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,7 +38,7 @@ class Quantize(Action):
     ----------
     bits : int, optional
         Code width of keys and values alike (the shorthand for ``key_bits`` and ``value_bits``);
-        default 2. Which widths exist depends on the backend (``torch``: 2, 4, 8).
+        default 2. Which widths exist depends on the backend (``torch``: 2, 3, 4, 8).
     group_size : int, optional
         Elements sharing one scale and minimum, for keys and values alike (the shorthand for
         ``key_group_size`` and ``value_group_size``). ``"token"`` axis: channels of one token
@@ -81,33 +84,25 @@ class Quantize(Action):
     name = "quantize"
 
     def __post_init__(self) -> None:
-        for param in ("bits", "key_bits", "value_bits"):
-            value = getattr(self, param)
-            if value is not None:
-                check_int(param, value, 1, "Quantize")
-                if value > 8:
-                    raise ConfigError(f"Quantize: {param} must be between 1 and 8; got {param}={value!r}")
-        for param in ("key_bits", "value_bits"):
-            own = getattr(self, param)
-            if self.bits is not None and own is not None and own != self.bits:
-                raise ConfigError(
-                    f"Quantize: bits={self.bits} (the shorthand for both) contradicts {param}={own}; give bits "
-                    "alone, or key_bits and value_bits"
-                )
+        for short, kinds in SHORTHANDS.items():
+            for param in (short, *kinds):
+                value = getattr(self, param)
+                if value is not None:
+                    check_int(param, value, 1, "Quantize")
+                    if short == "bits" and value > 8:
+                        raise ConfigError(f"Quantize: {param} must be between 1 and 8; got {param}={value!r}")
+            given = getattr(self, short)
+            for param in kinds:
+                own = getattr(self, param)
+                if given is not None and own is not None and own != given:
+                    raise ConfigError(
+                        f"Quantize: {short}={given} (the shorthand for both) contradicts {param}={own}; give "
+                        f"{short} alone, or {' and '.join(kinds)}"
+                    )
         for param in ("key_axis", "value_axis"):
             value = getattr(self, param)
             if value not in AXES:
                 raise ConfigError(f"Quantize: {param} must be one of {list(AXES)}; got {param}={value!r}")
-        for param in ("group_size", "key_group_size", "value_group_size"):
-            if getattr(self, param) is not None:
-                check_int(param, getattr(self, param), 1, "Quantize")
-        for param in ("key_group_size", "value_group_size"):
-            own = getattr(self, param)
-            if self.group_size is not None and own is not None and own != self.group_size:
-                raise ConfigError(
-                    f"Quantize: group_size={self.group_size} (the shorthand for both) contradicts "
-                    f"{param}={own}; give group_size alone, or key_group_size and value_group_size"
-                )
         if self.key_axis == self.value_axis == "channel":
             small, big = sorted((self.key_group, self.value_group))
             if big % small:
@@ -126,22 +121,22 @@ class Quantize(Action):
     @property
     def key_width(self) -> int:
         """The keys' code width in bits."""
-        return next(b for b in (self.key_bits, self.bits, DEFAULT_BITS) if b is not None)
+        return _first(self.key_bits, self.bits, DEFAULT_BITS)
 
     @property
     def value_width(self) -> int:
         """The values' code width in bits."""
-        return next(b for b in (self.value_bits, self.bits, DEFAULT_BITS) if b is not None)
+        return _first(self.value_bits, self.bits, DEFAULT_BITS)
 
     @property
     def key_group(self) -> int:
         """The keys' group size in effect."""
-        return _resolve(self.key_group_size, self.group_size, self.key_axis)
+        return _first(self.key_group_size, self.group_size, DEFAULT_GROUP_SIZE[self.key_axis])
 
     @property
     def value_group(self) -> int:
         """The values' group size in effect."""
-        return _resolve(self.value_group_size, self.group_size, self.value_axis)
+        return _first(self.value_group_size, self.group_size, DEFAULT_GROUP_SIZE[self.value_axis])
 
     def _canonical(self) -> tuple:
         return (self.key_width, self.value_width, self.key_group, self.value_group, self.key_axis, self.value_axis,

@@ -234,10 +234,11 @@ def latency(args: argparse.Namespace, model: torch.nn.Module, variants: list[Var
                 cache, _, pre, times = state[v.name]
                 paths = sorted(set(getattr(cache, "attention_paths", dict)().values()) - {None})
                 base = baseline_bytes(model.config, cache.get_seq_length(), batch)
+                held = held_bytes(cache)
                 rows.append(
                     Row(args.model, args.dtype, args.device, length, batch, v.name, pre, statistics.median(times),
-                        times, held_bytes(cache), "; ".join(str(p) for p in paths),
-                        bits_per_element=16 * held_bytes(cache) / base,
+                        times, held, "; ".join(str(p) for p in paths),
+                        bits_per_element=16 * held / base,
                         bits16=16 * held_bytes(cache, at_16bit=True) / base)
                 )  # fmt: skip
             del state

@@ -59,24 +59,23 @@ inline void expand(const uint8_t* __restrict src, int nb, float* __restrict dst)
 // 24-bit word). Planar order too, by run: code k of run c lands at k * R + c (R = nb / 3 runs). Blocks
 // of eight runs: their words first, then per plane one fixed-width shift-and-mask the compiler
 // unrolls and vectorises; a scalar tail for the last runs.
+inline uint32_t word3(const uint8_t* p) {
+  return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) | (static_cast<uint32_t>(p[2]) << 16);
+}
+
 template <>
 inline void expand<3>(const uint8_t* __restrict src, int nb, float* __restrict dst) {
   const int R = nb / 3;
   int c0 = 0;
   for (; c0 + 8 <= R; c0 += 8) {
     uint32_t w[8];
-    for (int c = 0; c < 8; ++c) {
-      const uint8_t* p = src + 3 * (c0 + c);
-      w[c] = static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) | (static_cast<uint32_t>(p[2]) << 16);
-    }
+    for (int c = 0; c < 8; ++c) w[c] = word3(src + 3 * (c0 + c));
     for (int k = 0; k < 8; ++k)
       for (int c = 0; c < 8; ++c)
         dst[k * R + c0 + c] = static_cast<float>((w[c] >> (3 * k)) & 7u) - Centre<3>::MID;
   }
   for (; c0 < R; ++c0) {
-    const uint8_t* p = src + 3 * c0;
-    const uint32_t w = static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
-                       (static_cast<uint32_t>(p[2]) << 16);
+    const uint32_t w = word3(src + 3 * c0);
     for (int k = 0; k < 8; ++k) dst[k * R + c0] = static_cast<float>((w >> (3 * k)) & 7u) - Centre<3>::MID;
   }
 }
