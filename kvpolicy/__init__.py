@@ -35,6 +35,7 @@ _EXPORTS = {
     "HeavyHitters": "kvpolicy.policies.h2o",
     "Quantize": "kvpolicy.actions.quantize",
     "TorchBackend": "kvpolicy.backends.torch_backend",
+    "Hadamard": "kvpolicy.transforms.hadamard",
 }
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "CompressedLayer",
     "ConfigError",
     "Evict",
+    "Hadamard",
     "HeavyHitters",
     "LogWindow",
     "MemoryReport",
@@ -68,6 +70,7 @@ if TYPE_CHECKING:
     from kvpolicy.policies.log import LogWindow
     from kvpolicy.policies.recent import RecentWindow
     from kvpolicy.policies.sink import SinkWindow
+    from kvpolicy.transforms.hadamard import Hadamard
 
 
 def __getattr__(name: str) -> Any:

@@ -42,6 +42,13 @@ def kvpolicy_register_backends() -> dict[str, type]:
 
 
 @hookimpl
+def kvpolicy_register_transforms() -> dict[str, type]:
+    from kvpolicy.transforms import Hadamard, NoTransform
+
+    return {"none": NoTransform, "hadamard": Hadamard}
+
+
+@hookimpl
 def kvpolicy_register_presets() -> dict[str, object]:
     from kvpolicy import presets
 

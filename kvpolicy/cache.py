@@ -23,6 +23,8 @@ from kvpolicy.memory import LayerBytes, MemoryReport
 from kvpolicy.padded import PaddedRows, left_pads
 from kvpolicy.policies.base import Policy, PolicyState
 from kvpolicy.positions import POSITION_DTYPE, PositionBook, check_length, storage_bytes
+from kvpolicy.transforms import NoTransform, Transform
+from kvpolicy.transforms import wrap as wrap_store
 
 # kvpolicy's attention implementations ("kvpolicy_fused_sdpa", "kvpolicy_sdpa", ... ) are known to
 # transformers from here on, so a model can be loaded with attn_implementation="kvpolicy_fused_sdpa"
@@ -75,9 +77,11 @@ class CompressedLayer(CacheLayerMixin):
 
     def __init__(
         self, policy: Policy, action: Action, backend: Backend, layout: str, layer_idx: int, attention: str = "auto",
-        auto: bool = False,
+        auto: bool = False, transform: Transform | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
+        #: the change of basis of demoted tokens (:mod:`kvpolicy.transforms`)
+        self.transform = transform if transform is not None else NoTransform()
         self.attention = attention
         #: the backend was chosen by backend="auto": chosen again if this layer's tensors need another
         self.auto = auto
@@ -122,9 +126,12 @@ class CompressedLayer(CacheLayerMixin):
             self.action.check_head_dim(key_states.shape[-1], multiple, role="key")
             self.action.check_head_dim(value_states.shape[-1], multiple, role="value")
             self.backend.check_tensor(key_states)
+            if self.action.keeps_demoted:
+                self.transform.check_head_dim(key_states.shape[-1])
+                self.transform.check_head_dim(value_states.shape[-1])
             rows = key_states.shape[1] if self.policy.per_head else 1
             self.state = self.policy.new_state(num_heads=key_states.shape[1])
-            self.store = self.action.new_store(self.backend, self.layer_idx)
+            self.store = wrap_store(self.action.new_store(self.backend, self.layer_idx), self.transform, self.action)
             self.store.positions = torch.empty(rows, 0, dtype=POSITION_DTYPE, device=self.device)
             self.full_pos = torch.empty(rows, 0, dtype=POSITION_DTYPE, device=self.device)
         self.is_initialized = True
@@ -164,8 +171,9 @@ class CompressedLayer(CacheLayerMixin):
 
     def _row_layer(self) -> CompressedLayer:
         layer = CompressedLayer(
-            self.policy, self.action, self.backend, self.layout, self.layer_idx, "materialized", self.auto
-        )
+            self.policy, self.action, self.backend, self.layout, self.layer_idx, "materialized", self.auto,
+            self.transform,
+        )  # fmt: skip
         layer.internal = True
         return layer
 
@@ -217,8 +225,13 @@ class CompressedLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ kvpolicy.fused
     def fused_parts(self) -> tuple[Any, Any]:
-        """``(quantized, tail)`` of the store (see ``QuantizedStore.attention_parts``)."""
+        """``(quantized, tail)`` of the store (see ``QuantizedStore.attention_parts``), in the basis
+        of :meth:`fused_basis`."""
         return self.store.attention_parts()  # type: ignore[union-attr]
+
+    def fused_basis(self) -> Transform | None:
+        """The transform :meth:`fused_parts` are expressed in (``None``: the model's own basis)."""
+        return self.store.basis  # type: ignore[union-attr]
 
     def _update_rows(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A left-padded batch: each row runs alone (see :mod:`kvpolicy.padded`)."""
@@ -476,10 +489,13 @@ class CompressedLayer(CacheLayerMixin):
             if self.full_pos is not None:
                 segments["positions"] += storage_bytes(self.full_pos, seen)
             if self.store is not None:
+                shared = self.store.shared()  # counted from their storage: other layers may hold them too
+                kinds = {role for role, _ in shared}
                 for role, n in self.store.nbytes().items():
-                    if role != "positions":  # counted from the storage: it may be shared
+                    if role not in kinds:
                         segments[role] = segments.get(role, 0) + n
-                segments["positions"] += storage_bytes(self.store.positions, seen)
+                for role, t in shared:
+                    segments[role] = segments.get(role, 0) + storage_bytes(t, seen)
         return LayerBytes(self.layer_idx, self.length, segments, baseline, element_size)
 
     def __repr__(self) -> str:
@@ -629,12 +645,15 @@ class CompressedCache(Cache):
         layout: str = "ordered",
         config: Any = None,
         attention: str = "auto",
+        transform: str | Transform = "none",
         **params: Any,
     ) -> None:
         self._auto = isinstance(backend, str) and backend == auto_backend.AUTO
-        parts = _compose({"policy": policy, "action": action, "backend": "torch" if self._auto else backend}, params)
+        backend_spec = "torch" if self._auto else backend
+        parts = _compose({"policy": policy, "action": action, "backend": backend_spec, "transform": transform}, params)
         self.policy: Policy = parts["policy"]
         self.action: Action = parts["action"]
+        self.transform: Transform = parts["transform"]
         self.backend: Backend = auto_backend.choose(self.action) if self._auto else parts["backend"]
         if layout not in LAYOUTS:
             raise ConfigError(f"layout must be one of {list(LAYOUTS)}; got layout={layout!r}")
@@ -679,8 +698,9 @@ class CompressedCache(Cache):
         kind = "full_attention" if self._layer_types is None else self._layer_types[layer_idx]
         if kind == "full_attention":
             layer = CompressedLayer(
-                self.policy, self.action, self.backend, self.layout, layer_idx, self.attention, self._auto
-            )
+                self.policy, self.action, self.backend, self.layout, layer_idx, self.attention, self._auto,
+                self.transform,
+            )  # fmt: skip
             layer.book = self._book
             return layer
         from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
@@ -762,11 +782,24 @@ class CompressedCache(Cache):
     def __repr__(self) -> str:
         return (
             f"CompressedCache(policy={self.policy!r}, action={self.action!r}, "
-            f"backend={self.backend!r}, layout={self.layout!r}, attention={self.attention!r})"
+            f"backend={self.backend!r}, layout={self.layout!r}, attention={self.attention!r}{_transform_repr(self)})"
         )
 
 
-_PARTS = (("policy", "policies", Policy), ("action", "actions", Action), ("backend", "backends", Backend))
+def _transform_repr(cache: CompressedCache) -> str:
+    """``", transform=..."`` when a transform is set (with why it is idle, if it is); empty for none."""
+    if cache.transform.identity:
+        return ""
+    idle = ""
+    if not cache.action.compresses or not cache.action.keeps_demoted:
+        idle = f" [idle: action {cache.action.name!r} keeps no demoted tokens to transform]"
+    return f", transform={cache.transform!r}{idle}"
+
+
+_PARTS = (
+    ("policy", "policies", Policy), ("action", "actions", Action), ("backend", "backends", Backend),
+    ("transform", "transforms", Transform),
+)  # fmt: skip
 
 
 def _compose(specs: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:

@@ -73,7 +73,7 @@ def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor,
 
 def decode_attention(
     query: torch.Tensor, full_keys: torch.Tensor, full_values: torch.Tensor, parts: tuple[Any, Any], backend: Any,
-    scale: float,
+    scale: float, basis: Any = None,
 ) -> torch.Tensor:  # fmt: skip
     """Attention of decode queries over a full-precision segment and a store's parts.
 
@@ -90,6 +90,11 @@ def decode_attention(
         Computes the quantized part (``Backend.attend``).
     scale : float
         Score scale.
+    basis : Transform, optional
+        The transform the parts are stored in (:mod:`kvpolicy.transforms`). The query is rotated
+        into it once, the stored parts are attended there, and their merged output is mapped back
+        with ``basis.inverse`` before the merge with the full-precision segment; the history is
+        never rebuilt in the model's basis.
 
     Returns
     -------
@@ -101,13 +106,21 @@ def decode_attention(
     q = query.reshape(b, hk, (hq // hk) * nq, d)  # the query heads of a group share their kv head
     quantized, tail = parts
     fk, fv = full_keys, full_values
+    stored = []  # attention over the stored parts, in their basis
+    q_stored = q if basis is None else basis.forward(q.float())
     if tail is not None:
-        fk, fv = torch.cat([tail[0], fk], dim=2), torch.cat([tail[1], fv], dim=2)
+        if basis is None:
+            fk, fv = torch.cat([tail[0], fk], dim=2), torch.cat([tail[1], fv], dim=2)
+        else:
+            stored.append(dense_attention(q_stored, tail[0], tail[1], scale))
+    if quantized is not None:
+        stored.append(backend.attend(q_stored, quantized[0], quantized[1], scale))
     pieces = []
     if fk.shape[2]:
         pieces.append(dense_attention(q, fk, fv, scale))
-    if quantized is not None:
-        pieces.append(backend.attend(q, quantized[0], quantized[1], scale))
+    if stored:
+        out, lse = merge(stored)
+        pieces.append((out if basis is None else basis.inverse(out), lse))
     out, _ = merge(pieces)
     return out.reshape(b, hq, nq, out.shape[-1])
 
@@ -145,7 +158,9 @@ def _make(inner_name: str):
             if why is None:
                 layer = ticket.layer()
                 scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-                out = decode_attention(query, layer.keys, layer.values, layer.fused_parts(), layer.backend, scale)
+                out = decode_attention(
+                    query, layer.keys, layer.values, layer.fused_parts(), layer.backend, scale, layer.fused_basis()
+                )
                 layer.attention_path = "fused"
                 return out.to(query.dtype).transpose(1, 2).contiguous(), None
             ticket.reason = why

@@ -1,4 +1,5 @@
-"""pluggy hook specifications: the one extension surface for policies, actions, backends, presets.
+"""pluggy hook specifications: the one extension surface for policies, actions, backends, transforms
+and presets.
 
 The built-in parts register through these same hooks (:mod:`kvpolicy.builtins`); third-party
 distributions implement them in the module an entry point of the group ``kvpolicy`` names
@@ -26,6 +27,11 @@ def kvpolicy_register_actions() -> dict[str, type]:
 @hookspec
 def kvpolicy_register_backends() -> dict[str, type]:
     """Return ``{name: Backend subclass}``."""
+
+
+@hookspec
+def kvpolicy_register_transforms() -> dict[str, type]:
+    """Return ``{name: Transform subclass}`` (an orthogonal change of basis of demoted tokens)."""
 
 
 @hookspec

@@ -1,4 +1,4 @@
-"""Names -> classes for policies, actions, backends and presets, collected through pluggy hooks.
+"""Names -> classes for policies, actions, backends, transforms and presets, collected through pluggy hooks.
 
 Three kinds of plugin feed the same hooks (:mod:`kvpolicy.hookspecs`):
 
@@ -38,13 +38,16 @@ import pluggy
 from kvpolicy import builtins, hookspecs
 from kvpolicy.errors import ConfigError
 
-KINDS = ("policies", "actions", "backends", "presets")
-_SINGULAR = {"policies": "policy", "actions": "action", "backends": "backend", "presets": "preset"}
+KINDS = ("policies", "actions", "backends", "transforms", "presets")
+_SINGULAR = {
+    "policies": "policy", "actions": "action", "backends": "backend", "transforms": "transform", "presets": "preset",
+}  # fmt: skip
 #: what each hook's dict maps names to, for messages
 _EXPECTED = {
     "policies": "Policy subclass",
     "actions": "Action subclass",
     "backends": "Backend subclass",
+    "transforms": "Transform subclass",
     "presets": "preset function",
 }
 
@@ -257,6 +260,10 @@ def _base_class(kind: str) -> type:
         from kvpolicy.actions.base import Action
 
         return Action
+    if kind == "transforms":
+        from kvpolicy.transforms.base import Transform
+
+        return Transform
     from kvpolicy.backends.base import Backend
 
     return Backend
@@ -367,7 +374,7 @@ def _check_kind(kind: object) -> str:
 
 
 def names(kind: str) -> list[str]:
-    """Registered names of ``kind`` (one of ``policies``, ``actions``, ``backends``, ``presets``),
+    """Registered names of ``kind`` (one of :data:`KINDS`),
     sorted; a name in conflict (see :func:`conflicts`) is listed, though looking it up is an error."""
     kind = _check_kind(kind)
     tables = _collect()

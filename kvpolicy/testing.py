@@ -1,4 +1,4 @@
-"""Reusable hypothesis checks for policies (needs the ``test`` extra: hypothesis).
+"""Reusable hypothesis checks for policies and transforms (needs the ``test`` extra: hypothesis).
 
 Any policy, built in or from a plugin, can be checked against the contract of
 :mod:`kvpolicy.policies.base` from a plain pytest test::
@@ -9,6 +9,8 @@ Any policy, built in or from a plugin, can be checked against the contract of
     def test_contract():
         check_policy(st.builds(MyPolicy, window=st.integers(1, 8)),
                      max_full=lambda policy, length, prompt: policy.window, chunking="any")
+
+and any transform against :mod:`kvpolicy.transforms.base` with :func:`check_transform`.
 
 :func:`run_policy` (drive a state as the cache does) and :func:`check_trace` (the contract over one
 trace) are the pieces, for policies that need their own inputs.
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvpolicy.policies.base import Policy
+    from kvpolicy.transforms.base import Transform
 
 
 @st.composite
@@ -299,5 +302,103 @@ def check_policy(
                         f"{policy!r}: after T={s.length}, appends {plan} give {s.full}, single appends "
                         f"{reference[s.length]}"
                     )
+
+    contract()
+
+
+# --------------------------------------------------------------------------------------------------
+# the transform contract
+# --------------------------------------------------------------------------------------------------
+
+#: head dims :func:`check_transform` draws from (those a transform refuses are checked to be refused
+#: with a ConfigError, then skipped)
+HEAD_DIMS = (8, 16, 24, 32, 40, 48, 64, 80, 96, 112, 128, 160, 192, 256)
+
+
+def check_transform(
+    transform: Transform | Callable[[], Transform] | st.SearchStrategy[Transform],
+    *,
+    head_dims: tuple[int, ...] = HEAD_DIMS,
+    max_examples: int = 40,
+) -> None:
+    """Check the transform contract with hypothesis; call it from a plain pytest test.
+
+    Over random head dims, dtypes (float32, bfloat16, float16), shapes and inputs, the transform
+    must:
+
+    - keep shape and dtype;
+    - be one linear map ``R`` for every vector (``forward(x) = x R`` row by row, whatever the
+      batch, head and token axes), and orthogonal: ``R Rᵀ = I`` within float32 rounding;
+    - preserve norms, and round-trip: ``inverse(forward(x)) = x`` within two roundings to the dtype
+      (plus a few float32 ulps of the vector's norm);
+    - be deterministic: a pickled copy (another process) computes the same ``forward`` bit for bit;
+    - refuse a head dim it cannot serve with :class:`~kvpolicy.errors.ConfigError`, in
+      ``check_head_dim``, before any use.
+
+    Parameters
+    ----------
+    transform : Transform, callable or hypothesis strategy
+        The transform, a zero-argument factory (e.g. the class) or a strategy of transforms.
+    head_dims : tuple of int
+        Head dims to draw from.
+    max_examples : int
+        Hypothesis examples.
+    """
+    import pickle
+
+    import torch
+    from hypothesis import HealthCheck, assume, given, settings
+
+    from kvpolicy.errors import ConfigError
+
+    if isinstance(transform, st.SearchStrategy):
+        transforms = transform
+    elif isinstance(transform, type) or (callable(transform) and not hasattr(transform, "forward")):
+        transforms = st.builds(transform)
+    elif hasattr(transform, "forward"):
+        transforms = st.just(transform)
+    else:
+        raise ConfigError(f"check_transform: transform must be a Transform, a factory or a strategy; got {transform!r}")
+
+    @settings(max_examples=max_examples, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(
+        transform=transforms,
+        d=st.sampled_from(head_dims),
+        dtype=st.sampled_from((torch.float32, torch.bfloat16, torch.float16)),
+        lead=st.lists(st.integers(1, 3), min_size=1, max_size=3),
+        seed=st.integers(0, 2**16),
+    )
+    def contract(transform: Transform, d: int, dtype: torch.dtype, lead: list[int], seed: int) -> None:
+        try:
+            transform.check_head_dim(d)
+        except ConfigError as exc:
+            assert str(d) in str(exc), f"{transform!r}: the refusal of head_dim={d} does not name it: {exc}"
+            assume(False)
+        eye = torch.eye(d)
+        r = transform.forward(eye)
+        assert r.shape == (d, d) and r.dtype == torch.float32, f"{transform!r}: forward changed shape or dtype"
+        gram = r @ r.T
+        assert torch.allclose(gram, eye, atol=1e-5), f"{transform!r}: not orthogonal at head_dim={d}"
+        assert torch.allclose(transform.inverse(eye), r.T, atol=1e-6), f"{transform!r}: inverse is not Rᵀ"
+        x = torch.randn(*lead, d, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        y = transform.forward(x)
+        assert y.shape == x.shape and y.dtype == x.dtype, f"{transform!r}: forward changed shape or dtype"
+        # one rounding to the dtype per map, plus float32 arithmetic (a few ulps of the norm)
+        eps = torch.finfo(dtype).eps + 8 * torch.finfo(torch.float32).eps
+        norm = x.float().norm(dim=-1, keepdim=True)
+        linear = x.float() @ r
+        assert ((y.float() - linear).norm(dim=-1, keepdim=True) <= eps * norm + 1e-6).all(), (
+            f"{transform!r}: forward is not the same linear map for every vector"
+        )
+        assert ((y.float().norm(dim=-1, keepdim=True) - norm).abs() <= 2 * eps * norm + 1e-6).all(), (
+            f"{transform!r}: forward does not preserve norms"
+        )
+        back = transform.inverse(y)
+        assert back.dtype == x.dtype and back.shape == x.shape, f"{transform!r}: inverse changed shape or dtype"
+        assert ((back.float() - x.float()).norm(dim=-1, keepdim=True) <= 2 * eps * norm + 1e-6).all(), (
+            f"{transform!r}: inverse(forward(x)) is not x within two roundings to {dtype}"
+        )
+        copy = pickle.loads(pickle.dumps(transform))
+        assert copy == transform and torch.equal(copy.forward(x), y), f"{transform!r}: a pickled copy differs"
 
     contract()

@@ -43,6 +43,12 @@ CACHES = {
     "k2v4": ("keys 2-bit, values 4-bit, G=64", dict(key_bits=2, value_bits=4, group_size=64)),
     "k3v2": ("keys 3-bit, values 2-bit, G=64", dict(key_bits=3, value_bits=2, group_size=64)),
     "b3": ("keys and values 3-bit, G=64", dict(bits=3, group_size=64)),
+    "rot": ("2-bit + Hadamard rotation", dict(group_size=64, transform="hadamard")),
+    "k3v2-rot": ("K3V2 + Hadamard rotation", dict(key_bits=3, value_bits=2, transform="hadamard")),
+    "k4v2-rot": ("K4V2 + Hadamard rotation", dict(key_bits=4, value_bits=2, transform="hadamard")),
+    "b3-rot": ("3-bit + Hadamard rotation", dict(bits=3, transform="hadamard")),
+    "b4": ("keys and values 4-bit", dict(bits=4)),
+    "b4-rot": ("4-bit + Hadamard rotation", dict(bits=4, transform="hadamard")),
 }
 
 

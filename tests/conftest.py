@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import settings
 
-from kvpolicy.eval.metrics import teacher_forced_logits  # noqa: F401 - re-exported for tests
+from kvpolicy.eval.metrics import teacher_forced_logits
 from kvpolicy.eval.tiny import random_model
 
 os.environ.setdefault("KVPOLICY_DISABLE_PLUGIN_AUTOLOAD", "1")
@@ -74,3 +74,23 @@ def cpu_kernel():
     from kvpolicy.kernels import cpu_attention
 
     return cpu_attention.load()
+
+
+def fused_and_materialized(family: str = "llama", **kw):
+    """Teacher-forced logits of a tiny GQA model of ``family`` through the fused and the materialised
+    path, across group flushes with staging non-empty (group 16, window 8, 75 tokens, batch 2): ``(fused,
+    materialised, the fused run's cache)``. ``kw`` are further ``CompressedCache`` keywords."""
+    from kvpolicy import CompressedCache
+    from kvpolicy.fused import disable_fused, enable_fused
+
+    model = tiny_model(family)
+    ids = torch.randint(3, 96, (2, 75), generator=torch.Generator().manual_seed(1))
+    kw = dict(policy="log", window=8, group_size=16, **kw)
+    ref = teacher_forced_logits(model, ids, 38, CompressedCache(**kw, attention="materialized"))
+    enable_fused(model)
+    try:
+        cache = CompressedCache(**kw)
+        got = teacher_forced_logits(model, ids, 38, cache)
+    finally:
+        disable_fused(model)
+    return got, ref, cache

@@ -660,3 +660,32 @@ def test_fused_decode_path_uses_the_kernel(monkeypatch):
     assert len(calls) >= 3 and all(shape[2] > 0 for shape in calls)  # decode steps read quantized tokens
     assert torch.equal(ref.sequences, got.sequences)
     assert torch.allclose(torch.stack(ref.logits), torch.stack(got.logits), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_decode_with_rotation_reads_rotated_codes_in_the_kernel(monkeypatch):
+    """With ``transform="hadamard"`` the kernel receives the rotated query and the rotated codes; the
+    un-rotated output matches the materialised torch-backend run with the same rotation."""
+    from conftest import tiny_model
+
+    from kvpolicy import CompressedCache
+    from kvpolicy.fused import enable_fused
+    from kvpolicy.transforms import Hadamard
+
+    model = tiny_model("llama", layers=1).to(DEVICE)
+    ids = torch.randint(3, 96, (2, 24), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    kw = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    make = dict(policy="log", window=4, action="quantize", key_bits=4, value_bits=2, group_size=8, transform="hadamard")
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), cache=CompressedCache(**make, backend="torch"), **kw)
+    backend = make_backend()
+    queries = []
+    kernel_attend = backend.attend
+    monkeypatch.setattr(backend, "attend", lambda *a: queries.append(a[0]) or kernel_attend(*a))
+    enable_fused(model)
+    cache = CompressedCache(**make, backend=backend)
+    got = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **kw)
+    assert len(queries) >= 3
+    assert set(cache.attention_paths().values()) == {"fused (triton)"}
+    layer = cache.layers[0]
+    assert layer.fused_basis() == Hadamard() and layer.store.inner.k.q is not None  # rotated codes, read fused
+    assert torch.equal(ref.sequences, got.sequences)
+    assert torch.allclose(torch.stack(ref.logits), torch.stack(got.logits), rtol=1e-5, atol=1e-5)

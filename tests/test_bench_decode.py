@@ -60,7 +60,7 @@ def test_held_bytes_counts_dynamic_cache():
     assert held_bytes(cache) == 10 * 4 * 2 * 64 * 2 * 4
 
 
-@pytest.mark.parametrize("name", ["fast", "log-2-torch-sideways-fused", "hf-fp8-2"])
+@pytest.mark.parametrize("name", ["fast", "log-2-torch-sideways-fused", "hf-fp8-2", "log-2-torch-ordered-fused-spin"])
 def test_bad_variant_names(name):
     with pytest.raises(ConfigError, match="not understood"):
         Variant.parse(name)
@@ -89,3 +89,15 @@ def test_mixed_width_variants_build_key_and_value_bits():
     assert Variant.parse("log-2-torch-ordered-mat").build(None, 16).action.key_width == 2
     with pytest.raises(ConfigError, match="k<K>v<V>"):
         Variant.parse("log-k4-cpu-ordered-fused")
+
+
+def test_rot_variants_add_the_hadamard_transform(tmp_path):
+    v = Variant.parse("log-k4v2-cpu-ordered-fused-rot")
+    assert (v.widths, v.transform) == ((4, 2), "hadamard")
+    assert v.build(None, 16).transform.name == "hadamard"
+    assert Variant.parse("log-2-torch-ordered-fused").build(None, 16).transform.identity
+    rc = main(["bench", "decode", "--model", "tiny-llama", "--lengths", "300", "--steps", "2", "--reps", "1",
+               "--warmup", "0", "--caches", "log-2-torch-ordered-fused-rot", "--out", str(tmp_path)])  # fmt: skip
+    assert rc == 0
+    row = json.loads((tmp_path / "decode.json").read_text())["rows"][0]
+    assert row["paths"] == "fused (torch)"

@@ -40,7 +40,9 @@ def test_cli_list(capsys):
     out = capsys.readouterr().out
     assert "policies: h2o, log, recent, sink" in out
     assert "actions: evict, none, quantize" in out
-    assert "presets: h2o, kivi, logquant, logquant-4bit, streamingllm" in out
+    assert "transforms: hadamard, none" in out
+    presets = "h2o, kivi, kvpolicy-3.5bit, kvpolicy-3bit, kvpolicy-4bit, logquant, logquant-4bit, streamingllm"
+    assert f"presets: {presets}" in out
 
 
 def test_cli_rejects_unknown_command():

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import teacher_forced_logits, tiny_model
+from conftest import fused_and_materialized
 
 from kvpolicy import CompressedCache, Quantize, registry
-from kvpolicy.fused import disable_fused, enable_fused
 
 PAIRS = [(4, 2), (2, 4)]
 
@@ -64,26 +63,10 @@ def test_every_backend_stores_each_kind_at_its_width(name, key_bits, value_bits)
     assert abs_err[wide] < 0.5 * abs_err[narrow]
 
 
-def _fused_and_materialized(**kw):
-    """Teacher-forced logits of a tiny GQA Llama through the fused and the materialised path, across
-    group flushes with staging non-empty (group 16, window 8, 75 tokens, batch 2), and the fused cache."""
-    model = tiny_model("llama")
-    ids = torch.randint(3, 96, (2, 75), generator=torch.Generator().manual_seed(1))
-    kw = dict(policy="log", window=8, group_size=16, **kw)
-    ref = teacher_forced_logits(model, ids, 38, CompressedCache(**kw, attention="materialized"))
-    enable_fused(model)
-    try:
-        cache = CompressedCache(**kw)
-        got = teacher_forced_logits(model, ids, 38, cache)
-    finally:
-        disable_fused(model)
-    return got, ref, cache
-
-
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize(("key_bits", "value_bits"), [*PAIRS, (3, 2), (2, 3), (3, 4)])
 def test_fused_equals_materialized_with_mixed_bits(backend, key_bits, value_bits, cpu_kernel):
-    got, ref, cache = _fused_and_materialized(key_bits=key_bits, value_bits=value_bits, backend=backend)
+    got, ref, cache = fused_and_materialized(key_bits=key_bits, value_bits=value_bits, backend=backend)
     assert set(cache.attention_paths().values()) == {f"fused ({backend})"}
     layer = cache.layers[0]
     assert (layer.store.k.q.bits, layer.store.v.q.bits) == (key_bits, value_bits)
@@ -118,7 +101,7 @@ def test_three_bit_keys_run_fused_on_the_default_backend():
     """``backend="auto"`` picks the ``cpu`` kernel for 3-bit keys too; fused equals materialised."""
     chosen = CompressedCache(key_bits=3, value_bits=2, group_size=16).backend.name
     assert chosen in ("cpu", "torch")  # torch only where the kernel cannot build (warned)
-    got, ref, cache = _fused_and_materialized(key_bits=3, value_bits=2)
+    got, ref, cache = fused_and_materialized(key_bits=3, value_bits=2)
     assert set(cache.attention_paths().values()) == {f"fused ({chosen})"}
     codes = cache.layers[0].store.k.q.codes
     assert codes.shape[-1] == 16 * 3 // 8  # eight codes per three bytes

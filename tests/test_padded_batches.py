@@ -20,6 +20,7 @@ POLICIES = {
 ACTIONS = {
     "quantize": dict(action="quantize", bits=4, group_size=16),
     "quantize-agnostic": dict(action="quantize", bits=4, group_size=16, layout="agnostic"),
+    "quantize-rotated": dict(action="quantize", bits=4, group_size=16, transform="hadamard"),
     "evict": dict(action="evict"),
 }
 LENGTHS = (20, 13, 17)
@@ -61,6 +62,7 @@ CASES = [
     for a in ACTIONS
     for attn in ("sdpa", "eager")
     for dtype in ((torch.float32, torch.float64) if a.startswith("quantize") else (torch.float32,))
+    if a != "quantize-rotated" or (attn, dtype) == ("sdpa", torch.float64)  # the rotation is orthogonal to both
 ]
 
 

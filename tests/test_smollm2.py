@@ -31,7 +31,11 @@ def test_demo_on_smollm2(capsys):
     assert none.prompt_tokens >= 2048
     out = capsys.readouterr().out
     assert "MemoryReport" in out and "ms/token" in out and "mean next-token KL" in out
-    assert out.count("decode attention: fused") == 2  # the compressed caches decode on the fused path
+    assert out.count("decode attention: fused") == 3  # the compressed caches decode on the fused path
+    # kvpolicy's 3.5-bit preset (3-bit keys, rotation, W=16): fewer bits than 4-bit, closer than LogQuant 2-bit
+    ours = rows["kvpolicy-3.5bit"]
+    assert ours.kl < two.kl and ours.bits_16 < four.bits_16 and ours.total_bytes < four.total_bytes
+    assert "transform=Hadamard(seed=0)" in out
 
 
 def test_load_model_errors_are_clear(tmp_path):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -28,6 +28,9 @@ class DemotedStore(ABC):
     #: ``(1, n)`` (shared policies) or ``(kv_heads, n)`` (per-head policies) int32 positions of the
     #: stored tokens, in demotion (= storage) order
     positions: torch.Tensor
+    #: the transform whose basis ``attention_parts()`` is expressed in (``None``: the model's own);
+    #: set by :class:`~kvpolicy.transforms.store.TransformedStore`
+    basis: Any = None
 
     @abstractmethod
     def add(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
@@ -56,6 +59,11 @@ class DemotedStore(ABC):
     @abstractmethod
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a batch-axis (dim 0) operation (beam reorder, select, repeat) to everything held."""
+
+    def shared(self) -> list[tuple[str, torch.Tensor]]:
+        """``(segment, tensor)`` for tensors other layers may hold too (counted once per memory
+        report, by storage): the positions, and what a transform keeps."""
+        return [("positions", self.positions)]
 
     def __len__(self) -> int:
         return int(self.positions.shape[-1])

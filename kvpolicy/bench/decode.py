@@ -27,7 +27,8 @@ Cache variants are named by short strings:
   bits, backend, layout, attention="auto" | "materialized")``; ``<bits>`` is one width (``2``) or
   ``k<key bits>v<value bits>`` (``k4v2``: ``key_bits=4, value_bits=2``); ``fused`` variants run with
   :func:`kvpolicy.fused.enable_fused` on the model, ``mat`` ones (and the baselines) with
-  :func:`kvpolicy.attention.enable_scores`, so the agnostic layout's mask check can run.
+  :func:`kvpolicy.attention.enable_scores`, so the agnostic layout's mask check can run; a trailing
+  ``-rot`` adds ``transform="hadamard"`` (``log-k4v2-cpu-ordered-fused-rot``).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class Variant:
     backend: str = ""
     layout: str = "ordered"
     fused: bool = False
+    transform: str = "none"
 
     @classmethod
     def parse(cls, name: str) -> Variant:
@@ -89,6 +91,9 @@ class Variant:
             return cls(name, "one-liner", policy="log", bits=2, backend="auto", fused=True)
         if parts[0] == "hf" and len(parts) == 3 and parts[1] in ("quanto", "hqq") and parts[2].isdigit():
             return cls(name, "hf", backend=parts[1], bits=int(parts[2]))
+        transform = "none"
+        if len(parts) == 6 and parts[5] == "rot":
+            parts, transform = parts[:5], "hadamard"
         mixed = re.fullmatch(r"k(\d)v(\d)", parts[1]) if len(parts) == 5 else None
         if (
             len(parts) == 5
@@ -97,11 +102,11 @@ class Variant:
             and parts[4] in ("fused", "mat")
         ):
             bits, widths = (0, (int(mixed[1]), int(mixed[2]))) if mixed else (int(parts[1]), None)
-            return cls(name, "kv", parts[0], bits, widths, parts[2], parts[3], parts[4] == "fused")
+            return cls(name, "kv", parts[0], bits, widths, parts[2], parts[3], parts[4] == "fused", transform)
         raise ConfigError(
             f"cache variant {name!r} not understood; use 'dynamic', 'one-liner', 'hf-<quanto|hqq>-<bits>' or "
-            "'<policy>-<bits|k<K>v<V>>-<backend>-<ordered|agnostic>-<fused|mat>' (e.g. log-2-torch-ordered-fused, "
-            "log-k4v2-cpu-ordered-fused)"
+            "'<policy>-<bits|k<K>v<V>>-<backend>-<ordered|agnostic>-<fused|mat>[-rot]' (e.g. "
+            "log-2-torch-ordered-fused, log-k4v2-cpu-ordered-fused-rot)"
         )
 
     def build(self, config: Any, window: int) -> Any:
@@ -120,6 +125,7 @@ class Variant:
         return CompressedCache(
             policy=self.policy, action="quantize", **widths, backend=self.backend, layout=self.layout,
             attention="auto" if self.fused else "materialized", window=window, check_finite=False,
+            transform=self.transform,
         )  # fmt: skip
 
 

@@ -71,11 +71,15 @@ def _run(args: argparse.Namespace) -> int:
         failed = 0
     else:
         failed = runner.run()
+    command = " ".join(["kvpolicy", *sys.argv[1:]]) if args.command_line is None else args.command_line
     if args.docs:
         from kvpolicy.eval.docs_report import write_results_doc
 
-        command = " ".join(["kvpolicy", *sys.argv[1:]]) if args.command_line is None else args.command_line
         write_results_doc(args.out, args.docs, command=command)
+    if args.frontier_doc:
+        from kvpolicy.eval.frontier_report import write_frontier_doc
+
+        write_frontier_doc(args.out, args.frontier_doc, command=command)
     return 1 if failed else 0
 
 
@@ -99,7 +103,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--context", type=int_list(MIN_CONTEXT, "2048,4096"), help="context lengths, comma-separated (e.g. 2048,4096)"
     )
     p.add_argument(
-        "--task", action="append", help="task[:key=value...]: lm, passkey, kv, lines, gsm8k, longbench, speed"
+        "--task", action="append", help="task[:key=value...]: lm, greedy, passkey, kv, lines, gsm8k, longbench, speed"
     )
     p.add_argument("--policy", action="append", help="policy[:key=value...] of the cross product (repeatable)")
     p.add_argument("--action", action="append", help="action[:key=value...] of the cross product (repeatable)")
@@ -116,5 +120,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--report-only", action="store_true", help="rewrite summary.md and plots from results.jsonl")
     p.add_argument("--docs", type=out_file, help="also write a results page (e.g. docs/results.md) from OUT")
+    p.add_argument("--frontier-doc", type=out_file,
+                   help="also write a quality-per-byte page (e.g. docs/frontier.md: bits/element vs KL, the Pareto "
+                   "frontier) from OUT")  # fmt: skip
     p.add_argument("--command-line", help=argparse.SUPPRESS)
     p.set_defaults(func=_run)

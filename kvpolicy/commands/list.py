@@ -17,5 +17,5 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    lst = sub.add_parser("list", help="registered policies, actions, backends and presets")
+    lst = sub.add_parser("list", help="registered policies, actions, backends, transforms and presets")
     lst.set_defaults(func=_run)

@@ -53,6 +53,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     cmd = sub.add_parser(
-        "plugins", help="registered policies, actions, backends and presets with the distribution they came from"
+        "plugins",
+        help="registered policies, actions, backends, transforms and presets with the distribution they came from",
     )
     cmd.set_defaults(func=_run)

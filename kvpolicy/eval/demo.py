@@ -1,11 +1,11 @@
 """The demo: LogQuant on a real model (SmolLM2-135M-Instruct) with a long prompt, on CPU.
 
 The model runs kvpolicy's fused decode attention (:func:`kvpolicy.fused.enable_fused`). For each
-cache (uncompressed, log 4-bit, log 2-bit) it answers a question about a Python source file
-(prompt >= 2k tokens), and prints the answer, the bytes the cache holds, the decode speed, the
-decode attention path and
-the fidelity against the uncompressed cache: the mean next-token KL divergence over a
-teacher-forced continuation of a long source file.
+cache (uncompressed, log 4-bit, log 2-bit as LogQuant publishes it, and kvpolicy's own
+``kvpolicy-3.5bit`` preset: 3-bit keys, 2-bit values, rotation and a smaller window) it answers a
+question about a Python source file (prompt >= 2k tokens), and prints the answer, the bytes the
+cache holds, the decode speed, the decode attention path and the fidelity against the uncompressed
+cache: the mean next-token KL divergence over a teacher-forced continuation of a long source file.
 """
 
 from __future__ import annotations
@@ -32,7 +32,17 @@ CONFIGS: dict[str, dict] = {
     "none (16/32-bit)": dict(policy="log", action="none"),
     "log 4-bit": dict(policy="log", action="quantize", bits=4),
     "log 2-bit": dict(policy="log", action="quantize", bits=2),
+    # the best preset at or under 3.5 bits per element on docs/frontier.md
+    "kvpolicy-3.5bit": dict(preset="kvpolicy-3.5bit"),
 }
+
+
+def _build(kwargs: dict) -> CompressedCache:
+    """A fresh cache from a ``CONFIGS`` entry (cache keywords, or ``preset=`` a preset name)."""
+    if "preset" in kwargs:
+        rest = {k: v for k, v in kwargs.items() if k != "preset"}
+        return CompressedCache.from_preset(kwargs["preset"], **rest)
+    return CompressedCache(**kwargs)
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,7 @@ class DemoRow:
     decode_ms: float
     total_bytes: int
     baseline_bytes: int
+    bits_16: float
     kl: float
     top1: float
 
@@ -100,21 +111,19 @@ def run_demo(
     reference: torch.Tensor | None = None
     rows = []
     for name, kwargs in configs.items():
-        cache = CompressedCache(**kwargs)
+        cache = _build(kwargs)
         print(f"== {name}: {cache!r}", flush=True)
         gen = greedy_generate(model, prompt, cache, max_new_tokens, eos, progress=f"{name}: generating")
         answer = tokenizer.decode(gen.tokens, skip_special_tokens=True).strip()
         report = cache.memory_report()
-        logits = teacher_forced_logits(
-            model, text, context_tokens, CompressedCache(**kwargs), progress=f"{name}: teacher forcing"
-        )
+        logits = teacher_forced_logits(model, text, context_tokens, _build(kwargs), progress=f"{name}: teacher forcing")
         if reference is None:
             reference = logits
         kl = next_token_kl(reference, logits)
         top1 = (reference.argmax(-1) == logits.argmax(-1)).float().mean()
         row = DemoRow(
             name, answer, prompt.shape[1], gen.prefill_ms / 1e3, gen.decode_ms_per_token,
-            report.total_bytes, report.baseline_bytes, float(kl.mean()), float(top1),
+            report.total_bytes, report.baseline_bytes, report.bits_per_element_16bit, float(kl.mean()), float(top1),
         )  # fmt: skip
         rows.append(row)
         print(f"answer: {answer}")
@@ -126,11 +135,13 @@ def run_demo(
               f"over {logits.shape[1]} teacher-forced tokens\n", flush=True)  # fmt: skip
 
     print("Summary (bytes held after answering; ratio vs a 16-bit cache of the same tokens)")
-    print(f"{'cache':<18}{'bytes held':>14}{'vs 16-bit':>11}{'decode ms/tok':>15}{'KL nats':>10}{'top-1':>8}")
+    print(f"{'cache':<18}{'bytes held':>14}{'vs 16-bit':>11}{'bits/el':>9}{'decode ms/tok':>15}{'KL nats':>10}"
+          f"{'top-1':>8}")  # fmt: skip
     for r in rows:
         ratio = r.baseline_bytes / r.total_bytes if r.total_bytes else float("inf")
-        print(f"{r.name:<18}{r.total_bytes / 2**20:>11.2f} MiB{ratio:>10.2f}x{r.decode_ms:>15.1f}"
+        print(f"{r.name:<18}{r.total_bytes / 2**20:>11.2f} MiB{ratio:>10.2f}x{r.bits_16:>9.2f}{r.decode_ms:>15.1f}"
               f"{r.kl:>10.4f}{r.top1:>8.1%}")  # fmt: skip
     if rows and model.dtype == torch.float32:
-        print("(the model runs in float32 on CPU, so the uncompressed cache holds 32-bit tensors: 0.5x of 16-bit)")
+        print("(the model runs in float32 on CPU, so the uncompressed cache holds 32-bit tensors: 0.5x of 16-bit; "
+              "bits/el counts every byte held per cached element, full-precision tensors at 16 bits)")  # fmt: skip
     return rows

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from kvpolicy.eval.runner import read_config, read_rows
+from kvpolicy.eval.runner import current_rows
 from kvpolicy.eval.summary import depth_table, fmt, table
 
 #: (selection, quantize label, evict label)
@@ -174,13 +174,8 @@ def write_results_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pat
     """Write ``doc`` (e.g. ``docs/results.md``) from ``run_dir``; plots go to ``<doc dir>/img/results``."""
     run = Path(run_dir)
     doc = Path(doc)
-    config = read_config(run)
+    config, rows = current_rows(run)
     ids = set(config.get("cells", []))
-    latest: dict[tuple[str, str], dict[str, Any]] = {}
-    for r in read_rows(run):
-        if r.get("cell") in ids and r["metric"] != "error":
-            latest[(r["cell"], r["metric"])] = r
-    rows = list(latest.values())
     img = doc.parent / "img" / "results"
     img.mkdir(parents=True, exist_ok=True)
     pngs = {}

@@ -50,12 +50,16 @@ class Reference:
         ``(1, vocab)`` prediction after the prefill.
     logits, nll : torch.Tensor
         Teacher-forced samples only: ``(n, vocab)`` predictions and ``(n,)`` NLL of the continuation.
+    tokens : list of int
+        Samples scored against the reference only (``Sample.against_reference``): its own greedy
+        continuation.
     """
 
     prefill_kv: list[tuple[torch.Tensor, torch.Tensor]] | None
     last_logits: torch.Tensor
     logits: torch.Tensor | None = None
     nll: torch.Tensor | None = None
+    tokens: list[int] | None = None
 
 
 @dataclass
@@ -92,6 +96,8 @@ def reference(model: torch.nn.Module, sample: Sample) -> Reference:
             steps.append(_forward(model, ids[:, t : t + 1], cache)[:, -1].float())
         ref.logits = torch.cat(steps)
         ref.nll = nll(ref.logits, ids[0, sample.prefill :])
+    elif sample.against_reference:
+        ref.tokens = _greedy(model, logits, cache, sample.max_new_tokens, None)
     return ref
 
 
@@ -187,25 +193,34 @@ def generate(
     model: torch.nn.Module, tokenizer: Any, sample: Sample, cache: Any, ref: Reference | None = None
 ) -> Generated:
     """Greedy decoding of ``sample`` through ``cache`` (prefill replayed from ``ref`` when given)."""
-    device = model.device
-    ids = torch.tensor([sample.ids], device=device)
+    ids = torch.tensor([sample.ids], device=model.device)
     logits = _prefill(model, ids, cache, ref, None)
     eos = tokenizer.eos_token_id
-    eos_ids = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+    # compared with the reference token by token: both run the full length, end of sequence or not
+    eos_ids = None if sample.against_reference else set(eos) if isinstance(eos, (list, tuple)) else {eos}
+    stop = None
+    if sample.stop_at_newline:
+        stop = lambda tokens: "\n" in tokenizer.decode(tokens, skip_special_tokens=True).lstrip("\n")  # noqa: E731
+    tokens = _greedy(model, logits, cache, sample.max_new_tokens, eos_ids, stop)
+    return Generated(tokens, tokenizer.decode(tokens, skip_special_tokens=True))
+
+
+def _greedy(
+    model: torch.nn.Module, logits: torch.Tensor, cache: Any, max_new_tokens: int, eos_ids: set[int] | None,
+    stop: Any = None,
+) -> list[int]:  # fmt: skip
+    """Up to ``max_new_tokens`` greedy tokens after ``logits`` (``(1, vocab)``), through ``cache``;
+    ends before a token of ``eos_ids`` or after the token where ``stop(tokens)`` holds."""
     tokens: list[int] = []
-    for _ in range(sample.max_new_tokens):
+    for _ in range(max_new_tokens):
         nxt = int(logits.argmax(-1))
-        if nxt in eos_ids:
+        if eos_ids is not None and nxt in eos_ids:
             break
         tokens.append(nxt)
-        if sample.stop_at_newline:
-            text = tokenizer.decode(tokens, skip_special_tokens=True)
-            if "\n" in text.lstrip("\n"):
-                break
-        if len(tokens) == sample.max_new_tokens:
+        if (stop is not None and stop(tokens)) or len(tokens) == max_new_tokens:
             break
-        logits = _forward(model, torch.tensor([[nxt]], device=device), cache)[:, -1].float()
-    return Generated(tokens, tokenizer.decode(tokens, skip_special_tokens=True))
+        logits = _forward(model, torch.tensor([[nxt]], device=model.device), cache)[:, -1].float()
+    return tokens
 
 
 def task_scores(
@@ -216,17 +231,28 @@ def task_scores(
     refs: list[Reference | None],
     make_cache: Any,
     progress: bool = False,
+    replay: bool = True,
 ) -> tuple[list[Metric], list[dict[str, Any]]]:
-    """Scores of a generation task, and one record per sample (answer, generation, scores)."""
+    """Scores of a generation task, and one record per sample (answer, generation, scores).
+
+    ``refs`` replay the prefill where given (``replay``); samples scored against the reference
+    (``Sample.against_reference``) need their reference whatever ``replay`` says, and replay it only
+    when ``replay`` is true."""
     scores: dict[str, list[float]] = {}
     records = []
     cache = None
     length = 0
     for sample, ref in tqdm(list(zip(samples, refs, strict=True)), desc="  samples", leave=False, disable=not progress):
         cache = make_cache()
-        gen = generate(model, tokenizer, sample, cache, ref)
+        if sample.against_reference:
+            if ref is None or ref.tokens is None:
+                raise ValueError(f"task {task.name!r} needs the reference's greedy tokens of sample {sample.sample_id}")
+            gen = generate(model, tokenizer, sample, cache, ref if replay else None)
+            got = task.score_tokens(gen.tokens, ref.tokens)  # type: ignore[attr-defined]
+        else:
+            gen = generate(model, tokenizer, sample, cache, ref)
+            got = task.score(sample, gen.text)
         length = len(sample.ids) + len(gen.tokens)
-        got = task.score(sample, gen.text)
         for k, v in got.items():
             scores.setdefault(k, []).append(v)
         records.append({"sample": sample.sample_id, "meta": sample.meta, "answer": _jsonable(sample.answer),

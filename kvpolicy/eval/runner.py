@@ -138,6 +138,18 @@ def read_rows(out: Path) -> list[dict[str, Any]]:
     return scan_rows(out / RESULTS)[0]
 
 
+def current_rows(out: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``out``'s config and the latest row of each (cell, metric) of the cells that config lists
+    (rows of cells no longer in the grid, and error rows, left out)."""
+    config = read_config(out)
+    ids = set(config.get("cells", []))
+    latest: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in read_rows(out):
+        if r.get("cell") in ids and r["metric"] != "error":
+            latest[(r["cell"], r["metric"])] = r
+    return config, list(latest.values())
+
+
 def repair_tail(path: Path) -> int:
     """Make ``path`` end with a complete line, as an interrupted append may not have.
 
@@ -455,7 +467,8 @@ class Runner:
                 if task_name == SPEED:
                     metrics = measure.speed(model, ids, make, task["steps"], task["repeats"])
                 else:
-                    needs_ref = grid.replay or samples[0].kind == "teacher_forced"
+                    against = samples[0].against_reference
+                    needs_ref = grid.replay or samples[0].kind == "teacher_forced" or against
                     if refs is None and needs_ref:
                         refs = [measure.reference(model, s) for s in samples]
                     use = refs if (grid.replay and not scores) else None
@@ -463,8 +476,10 @@ class Runner:
                         metrics = measure.teacher_forced(model, samples, refs, make, replay=use is not None,
                                                          progress=self.progress)  # fmt: skip
                     else:
-                        metrics, records = measure.task_scores(model, tok, task, samples, use or [None] * len(samples),
-                                                               make, progress=self.progress)  # fmt: skip
+                        given = refs if against else (use or [None] * len(samples))
+                        metrics, records = measure.task_scores(
+                            model, tok, task, samples, given, make, progress=self.progress, replay=use is not None
+                        )
             except Exception as exc:  # recorded, retried by the next run
                 self.errors += 1
                 msg = f"{type(exc).__name__}: {exc}"

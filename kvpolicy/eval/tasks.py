@@ -54,6 +54,9 @@ class Sample:
     max_new_tokens : int
     stop_at_newline : bool
         Stop generating at the first newline after some text (line completion).
+    against_reference : bool
+        Scored against the uncompressed cache's own greedy continuation (:class:`GreedyAgreement`),
+        which the reference run then generates.
     meta : dict
         Depth, file, prompt length... copied into the results.
     """
@@ -67,6 +70,7 @@ class Sample:
     max_new_tokens: int = 0
     stop_at_newline: bool = False
     meta: dict[str, Any] = field(default_factory=dict)
+    against_reference: bool = False
 
 
 # ---------------------------------------------------------------------- tokenizer helpers
@@ -159,6 +163,42 @@ class LanguageModeling(Task):
                 raise ConfigError(f"task 'lm': the files {list(self.files)} hold {len(ids)} tokens; {need} needed")
             out.append(Sample(self.name, f"{i}:{used[0]}", "teacher_forced", ids[:need], context, meta={"files": used}))
         return out
+
+
+@dataclass(frozen=True)
+class GreedyAgreement(LanguageModeling):
+    """Greedy generation compared with the uncompressed cache's: the texts of :class:`LanguageModeling`,
+    the first ``context`` tokens as the prompt, ``tokens`` greedy tokens.
+
+    Scores: ``identical`` (share of the reference's tokens generated at the same place) and
+    ``first_divergence`` (tokens generated before the first difference; ``tokens`` when none). Both
+    runs generate all ``tokens`` tokens, through end-of-sequence tokens too.
+    """
+
+    tokens: int = 256
+
+    name = "greedy"
+
+    def samples(self, tokenizer: Any, context: int, seed: int) -> list[Sample]:
+        out = []
+        for text in super().samples(tokenizer, context, seed):
+            out.append(Sample(self.name, text.sample_id, "generate", text.ids[:context], context,
+                              max_new_tokens=self.tokens, meta=text.meta, against_reference=True))  # fmt: skip
+        return out
+
+    def score(self, sample: Sample, text: str) -> dict[str, float]:
+        raise ConfigError("task 'greedy' is scored against the reference's tokens: use score_tokens")
+
+    @staticmethod
+    def score_tokens(tokens: list[int], reference: list[int]) -> dict[str, float]:
+        """``identical`` and ``first_divergence`` of ``tokens`` against ``reference``."""
+        longest = max(len(tokens), len(reference))
+        if longest == 0:
+            return {"identical": 1.0, "first_divergence": 0.0}
+        same = [a == b for a, b in zip(tokens, reference, strict=False)]
+        # where one stopped (end of sequence) and the other went on counts as the divergence
+        first = next((i for i, ok in enumerate(same) if not ok), len(same))
+        return {"identical": sum(same) / longest, "first_divergence": float(first)}
 
 
 _FILLER = (
@@ -494,7 +534,8 @@ class LongBench(Task):
 
 
 TASKS: dict[str, type[Task]] = {
-    cls.name: cls for cls in (LanguageModeling, Passkey, KeyValueRetrieval, LineCompletion, GSM8K, LongBench)
+    cls.name: cls
+    for cls in (LanguageModeling, GreedyAgreement, Passkey, KeyValueRetrieval, LineCompletion, GSM8K, LongBench)
 }
 
 

@@ -1,0 +1,47 @@
+"""docs/frontier.md's generator: the Pareto frontier of bits per element vs KL, and the page itself."""
+
+from __future__ import annotations
+
+from kvpolicy.cli import main
+from kvpolicy.eval.frontier_report import Point, best_within, frontier
+
+
+def _p(cache: str, bits: float, kl: float, top1: float = 0.9) -> Point:
+    return Point(cache, bits, {("lm", "kl"): (kl, None), ("lm", "top1"): (top1, None)})
+
+
+def test_frontier_keeps_points_no_other_beats_with_as_few_bits():
+    pts = [_p("a", 3.0, 0.2), _p("b", 3.2, 0.1), _p("c", 3.3, 0.15), _p("d", 4.0, 0.01), _p("e", 4.0, 0.02),
+           _p("f", 16.0, 0.0)]  # fmt: skip
+    assert [p.cache for p in frontier(pts)] == ["a", "b", "d", "f"]
+
+
+def test_best_within_takes_the_lowest_kl_at_or_under_the_budget():
+    pts = [_p("a", 3.0, 0.2), _p("b", 3.5, 0.1), _p("c", 3.6, 0.01)]
+    assert best_within(pts, 3.5).cache == "b"
+    assert best_within(pts, 2.0) is None
+    assert best_within(pts, 4.0, exclude=("c",)).cache == "b"
+
+
+def test_ablate_writes_the_frontier_page(tmp_path):
+    cfg = tmp_path / "f.toml"
+    cfg.write_text(
+        'models = ["tiny-llama"]\ncontexts = [96]\n[tasks.lm]\nsamples_per_context = 1\ntokens = 8\n'
+        '[[caches]]\nlabel = "uncompressed"\nkind = "dynamic"\n'
+        '[[caches]]\nlabel = "log42-k2v2"\npolicy = "log"\nwindow = 8\ngroup_size = 16\nbits = 2\n'
+        '[[caches]]\nlabel = "log42-k2v2-rot"\npolicy = "log"\nwindow = 8\ngroup_size = 16\nbits = 2\n'
+        'transform = "hadamard"\n'
+        '[[caches]]\nlabel = "log-4b"\npolicy = "log"\nwindow = 8\ngroup_size = 16\nbits = 4\n'
+    )
+    doc = tmp_path / "docs" / "frontier.md"
+    rc = main(["ablate", "--config", str(cfg), "--out", str(tmp_path / "run"), "--no-progress",
+               "--frontier-doc", str(doc)])  # fmt: skip
+    assert rc == 0
+    text = doc.read_text()
+    assert "## Context 96" in text and "| cache | bits/el | ΔNLL (nats) | KL (nats) | top-1 |" in text
+    for label in ("uncompressed", "log42-k2v2", "log42-k2v2-rot", "log-4b"):
+        assert f"`{label}`" in text
+    assert "Rotation at equal bits (log, W=42, K2V2" in text
+    assert (tmp_path / "docs" / "img" / "frontier" / "frontier_96.png").stat().st_size > 1000
+    # the uncompressed cache is on the frontier (nothing has a lower KL), drawn in bold with a star
+    assert "**`uncompressed`** ★" in text
