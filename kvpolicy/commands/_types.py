@@ -12,8 +12,12 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvpolicy.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvpolicy.eval.plan import Shard
 
 
 def _int(text: str, minimum: int) -> int:
@@ -85,6 +89,16 @@ def _is_int(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def shard_spec(text: str) -> Shard:
+    """``I/N``: part ``I`` (0-based) of ``N`` of a grid's cells (``--shard``)."""
+    from kvpolicy.eval.plan import parse_shard
+
+    try:
+        return parse_shard(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def device_name(text: str) -> str:

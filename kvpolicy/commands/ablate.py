@@ -1,12 +1,31 @@
-"""``kvpolicy ablate``: run an ablation grid (see :mod:`kvpolicy.eval.grid` for the config keys)."""
+"""``kvpolicy ablate``: run an ablation grid (see :mod:`kvpolicy.eval.grid` for the config keys).
+
+The cells run here, or on Ray workers (``--executor ray``, :mod:`kvpolicy.eval.executors`); ``--shard i/n``
+runs a share of them and ``--merge`` combines the shards' directories (:mod:`kvpolicy.eval.merge`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from pathlib import Path
 
-from kvpolicy.commands._types import device_name, int_list, non_negative_int, out_dir, out_file, positive_int
+from kvpolicy.commands._types import (
+    device_name,
+    int_list,
+    non_negative_int,
+    out_dir,
+    out_file,
+    positive_float,
+    positive_int,
+    shard_spec,
+)
+from kvpolicy.errors import ConfigError
+
+#: flags that define the grid (``--merge`` takes the grid from the shards instead)
+_GRID_FLAGS = ("config", "model", "dtype", "device", "seed", "context", "task", "policy", "action", "bits", "backend",
+               "preset", "baseline", "equal_bytes", "no_replay", "online")  # fmt: skip
 
 
 def _build_config(args: argparse.Namespace) -> dict:
@@ -55,22 +74,51 @@ def _build_config(args: argparse.Namespace) -> dict:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.merge:
+        return _merge(args)
     if not args.online:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missing model fails in seconds, not after retries
+    from kvpolicy.eval.executors import make_executor
     from kvpolicy.eval.grid import grid_from_dict
     from kvpolicy.eval.runner import Runner
 
+    executor = make_executor(args.executor, args.address, args.cpus_per_cell, args.gpus_per_cell, args.threads)
     grid = grid_from_dict(_build_config(args))
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    runner = Runner(grid, args.out, progress=not args.no_progress)
+    runner = Runner(grid, args.out, progress=not args.no_progress, executor=executor, shard=args.shard)
     if args.report_only:
         runner.report()
         failed = 0
     else:
         failed = runner.run()
+    _write_docs(args)
+    return 1 if failed else 0
+
+
+def _merge(args: argparse.Namespace) -> int:
+    """``--merge SHARD_DIR...``: combine shard directories into ``--out`` and report on it."""
+    given = [f"--{name.replace('_', '-')}" for name in _GRID_FLAGS if getattr(args, name) not in (None, False, [])]
+    if given:
+        raise ConfigError(f"--merge takes the grid from the shards' config.json; leave out {', '.join(given)}")
+    others = [flag for flag, on in (("--report-only", args.report_only), (f"--shard {args.shard}", args.shard),
+                                    (f"--executor {args.executor}", args.executor != "local"),
+                                    ("--address", args.address), ("--cpus-per-cell", args.cpus_per_cell),
+                                    ("--gpus-per-cell", args.gpus_per_cell)) if on]  # fmt: skip
+    if others:
+        raise ConfigError(f"--merge combines finished shard directories; it cannot be used with {', '.join(others)}")
+    from kvpolicy.eval.merge import merge_runs, write_report
+
+    merge_runs(args.out, args.merge)
+    write_report(args.out)
+    _write_docs(args)
+    return 0
+
+
+def _write_docs(args: argparse.Namespace) -> None:
+    """``--docs`` and ``--frontier-doc``: pages written from the run directory."""
     command = " ".join(["kvpolicy", *sys.argv[1:]]) if args.command_line is None else args.command_line
     if args.docs:
         from kvpolicy.eval.docs_report import write_results_doc
@@ -80,7 +128,6 @@ def _run(args: argparse.Namespace) -> int:
         from kvpolicy.eval.frontier_report import write_frontier_doc
 
         write_frontier_doc(args.out, args.frontier_doc, command=command)
-    return 1 if failed else 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -91,7 +138,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "ablate",
         help="run an ablation grid: models x caches x contexts x tasks (resumable)",
         description="Run an ablation grid into OUT (config.json, results.jsonl, summary.md, plots). Finished cells "
-        "are skipped on re-runs. Flags override or extend --config (TOML or JSON).",
+        "are skipped on re-runs. Flags override or extend --config (TOML or JSON). --executor ray runs the cells on "
+        "Ray workers; --shard I/N runs a share of them, and --merge combines the shards' directories into OUT.",
     )
     p.add_argument("--config", help="grid file (.toml or .json)")
     p.add_argument("--out", required=True, type=out_dir, help="run directory (created if missing)")
@@ -116,12 +164,31 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "default: the first compressing cache)")  # fmt: skip
     p.add_argument("--no-replay", action="store_true", help="run every prefill instead of replaying the reference's")
     p.add_argument("--online", action="store_true", help="allow downloading models from the Hugging Face hub")
-    p.add_argument("--threads", type=positive_int, help="torch CPU threads")
+    p.add_argument("--threads", type=positive_int, help="torch CPU threads (with --executor ray: in each worker)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--report-only", action="store_true", help="rewrite summary.md and plots from results.jsonl")
     p.add_argument("--docs", type=out_file, help="also write a results page (e.g. docs/results.md) from OUT")
     p.add_argument("--frontier-doc", type=out_file,
                    help="also write a quality-per-byte page (e.g. docs/frontier.md: bits/element vs KL, the Pareto "
                    "frontier) from OUT")  # fmt: skip
+    p.add_argument("--executor", choices=("local", "ray"), default="local",
+                   help="where the cells run: here, one after another (default), or on Ray workers, one per slot of "
+                   'the cluster (pip install "kvpolicy[ray]"); results come back here and only this process writes '
+                   "OUT")  # fmt: skip
+    p.add_argument("--address", help="--executor ray: the Ray cluster to join: auto (this node's), HEAD:6379, or "
+                   'ray://HEAD:10001 (needs pip install "ray[client]"); default: RAY_ADDRESS, else a Ray instance '
+                   "started for the run")  # fmt: skip
+    p.add_argument("--cpus-per-cell", type=positive_int, metavar="N",
+                   help="--executor ray: CPUs each worker asks for (a worker runs one cell at a time; default 1; "
+                   "also its torch threads unless --threads)")  # fmt: skip
+    p.add_argument("--gpus-per-cell", type=positive_float, metavar="N",
+                   help="--executor ray, device cuda: GPUs each worker asks for (default 1; 0.5 puts two workers "
+                   "on a GPU)")  # fmt: skip
+    p.add_argument("--shard", type=shard_spec, metavar="I/N",
+                   help="run only the cells whose index in the grid modulo N is I (0 <= I < N), e.g. one array task "
+                   "of a Slurm job; combine the shards' --out with --merge")  # fmt: skip
+    p.add_argument("--merge", nargs="+", type=Path, metavar="SHARD_DIR",
+                   help="instead of running, merge these shard run directories into --out (same grid required; "
+                   "each cell once) and write its report")  # fmt: skip
     p.add_argument("--command-line", help=argparse.SUPPRESS)
     p.set_defaults(func=_run)

@@ -12,6 +12,11 @@ A cell is model × cache × context × task. Cells whose id (a hash of everythin
 result) already has its rows in ``results.jsonl`` are skipped, so an interrupted run resumes where
 it stopped. A cell that raises is recorded as an error row and retried by the next run.
 
+Cells run in this process by default, or elsewhere through an executor
+(:mod:`kvpolicy.eval.executors`: Ray workers); either way only this process writes ``OUT``. With a
+:class:`~kvpolicy.eval.plan.Shard` the run takes only its share of the cells (``--shard i/n``);
+:mod:`kvpolicy.eval.merge` combines the shards' directories.
+
 Damaged run directories: a last line of ``results.jsonl`` (or ``samples.jsonl``) cut by an
 interruption is dropped before the run appends (its cell runs again); other lines that are not
 result rows are skipped with a one-line warning (the cells they belonged to run again).
@@ -25,20 +30,18 @@ from __future__ import annotations
 import json
 import os
 import time
-import traceback
-from collections.abc import Callable
-from dataclasses import asdict
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from tqdm.auto import tqdm
 
 from kvpolicy.errors import ConfigError
-from kvpolicy.eval import measure
 from kvpolicy.eval.caches import CacheSpec
-from kvpolicy.eval.grid import SPEED, Grid, cell_id, check_model_available
-from kvpolicy.eval.tasks import LanguageModeling, Task
+from kvpolicy.eval.cells import CellGroup, CellResult
+from kvpolicy.eval.grid import SPEED, Grid, check_model_available
+from kvpolicy.eval.plan import Group, Shard, equal_specs, plan_groups, uses_context
 
 RESULTS = "results.jsonl"
 SAMPLES = "samples.jsonl"
@@ -150,6 +153,17 @@ def current_rows(out: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return config, list(latest.values())
 
 
+def report_rows(rows: list[dict[str, Any]], ids: set[str]) -> list[dict[str, Any]]:
+    """The rows a report shows: the latest per (cell, metric) of the cells ``ids``, and the error row
+    of a cell only while it has no other row."""
+    latest: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in rows:
+        if row.get("cell") in ids:
+            latest[(row["cell"], row["metric"])] = row
+    ok = {cell for cell, metric in latest if metric != "error"}
+    return [r for (cell, metric), r in latest.items() if metric != "error" or cell not in ok]
+
+
 def repair_tail(path: Path) -> int:
     """Make ``path`` end with a complete line, as an interrupted append may not have.
 
@@ -211,18 +225,14 @@ def read_config(out: Path) -> dict[str, Any]:
     return config
 
 
-def _spec_fields(spec: CacheSpec) -> dict[str, Any]:
-    a = spec.args
-    part = lambda x: x if isinstance(x, str) or x is None else getattr(x, "name", repr(x))  # noqa: E731
-    if spec.kind == "compressed":
-        return {"policy": part(a.get("policy", "log")), "action": part(a.get("action", "quantize")),
-                "bits": a.get("bits"), "backend": part(a.get("backend", "torch"))}  # fmt: skip
-    if spec.kind == "hf-quantized":
-        return {"policy": "recent:flush(hf)", "action": "quantize", "bits": a.get("nbits", 4),
-                "backend": a.get("backend")}  # fmt: skip
-    if spec.kind == "preset":
-        return {"policy": f"preset:{a.get('name')}", "action": None, "bits": a.get("bits"), "backend": None}
-    return {"policy": None, "action": "none", "bits": None, "backend": None}
+class Executor(Protocol):
+    """Where a :class:`Runner`'s cells run (see :mod:`kvpolicy.eval.executors`)."""
+
+    def check(self, grid: Grid) -> None:
+        """Refuse, before any work, a grid or setting this executor cannot run."""
+
+    def run(self, runner: Runner, tasks: dict[str, Any], done: set[str], bar: Any) -> None:
+        """Run the pending cells of ``runner``'s grid, handing each result to :meth:`Runner.record`."""
 
 
 class Runner:
@@ -237,13 +247,20 @@ class Runner:
         Show tqdm bars (over cells, and within long cells).
     log : callable
         Where messages go.
+    executor : Executor, optional
+        Where the cells run (default: here, one model at a time).
+    shard : Shard, optional
+        Run only this shard's share of the cells (default: all).
     """
 
-    def __init__(self, grid: Grid, out: str | Path, progress: bool = True, log: Callable[[str], None] = print):
+    def __init__(self, grid: Grid, out: str | Path, progress: bool = True, log: Callable[[str], None] = print,
+                 executor: Executor | None = None, shard: Shard | None = None):  # fmt: skip
         self.grid = grid
         self.out = Path(out)
         self.progress = progress
         self.log = log
+        self.executor = executor
+        self.shard = shard
         self.sizings: list[dict[str, Any]] = []
         self.errors = 0
         self.ran = 0
@@ -251,24 +268,36 @@ class Runner:
         self._finished: set[str] = set()
         self._warned = False
         self._model_name = ""
+        self._index = 0  # cells numbered so far, in grid order (shards)
+        self._cells: list[str] = []  # ids of the cells of this run (this shard's when sharded)
 
     # ------------------------------------------------------------------ entry
     def run(self) -> int:
         """Run every pending cell; returns the number of cells that raised."""
         grid = self.grid
-        for name in grid.models:  # fail fast on names before any work
-            check_model_available(name, grid.online)
-        _check_device(grid.device)
+        if self.executor is None:
+            for name in grid.models:  # fail fast on names before any work
+                check_model_available(name, grid.online)
+            _check_device(grid.device)
+        else:
+            self.executor.check(grid)
         tasks = grid.task_objects()
         total = len(grid.models) * self._count_cells(tasks)
+        if self.shard is not None:
+            total = self.shard.size(total)
         self._make_out()
         self._write_config()
         done = self._load_results()
         bar = tqdm(total=total, desc="cells", disable=not self.progress, dynamic_ncols=True)
         t0 = time.perf_counter()
-        for model_name in grid.models:
-            self._run_model(model_name, tasks, done, bar)
-        bar.close()
+        try:
+            if self.executor is None:
+                for model_name in grid.models:
+                    self.run_model(model_name, tasks, done, bar)
+            else:
+                self.executor.run(self, tasks, done, bar)
+        finally:
+            bar.close()
         self._verify_rows()
         self.log(f"ablation: {total} cells ({self.ran} run, {self.skipped} already done), {self.errors} failed, "
                  f"{time.perf_counter() - t0:.0f} s -> {self.out}")  # fmt: skip
@@ -289,12 +318,60 @@ class Runner:
         ids = set(read_config(self.out).get("cells", []))
         rows, bad = scan_rows(self.out / RESULTS)
         self._warn_bad_lines(bad, "the report leaves them out")
-        latest: dict[tuple[str, str], dict[str, Any]] = {}
-        for row in rows:
-            if row.get("cell") in ids:
-                latest[(row["cell"], row["metric"])] = row
-        ok = {cell for cell, metric in latest if metric != "error"}
-        return [r for (cell, metric), r in latest.items() if metric != "error" or cell not in ok]
+        return report_rows(rows, ids)
+
+    # ------------------------------------------------------------------ for executors
+    def plan(self, model_name: str, tasks: dict[str, Any], model: Any) -> Iterator[Group]:
+        """The groups of cells of ``model_name`` (``tasks``: the grid's task objects; ``model``: loaded, used
+        only to size ``--equal-bytes`` copies, whose sizings go to ``sizing.json`` and :attr:`sizings`)."""
+        self._model_name = model_name
+        return plan_groups(self.grid, model_name, tasks, lambda context, steps: self._specs_for(model, context, steps))
+
+    def take_pending(self, group: Group, done: set[str], bar: Any) -> list[tuple[str, CacheSpec, bool]]:
+        """Number ``group``'s cells, keep this run's (its shard's), count the finished ones as skipped
+        and return the others; call once per group, in plan order."""
+        todo = []
+        for cid, spec, eq in group.cells:
+            index = self._index
+            self._index += 1
+            if self.shard is not None and not self.shard.owns(index):
+                continue
+            self._cells.append(cid)
+            if cid in done:
+                self.skipped += 1
+                bar.update(1)
+            else:
+                todo.append((cid, spec, eq))
+        return todo
+
+    def record(self, result: CellResult, bar: Any) -> None:
+        """Write a cell's result (its rows, or its error row and a message) and count it."""
+        if result.error is not None:
+            self.errors += 1
+            self.log(f"cell {result.cache} | {result.task} | ctx {result.context} FAILED: {result.error}")
+            self._append(RESULTS, result.rows)
+        else:
+            if result.samples:
+                self._append(SAMPLES, result.samples)
+            self._append(RESULTS, result.rows)
+            self._finished.add(result.cid)
+        bar.update(1)
+
+    def write_cells(self) -> None:
+        """Add the cells numbered so far to ``config.json``."""
+        self._write_config(self._cells)
+
+    def runs_attention(self) -> bool:
+        """Whether this run does the grid's attention analysis (the first shard does it)."""
+        return bool(self.grid.attention) and (self.shard is None or self.shard.index == 0)
+
+    def attention_params(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`~kvpolicy.eval.attention_analysis.analyze_attention` from the grid."""
+        return {k: v for k, v in self.grid.attention.items() if k in ("context", "queries", "top_k", "window")}
+
+    def attention_dir(self, model_name: str) -> Path:
+        """Where the attention analysis of ``model_name`` goes."""
+        return self.out / "attention" / _slug(model_name)
 
     # ------------------------------------------------------------------ internals
     def _make_out(self) -> None:
@@ -342,9 +419,9 @@ class Runner:
             resized = [s for s in grid.caches if resizable(s, anchor)]
         n = 0
         for name, task in tasks.items():
-            contexts = task["contexts"] if isinstance(task, dict) else grid.contexts if _uses_context(task) else [0]
+            contexts = task["contexts"] if isinstance(task, dict) else grid.contexts if uses_context(task) else [0]
             for context in contexts:
-                quality = name != SPEED and (context in grid.contexts or not _uses_context(task))
+                quality = name != SPEED and (context in grid.contexts or not uses_context(task))
                 extra = resized if quality else []
                 n += sum(grid.runs(name, s.label) for s in [*grid.caches, *extra])
         return n
@@ -355,6 +432,8 @@ class Runner:
         d = self.grid.to_dict()
         d["cells"] = sorted(set(old.get("cells", [])) | set(cells or [])) if cells is not None else []
         d["sizings"] = self.sizings
+        if self.shard is not None:
+            d["shard"] = str(self.shard)
         d["torch"] = torch.__version__
         try:
             import transformers
@@ -369,150 +448,50 @@ class Runner:
 
     def _specs_for(self, model: Any, context: int, steps: int) -> list[tuple[CacheSpec, bool]]:
         """The grid's caches, plus their equal-bytes copies at ``context``."""
-        specs = [(s, False) for s in self.grid.caches]
         if not self.grid.equal_bytes:
-            return specs
-        from kvpolicy.eval.equal_bytes import anchor_of, equalize, resizable
+            return [(s, False) for s in self.grid.caches]
+        from kvpolicy.eval.plan import anchor
 
-        eb = self.grid.equal_bytes
-        anchor = anchor_of(self.grid.caches, None if eb is True else str(eb))
-        self.log(f"--equal-bytes: sizing every method to the bytes of {anchor.label!r} at context {context} ...")
+        self.log(f"--equal-bytes: sizing every method to the bytes of {anchor(self.grid).label!r} at context "
+                 f"{context} ...")  # fmt: skip
         memo_path = self.out / "sizing.json"
-        memo = self._read_sizing_memo(memo_path)
-        mine = memo.setdefault(self._model_name, {})
-        sized, report = equalize(model, anchor, self.grid.caches, context, steps, memo=mine)
+        memo = self.read_sizing_memo()
+        specs, sizings = equal_specs(self.grid, model, context, steps, memo.setdefault(self._model_name, {}))
         memo_path.write_text(json.dumps(memo, indent=1))
-        for s in report:
-            self.sizings.append({"context": context, "anchor": anchor.label, **asdict(s)})
-        return specs + [(s, True) for s, orig in zip(sized, self.grid.caches, strict=True)
-                        if resizable(orig, anchor)]  # fmt: skip
+        self.sizings.extend(sizings)
+        return specs
 
-    def _run_model(self, model_name: str, tasks: dict[str, Any], done: set[str], bar: Any) -> None:
+    def run_model(self, model_name: str, tasks: dict[str, Any], done: set[str], bar: Any) -> None:
+        """Load ``model_name`` here and run its pending cells, group by group."""
         grid = self.grid
-        self._model_name = model_name
         self.log(f"loading {model_name} ...")
         model, tok = open_model(model_name, grid.dtype, grid.device, grid.online)
-        lm_tokens = tasks["lm"].tokens if isinstance(tasks.get("lm"), LanguageModeling) else 64
-        all_cells: list[str] = []
-        contexts = sorted({*grid.contexts, *(c for t in tasks.values() if isinstance(t, dict) for c in t["contexts"])})
-        first = True
-        for context in contexts:
-            quality = [n for n, t in tasks.items() if n != SPEED and context in grid.contexts]
-            needs_sizing = bool(quality)
-            specs = self._specs_for(model, context, lm_tokens) if needs_sizing else [(s, False) for s in grid.caches]
-            for task_name, task in tasks.items():
-                if task_name == SPEED:
-                    if context not in task["contexts"]:
-                        continue
-                    ctx: int | None = context
-                    run_specs = [(s, False) for s in grid.caches]
-                else:
-                    if context not in grid.contexts or (not _uses_context(task) and not first):
-                        continue
-                    ctx = context if _uses_context(task) else None
-                    run_specs = specs
-                params = task if isinstance(task, dict) else asdict(task)
-                todo = []
-                for spec, eq in run_specs:
-                    if not grid.runs(task_name, spec.label):
-                        continue
-                    cid = cell_id(model_name, spec, ctx, task_name, params, grid)
-                    all_cells.append(cid)
-                    if cid in done:
-                        self.skipped += 1
-                        bar.update(1)
-                    else:
-                        todo.append((cid, spec, eq))
-                self._write_config(all_cells)
-                if todo:
-                    self._run_cells(model, tok, model_name, ctx, task_name, task, todo, bar)
-            if context in grid.contexts:
-                first = False
-        if grid.attention:
+        for group in self.plan(model_name, tasks, model):
+            todo = self.take_pending(group, done, bar)
+            self.write_cells()
+            if todo:
+                self._run_cells(model, tok, group, todo, bar)
+        if self.runs_attention():
             self._attention(model, tok, model_name)
 
     def _attention(self, model: Any, tok: Any, model_name: str) -> None:
         from kvpolicy.eval.attention_analysis import analyze_attention
 
-        out = self.out / "attention" / _slug(model_name)
+        out = self.attention_dir(model_name)
         if (out / "attention_spikes.json").is_file():
             return
         self.log(f"attention analysis of {model_name} ...")
-        params = {k: v for k, v in self.grid.attention.items() if k in ("context", "queries", "top_k", "window")}
-        analyze_attention(model, tok, seed=self.grid.seed, out=out, progress=self.progress, name=model_name, **params)
+        analyze_attention(model, tok, seed=self.grid.seed, out=out, progress=self.progress, name=model_name,
+                          **self.attention_params())  # fmt: skip
 
-    def _run_cells(self, model: Any, tok: Any, model_name: str, context: int | None, task_name: str, task: Any,
-                   todo: list[tuple[str, CacheSpec, bool]], bar: Any) -> None:  # fmt: skip
-        grid = self.grid
-        if task_name == SPEED:
-            samples = LanguageModeling(samples_per_context=1, tokens=1).samples(tok, context, grid.seed)
-            ids = samples[0].ids[:context]
-        else:
-            samples = task.samples(tok, context or 0, grid.seed)
-        refs: list[measure.Reference | None] | None = None
+    def _run_cells(self, model: Any, tok: Any, group: Group, todo: list[tuple[str, CacheSpec, bool]],
+                   bar: Any) -> None:  # fmt: skip
+        cells = CellGroup(self.grid, model, tok, group.model, group.context, group.task_name, group.task,
+                          progress=self.progress)  # fmt: skip
         for cid, spec, eq in todo:
             self.ran += 1
-            bar.set_postfix_str(f"{spec.label} | {task_name} | ctx {context}")
-            t0 = time.perf_counter()
-            scores = spec.needs_scores()
-            if scores or model.config._attn_implementation in ("sdpa", "eager"):
-                # outputs unchanged; reports scores where a policy needs them and checks the mask, so
-                # layout="agnostic" can be used (kvpolicy.handoff)
-                from kvpolicy.attention import enable_scores
-
-                enable_scores(model)
-            records: list[dict[str, Any]] = []
-            try:
-                make = lambda spec=spec: spec.build(model)  # noqa: E731
-                if task_name == SPEED:
-                    metrics = measure.speed(model, ids, make, task["steps"], task["repeats"])
-                else:
-                    against = samples[0].against_reference
-                    needs_ref = grid.replay or samples[0].kind == "teacher_forced" or against
-                    if refs is None and needs_ref:
-                        refs = [measure.reference(model, s) for s in samples]
-                    use = refs if (grid.replay and not scores) else None
-                    if samples[0].kind == "teacher_forced":
-                        metrics = measure.teacher_forced(model, samples, refs, make, replay=use is not None,
-                                                         progress=self.progress)  # fmt: skip
-                    else:
-                        given = refs if against else (use or [None] * len(samples))
-                        metrics, records = measure.task_scores(
-                            model, tok, task, samples, given, make, progress=self.progress, replay=use is not None
-                        )
-            except Exception as exc:  # recorded, retried by the next run
-                self.errors += 1
-                msg = f"{type(exc).__name__}: {exc}"
-                self.log(f"cell {spec.label} | {task_name} | ctx {context} FAILED: {msg}")
-                self._append(RESULTS, [self._row(cid, model_name, spec, eq, context, task_name, "error", 1,
-                                                 value=float("nan"), extra={"error": msg,
-                                                 "traceback": traceback.format_exc(limit=6)})])  # fmt: skip
-                bar.update(1)
-                continue
-            finally:
-                if scores:
-                    from kvpolicy.attention import disable_scores
-
-                    disable_scores(model)
-            seconds = time.perf_counter() - t0
-            rows = [self._row(cid, model_name, spec, eq, context, task_name, m.name, len(metrics), value=m.value,
-                              se=m.se, n=m.n, extra={**m.extra, "seconds": round(seconds, 2)})
-                    for m in metrics]  # fmt: skip
-            if records:
-                self._append(SAMPLES, [{"cell": cid, "cache": spec.label, "task": task_name, "context": context, **r}
-                                       for r in records])  # fmt: skip
-            self._append(RESULTS, rows)
-            self._finished.add(cid)
-            bar.update(1)
-
-    def _row(self, cid: str, model: str, spec: CacheSpec, eq: bool, context: int | None, task: str, metric: str,
-             rows_in_cell: int, value: float, se: float | None = None, n: int = 1,
-             extra: dict | None = None) -> dict[str, Any]:  # fmt: skip
-        return {
-            "cell": cid, "model": model, "cache": spec.label, "kind": spec.kind, "repr": spec.describe(),
-            **_spec_fields(spec), "equal_bytes": eq, "context": context, "task": task, "metric": metric,
-            "value": value, "se": se, "n": n, "rows_in_cell": rows_in_cell, "extra": extra or {},
-        }  # fmt: skip
+            bar.set_postfix_str(f"{spec.label} | {group.task_name} | ctx {group.context}")
+            self.record(cells.run(cid, spec, eq), bar)
 
     def _append(self, name: str, rows: list[dict[str, Any]]) -> None:
         try:
@@ -522,6 +501,10 @@ class Runner:
         except OSError as exc:
             raise ConfigError(f"{self.out / name} cannot be written ({exc.strerror}); free space or choose another "
                               "--out, then run again (finished cells are kept)") from None  # fmt: skip
+
+    def read_sizing_memo(self) -> dict[str, Any]:
+        """``OUT/sizing.json``: the ``--equal-bytes`` sizings of earlier runs (model -> key -> sizing)."""
+        return self._read_sizing_memo(self.out / "sizing.json")
 
     def _read_sizing_memo(self, path: Path) -> dict[str, Any]:
         """The ``--equal-bytes`` sizing memo; an unreadable one is discarded (the sizings are recomputed)."""
@@ -548,7 +531,3 @@ def _check_device(device: str) -> None:
 
 def _slug(text: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in text)
-
-
-def _uses_context(task: Task | dict) -> bool:
-    return True if isinstance(task, dict) else type(task).uses_context

@@ -1,0 +1,171 @@
+"""Running the cells of an ablation grid: one group of cells at a time, results as plain rows.
+
+A *group* is the cells that share a model, a context length and a task. They share the task's samples
+and, when a cell needs them, the uncompressed references, which :class:`CellGroup` computes once. A cell
+run returns a :class:`CellResult` (its rows for ``results.jsonl`` and its lines for ``samples.jsonl``)
+and writes nothing, so it can run in the runner's process or in a worker elsewhere; only the runner
+(:class:`kvpolicy.eval.runner.Runner`) writes the run directory.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpolicy.eval import measure
+from kvpolicy.eval.caches import CacheSpec
+from kvpolicy.eval.grid import SPEED, Grid
+from kvpolicy.eval.tasks import LanguageModeling, Task
+
+
+@dataclass
+class CellResult:
+    """What one cell produced.
+
+    Attributes
+    ----------
+    cid : str
+        The cell's id.
+    cache, task : str
+        The cell's cache label and task name (for messages).
+    context : int or None
+        The cell's context length (``None`` for tasks that do not use one).
+    rows : list of dict
+        Its rows for ``results.jsonl``: one per metric, or one error row.
+    samples : list of dict
+        Its lines for ``samples.jsonl`` (generation tasks).
+    error : str or None
+        ``"Type: message"`` when the cell raised (``rows`` then holds its error row).
+    """
+
+    cid: str
+    cache: str
+    task: str
+    context: int | None
+    rows: list[dict[str, Any]]
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+
+
+def spec_fields(spec: CacheSpec) -> dict[str, Any]:
+    """The policy, action, bits and backend columns of a row for ``spec``."""
+    a = spec.args
+    part = lambda x: x if isinstance(x, str) or x is None else getattr(x, "name", repr(x))  # noqa: E731
+    if spec.kind == "compressed":
+        return {"policy": part(a.get("policy", "log")), "action": part(a.get("action", "quantize")),
+                "bits": a.get("bits"), "backend": part(a.get("backend", "torch"))}  # fmt: skip
+    if spec.kind == "hf-quantized":
+        return {"policy": "recent:flush(hf)", "action": "quantize", "bits": a.get("nbits", 4),
+                "backend": a.get("backend")}  # fmt: skip
+    if spec.kind == "preset":
+        return {"policy": f"preset:{a.get('name')}", "action": None, "bits": a.get("bits"), "backend": None}
+    return {"policy": None, "action": "none", "bits": None, "backend": None}
+
+
+def make_row(cid: str, model: str, spec: CacheSpec, eq: bool, context: int | None, task: str, metric: str,
+             rows_in_cell: int, value: float, se: float | None = None, n: int = 1,
+             extra: dict | None = None) -> dict[str, Any]:  # fmt: skip
+    """One row of ``results.jsonl`` (see :mod:`kvpolicy.eval.runner`)."""
+    return {
+        "cell": cid, "model": model, "cache": spec.label, "kind": spec.kind, "repr": spec.describe(),
+        **spec_fields(spec), "equal_bytes": eq, "context": context, "task": task, "metric": metric,
+        "value": value, "se": se, "n": n, "rows_in_cell": rows_in_cell, "extra": extra or {},
+    }  # fmt: skip
+
+
+def error_result(cid: str, model: str, spec: CacheSpec, eq: bool, context: int | None, task: str, message: str,
+                 trace: str) -> CellResult:  # fmt: skip
+    """The result of a cell that raised ``message`` (its one error row; the next run retries it)."""
+    row = make_row(cid, model, spec, eq, context, task, "error", 1, value=float("nan"),
+                   extra={"error": message, "traceback": trace})  # fmt: skip
+    return CellResult(cid, spec.label, task, context, [row], error=message)
+
+
+class CellGroup:
+    """The cells of one model × context × task, run one at a time on a loaded model.
+
+    Parameters
+    ----------
+    grid : Grid
+        The grid (dtype, seed, replay).
+    model, tok : Any
+        The loaded model and its tokenizer.
+    model_name : str
+        The model's name in the grid.
+    context : int or None
+        The context length (``None``: a task that does not use one).
+    task_name : str
+        The task's name in the grid (``speed``: the timing task).
+    task : Task or dict
+        The task object (``speed``: its parameters).
+    progress : bool
+        Show tqdm bars within long cells.
+    """
+
+    def __init__(self, grid: Grid, model: Any, tok: Any, model_name: str, context: int | None, task_name: str,
+                 task: Task | dict[str, Any], progress: bool = False) -> None:  # fmt: skip
+        self.grid = grid
+        self.model = model
+        self.tok = tok
+        self.model_name = model_name
+        self.context = context
+        self.task_name = task_name
+        self.task = task
+        self.progress = progress
+        if task_name == SPEED:
+            self.samples = LanguageModeling(samples_per_context=1, tokens=1).samples(tok, context, grid.seed)
+            self.ids = self.samples[0].ids[:context]
+        else:
+            self.samples = task.samples(tok, context or 0, grid.seed)  # type: ignore[union-attr]
+        self.refs: list[measure.Reference | None] | None = None
+
+    def run(self, cid: str, spec: CacheSpec, eq: bool) -> CellResult:
+        """Run the cell of cache ``spec`` (``eq``: an ``--equal-bytes`` copy) with id ``cid``.
+
+        An exception inside the cell is caught and returned as its error row.
+        """
+        grid, model, task, context = self.grid, self.model, self.task, self.context
+        t0 = time.perf_counter()
+        scores = spec.needs_scores()
+        if scores or model.config._attn_implementation in ("sdpa", "eager"):
+            # outputs unchanged; reports scores where a policy needs them and checks the mask, so
+            # layout="agnostic" can be used (kvpolicy.handoff)
+            from kvpolicy.attention import enable_scores
+
+            enable_scores(model)
+        records: list[dict[str, Any]] = []
+        try:
+            make = lambda spec=spec: spec.build(model)  # noqa: E731
+            if self.task_name == SPEED:
+                metrics = measure.speed(model, self.ids, make, task["steps"], task["repeats"])  # type: ignore[index]
+            else:
+                samples = self.samples
+                against = samples[0].against_reference
+                needs_ref = grid.replay or samples[0].kind == "teacher_forced" or against
+                if self.refs is None and needs_ref:
+                    self.refs = [measure.reference(model, s) for s in samples]
+                use = self.refs if (grid.replay and not scores) else None
+                if samples[0].kind == "teacher_forced":
+                    metrics = measure.teacher_forced(model, samples, self.refs, make, replay=use is not None,
+                                                     progress=self.progress)  # fmt: skip
+                else:
+                    given = self.refs if against else (use or [None] * len(samples))
+                    metrics, records = measure.task_scores(
+                        model, self.tok, task, samples, given, make, progress=self.progress, replay=use is not None
+                    )
+        except Exception as exc:  # recorded, retried by the next run
+            return error_result(cid, self.model_name, spec, eq, context, self.task_name,
+                                f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=6))  # fmt: skip
+        finally:
+            if scores:
+                from kvpolicy.attention import disable_scores
+
+                disable_scores(model)
+        seconds = time.perf_counter() - t0
+        rows = [make_row(cid, self.model_name, spec, eq, context, self.task_name, m.name, len(metrics), value=m.value,
+                         se=m.se, n=m.n, extra={**m.extra, "seconds": round(seconds, 2)})
+                for m in metrics]  # fmt: skip
+        lines = [{"cell": cid, "cache": spec.label, "task": self.task_name, "context": context, **r} for r in records]
+        return CellResult(cid, spec.label, self.task_name, context, rows, lines)
