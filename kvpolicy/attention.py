@@ -15,6 +15,12 @@ compressed layer's ``update`` returned carry a ticket naming the layer. The mode
 are recomputed in float32 as ``softmax(q kᵀ · scale + mask)`` for both, so sdpa and eager select
 the same tokens (model-specific extras such as logit softcapping are not applied to the scores).
 
+Under tensor parallelism (``from_pretrained(..., tp_plan="auto")``) each rank scores only its own
+heads, which is all a per-head policy (H2O, SnapKV) needs. For a policy that shares one selection
+across heads (``per_head = False``), the scores of every head are gathered on every rank first
+(:func:`kvpolicy.distributed.gather_heads`: one all-gather of ``(batch, kv_heads, keys)`` floats per
+layer and forward), so every rank selects what a single process would.
+
 Cost: one extra ``(batch, heads, queries, keys)`` matmul and softmax per layer whose policy needs
 scores, and the memory of eager attention's weights for that layer while it runs. Models whose
 layers do not report (any cache without a score-based policy) run exactly as before.
@@ -27,6 +33,7 @@ from typing import Any
 
 import torch
 
+from kvpolicy.distributed import gather_heads
 from kvpolicy.errors import ConfigError
 from kvpolicy.handoff import ticket_of
 
@@ -136,6 +143,10 @@ def _wrap(inner_name: str):
                 b, hq, q_len, k_len = probs.shape
                 hk = key.shape[1]
                 mass = probs.reshape(b, hk, hq // hk, q_len, k_len).sum(dim=(2, 3))
+                if not ticket.layer().policy.per_head:
+                    # one selection shared by every head: under tensor parallelism this rank holds only
+                    # some heads, so every rank gets every head's scores (kvpolicy.distributed)
+                    mass = gather_heads(mass, module)
             ticket.report(mass, layout)
         return out, weights
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvpolicy import fused, handoff, registry
+from kvpolicy import distributed, fused, handoff, registry
 from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.backends import auto as auto_backend
 from kvpolicy.backends.base import Backend
@@ -147,6 +148,8 @@ class CompressedLayer(CacheLayerMixin):
             pads = left_pads(_position_ids(kwargs), n) if self.action.compresses else None
             if pads is not None:
                 self.rows = PaddedRows([self._row_layer() for _ in pads], pads, keeps_demoted=self.action.keeps_demoted)
+        elif self.rows is None and self.keys is not None:
+            self._check_shape(key_states, value_states)
         self.version += 1
         if self.rows is not None:
             return self._update_rows(key_states, value_states)
@@ -168,6 +171,86 @@ class CompressedLayer(CacheLayerMixin):
             self._settle()
         grad = torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad)
         return self._hand_out(n, grad)
+
+    def _check_shape(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Refuse tensors that do not continue what the layer holds (another model's keys reaching a
+        loaded cache, say) with the difference named, before anything changes."""
+        held = (self.keys.shape[0], self.keys.shape[1], self.keys.shape[-1], self.values.shape[-1], self.keys.dtype)
+        new = (key_states.shape[0], key_states.shape[1], key_states.shape[-1], value_states.shape[-1], key_states.dtype)
+        if held == new:
+            return
+        names = ("batch", "kv_heads", "key head_dim", "value head_dim", "dtype")
+        diff = ", ".join(f"{n} {a} -> {b}" for n, a, b in zip(names, held, new, strict=True) if a != b)
+        raise ValueError(
+            f"layer {self.layer_idx} of this CompressedCache holds {self.length} tokens whose shape the new keys "
+            f"and values do not continue ({diff}); a cache serves one model, one batch and one dtype"
+        )
+
+    # ------------------------------------------------------------------ saving (kvpolicy.persist)
+    def state_dict(self) -> dict[str, Any]:
+        """Everything this layer holds, as JSON values and tensors (see :meth:`CompressedCache.save`).
+
+        Like :meth:`memory`, this first applies the demotions a multi-token update deferred, so what
+        is saved is what the next step attends over (compressed, not the prompt at full precision)."""
+        if self.rows is not None:
+            raise NotImplementedError(
+                f"layer {self.layer_idx} holds a left-padded batch (one layer per row); saving it is not supported"
+            )
+        if self._failed is not None:
+            raise RuntimeError(f"layer {self.layer_idx} failed while demoting tokens ({self._failed}); not saved")
+        if not self.is_initialized:
+            return {"kind": "compressed", "initialized": False}
+        if self.store is not None:
+            self._settle()
+        out: dict[str, Any] = {
+            "kind": "compressed", "initialized": True, "length": self.length, "keys": self.keys,
+            "values": self.values, "backend": self.backend.name,
+        }  # fmt: skip
+        if self.action.compresses:
+            assert self.state is not None and self.store is not None
+            out.update(
+                full_pos=self.full_pos, pending=self._pending, scored=self._scored, state=self.state.state_dict(),
+                store=self.store.state_dict(),
+            )  # fmt: skip
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output into this fresh layer, checking that its parts agree
+        (positions, counts, the policy's own state); raises ``ValueError`` naming what does not."""
+        if not state["initialized"]:
+            return
+        keys, values = state["keys"], state["values"]
+        if keys.dim() != 4 or values.dim() != 4 or keys.shape[:3] != values.shape[:3]:
+            raise ValueError(f"layer {self.layer_idx}: keys {tuple(keys.shape)} and values {tuple(values.shape)}")
+        self.lazy_initialization(keys[:, :, :0], values[:, :, :0])  # checks and a fresh state and store
+        self.keys, self.values, self.length = keys, values, int(state["length"])
+        if not self.action.compresses:
+            if keys.shape[2] != self.length:
+                raise ValueError(f"layer {self.layer_idx}: {keys.shape[2]} tokens held for length {self.length}")
+            return
+        assert self.state is not None and self.store is not None
+        self.state.load_state_dict(state["state"])
+        self.store.load_state_dict(state["store"])
+        self.full_pos = state["full_pos"]
+        self._pending, self._scored = int(state["pending"]), bool(state["scored"])
+        rows = keys.shape[1] if self.policy.per_head else 1
+        full = self.full_pos.shape[1]
+        stored = len(self.store) if self.action.keeps_demoted else 0
+        problems = []
+        if self.full_pos.dtype != POSITION_DTYPE or self.full_pos.shape[0] != rows or full != keys.shape[2]:
+            problems.append(f"full-precision positions {tuple(self.full_pos.shape)} for keys {tuple(keys.shape)}")
+        if self.action.keeps_demoted and full + stored != self.length:
+            problems.append(f"{full} full-precision + {stored} demoted tokens for length {self.length}")
+        if self.state.length != self.length - self._pending:
+            problems.append(f"policy length {self.state.length}, layer length {self.length} - {self._pending} pending")
+        else:
+            told = torch.as_tensor(self.state.full_positions(), dtype=torch.long).cpu()
+            told = told if self.policy.per_head else told.reshape(1, -1)
+            mine = self.full_pos[:, : full - self._pending].long().cpu()
+            if tuple(told.shape) != tuple(mine.shape) or not torch.equal(told, mine):
+                problems.append("the policy's full-precision positions differ from the layer's")
+        if problems:
+            raise ValueError(f"layer {self.layer_idx}: the saved parts disagree: {'; '.join(problems)}")
 
     def _row_layer(self) -> CompressedLayer:
         layer = CompressedLayer(
@@ -674,6 +757,7 @@ class CompressedCache(Cache):
         self._book = PositionBook()  # the demoted positions of shared policies, held once for all layers
         self._layer_types: list[str] | None = None
         self._layer_kwargs: list[dict] = []
+        self._config = config  # the model's, when given: save() records its identity
         if config is not None:
             from transformers import PretrainedConfig
             from transformers.cache_utils import get_layer_types_and_kwargs
@@ -683,6 +767,7 @@ class CompressedCache(Cache):
                     f"config must be the model's transformers PretrainedConfig (model.config); got a "
                     f"{type(config).__name__}: {config!r:.80}"
                 )
+            distributed.check_config(config)  # kv heads a tensor-parallel model cannot split: a clear error now
             self._layer_types, self._layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
             self.layers = [self._new_layer(i) for i in range(len(self._layer_types))]
             if not any(isinstance(layer, CompressedLayer) for layer in self.layers):
@@ -778,6 +863,58 @@ class CompressedCache(Cache):
         left to transformers (sliding-window layers) count as full precision."""
         seen: set[tuple[str, int]] = set()  # positions shared by layers count once
         return MemoryReport([_layer_memory(layer, i, seen) for i, layer in enumerate(self.layers)])
+
+    def save(self, path: str | Path, model: Any = None) -> int:
+        """Write this cache to ``path`` (one safetensors file with a JSON header; no pickle).
+
+        The file holds the composition, the model's identity (architecture, layers, kv heads, head
+        dims, dtype) and every layer's state: what :meth:`load` needs to continue generation with
+        the same logits. Nothing is written when a part cannot be saved (the error says which).
+
+        Parameters
+        ----------
+        path : str or Path
+            The file to write (replaced atomically).
+        model : PreTrainedModel or PretrainedConfig, optional
+            The model the cache belongs to, to record its architecture (``config=`` given at
+            construction is used otherwise); :meth:`load` checks a model against it.
+
+        Returns
+        -------
+        int
+            The file's size in bytes (within a few kB of ``memory_report().total_bytes`` plus what
+            the policy state holds, e.g. H2O's scores).
+        """
+        from kvpolicy import cache_io
+
+        return cache_io.save(self, path, model)
+
+    @classmethod
+    def load(cls, path: str | Path, device: Any = None, model: Any = None) -> CompressedCache:
+        """Read a cache :meth:`save` wrote, ready to continue generation.
+
+        Parameters
+        ----------
+        path : str or Path
+            The file.
+        device : str, torch.device or mapping of int to device, optional
+            Where its tensors go (default: CPU), or a device per layer index (a model split across
+            devices with ``device_map``: give each layer the device of that layer's attention). A
+            cache saved with ``backend="auto"`` picks the backend for each layer's device again; one
+            saved with a named backend keeps it (and refuses a device that backend does not run on).
+        model : PreTrainedModel or PretrainedConfig, optional
+            Checked against the identity the file records; any difference (architecture, layer
+            count, kv heads, head dim, dtype) is a :class:`~kvpolicy.errors.CacheFileError` naming it.
+
+        Raises
+        ------
+        CacheFileError
+            The file is missing, truncated, corrupted, of another format version, names parts that
+            are not installed, or does not fit ``model``. Nothing is returned half-loaded.
+        """
+        from kvpolicy import cache_io
+
+        return cache_io.load(cls, path, device, model)
 
     def __repr__(self) -> str:
         return (

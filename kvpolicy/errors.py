@@ -25,3 +25,8 @@ class MissingDependencyError(ConfigError, ImportError):
     Subclasses both :class:`ConfigError` (the composition asked for something this environment
     cannot do) and :class:`ImportError` (what is missing is a package).
     """
+
+
+class CacheFileError(ValueError):
+    """A saved cache cannot be loaded: the file is missing, truncated, corrupted, of another format
+    version, or does not fit the model or the installed parts (the message names what differs)."""

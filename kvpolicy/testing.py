@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hypothesis import example
 from hypothesis import strategies as st
@@ -110,7 +110,24 @@ def _rows(value: list[int] | torch.Tensor, policy: Policy, heads: int, what: str
     return (tuple(value),)
 
 
-def run_policy(policy: Policy, plan: list[int], heads: int = 1, seed: int = 0) -> list[Step]:
+def reloaded(policy: Policy, state: Any, heads: int) -> Any:
+    """``state`` saved and restored as a saved cache does it (``state_dict`` -> JSON for everything
+    but tensors -> ``load_state_dict`` into ``policy.new_state(heads)``)."""
+    import json
+
+    import torch
+
+    saved = state.state_dict()
+    tensors = {k: v.clone() for k, v in saved.items() if isinstance(v, torch.Tensor)}
+    plain = json.loads(json.dumps({k: v for k, v in saved.items() if k not in tensors}, allow_nan=False))
+    fresh = policy.new_state(num_heads=heads)
+    fresh.load_state_dict({**plain, **tensors})
+    return fresh
+
+
+def run_policy(
+    policy: Policy, plan: list[int], heads: int = 1, seed: int = 0, restore_after: int | None = None
+) -> list[Step]:
     """Drive ``policy.new_state(heads)`` through the appends of ``plan`` the way the cache does.
 
     ``plan[0]`` is the prompt, the rest are later forwards (1: a decode step). For policies that
@@ -118,6 +135,9 @@ def run_policy(policy: Policy, plan: list[int], heads: int = 1, seed: int = 0) -
     does: a multi-token forward is observed over the held positions plus its own (not appended yet)
     and appended at the start of the next forward; a single token is appended first, then observed
     over the held positions. Scores are seeded random multiples of 1/4 (exact in float32, with ties).
+
+    ``restore_after=i``: after the ``i``-th forward of ``plan``, the state is replaced by its saved
+    and restored copy (:func:`reloaded`), as when a cache is saved and loaded there.
 
     Returns
     -------
@@ -148,7 +168,9 @@ def run_policy(policy: Policy, plan: list[int], heads: int = 1, seed: int = 0) -
         steps.append(Step(n, state.length, predicted, demoted, full))
 
     pending = 0
-    for n in plan:
+    for i, n in enumerate(plan):
+        if i and i - 1 == restore_after:
+            state = reloaded(policy, state, heads)
         if not policy.needs_scores or n == 0:
             do_append(n)
             continue
@@ -242,6 +264,8 @@ def check_policy(
     - stay within the bound: ``|FP| <= max_full(policy, T, prompt)`` after every append;
     - hold equal counts in every head (per-head policies: ``(num_heads, k)`` int64 tensors);
     - be deterministic: the same inputs give the same trace;
+    - survive saving: a state saved with ``state_dict`` (its non-tensor part through JSON) and
+      restored with ``load_state_dict`` at a random point answers exactly as the original;
     - with ``chunking="any"``: give the same full-precision sets at every chunk boundary, whatever
       the chunking of the appends (the prompt included); ``"after_prompt"``: the same, once the
       first append (the prompt) is done. Only for policies that do not use scores.
@@ -293,6 +317,11 @@ def check_policy(
         steps = run_policy(policy, plan, heads, seed)
         check_trace(policy, steps, plan[0], max_full)
         assert run_policy(policy, plan, heads, seed) == steps, f"{policy!r}: not deterministic for plan {plan}"
+        cut = seed % (len(plan) - 1) if len(plan) > 1 else None  # restored before a later forward
+        assert cut is None or run_policy(policy, plan, heads, seed, restore_after=cut) == steps, (
+            f"{policy!r}: a state saved and restored (state_dict/load_state_dict) after forward {cut} of plan "
+            f"{plan} answers differently"
+        )
         if chunking is not None:
             singles = [plan[0], *[1] * (sum(plan) - plan[0])] if chunking == "after_prompt" else [1] * sum(plan)
             reference = {s.length: s.full for s in run_policy(policy, singles, heads, seed)}

@@ -43,6 +43,11 @@ class WindowState(PolicyState):
     def full_positions(self) -> list[int]:
         return list(self.full)
 
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if self.defect == "forgets-on-restore":
+            self.full = self.full[1:]  # a restore that loses a position
+
     def full_count_after(self, n: int) -> int:
         count = min(self.w, len(self.full) + n)
         return count + 1 if self.defect == "bad-count" and n > 1 else PolicyState.full_count_after(self, n)
@@ -76,6 +81,7 @@ def test_a_correct_policy_passes():
         ("bad-count", None),
         ("random", None),
         ("chunk-variant", "any"),
+        ("forgets-on-restore", None),
     ],
 )
 def test_each_defect_is_caught(defect, chunking):
@@ -128,3 +134,25 @@ def test_run_policy_tensor_answers():
     steps = run_policy(HeavyHitters(heavy=2, recent=1), [5], heads=3, seed=0)
     assert steps[0].predicted == 3 and all(len(row) == 3 for row in steps[0].full)
     assert torch.tensor(steps[0].demoted).shape == (3, 2)
+
+
+class _Opaque:
+    """Not plain data: a state holding it cannot be saved by the default state_dict."""
+
+
+class OpaqueState(WindowState):
+    def __init__(self, w: int, defect: str) -> None:
+        super().__init__(w, defect)
+        self.helper = _Opaque()
+
+
+@dataclass(frozen=True)
+class OpaqueWindow(Window):
+    def new_state(self, num_heads: int = 1) -> OpaqueState:
+        return OpaqueState(self.w, self.defect)
+
+
+def test_unsavable_state_is_caught_naming_the_attribute():
+    """A state the default ``state_dict`` cannot save fails the contract, naming the attribute and the fix."""
+    with pytest.raises(TypeError, match=r"OpaqueState.helper is a _Opaque.*Override state_dict\(\)"):
+        check_policy(OpaqueWindow(w=3), max_full=bound)

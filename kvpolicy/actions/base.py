@@ -60,6 +60,18 @@ class DemotedStore(ABC):
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a batch-axis (dim 0) operation (beam reorder, select, repeat) to everything held."""
 
+    def state_dict(self) -> dict[str, Any]:
+        """Everything held, as JSON values and tensors (:meth:`kvpolicy.CompressedCache.save`).
+
+        Optional: a store without it cannot be saved (the cache says so before writing anything)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement state_dict(), so a cache holding it cannot be saved"
+        )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned into a fresh store from ``action.new_store``."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement load_state_dict()")
+
     def shared(self) -> list[tuple[str, torch.Tensor]]:
         """``(segment, tensor)`` for tensors other layers may hold too (counted once per memory
         report, by storage): the positions, and what a transform keeps."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -46,6 +47,13 @@ class EvictedStore(DemotedStore):
 
     def nbytes(self) -> dict[str, int]:
         return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"positions": self.positions, "evicted": self.evicted}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.positions = state["positions"]
+        self.evicted = int(state["evicted"])
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         return None

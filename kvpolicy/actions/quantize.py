@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -303,6 +304,22 @@ class QuantizedStream:
         if self.staging is not None:
             self.staging = fn(self.staging)
 
+    def state_dict(self) -> dict[str, Any]:
+        block = None if self.q is None else self.backend.block_state(self.q)
+        return {
+            "bits": self.bits, "group_size": self.group_size, "axis": self.axis, "q": block, "staging": self.staging,
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = (state["bits"], state["group_size"], state["axis"])
+        if saved != (self.bits, self.group_size, self.axis):
+            raise ValueError(
+                f"a stream saved with (bits, group_size, axis)={saved} cannot load into one configured with "
+                f"{(self.bits, self.group_size, self.axis)}"
+            )
+        self.q = None if state["q"] is None else self.backend.load_block(state["q"])
+        self.staging = state["staging"]
+
 
 class QuantizedStore(DemotedStore):
     """Keys and values of demoted tokens, quantized once each, with their positions."""
@@ -404,3 +421,11 @@ class QuantizedStore(DemotedStore):
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.k.map_batch(fn)
         self.v.map_batch(fn)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"keys": self.k.state_dict(), "values": self.v.state_dict(), "positions": self.positions}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.k.load_state_dict(state["keys"])
+        self.v.load_state_dict(state["values"])
+        self.positions = state["positions"]

@@ -217,6 +217,16 @@ class Backend(ABC):
     def cat(self, blocks: list[QTensor]) -> QTensor:
         """Concatenate containers of the same configuration along the token axis."""
 
+    def block_state(self, q: QTensor) -> dict:
+        """``q`` as JSON values and tensors, for a saved cache (:meth:`kvpolicy.CompressedCache.save`).
+
+        Optional: a backend without it cannot save caches (the cache says so before writing)."""
+        raise NotImplementedError(f"backend {self.name!r} cannot save its quantized blocks (no block_state())")
+
+    def load_block(self, state: dict) -> QTensor:
+        """The block :meth:`block_state` described."""
+        raise NotImplementedError(f"backend {self.name!r} cannot load quantized blocks (no load_block())")
+
     def attend(
         self, query: torch.Tensor, keys: QTensor, values: QTensor, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -105,6 +105,40 @@ def per_head_views(q: PackedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return codes, scales, zeros
 
 
+def packed_state(q: QTensor) -> dict:
+    """A :class:`PackedTensor` as JSON values and tensors (the ``torch``, ``cpu`` and ``triton``
+    backends share the layout, so a block saved by one loads into any of them)."""
+    if not isinstance(q, PackedTensor):
+        raise TypeError(f"expected a PackedTensor block; got {type(q).__name__}")
+    return {
+        "layout": "packed-v1", "codes": q.codes, "scales": q.scales, "zeros": q.zeros, "bits": q.bits,
+        "group_size": q.group_size, "axis": q.axis, "shape": list(q.shape),
+        "dtype": str(q.dtype).removeprefix("torch."),
+    }  # fmt: skip
+
+
+def packed_from_state(state: dict) -> PackedTensor:
+    """The :class:`PackedTensor` :func:`packed_state` described, its tensor shapes checked."""
+    if state.get("layout") != "packed-v1":
+        raise ValueError(f"block layout {state.get('layout')!r} is not 'packed-v1'")
+    bits, group, axis = int(state["bits"]), int(state["group_size"]), state["axis"]
+    b, h, n, d = (int(x) for x in state["shape"])
+    dtype = getattr(torch, state["dtype"])
+    if axis not in AXES or not isinstance(dtype, torch.dtype) or bits < 1 or group < 1:
+        raise ValueError(f"bad block description (bits={bits}, group_size={group}, axis={axis!r})")
+    lead = (b, h, n, d // group) if axis == "token" else (b, h, n // group, d)
+    codes, scales, zeros = state["codes"], state["scales"], state["zeros"]
+    expected = (*lead, group * bits // 8)
+    if tuple(codes.shape) != expected or tuple(scales.shape) != lead or tuple(zeros.shape) != lead:
+        raise ValueError(
+            f"block tensors have shapes codes {tuple(codes.shape)}, scales {tuple(scales.shape)}, zeros "
+            f"{tuple(zeros.shape)}; a {axis}-grouped block of shape {(b, h, n, d)} needs {expected} and {lead}"
+        )
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"block codes must be uint8; got {codes.dtype}")
+    return PackedTensor(codes, scales, zeros, bits, group, axis, (b, h, n, d), dtype)
+
+
 #: ``meta_dtype`` names -> the dtype scales and minimums are stored in
 META_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -320,6 +354,12 @@ class TorchBackend(Backend):
         probs = torch.exp(scores - lse.unsqueeze(-1))  # (B, H, q, n)
         v = _ungrouped(dequantize_groups(values), values.axis, values.shape)
         return torch.matmul(probs, v), lse
+
+    def block_state(self, q: QTensor) -> dict:
+        return packed_state(q)
+
+    def load_block(self, state: dict) -> PackedTensor:
+        return packed_from_state(state)
 
     def cat(self, blocks: list[PackedTensor]) -> PackedTensor:  # type: ignore[override]
         if len(blocks) == 1:

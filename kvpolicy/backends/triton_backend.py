@@ -24,6 +24,8 @@ from kvpolicy.backends.torch_backend import (
     PackedTensor,
     TorchBackend,
     metadata_check,
+    packed_from_state,
+    packed_state,
     per_head_views,
     resolve_meta_dtype,
 )
@@ -186,6 +188,12 @@ class TritonBackend(Backend):
                 META_BF16=q.scales.dtype == torch.bfloat16, **opts,
             )  # fmt: skip
         return out
+
+    def block_state(self, q: QTensor) -> dict:
+        return packed_state(q)
+
+    def load_block(self, state: dict) -> PackedTensor:
+        return packed_from_state(state)
 
     def cat(self, blocks: list[PackedTensor]) -> PackedTensor:  # type: ignore[override]
         """Concatenate along the token axis (``torch.cat`` of the held tensors; no kernel needed)."""

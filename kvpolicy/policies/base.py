@@ -19,7 +19,7 @@ Two shapes of answer exist:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvpolicy.errors import ConfigError
 
@@ -65,13 +65,50 @@ class PolicyState(ABC):
         full = probe.full_positions()
         return len(full) if isinstance(full, list) else int(full.shape[-1])
 
+    def state_dict(self) -> dict[str, Any]:
+        """This state as JSON values and tensors, for :meth:`kvpolicy.CompressedCache.save`.
+
+        The default takes the instance's attributes: ints, floats, bools, strings, ``None``, lists of
+        those and tensors are saved; a :class:`Policy` or a function held as an attribute is not
+        (``new_state`` gives it back). A state holding anything else must override this and :meth:`load_state_dict`.
+        """
+        out: dict[str, Any] = {}
+        for name, value in vars(self).items():
+            if isinstance(value, Policy) or callable(value):
+                continue  # given back by new_state (a function set on the instance is behaviour, not state)
+            if not _plain(value):
+                raise TypeError(
+                    f"{type(self).__name__}.{name} is a {type(value).__name__}; the default state_dict() saves "
+                    "ints, floats, bools, strings, None, lists of those and tensors. Override state_dict() and "
+                    "load_state_dict() to save this policy's state."
+                )
+            out[name] = list(value) if isinstance(value, (list, tuple)) else value
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned into a fresh state from ``policy.new_state``.
+
+        Only attributes the fresh state has are set; any other name is an error (a file of another
+        policy or version), as is a value that is not plain data.
+        """
+        own = vars(self)
+        unknown = sorted(set(state) - set(own))
+        if unknown:
+            raise ValueError(f"{type(self).__name__} has no attribute(s) {unknown} to restore; it has {sorted(own)}")
+        for name, value in state.items():
+            if isinstance(own[name], Policy) or not _plain(value):
+                raise ValueError(f"{type(self).__name__}.{name}: cannot restore a {type(value).__name__} here")
+            setattr(self, name, value)
+
     def observe(self, scores: torch.Tensor, positions: torch.Tensor) -> None:  # noqa: B027 - optional hook
         """Receive attention scores (only called when the policy ``needs_scores``).
 
         Parameters
         ----------
         scores : torch.Tensor
-            ``(num_heads, m)`` float: the attention probability mass each key received from the
+            ``(num_heads, m)`` float (under tensor parallelism, a shared policy's rows are every kv
+            head of the model, gathered from all ranks in rank order, while ``num_heads`` given to
+            ``new_state`` is the rank's own count): the attention probability mass each key received from the
             queries of the latest forward (only its last ``policy.score_queries`` queries when that
             is set), summed over batch rows and the query heads of the group.
         positions : torch.Tensor
@@ -97,6 +134,17 @@ class Policy(ABC):
     @abstractmethod
     def new_state(self, num_heads: int = 1) -> PolicyState:
         """A fresh state machine for one layer with ``num_heads`` kv-heads."""
+
+
+def _plain(value: object) -> bool:
+    """Whether ``value`` is data a saved cache may hold: JSON scalars, lists of them, or a tensor."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(v is None or isinstance(v, (bool, int, float, str)) for v in value)
+    import torch
+
+    return isinstance(value, torch.Tensor)
 
 
 def check_int(name: str, value: object, minimum: int, owner: str) -> None:

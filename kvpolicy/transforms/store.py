@@ -78,6 +78,16 @@ class TransformedStore(DemotedStore):
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.inner.map_batch(fn)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The inner store's state (the transform itself is rebuilt from the cache's composition)."""
+        return {"inner": self.inner.state_dict(), "dims": None if self._dims is None else list(self._dims)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state["inner"])
+        if state["dims"] is not None:
+            self._dims = (int(state["dims"][0]), int(state["dims"][1]))
+            self._device = self.inner.positions.device
+
     def __len__(self) -> int:
         return len(self.inner)
 
