@@ -658,12 +658,13 @@ def _layer_memory(layer: CacheLayerMixin, layer_idx: int, seen: set[tuple[str, i
     if isinstance(layer, CompressedLayer):
         return layer.memory(seen)
     segments = dict.fromkeys(("full_precision", "codes", "scales", "zeros", "staging", "positions"), 0)
+    kind = type(layer).__name__
     if not layer.is_initialized or layer.keys is None or layer.keys.dim() != 4:
-        return LayerBytes(layer_idx, layer.get_seq_length(), segments, 0)
+        return LayerBytes(layer_idx, layer.get_seq_length(), segments, 0, kind=kind)
     segments["full_precision"] = _nbytes(layer.keys) + _nbytes(layer.values)
     b, h, n, d = layer.keys.shape
     baseline = n * b * h * (d + layer.values.shape[-1]) * 2
-    return LayerBytes(layer_idx, layer.get_seq_length(), segments, baseline, layer.keys.element_size())
+    return LayerBytes(layer_idx, layer.get_seq_length(), segments, baseline, layer.keys.element_size(), kind)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -921,6 +922,16 @@ class CompressedCache(Cache):
             f"CompressedCache(policy={self.policy!r}, action={self.action!r}, "
             f"backend={self.backend!r}, layout={self.layout!r}, attention={self.attention!r}{_transform_repr(self)})"
         )
+
+
+def is_hybrid(config: Any) -> bool:
+    """Whether a model config has layers that are not full attention (sliding windows: Gemma 2/3,
+    Mistral-style configs with ``layer_types``): build caches for such a model with ``config=`` so
+    that those layers stay transformers' own and only full-attention layers are compressed."""
+    if config is None:
+        return False
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return any(kind != "full_attention" for kind in getattr(text, "layer_types", None) or [])
 
 
 def _transform_repr(cache: CompressedCache) -> str:

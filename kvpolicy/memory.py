@@ -28,6 +28,9 @@ class LayerBytes:
     element_size : int
         Bytes per element of the layer's full-precision tensors (``full_precision`` and
         ``staging``): 4 for a float32 model, 2 for float16/bfloat16.
+    kind : str
+        ``"compressed"`` for a kvpolicy layer, else the class of the transformers layer left
+        uncompressed (``"DynamicSlidingWindowLayer"`` for a hybrid model's sliding layers).
     """
 
     layer_idx: int
@@ -35,6 +38,7 @@ class LayerBytes:
     segments: dict[str, int]
     baseline_bytes: int
     element_size: int = 2
+    kind: str = "compressed"
 
     @property
     def total_bytes(self) -> int:
@@ -70,6 +74,11 @@ class MemoryReport:
             for name, n in layer.segments.items():
                 out[name] = out.get(name, 0) + n
         return out
+
+    @property
+    def compressed_layers(self) -> list[int]:
+        """Indices of the layers kvpolicy compresses (the others are transformers' own layers)."""
+        return [layer.layer_idx for layer in self.layers if layer.kind == "compressed"]
 
     @property
     def total_bytes(self) -> int:
@@ -109,10 +118,15 @@ class MemoryReport:
     def __str__(self) -> str:
         total = self.total_bytes
         tokens = max((layer.tokens for layer in self.layers), default=0)
-        lines = [
-            f"MemoryReport: {len(self.layers)} layers, {tokens} tokens",
-            f"  {'segment':<16}{'bytes':>14}{'share':>9}",
-        ]
+        lines = [f"MemoryReport: {len(self.layers)} layers, {tokens} tokens"]
+        others = [layer for layer in self.layers if layer.kind != "compressed"]
+        if others:
+            kinds = ", ".join(sorted({layer.kind for layer in others}))
+            lines.append(
+                f"  compressed layers: {self.compressed_layers}; {len(others)} left to transformers ({kinds}), "
+                "counted as held"
+            )
+        lines.append(f"  {'segment':<16}{'bytes':>14}{'share':>9}")
         for name, n in self.segments.items():
             share = n / total if total else 0.0
             lines.append(f"  {name:<16}{_human(n):>14}{share:>9.1%}")

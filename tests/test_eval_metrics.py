@@ -174,3 +174,44 @@ def test_speed_reports_positive_times(setup):
     m = {x.name: x for x in measure.speed(model, samples[0].ids[:64], lambda: DynamicCache(config=model.config), 3)}
     assert m["prefill_ms"].value > 0 and m["decode_ms"].value > 0 and m["decode_ms"].n == 3
     assert m["bytes_held"].value == 2 * baseline_bytes(model.config, 64 + 3)
+
+
+def test_prefill_projects_only_the_last_position():
+    """Prefills pass ``logits_to_keep=1`` to models that take it (the logits at the last position are
+    the ones used; the full projection costs a (prompt, vocab) tensor) and nothing to others."""
+    from conftest import tiny_model
+
+    from kvpolicy.eval.metrics import last_only
+
+    model = tiny_model("llama")
+    assert last_only(model) == {"logits_to_keep": 1}
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(ids).logits[:, -1]
+        last = model(ids, **last_only(model)).logits
+    assert last.shape == (1, 1, 96)
+    torch.testing.assert_close(last[:, 0], full, rtol=1e-5, atol=1e-5)
+
+    class Plain(torch.nn.Module):
+        def forward(self, input_ids):
+            return input_ids
+
+    assert last_only(Plain()) == {}
+
+
+def test_measurements_run_without_autograd():
+    """teacher_forced_logits and greedy_generate record no graph (their outputs require no grad,
+    and a compressed cache's decode steps are not pushed off the fused path by autograd)."""
+    from conftest import tiny_model
+
+    from kvpolicy import CompressedCache
+    from kvpolicy.eval.metrics import greedy_generate, teacher_forced_logits
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(0))
+    cache = CompressedCache(policy="log", window=4, bits=2, group_size=16)
+    out = teacher_forced_logits(model, ids, 30, cache)
+    assert not out.requires_grad
+    assert all("autograd" not in str(p) for p in cache.attention_paths().values())
+    gen = greedy_generate(model, ids[:, :30], CompressedCache(policy="log", window=4, bits=2, group_size=16), 3)
+    assert len(gen.tokens) == 3

@@ -47,6 +47,7 @@ import torch
 
 from kvpolicy.errors import ConfigError
 from kvpolicy.eval.caches import baseline_bytes, held_bytes
+from kvpolicy.eval.metrics import last_only
 
 HELP = "decode ms/token, prefill ms and bytes held: DynamicCache vs QuantizedCache vs CompressedCache variants"
 
@@ -62,7 +63,7 @@ DEFAULT_VARIANTS = (
     "log-4-torch-ordered-fused",
     "recent-2-torch-ordered-fused",
 )
-MODELS = ("smollm2", "tiny-llama")
+MODELS = ("smollm2", "gemma3-270m", "tiny-llama")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -113,19 +114,23 @@ class Variant:
         """A fresh cache for a model with ``config``."""
         from transformers import DynamicCache, QuantizedCache
 
+        # a hybrid model (sliding-window layers: Gemma 2/3) gets config=, so those layers stay transformers' own
+        from kvpolicy.cache import is_hybrid
+
+        hybrid = {"config": config} if is_hybrid(config) else {}
         if self.kind == "dynamic":
-            return DynamicCache()
+            return DynamicCache(**hybrid)
         if self.kind == "hf":
             return QuantizedCache(self.backend, config, nbits=self.bits)
         from kvpolicy import CompressedCache
 
         if self.kind == "one-liner":
-            return CompressedCache(policy="log", action="quantize", bits=2)
+            return CompressedCache(policy="log", action="quantize", bits=2, **hybrid)
         widths = dict(key_bits=self.widths[0], value_bits=self.widths[1]) if self.widths else dict(bits=self.bits)
         return CompressedCache(
             policy=self.policy, action="quantize", **widths, backend=self.backend, layout=self.layout,
             attention="auto" if self.fused else "materialized", window=window, check_finite=False,
-            transform=self.transform,
+            transform=self.transform, **hybrid,
         )  # fmt: skip
 
 
@@ -143,10 +148,10 @@ def tiny_llama(dtype: torch.dtype) -> torch.nn.Module:
 
 
 def load(model: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
-    if model == "smollm2":
-        from kvpolicy.eval.models import load_smollm2
+    if model != "tiny-llama":
+        from kvpolicy.eval.models import load_model
 
-        return load_smollm2(dtype=dtype, device=device)[0]
+        return load_model(model, dtype=dtype, device=device)[0]
     return tiny_llama(dtype).to(device)
 
 
@@ -200,7 +205,7 @@ def _prefill(model: torch.nn.Module, variant: Variant, ids: torch.Tensor, args: 
         return cache, ids[:, -1:], float("nan")
     _sync(args.device)
     t0 = time.perf_counter()
-    out = model(ids, cache=cache, use_cache=True)
+    out = model(ids, cache=cache, use_cache=True, **last_only(model))  # as generate() does
     _sync(args.device)
     ms = (time.perf_counter() - t0) * 1e3
     return cache, out.logits[:, -1:].argmax(-1), ms

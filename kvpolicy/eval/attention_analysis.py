@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from kvpolicy.eval.metrics import last_only
 from kvpolicy.eval.tasks import LanguageModeling
 
 
@@ -119,7 +120,7 @@ def analyze_attention(
     sample = LanguageModeling(samples_per_context=1, tokens=queries).samples(tokenizer, context, seed)[0]
     ids = torch.tensor([sample.ids], device=model.device)
     cache = DynamicCache(config=model.config)
-    model(ids[:, :context], cache=cache, use_cache=True)
+    model(ids[:, :context], cache=cache, use_cache=True, **last_only(model))
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")
     nbins = math.floor(math.log2(context + queries)) + 1

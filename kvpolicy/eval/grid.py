@@ -3,7 +3,7 @@
 Config files are TOML (read with the standard library's ``tomllib``, Python >= 3.11) or JSON, with
 the same keys::
 
-    models = ["smollm2"]            # or tiny-llama, a local path, a hub id in the local HF cache
+    models = ["smollm2"]            # or gemma3-270m, tiny-llama, a local path, a hub id in the local HF cache
     dtype = "float32"               # float32 | float16 | bfloat16
     device = "cpu"
     contexts = [2048]
@@ -428,9 +428,10 @@ def grid_from_dict(d: dict[str, Any]) -> Grid:
 
 def check_model_available(name: str, online: bool) -> None:
     """Fail fast, before any work, for a model that cannot be loaded here."""
+    from kvpolicy.eval.gemma import ALIASES as GEMMA3
     from kvpolicy.eval.tiny import parse_tiny
 
-    if parse_tiny(name) is not None or name.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct"):
+    if parse_tiny(name) is not None or name.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct", *GEMMA3):
         return
     path = Path(name).expanduser()
     if path.exists():
@@ -447,6 +448,6 @@ def check_model_available(name: str, online: bool) -> None:
         found = None
     if not isinstance(found, str):
         raise ConfigError(
-            f"model {name!r} is not a local path, not a built-in name ('smollm2', 'tiny-llama') and not in the local "
-            "Hugging Face cache; the hub is not contacted unless you pass --online (online = true)"
+            f"model {name!r} is not a local path, not a built-in name ('smollm2', 'gemma3-270m', 'tiny-llama') and "
+            "not in the local Hugging Face cache; the hub is not contacted unless you pass --online (online = true)"
         )

@@ -32,7 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvpolicy.eval.caches import baseline_bytes, held_bytes
-from kvpolicy.eval.metrics import next_token_kl, nll
+from kvpolicy.eval.metrics import last_only, next_token_kl, nll
 from kvpolicy.eval.probes import AttentionErrorProbe
 from kvpolicy.eval.tasks import Sample, Task
 
@@ -74,7 +74,8 @@ class Metric:
 
 
 def _forward(model: torch.nn.Module, ids: torch.Tensor, cache: Any) -> torch.Tensor:
-    return model(ids, cache=cache, use_cache=True).logits
+    """Logits of the last position only (every caller reads ``[:, -1]``): ``(batch, 1, vocab)``."""
+    return model(ids, cache=cache, use_cache=True, **last_only(model)).logits
 
 
 @torch.inference_mode()
@@ -112,6 +113,10 @@ def _prefill(
         if probe is not None:
             probe.shadow.update(k, v, i)
     return ref.last_logits
+
+
+#: the metrics of the bytes a cache holds (:func:`_finish_bytes`)
+BYTES_METRICS = ("bytes_held", "ratio", "bits_per_element", "bits_per_element_16")
 
 
 def _finish_bytes(cache: Any, model: torch.nn.Module, tokens: int) -> list[Metric]:
@@ -248,7 +253,7 @@ def task_scores(
             if ref is None or ref.tokens is None:
                 raise ValueError(f"task {task.name!r} needs the reference's greedy tokens of sample {sample.sample_id}")
             gen = generate(model, tokenizer, sample, cache, ref if replay else None)
-            got = task.score_tokens(gen.tokens, ref.tokens)  # type: ignore[attr-defined]
+            got = task.score_against(sample, gen.tokens, ref.tokens, tokenizer)
         else:
             gen = generate(model, tokenizer, sample, cache, ref)
             got = task.score(sample, gen.text)
@@ -267,6 +272,46 @@ def task_scores(
         extra = {"by_depth": {d: statistics.fmean(v) for d, v in by.items()}} if by else {}
         out.append(Metric(k, *_mean_se(t), n=len(values), extra=extra))
     return out + _finish_bytes(cache, model, length), records
+
+
+def quality(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    task: Task,
+    samples: list[Sample],
+    refs: list[Reference | None] | None,
+    make_cache: Any,
+    replay: bool = True,
+    progress: bool = False,
+) -> tuple[list[Metric], list[dict[str, Any]]]:
+    """The metrics of a cache on a task's samples, and one record per generated sample.
+
+    Teacher-forced samples give :func:`teacher_forced`'s metrics, generated ones :func:`task_scores`'s;
+    a task with both kinds (``hotpotqa``) gets both, the bytes held measured after its last generation.
+
+    Parameters
+    ----------
+    refs : list of Reference or None
+        The samples' uncompressed references (:func:`reference`); required when some sample is
+        teacher-forced or scored against the reference.
+    replay : bool
+        Replay the references' prefill instead of running it (see the module docstring), where given.
+    """
+    forced = [i for i, s in enumerate(samples) if s.kind == "teacher_forced"]
+    generated = [i for i, s in enumerate(samples) if s.kind != "teacher_forced"]
+    if refs is None and (forced or any(s.against_reference for s in samples)):
+        raise ValueError(f"task {task.name!r}: its samples are scored against their uncompressed references")
+    metrics: list[Metric] = []
+    records: list[dict[str, Any]] = []
+    if generated:
+        given = [refs[i] if refs is not None and (replay or samples[i].against_reference) else None for i in generated]
+        metrics, records = task_scores(model, tokenizer, task, [samples[i] for i in generated], given, make_cache,
+                                       progress=progress, replay=replay)  # fmt: skip
+    if forced:
+        got = teacher_forced(model, [samples[i] for i in forced], [refs[i] for i in forced], make_cache,  # type: ignore
+                             replay=replay, progress=progress)  # fmt: skip
+        metrics += [m for m in got if not (generated and m.name in BYTES_METRICS)]
+    return metrics, records
 
 
 def _jsonable(x: Any) -> Any:

@@ -90,11 +90,9 @@ def default_cache_dir() -> Path:
 
 def _sha256(path: Path) -> str:
     """Return the hex sha256 of the file ``path``."""
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    from kvpolicy.eval.wheels import sha256_of
+
+    return sha256_of(path)
 
 
 def _check_sha256(path: Path, actual: str, what: str, remedy: str) -> None:
@@ -379,7 +377,8 @@ def load_model(
     Parameters
     ----------
     name_or_path : str
-        ``"smollm2-135m"`` for the reference model (see :func:`load_smollm2`);
+        ``"smollm2-135m"`` for the reference model (see :func:`load_smollm2`); ``"gemma3-270m"``
+        for the second one (see :func:`kvpolicy.eval.gemma.load_gemma3`);
         a local model directory; a local ``.gguf`` file; or a hub repo id
         (resolved from the local Hugging Face cache or the hub, per the usual
         transformers settings such as ``HF_HUB_OFFLINE``).
@@ -407,6 +406,10 @@ def load_model(
     name = str(name_or_path).strip()
     if name.lower() in _SMOLLM2_ALIASES:
         return load_smollm2(dtype=dtype, device=device, attn_implementation=attn_implementation)
+    from kvpolicy.eval import gemma
+
+    if name.lower() in gemma.ALIASES:
+        return gemma.load_gemma3(dtype=dtype, device=device, attn_implementation=attn_implementation)
 
     from transformers import AutoTokenizer
 

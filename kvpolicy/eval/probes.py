@@ -52,7 +52,9 @@ class AttentionErrorProbe:
 
         self.model = model
         self.modules = attention_modules(model)
-        self.shadow = DynamicCache()
+        # the model's own layer types (a hybrid model's sliding layers keep their window), so the
+        # reference attends over exactly what the uncompressed model attends over
+        self.shadow = DynamicCache(config=model.config)
         self.active = True
         self._handles: list[Any] = []
         self._inside = False
@@ -83,7 +85,7 @@ class AttentionErrorProbe:
         hidden = args[0] if args else call.pop("hidden_states")
         q_len = hidden.shape[1]
         mask = call.get("attention_mask")
-        if mask is not None and mask.shape[-1] != self.shadow.get_seq_length(module.layer_idx) + q_len:
+        if mask is not None and mask.shape[-1] != self._shadow_keys(module.layer_idx, q_len):
             # the mask was sized for a cache holding fewer keys (eviction); a single decoding query
             # needs no mask, and a multi-token one gets the causal default of sdpa/eager
             call["attention_mask"] = None
@@ -98,6 +100,13 @@ class AttentionErrorProbe:
             self._err[i] += float((out.float() - ref.float()).pow(2).sum())
             self._ref[i] += float(ref.float().pow(2).sum())
             self._steps[i] += 1
+
+    def _shadow_keys(self, layer_idx: int, q_len: int) -> int:
+        """How many keys the shadow cache's layer returns for ``q_len`` new tokens (a sliding layer:
+        its window; a layer not started yet: the new tokens)."""
+        if layer_idx < len(self.shadow.layers):
+            return self.shadow.layers[layer_idx].get_mask_sizes(q_len)[0]
+        return q_len
 
     def per_layer(self) -> list[float]:
         """Relative error of each layer over every recorded call (``nan`` where nothing was recorded)."""

@@ -10,7 +10,10 @@ Output (evaluation.md §4)::
 
 A cell is model × cache × context × task. Cells whose id (a hash of everything that determines the
 result) already has its rows in ``results.jsonl`` are skipped, so an interrupted run resumes where
-it stopped. A cell that raises is recorded as an error row and retried by the next run.
+it stopped. A cell that raises is recorded as an error row and retried by the next run. The datasets
+the tasks read (:mod:`kvpolicy.eval.data`) are fetched into the user cache before any model is
+loaded; one that cannot be fetched stops the run with a :class:`~kvpolicy.errors.ConfigError` that
+says what to fetch and how.
 
 Cells run in this process by default, or elsewhere through an executor
 (:mod:`kvpolicy.eval.executors`: Ray workers); either way only this process writes ``OUT``. With a
@@ -42,6 +45,7 @@ from kvpolicy.eval.caches import CacheSpec
 from kvpolicy.eval.cells import CellGroup, CellResult
 from kvpolicy.eval.grid import SPEED, Grid, check_model_available
 from kvpolicy.eval.plan import Group, Shard, equal_specs, plan_groups, uses_context
+from kvpolicy.eval.tasks import Task
 
 RESULTS = "results.jsonl"
 SAMPLES = "samples.jsonl"
@@ -282,6 +286,9 @@ class Runner:
         else:
             self.executor.check(grid)
         tasks = grid.task_objects()
+        for task in tasks.values():  # the datasets the tasks read, before any model is loaded (fails fast offline)
+            if isinstance(task, Task):
+                task.fetch(progress=self.progress)
         total = len(grid.models) * self._count_cells(tasks)
         if self.shard is not None:
             total = self.shard.size(total)

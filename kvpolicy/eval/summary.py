@@ -16,6 +16,8 @@ METRICS = {
     "exact_match": "exact match",
     "edit_similarity": "edit sim.",
     "score": "score",
+    "agreement": "same answer",
+    "f1": "F1",
     "identical": "greedy identical",
     "first_divergence": "first divergence",
     "bytes_held": "bytes held",
@@ -41,7 +43,7 @@ def fmt(metric: str, value: float | None, se: float | None = None) -> str:
         return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
     if metric == "first_divergence":
         return f"{value:.0f}" + (f" ± {se:.0f}" if se is not None and not math.isnan(se) and se > 0 else "")
-    if metric in ("top1", "accuracy", "exact_match", "identical"):
+    if metric in ("top1", "accuracy", "exact_match", "identical", "agreement"):
         text = f"{value:.0%}"
         return text + (f" ± {se:.0%}" if se is not None and not math.isnan(se) and se > 0 else "")
     text = f"{value:.4f}" if abs(value) < 10 else f"{value:.1f}"

@@ -9,20 +9,27 @@ Two kinds of samples:
 
 Every sample is a pure function of the task's parameters, the tokenizer, the context length and the
 seed. Text comes from the running Python's standard library (``sysconfig.get_paths()["stdlib"]``),
-generated strings, or local JSONL files (GSM8K, LongBench).
+generated strings, local JSONL files (``gsm8k``, ``longbench``) or the pinned datasets of
+:mod:`kvpolicy.eval.data` (``lm-essays``, ``niah``, ``hotpotqa``, ``gsm8k-workload``), fetched into the
+user cache on first use.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import random
+import re
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 from kvpolicy.errors import ConfigError
-from kvpolicy.eval import scorers
+from kvpolicy.eval import data, scorers
+from kvpolicy.eval.data import read_jsonl
+from kvpolicy.eval.wheels import ChecksumMismatchError, FetchError
 
 #: standard-library files for teacher-forced language modelling (present in Python 3.10-3.13)
 LM_FILES = (
@@ -110,13 +117,52 @@ def _check_depths(owner: str, depths: tuple[float, ...]) -> None:
         raise ConfigError(f"{owner}: depths must be numbers in [0, 1]; got depths={depths!r}")
 
 
+def _dataset(task: str, name: str, load: Any) -> Any:
+    """``load()``, its fetch and checksum errors as a one-line :class:`ConfigError` naming ``task`` and
+    ``name`` (the error's first line, which says what to fetch and how, and the last line of pip's
+    output when it was captured)."""
+    try:
+        return load()
+    except (FetchError, ChecksumMismatchError) as exc:
+        first, *rest = str(exc).splitlines() or [""]
+        said = next((line.strip() for line in reversed(rest) if line.strip() and not line.startswith("---")), "")
+        raise ConfigError(
+            f"task {task!r} needs dataset {name!r}, which is not available: {first}"
+            + (f" (pip said: {said})" if said else "")
+        ) from exc
+
+
+@functools.lru_cache(maxsize=2)
+def _read_essays(path: str, stamp: tuple[int, int]) -> str:
+    """The essays of the cached file ``path`` as one text (``stamp``: its mtime and size, so that a
+    changed file is read again)."""
+    return "\n\n".join(data.essays(progress=False))
+
+
+def essay_text(task: str, progress: bool = True) -> str:
+    """The essays (dataset ``essays``) as one text: fetched on first use, kept in memory while the
+    cached file is unchanged.
+
+    Raises
+    ------
+    ConfigError
+        The dataset cannot be fetched (the message names ``task`` and says how to fetch it).
+    """
+    p = _dataset(task, "essays", lambda: data.path("essays", progress))
+    st = p.stat()
+    return _read_essays(str(p), (st.st_mtime_ns, st.st_size))
+
+
 # ---------------------------------------------------------------------- tasks
 class Task:
-    """Base class: ``samples(tokenizer, context, seed)`` and ``score(sample, text)``."""
+    """Base class: ``samples(tokenizer, context, seed)`` and ``score(sample, text)`` (or
+    ``score_against`` for samples scored against the uncompressed cache's own generation)."""
 
     name: ClassVar[str] = ""
     #: whether the samples depend on the context length (False: run once per cache)
     uses_context: ClassVar[bool] = True
+    #: the datasets of :mod:`kvpolicy.eval.data` the samples are drawn from
+    datasets: ClassVar[tuple[str, ...]] = ()
 
     def samples(self, tokenizer: Any, context: int, seed: int) -> list[Sample]:
         raise NotImplementedError
@@ -125,32 +171,69 @@ class Task:
         """Scores of a generation in ``[0, 1]``; the first is the task's accuracy."""
         raise NotImplementedError
 
+    def score_against(
+        self, sample: Sample, tokens: list[int], reference: list[int], tokenizer: Any
+    ) -> dict[str, float]:
+        """Scores of the generated ``tokens`` of a sample with ``against_reference`` set, against the
+        uncompressed cache's greedy ``reference`` tokens (both ``sample.max_new_tokens`` long, end of
+        sequence included)."""
+        raise NotImplementedError(f"task {self.name!r} has no samples scored against the reference")
+
+    def fetch(self, progress: bool = True) -> None:
+        """Fetch the task's :attr:`datasets` into the user cache (nothing for tasks without any).
+
+        Raises
+        ------
+        ConfigError
+            A dataset cannot be fetched or fails its checksum; the message names the task and the
+            dataset and says what to fetch and how.
+        """
+        for name in self.datasets:
+            _dataset(self.name, name, lambda name=name: data.path(name, progress))
+
 
 @dataclass(frozen=True)
-class LanguageModeling(Task):
+class _TeacherForcedText(Task):
+    """Base of the teacher-forced tasks: ``samples_per_context`` texts of ``context + tokens`` tokens
+    (:meth:`_texts`); the first ``context`` are the prefill, the next ``tokens`` are scored."""
+
+    samples_per_context: int = 2
+    tokens: int = 64
+
+    def __post_init__(self) -> None:
+        _check_positive(f"task {self.name!r}", samples_per_context=self.samples_per_context, tokens=self.tokens)
+
+    def _texts(self, tokenizer: Any, need: int, seed: int) -> Iterator[tuple[list[int], str, dict[str, Any]]]:
+        """``samples_per_context`` texts of at least ``need`` tokens: ``(ids, tag of the sample id, meta)``."""
+        raise NotImplementedError
+
+    def samples(self, tokenizer: Any, context: int, seed: int) -> list[Sample]:
+        need = context + self.tokens
+        return [Sample(self.name, f"{i}:{tag}", "teacher_forced", ids[:need], context, meta=meta)
+                for i, (ids, tag, meta) in enumerate(self._texts(tokenizer, need, seed))]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LanguageModeling(_TeacherForcedText):
     """Teacher-forced language modelling on standard-library source files.
 
     Sample ``i`` concatenates files of ``files`` (a seeded permutation, starting at file ``i``) until
     ``context + tokens`` tokens; the first ``context`` are the prefill, the next ``tokens`` are scored.
     """
 
-    samples_per_context: int = 2
-    tokens: int = 64
     files: tuple[str, ...] = LM_FILES
 
     name = "lm"
 
     def __post_init__(self) -> None:
-        _check_positive("task 'lm'", samples_per_context=self.samples_per_context, tokens=self.tokens)
+        super().__post_init__()
         object.__setattr__(self, "files", tuple(self.files))
         if not self.files:
             raise ConfigError("task 'lm': files must name at least one standard-library file")
 
-    def samples(self, tokenizer: Any, context: int, seed: int) -> list[Sample]:
+    def _texts(self, tokenizer: Any, need: int, seed: int) -> Iterator[tuple[list[int], str, dict[str, Any]]]:
         order = list(self.files)
         random.Random(seed).shuffle(order)
-        need = context + self.tokens
-        out = []
         for i in range(self.samples_per_context):
             ids: list[int] = []
             used = []
@@ -161,8 +244,52 @@ class LanguageModeling(Task):
                     break
             if len(ids) < need:
                 raise ConfigError(f"task 'lm': the files {list(self.files)} hold {len(ids)} tokens; {need} needed")
-            out.append(Sample(self.name, f"{i}:{used[0]}", "teacher_forced", ids[:need], context, meta={"files": used}))
-        return out
+            yield ids, used[0], {"files": used}
+
+
+@dataclass(frozen=True)
+class EssayLanguageModeling(_TeacherForcedText):
+    """Teacher-forced language modelling on English prose: the essays of dataset ``essays``.
+
+    Sample ``i`` is a slice of the essays (one text) of ``context + tokens`` tokens starting at a
+    seeded character offset (the first word boundary after it); the first ``context`` tokens are the
+    prefill, the next ``tokens`` are scored, as in ``lm``.
+    """
+
+    name = "lm-essays"
+    datasets = ("essays",)
+
+    def _texts(self, tokenizer: Any, need: int, seed: int) -> Iterator[tuple[list[int], str, dict[str, Any]]]:
+        text = essay_text(self.name)
+        rng = random.Random(f"{seed}:{self.name}")
+        for _ in range(self.samples_per_context):
+            start = _word_start(text, rng.randrange(len(text)))
+            ids = _slice_ids(tokenizer, text, start, need, self.name)
+            yield ids, f"@{start}", {"offset": start}
+
+
+_WORD = re.compile(r"(?<!\S)\S")
+
+
+def _word_start(text: str, at: int) -> int:
+    """The first character of the first word that starts at or after ``at`` (0 when none)."""
+    match = _WORD.search(text, at)
+    return match.start() if match else 0
+
+
+def _slice_ids(tokenizer: Any, text: str, start: int, need: int, task: str) -> list[int]:
+    """At least ``need`` token ids of ``text`` from character ``start`` on (continuing from its start
+    at the end, once at most)."""
+    cyclic = text[start:] + "\n\n" + text[:start]
+    size = 6 * need + 64
+    while True:
+        ids = encode(tokenizer, cyclic[:size])
+        if len(ids) >= need + 1 or size >= len(cyclic):  # one spare: the cut at the end may split a word
+            break
+        size *= 2
+    if len(ids) < need:
+        raise ConfigError(f"task {task!r}: the essays hold {len(ids)} tokens; {need} needed (context + tokens)")
+    return ids
 
 
 @dataclass(frozen=True)
@@ -188,6 +315,11 @@ class GreedyAgreement(LanguageModeling):
 
     def score(self, sample: Sample, text: str) -> dict[str, float]:
         raise ConfigError("task 'greedy' is scored against the reference's tokens: use score_tokens")
+
+    def score_against(
+        self, sample: Sample, tokens: list[int], reference: list[int], tokenizer: Any
+    ) -> dict[str, float]:
+        return self.score_tokens(tokens, reference)
 
     @staticmethod
     def score_tokens(tokens: list[int], reference: list[int]) -> dict[str, float]:
@@ -293,6 +425,69 @@ class Passkey(_HiddenItem):
         return chat_ids(tokenizer, self._prompt(haystack, key, depth)), key, {}
 
 
+#: a piece of the essays: text up to the end of a sentence (and the whitespace after it) or of a line
+_SENTENCE = re.compile(r".*?(?:[.!?][\"')\]]*\s+|\n)", re.S)
+
+
+def _essay_haystack(tokenizer: Any, text: str, start: int, budget: int) -> list[str]:
+    """Consecutive sentences of ``text`` from the first sentence start at or after ``start`` (continuing
+    from its start at the end, once at most), whole, whose tokens add up to at most ``budget``."""
+    first = _SENTENCE.match(text, start)
+    begin = first.end() if first is not None and first.end() < len(text) else 0
+    cyclic = text[begin:] + "\n\n" + text[:begin]
+    out: list[str] = []
+    used = pos = 0
+    while used < budget:
+        m = _SENTENCE.match(cyclic, pos)
+        if m is None:
+            break
+        cost = len(encode(tokenizer, m.group()))
+        if used + cost > budget:
+            break
+        out.append(m.group())
+        used += cost
+        pos = m.end()
+    return out
+
+
+@dataclass(frozen=True)
+class NeedleInEssays(_HiddenItem):
+    """Needle in a haystack: a sentence holding a random ``digits``-digit number hidden at ``depth`` in
+    consecutive sentences of the essays (dataset ``essays``, from a seeded offset), the prompt about
+    ``context`` tokens (chat template included); correct when the answer contains the number. Meant for
+    contexts of 4k-16k tokens."""
+
+    depths: tuple[float, ...] = (0.1, 0.5, 0.9)
+    samples_per_depth: int = 1
+    digits: int = 7
+    max_new_tokens: int = 16
+
+    name = "niah"
+    datasets = ("essays",)
+
+    def __post_init__(self) -> None:
+        self._check(samples_per_depth=self.samples_per_depth, digits=self.digits, max_new_tokens=self.max_new_tokens)
+
+    @staticmethod
+    def _prompt(haystack: list[str], needle: str, depth: float) -> str:
+        at = round(depth * len(haystack))
+        text = "".join([*haystack[:at], needle, " ", *haystack[at:]]).strip()
+        return (
+            "Below is a long text taken from essays. A special magic number is hidden somewhere in it; find it "
+            f"and remember it.\n\n{text}\n\nWhat is the special magic number mentioned in the text? Answer with "
+            "the number only."
+        )
+
+    def _hide(self, tokenizer: Any, context: int, depth: float, rng: random.Random) -> tuple[list[int], str, dict]:
+        text = essay_text(self.name)
+        key = str(rng.randrange(10 ** (self.digits - 1), 10**self.digits))
+        needle = f"The special magic number is {key}."
+        overhead = len(chat_ids(tokenizer, self._prompt([], needle, depth)))
+        start = rng.randrange(len(text))
+        haystack = _essay_haystack(tokenizer, text, start, max(0, context - overhead))
+        return chat_ids(tokenizer, self._prompt(haystack, needle, depth)), key, {"offset": start}
+
+
 @dataclass(frozen=True)
 class KeyValueRetrieval(_HiddenItem):
     """Key→value retrieval: a JSON object of random hex keys and values of about ``context`` tokens;
@@ -390,25 +585,15 @@ def _interesting(line: str) -> bool:
     return len(s) >= 8 and not s.startswith(("#", '"""', "'''"))
 
 
-def read_jsonl(path: str | Path, fields: tuple[str, ...], owner: str) -> list[dict[str, Any]]:
-    """Rows of a JSONL file, each checked to have ``fields``."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise ConfigError(f"{owner}: path={str(path)!r} is not a file")
-    rows = []
-    with p.open(encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{owner}: {p}:{n} is not valid JSON ({exc})") from exc
-            missing = [f for f in fields if f not in row]
-            if missing:
-                raise ConfigError(f"{owner}: {p}:{n} lacks field(s) {missing}; expected {list(fields)}")
-            rows.append(row)
-    return rows
+def _gsm8k_user(question: str, prefix: str = "") -> str:
+    """The user turn asking a GSM8K question (after ``prefix``: worked examples)."""
+    return f"{prefix}Question: {question}\nSolve it step by step and end with 'The answer is <number>.'"
+
+
+def _check_limit(owner: str, **values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{owner}: {name} must be an integer >= 0; got {name}={value!r}")
 
 
 @dataclass(frozen=True)
@@ -429,10 +614,7 @@ class GSM8K(Task):
         if not self.path:
             raise ConfigError("task 'gsm8k': path must name a local JSONL file (GSM8K's test.jsonl format)")
         _check_positive("task 'gsm8k'", max_new_tokens=self.max_new_tokens)
-        for name in ("limit", "shots"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"task 'gsm8k': {name} must be an integer >= 0; got {name}={value!r}")
+        _check_limit("task 'gsm8k'", limit=self.limit, shots=self.shots)
 
     def samples(self, tokenizer: Any, context: int, seed: int) -> list[Sample]:
         rows = read_jsonl(self.path, ("question", "answer"), "task 'gsm8k'")
@@ -442,15 +624,122 @@ class GSM8K(Task):
         prefix = "".join(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in shots)
         out = []
         for i, row in enumerate(rows):
-            user = (f"{prefix}Question: {row['question']}\nSolve it step by step and end with "
-                    "'The answer is <number>.'")  # fmt: skip
-            ids = chat_ids(tokenizer, user)
+            ids = chat_ids(tokenizer, _gsm8k_user(row["question"], prefix))
             out.append(Sample(self.name, str(i), "generate", ids, len(ids), row["answer"], self.max_new_tokens,
                               meta={"prompt_tokens": len(ids)}))  # fmt: skip
         return out
 
     def score(self, sample: Sample, text: str) -> dict[str, float]:
         return {"accuracy": scorers.gsm8k_score(text, sample.answer)}
+
+
+@dataclass(frozen=True)
+class GSM8KWorkload(Task):
+    """A decoding workload: ``tokens`` greedy tokens after each of the first ``limit`` GSM8K questions
+    (dataset ``gsm8k``; the prompt of task ``gsm8k``, through the chat template when the tokenizer has
+    one; ``limit=0``: all 1,319), compared token by token with the uncompressed cache's continuation:
+    ``identical`` and ``first_divergence`` as in ``greedy``."""
+
+    limit: int = 4
+    tokens: int = 256
+
+    name = "gsm8k-workload"
+    uses_context = False
+    datasets = ("gsm8k",)
+
+    def __post_init__(self) -> None:
+        _check_limit(f"task {self.name!r}", limit=self.limit)
+        _check_positive(f"task {self.name!r}", tokens=self.tokens)
+
+    def samples(self, tokenizer: Any, context: int, seed: int) -> list[Sample]:
+        rows = _dataset(self.name, "gsm8k", data.gsm8k)
+        out = []
+        for i, row in enumerate(rows[: self.limit or None]):
+            ids = chat_ids(tokenizer, _gsm8k_user(row["question"]))
+            out.append(Sample(self.name, str(i), "generate", ids, len(ids), row["answer"], self.tokens,
+                              meta={"prompt_tokens": len(ids)}, against_reference=True))  # fmt: skip
+        return out
+
+    def score(self, sample: Sample, text: str) -> dict[str, float]:
+        raise ConfigError(f"task {self.name!r} is scored against the reference's tokens: use score_against")
+
+    def score_against(
+        self, sample: Sample, tokens: list[int], reference: list[int], tokenizer: Any
+    ) -> dict[str, float]:
+        return GreedyAgreement.score_tokens(tokens, reference)
+
+
+def _first_line(tokens: list[int], tokenizer: Any) -> str:
+    """The first non-empty line of the text of ``tokens`` up to the first end-of-sequence token."""
+    eos = tokenizer.eos_token_id
+    stops = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+    end = next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
+    text = tokenizer.decode(tokens[:end], skip_special_tokens=True).strip()
+    return text.split("\n", 1)[0].strip()
+
+
+@dataclass(frozen=True)
+class HotpotQA(Task):
+    """Multi-document question answering on HotpotQA (dataset ``hotpotqa``: dev, distractor setting).
+
+    The prompt holds the question's paragraphs as the file has them (the two gold paragraphs among the
+    distractors, in the file's order), then the question; the first ``limit`` questions (``0``: all
+    7,405). Two samples per question:
+
+    - the answer, ``max_new_tokens`` greedy tokens compared with the uncompressed cache's: ``agreement``
+      (their first lines, up to the end of sequence, equal once normalized as SQuAD does) and ``f1``
+      (token F1 of the first line against the reference answer);
+    - the reference answer teacher-forced after the prompt: ``delta_nll``, ``kl`` and ``top1`` over its
+      tokens (as in ``lm``).
+    """
+
+    limit: int = 8
+    max_new_tokens: int = 32
+
+    name = "hotpotqa"
+    uses_context = False
+    datasets = ("hotpotqa",)
+
+    def __post_init__(self) -> None:
+        _check_limit(f"task {self.name!r}", limit=self.limit)
+        _check_positive(f"task {self.name!r}", max_new_tokens=self.max_new_tokens)
+
+    @staticmethod
+    def _prompt(row: dict[str, Any]) -> str:
+        passages = "\n\n".join(f"Passage {k}: {title}\n{''.join(sentences).strip()}"
+                                for k, (title, sentences) in enumerate(row["context"], 1))  # fmt: skip
+        return (
+            "Answer the question using the passages below. Reply with the answer only, in a few words.\n\n"
+            f"{passages}\n\nQuestion: {row['question']}\nAnswer:"
+        )
+
+    def samples(self, tokenizer: Any, context: int, seed: int) -> list[Sample]:
+        rows = _dataset(self.name, "hotpotqa", data.hotpotqa)
+        # after a chat template the answer starts the assistant's turn; after "Assistant:" a space comes first
+        space = "" if getattr(tokenizer, "chat_template", None) else " "
+        out = []
+        for i, row in enumerate(rows[: self.limit or None]):
+            ids = chat_ids(tokenizer, self._prompt(row))
+            meta = {"id": row.get("_id", str(i)), "type": row.get("type"), "prompt_tokens": len(ids)}
+            out.append(Sample(self.name, str(i), "generate", ids, len(ids), row["answer"], self.max_new_tokens,
+                              meta=meta, against_reference=True))  # fmt: skip
+            answer = encode(tokenizer, space + row["answer"])
+            if answer:
+                out.append(Sample(self.name, f"{i}:answer", "teacher_forced", ids + answer, len(ids), row["answer"],
+                                  meta=meta))  # fmt: skip
+        return out
+
+    def score(self, sample: Sample, text: str) -> dict[str, float]:
+        raise ConfigError(f"task {self.name!r} is scored against the reference's answer: use score_against")
+
+    def score_against(
+        self, sample: Sample, tokens: list[int], reference: list[int], tokenizer: Any
+    ) -> dict[str, float]:
+        mine, ref = _first_line(tokens, tokenizer), _first_line(reference, tokenizer)
+        return {
+            "agreement": float(scorers.normalize_answer(mine) == scorers.normalize_answer(ref)),
+            "f1": scorers.qa_f1(mine, str(sample.answer)),
+        }
 
 
 #: LongBench dataset -> (instruction before the context, question after it, new tokens)
@@ -535,8 +824,9 @@ class LongBench(Task):
 
 TASKS: dict[str, type[Task]] = {
     cls.name: cls
-    for cls in (LanguageModeling, GreedyAgreement, Passkey, KeyValueRetrieval, LineCompletion, GSM8K, LongBench)
-}
+    for cls in (LanguageModeling, GreedyAgreement, Passkey, KeyValueRetrieval, LineCompletion, GSM8K, LongBench,
+                EssayLanguageModeling, NeedleInEssays, HotpotQA, GSM8KWorkload)
+}  # fmt: skip
 
 
 def make_task(name: str, **params: Any) -> Task:
