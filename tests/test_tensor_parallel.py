@@ -172,7 +172,6 @@ def test_kv_heads_the_tp_size_does_not_divide(summary: dict) -> None:
             assert "num_key_value_heads=3" in message and "tp_size=2" in message and "[1, 3]" in message
 
 
-
 # ---------------------------------------------------------------------- the helpers, in one process
 class _Distributed:
     """What transformers stores on a model config loaded with ``tp_plan``: ``config.distributed_config``."""
