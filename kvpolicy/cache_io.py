@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kvpolicy import persist, registry
+from kvpolicy.distributed import kv_heads_of
 from kvpolicy.errors import CacheFileError, ConfigError
 
 _KINDS = {"policy": "policies", "action": "actions", "backend": "backends", "transform": "transforms"}
@@ -83,7 +84,7 @@ def _model_identity(model: Any) -> dict[str, Any]:
     return {
         "architecture": arch,
         "layers": getattr(text, "num_hidden_layers", None),
-        "kv_heads": getattr(text, "num_key_value_heads", None) or heads,
+        "kv_heads": kv_heads_of(config),
         "head_dim": head_dim,
         "dtype": persist.dtype_name(dtype) if isinstance(dtype, torch.dtype) else None,
     }

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -125,7 +126,7 @@ def _pack(tensors: list[torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[di
         lo = min(tensors[i].storage_offset() for i in members)
         hi = max(_end(tensors[i]) for i in members)
         unique = {(tensors[i].storage_offset(), tuple(tensors[i].shape), tuple(tensors[i].stride())) for i in members}
-        copies = sum(_numel(shape) for _, shape, _ in unique)
+        copies = sum(math.prod(shape) for _, shape, _ in unique)
         if len(members) > 1 and hi - lo <= copies:
             name = f"t{len(stored)}"
             first = tensors[members[0]]
@@ -146,13 +147,6 @@ def _pack(tensors: list[torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[di
                 stored[done[key]] = t.contiguous()
             refs[i] = {"$tensor": done[key]}
     return stored, refs
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _end(t: torch.Tensor) -> int:
@@ -242,7 +236,7 @@ def _tensor(ref: dict[str, Any], tensors: dict[str, torch.Tensor], where: str, d
     if "offset" not in ref:
         return base
     shape, stride, offset = ref["shape"], ref["stride"], ref["offset"]
-    end = offset + sum((s - 1) * st for s, st in zip(shape, stride, strict=True)) + 1 if _numel(shape) else offset
+    end = offset + sum((s - 1) * st for s, st in zip(shape, stride, strict=True)) + 1 if math.prod(shape) else offset
     if base.dim() != 1 or offset < 0 or end > base.numel():
         raise CacheFileError(f"{where!r}: a view of tensor {name!r} reaches beyond it (corrupted header)")
     return base.as_strided(shape, stride, offset)

@@ -90,7 +90,8 @@ def get(name: str) -> Dataset:
     ConfigError
         ``name`` is not registered; the message lists the known names.
     """
-    wheels.check_choice("dataset", name, DATASETS)
+    if name not in DATASETS:
+        raise ConfigError(f"unknown dataset {name!r}; known: {sorted(DATASETS)}")
     return DATASETS[name]
 
 

