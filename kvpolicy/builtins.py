@@ -11,8 +11,9 @@ def kvpolicy_register_policies() -> dict[str, type]:
     from kvpolicy.policies.log import LogWindow
     from kvpolicy.policies.recent import RecentWindow
     from kvpolicy.policies.sink import SinkWindow
+    from kvpolicy.policies.sinks import Sinks
 
-    return {"log": LogWindow, "recent": RecentWindow, "sink": SinkWindow, "h2o": HeavyHitters}
+    return {"log": LogWindow, "recent": RecentWindow, "sink": SinkWindow, "h2o": HeavyHitters, "sinks": Sinks}
 
 
 @hookimpl
@@ -20,8 +21,9 @@ def kvpolicy_register_actions() -> dict[str, type]:
     from kvpolicy.actions.evict import Evict
     from kvpolicy.actions.none import NoCompression
     from kvpolicy.actions.quantize import Quantize
+    from kvpolicy.actions.tiered import Tiered
 
-    return {"quantize": Quantize, "evict": Evict, "none": NoCompression}
+    return {"quantize": Quantize, "evict": Evict, "none": NoCompression, "tiered": Tiered}
 
 
 @hookimpl

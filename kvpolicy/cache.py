@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpolicy import distributed, fused, handoff, registry
+from kvpolicy import layer_bits as per_layer
 from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.backends import auto as auto_backend
 from kvpolicy.backends.base import Backend
@@ -23,6 +25,7 @@ from kvpolicy.errors import ConfigError
 from kvpolicy.memory import LayerBytes, MemoryReport
 from kvpolicy.padded import PaddedRows, left_pads
 from kvpolicy.policies.base import Policy, PolicyState
+from kvpolicy.policies.sinks import Sinks
 from kvpolicy.positions import POSITION_DTYPE, PositionBook, check_length, storage_bytes
 from kvpolicy.transforms import NoTransform, Transform
 from kvpolicy.transforms import wrap as wrap_store
@@ -713,6 +716,9 @@ class CompressedCache(Cache):
     **params
         Hyperparameters of the policy, action or backend given by name when those are strings,
         e.g. ``window=64``, ``bits=2``, ``group_size=64``. A keyword no part accepts is an error.
+        ``sinks=S`` with a policy that has no ``sinks`` parameter wraps it in
+        :class:`~kvpolicy.policies.Sinks`: the first ``S`` tokens stay at full precision for good and
+        the policy selects among the tokens after them (``policy="log", sinks=4``).
 
     Examples
     --------
@@ -730,12 +736,14 @@ class CompressedCache(Cache):
         config: Any = None,
         attention: str = "auto",
         transform: str | Transform = "none",
+        layer_bits: Mapping[int, int | tuple[int, int]] | None = None,
         **params: Any,
     ) -> None:
         self._auto = isinstance(backend, str) and backend == auto_backend.AUTO
         backend_spec = "torch" if self._auto else backend
+        sinks = _sinks_keyword(policy, params)
         parts = _compose({"policy": policy, "action": action, "backend": backend_spec, "transform": transform}, params)
-        self.policy: Policy = parts["policy"]
+        self.policy: Policy = parts["policy"] if sinks is None else Sinks(parts["policy"], sinks)
         self.action: Action = parts["action"]
         self.transform: Transform = parts["transform"]
         self.backend: Backend = auto_backend.choose(self.action) if self._auto else parts["backend"]
@@ -745,8 +753,20 @@ class CompressedCache(Cache):
         if attention not in ATTENTION:
             raise ConfigError(f"attention must be one of {list(ATTENTION)}; got attention={attention!r}")
         self.attention = attention
+        widths = per_layer.normalize(layer_bits if layer_bits is not None else {})
+        #: ``{layer index: (key_bits, value_bits)}`` of the layers whose widths differ from the action's
+        self.layer_bits = per_layer.resolve(widths, _num_layers(config))
+        self._layer_actions = per_layer.layer_actions(self.action, self.layer_bits) if self.action.compresses else {}
+        if self.layer_bits and not self.action.compresses:
+            raise ConfigError(f"layer_bits sets code widths; action {self.action.name!r} compresses nothing")
+        actions = [self.action, *self._layer_actions.values()]
+        # backend="auto": the fastest backend that serves every layer's widths
+        if self._auto and self.action.compresses and not all(auto_backend.serves(self.backend, a) for a in actions):
+            self.backend = registry.get("backends", "torch")()
         if self.action.compresses:
-            self.action.check_backend(self.backend)
+            for each in actions:
+                each.check_backend(self.backend)
+                each.check_transform(self.transform)
         if attention == "fused":
             reason = _unfusable(self.policy, self.action, self.backend)
             if reason is not None:
@@ -770,6 +790,12 @@ class CompressedCache(Cache):
                 )
             distributed.check_config(config)  # kv heads a tensor-parallel model cannot split: a clear error now
             self._layer_types, self._layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+            left = sorted(i for i in self.layer_bits if self._layer_types[i] != "full_attention")
+            if left:
+                raise ConfigError(
+                    f"layer_bits names layer(s) {left}, which are {sorted({self._layer_types[i] for i in left})} "
+                    "layers left to transformers (only 'full_attention' layers are compressed)"
+                )
             self.layers = [self._new_layer(i) for i in range(len(self._layer_types))]
             if not any(isinstance(layer, CompressedLayer) for layer in self.layers):
                 kinds = sorted(set(self._layer_types))
@@ -784,8 +810,8 @@ class CompressedCache(Cache):
         kind = "full_attention" if self._layer_types is None else self._layer_types[layer_idx]
         if kind == "full_attention":
             layer = CompressedLayer(
-                self.policy, self.action, self.backend, self.layout, layer_idx, self.attention, self._auto,
-                self.transform,
+                self.policy, self._layer_actions.get(layer_idx, self.action), self.backend, self.layout, layer_idx,
+                self.attention, self._auto, self.transform,
             )  # fmt: skip
             layer.book = self._book
             return layer
@@ -838,6 +864,14 @@ class CompressedCache(Cache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx == 0 and self.layer_bits and self.layers and self.layers[0].is_initialized:
+            # a second forward: every layer of the model has been seen, so the map can be checked
+            missing = sorted(i for i in self.layer_bits if i >= len(self.layers))
+            if missing:
+                raise ConfigError(
+                    f"layer_bits names layer(s) {missing}, but the model has {len(self.layers)} layers; the widths "
+                    "given for them were never used"
+                )
         while len(self.layers) <= layer_idx:
             self.layers.append(self._new_layer(len(self.layers)))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -918,9 +952,11 @@ class CompressedCache(Cache):
         return cache_io.load(cls, path, device, model)
 
     def __repr__(self) -> str:
+        widths = f", layer_bits={self.layer_bits!r}" if self.layer_bits else ""
         return (
             f"CompressedCache(policy={self.policy!r}, action={self.action!r}, "
-            f"backend={self.backend!r}, layout={self.layout!r}, attention={self.attention!r}{_transform_repr(self)})"
+            f"backend={self.backend!r}, layout={self.layout!r}, attention={self.attention!r}{_transform_repr(self)}"
+            f"{widths})"
         )
 
 
@@ -948,6 +984,25 @@ _PARTS = (
     ("policy", "policies", Policy), ("action", "actions", Action), ("backend", "backends", Backend),
     ("transform", "transforms", Transform),
 )  # fmt: skip
+
+
+def _num_layers(config: Any) -> int | None:
+    """The model's layer count from its config (None without one)."""
+    if config is None or not hasattr(config, "get_text_config"):
+        return None
+    count = getattr(config.get_text_config(decoder=True), "num_hidden_layers", None)
+    return count if isinstance(count, int) else None
+
+
+def _sinks_keyword(policy: str | Policy, params: dict[str, Any]) -> int | None:
+    """Take ``sinks`` out of ``params`` when it asks for :class:`~kvpolicy.policies.Sinks` around a policy
+    that has no ``sinks`` parameter of its own (the ``"sink"`` policy keeps its own)."""
+    if "sinks" not in params:
+        return None
+    cls = registry.get("policies", policy) if isinstance(policy, str) else type(policy)
+    if "sinks" in _param_names(cls):
+        return None
+    return params.pop("sinks")
 
 
 def _compose(specs: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:

@@ -30,6 +30,18 @@ from kvpolicy.errors import CacheFileError, ConfigError
 _KINDS = {"policy": "policies", "action": "actions", "backend": "backends", "transform": "transforms"}
 
 
+def _bases() -> dict[str, type]:
+    from kvpolicy.actions.base import Action
+    from kvpolicy.backends.base import Backend
+    from kvpolicy.policies.base import Policy
+    from kvpolicy.transforms.base import Transform
+
+    return {"policy": Policy, "action": Action, "backend": Backend, "transform": Transform}
+
+
+_BASES = _bases()
+
+
 def save(cache: Any, path: str | Path, model: Any = None) -> int:
     """See :meth:`kvpolicy.CompressedCache.save`."""
     layers = [_layer_state(layer, i) for i, layer in enumerate(cache.layers)]
@@ -45,15 +57,50 @@ def save(cache: Any, path: str | Path, model: Any = None) -> int:
 def composition(cache: Any) -> dict[str, Any]:
     """The parts of ``cache`` by registered name and parameters, and its other settings."""
     parts = {role: _part(getattr(cache, role), role) for role in _KINDS}
-    return {**parts, "backend_auto": cache._auto, "layout": cache.layout, "attention": cache.attention}
+    widths = {str(i): list(pair) for i, pair in sorted(cache.layer_bits.items())}
+    out = {**parts, "backend_auto": cache._auto, "layout": cache.layout, "attention": cache.attention}
+    return {**out, "layer_bits": widths} if widths else out
 
 
 def _part(obj: Any, role: str) -> dict[str, Any]:
+    """``{"name", "params"}`` of a part. A parameter that is itself a part (the policy a
+    :class:`~kvpolicy.policies.Sinks` wraps, the tiers and keep policies of
+    :class:`~kvpolicy.actions.tiered.Tiered`), or a list of them, is nested as ``{"part": {"role", "name",
+    "params"}}``."""
     params = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else {}
-    for key, value in params.items():
-        if not (value is None or isinstance(value, (bool, int, float, str))):
-            raise TypeError(f"{role} {obj.name!r}: parameter {key}={value!r} is not a JSON value; it cannot be saved")
-    return {"name": obj.name, "params": params}
+    return {"name": obj.name, "params": {key: _encode(value, role, obj, key) for key, value in params.items()}}
+
+
+def _encode(value: Any, role: str, owner: Any, key: str) -> Any:
+    for kind, base in _BASES.items():
+        if isinstance(value, base):
+            return {"part": {"role": kind, **_part(value, kind)}}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v, role, owner, key) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"{role} {owner.name!r}: parameter {key}={value!r} is not a JSON value; it cannot be saved")
+
+
+def _decode(value: Any, role: str, where: str) -> Any:
+    if isinstance(value, dict) and "part" in value:
+        spec = value["part"]
+        return _rebuild(spec, spec.get("role", role), where)
+    if isinstance(value, list):
+        return [_decode(v, role, where) for v in value]
+    return value
+
+
+def _rebuild(spec: dict[str, Any], role: str, where: str) -> Any:
+    """The part :func:`_part` described (nested parts first)."""
+    kind = _KINDS[role]
+    params = {key: _decode(value, role, where) for key, value in spec["params"].items()}
+    try:
+        cls = registry.get(kind, spec["name"])
+    except ConfigError as exc:
+        msg = f"{where!r} was saved with {role} {spec['name']!r}, which is not installed: {exc}"
+        raise CacheFileError(msg) from None
+    return cls(**params)
 
 
 def identity(cache: Any, model: Any = None) -> dict[str, Any]:
@@ -150,18 +197,14 @@ def _moved(node: Any, device: Any) -> Any:
 def _build(cls: type, header: dict[str, Any], where: str) -> Any:
     comp = header["composition"]
     parts = {}
-    for role, kind in _KINDS.items():
+    for role in _KINDS:
         spec = comp[role]
         if role == "backend" and comp.get("backend_auto"):
             parts[role] = "auto"
             continue
-        try:
-            part_cls = registry.get(kind, spec["name"])
-        except ConfigError as exc:
-            msg = f"{where!r} was saved with {role} {spec['name']!r}, which is not installed: {exc}"
-            raise CacheFileError(msg) from None
-        parts[role] = part_cls(**spec["params"])
-    cache = cls(**parts, layout=comp["layout"], attention=comp["attention"])
+        parts[role] = _rebuild(spec, role, where)
+    widths = {int(i): tuple(pair) for i, pair in comp.get("layer_bits", {}).items()}
+    cache = cls(**parts, layout=comp["layout"], attention=comp["attention"], layer_bits=widths)
     types, kwargs = header.get("layer_types"), header.get("layer_kwargs")
     if types is not None:
         cache._layer_types, cache._layer_kwargs = list(types), list(kwargs)

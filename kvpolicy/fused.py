@@ -84,8 +84,9 @@ def decode_attention(
     full_keys, full_values : torch.Tensor
         ``(batch, kv_heads, n_full, head_dim)``.
     parts : (quantized, tail)
-        From ``QuantizedStore.attention_parts()``: ``(QTensor, QTensor)`` or None, and full-precision
-        ``(keys, values)`` or None.
+        From ``QuantizedStore.attention_parts()``: ``(QTensor, QTensor)``, a list of such pairs (one
+        per tier of a :class:`~kvpolicy.actions.tiered.TieredStore`) or None, and full-precision
+        ``(keys, values)`` or None. Every segment's partial attention is merged by log-sum-exp.
     backend : Backend
         Computes the quantized part (``Backend.attend``).
     scale : float
@@ -114,7 +115,9 @@ def decode_attention(
         else:
             stored.append(dense_attention(q_stored, tail[0], tail[1], scale))
     if quantized is not None:
-        stored.append(backend.attend(q_stored, quantized[0], quantized[1], scale))
+        # one quantized segment (keys, values), or a list of them (a tiered store: one per tier)
+        for keys, values in quantized if isinstance(quantized, list) else [quantized]:
+            stored.append(backend.attend(q_stored, keys, values, scale))
     pieces = []
     if fk.shape[2]:
         pieces.append(dense_attention(q, fk, fv, scale))

@@ -76,16 +76,17 @@ def cpu_kernel():
     return cpu_attention.load()
 
 
-def fused_and_materialized(family: str = "llama", **kw):
+def fused_and_materialized(family: str = "llama", length: int = 75, **kw):
     """Teacher-forced logits of a tiny GQA model of ``family`` through the fused and the materialised
     path, across group flushes with staging non-empty (group 16, window 8, 75 tokens, batch 2): ``(fused,
-    materialised, the fused run's cache)``. ``kw`` are further ``CompressedCache`` keywords."""
+    materialised, the fused run's cache)``. ``kw`` are further ``CompressedCache`` keywords, or override
+    those defaults (``None`` drops one: ``group_size=None`` for a composition without groups)."""
     from kvpolicy import CompressedCache
     from kvpolicy.fused import disable_fused, enable_fused
 
     model = tiny_model(family)
-    ids = torch.randint(3, 96, (2, 75), generator=torch.Generator().manual_seed(1))
-    kw = dict(policy="log", window=8, group_size=16, **kw)
+    ids = torch.randint(3, 96, (2, length), generator=torch.Generator().manual_seed(1))
+    kw = {k: v for k, v in {"policy": "log", "window": 8, "group_size": 16, **kw}.items() if v is not None}
     ref = teacher_forced_logits(model, ids, 38, CompressedCache(**kw, attention="materialized"))
     enable_fused(model)
     try:

@@ -42,7 +42,10 @@ def test_callers_dict_is_not_mutated():
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),
     [
-        (dict(policy="logg"), r"unknown policy 'logg'; registered policies: \['h2o', 'log', 'recent', 'sink'\]"),
+        (
+            dict(policy="logg"),
+            r"unknown policy 'logg'; registered policies: \['h2o', 'log', 'recent', 'sink', 'sinks'\]",
+        ),
         (dict(action="squash"), r"unknown action 'squash'; registered actions: \[.*'none'.*'quantize'.*\]"),
         (dict(backend="cuda-magic"), r"unknown backend 'cuda-magic'; registered backends: \[.*'torch'.*\]"),
         (dict(bits=5), r"backend 'torch' does not support bits=5; it supports bits in \[2, 3, 4, 8\]"),

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from kvpolicy.backends.base import Backend
+
+if TYPE_CHECKING:
+    from kvpolicy.transforms.base import Transform
 
 
 class DemotedStore(ABC):
@@ -93,6 +96,10 @@ class Action(ABC):
 
     def check_backend(self, backend: Backend) -> None:  # noqa: B027 - optional hook
         """Raise :class:`~kvpolicy.errors.ConfigError` if ``backend`` cannot serve this action."""
+
+    def check_transform(self, transform: Transform) -> None:  # noqa: B027 - optional hook
+        """Raise :class:`~kvpolicy.errors.ConfigError` if this action cannot store tokens in the basis
+        ``transform`` gives them (e.g. a codebook built for rotated data, without a rotation)."""
 
     def check_head_dim(self, head_dim: int, multiple: int = 1, role: str | None = None) -> None:  # noqa: B027
         """Raise :class:`~kvpolicy.errors.ConfigError` if tensors with ``head_dim`` channels cannot be

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from kvpolicy.actions.base import Action, DemotedStore
-from kvpolicy.backends.base import AXES, META_DTYPES, Backend, QTensor, check_metadata, widen_remedy
+from kvpolicy.backends.base import AXES, META_DTYPES, SCHEMES, Backend, QTensor, check_metadata, widen_remedy
 from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
 from kvpolicy.policies.base import check_int
 from kvpolicy.positions import POSITION_DTYPE
@@ -24,6 +24,10 @@ DEFAULT_BITS = 2
 
 #: shorthand parameter -> the per-kind parameters it sets
 SHORTHANDS = {"bits": ("key_bits", "value_bits"), "group_size": ("key_group_size", "value_group_size")}
+#: the quantization scheme when none is given
+DEFAULT_SCHEME = "minmax"
+#: a codebook kind's multiple of head_dim (indices of 2, 3 or 4 bits pack into whole bytes)
+CODEBOOK_HEAD_DIM_MULTIPLE = 8
 
 
 def _first(*values: int | None) -> int:
@@ -33,7 +37,7 @@ def _first(*values: int | None) -> int:
 
 @dataclass(frozen=True, eq=False)
 class Quantize(Action):
-    """Quantize demoted tokens to ``bits`` with asymmetric min-max groups of ``group_size``.
+    """Quantize demoted tokens to ``bits``: asymmetric min-max groups of ``group_size``, or a codebook.
 
     Parameters
     ----------
@@ -69,6 +73,17 @@ class Quantize(Action):
         :class:`~kvpolicy.errors.MetadataOverflowError` whatever ``check_finite`` says, and
         ``"float32"`` (32 more bits per group) or ``"bfloat16"`` (same bytes, 8-bit significand)
         stores them. Which values a backend accepts: ``Backend.capabilities.meta_dtypes``.
+    scheme : {"minmax", "codebook"}, optional
+        How keys and values alike are quantized (the shorthand for ``key_scheme`` and
+        ``value_scheme``); default ``"minmax"``. ``"codebook"``: one scale per token and head plus
+        ``bits``-bit indices into the Lloyd-Max codebook of the standard normal distribution
+        (:mod:`kvpolicy.backends.codebook`; ``bits + 16 / head_dim`` bits per element, no zero-point).
+        It assumes rotated, near-Gaussian coordinates: a cache refuses it without a rotation
+        (``transform="hadamard"``). Group size and axis do not apply to a codebook kind (giving one
+        for it is an error); ``meta_dtype`` sets the dtype of its scales. Widths: 2, 3 or 4 bits
+        (``torch`` and ``cpu`` backends).
+    key_scheme, value_scheme : {"minmax", "codebook"}, optional
+        The scheme of keys or values alone; contradicting ``scheme`` is a ConfigError.
     """
 
     bits: int | None = None
@@ -81,6 +96,9 @@ class Quantize(Action):
     value_group_size: int | None = None
     key_bits: int | None = None
     value_bits: int | None = None
+    scheme: str | None = None
+    key_scheme: str | None = None
+    value_scheme: str | None = None
 
     name = "quantize"
 
@@ -104,7 +122,8 @@ class Quantize(Action):
             value = getattr(self, param)
             if value not in AXES:
                 raise ConfigError(f"Quantize: {param} must be one of {list(AXES)}; got {param}={value!r}")
-        if self.key_axis == self.value_axis == "channel":
+        self._check_schemes()
+        if self.key_method == self.value_method == "minmax" and self.key_axis == self.value_axis == "channel":
             small, big = sorted((self.key_group, self.value_group))
             if big % small:
                 raise ConfigError(
@@ -118,6 +137,41 @@ class Quantize(Action):
             raise ConfigError(
                 f"Quantize: meta_dtype must be one of {list(META_DTYPES)}; got meta_dtype={self.meta_dtype!r}"
             )
+
+    def _check_schemes(self) -> None:
+        for param in ("scheme", "key_scheme", "value_scheme"):
+            value = getattr(self, param)
+            if value is not None and value not in SCHEMES:
+                raise ConfigError(f"Quantize: {param} must be one of {list(SCHEMES)}; got {param}={value!r}")
+        for param in ("key_scheme", "value_scheme"):
+            own = getattr(self, param)
+            if self.scheme is not None and own is not None and own != self.scheme:
+                raise ConfigError(
+                    f"Quantize: scheme={self.scheme!r} (the shorthand for both) contradicts {param}={own!r}; give "
+                    "scheme alone, or key_scheme and value_scheme"
+                )
+        for kind in ("key", "value"):
+            if getattr(self, f"{kind}_method") != "codebook":
+                continue
+            other = "value" if kind == "key" else "key"
+            given = getattr(self, f"{kind}_group_size")
+            if given is None and getattr(self, f"{other}_method") == "codebook":
+                given = self.group_size
+            if given is not None:
+                raise ConfigError(
+                    f"Quantize: {kind}s quantized with scheme='codebook' hold one scale per token and head; a group "
+                    f"size does not apply to them (got {self._group_param(kind)}={given})"
+                )
+
+    @property
+    def key_method(self) -> str:
+        """The keys' quantization scheme (``"minmax"`` or ``"codebook"``)."""
+        return self.key_scheme or self.scheme or DEFAULT_SCHEME
+
+    @property
+    def value_method(self) -> str:
+        """The values' quantization scheme (``"minmax"`` or ``"codebook"``)."""
+        return self.value_scheme or self.scheme or DEFAULT_SCHEME
 
     @property
     def key_width(self) -> int:
@@ -139,8 +193,14 @@ class Quantize(Action):
         """The values' group size in effect."""
         return _first(self.value_group_size, self.group_size, DEFAULT_GROUP_SIZE[self.value_axis])
 
+    def _kind_layout(self, kind: str) -> tuple:
+        """``(scheme, group size, axis)`` of one kind as it quantizes (a codebook kind has neither)."""
+        if getattr(self, f"{kind}_method") == "codebook":
+            return ("codebook", None, None)
+        return ("minmax", getattr(self, f"{kind}_group"), getattr(self, f"{kind}_axis"))
+
     def _canonical(self) -> tuple:
-        return (self.key_width, self.value_width, self.key_group, self.value_group, self.key_axis, self.value_axis,
+        return (self.key_width, self.value_width, self._kind_layout("key"), self._kind_layout("value"),
                 self.check_finite, self.meta_dtype)  # fmt: skip
 
     def __eq__(self, other: object) -> bool:
@@ -153,7 +213,10 @@ class Quantize(Action):
     def __repr__(self) -> str:
         # the repr names a cache in results (and their cell ids): the group sizes in effect, one
         # ``group_size`` when they agree; meta_dtype only when set (caches described before the
-        # parameter existed used the default)
+        # parameter existed used the default); the scheme only when a kind uses the codebook (its group
+        # size and axis are then left out)
+        if "codebook" in (self.key_method, self.value_method):
+            return self._codebook_repr()
         if self.key_group == self.value_group:
             groups = f"group_size={self.key_group!r}"
         else:
@@ -168,6 +231,24 @@ class Quantize(Action):
             shown.append(f"meta_dtype={self.meta_dtype!r}")
         return f"Quantize({', '.join(shown)})"
 
+    def _codebook_repr(self) -> str:
+        if self.key_width == self.value_width:
+            shown = [f"bits={self.key_width!r}"]
+        else:
+            shown = [f"key_bits={self.key_width!r}", f"value_bits={self.value_width!r}"]
+        if self.key_method == self.value_method:
+            shown.append(f"scheme={self.key_method!r}")
+        else:
+            shown += [f"key_scheme={self.key_method!r}", f"value_scheme={self.value_method!r}"]
+        for kind in ("key", "value"):
+            if getattr(self, f"{kind}_method") == "minmax":
+                shown += [f"{kind}_group_size={getattr(self, f'{kind}_group')!r}",
+                          f"{kind}_axis={getattr(self, f'{kind}_axis')!r}"]  # fmt: skip
+        shown.append(f"check_finite={self.check_finite!r}")
+        if self.meta_dtype != "auto":
+            shown.append(f"meta_dtype={self.meta_dtype!r}")
+        return f"Quantize({', '.join(shown)})"
+
     def _group_param(self, kind: str) -> str:
         """The parameter that set ``kind``'s group size, as the user wrote it."""
         own = f"{kind}_group_size"
@@ -177,7 +258,13 @@ class Quantize(Action):
 
     def check_backend(self, backend: Backend) -> None:
         mult = backend.capabilities.group_size_multiple
+        minmax = [kind for kind in ("key", "value") if getattr(self, f"{kind}_method") == "minmax"]
+        for kind in ("key", "value"):
+            if kind not in minmax:
+                backend.check_scheme("codebook", getattr(self, f"{kind}_width"), role=kind)
         for kind, group in (("key", self.key_group), ("value", self.value_group)):
+            if kind not in minmax:
+                continue
             if group % mult:
                 raise ConfigError(
                     f"backend {backend.name!r} needs group sizes that are multiples of {mult}; got "
@@ -185,14 +272,27 @@ class Quantize(Action):
                 )
         caps = backend.capabilities
         pairs = caps.bit_pairs if caps.bit_pairs is not None else tuple(itertools.product(caps.bits, caps.bits))
-        if self.key_width != self.value_width and (self.key_width, self.value_width) not in pairs:
+        if len(minmax) == 2 and self.key_width != self.value_width and (self.key_width, self.value_width) not in pairs:
             raise ConfigError(
                 f"backend {backend.name!r} does not support key_bits={self.key_width}, value_bits={self.value_width}; "
                 f"it supports (key_bits, value_bits) in {[tuple(p) for p in pairs]}"
             )
-        backend.check(bits=self.key_width, group_size=self.key_group, axis=self.key_axis, role="key")
-        backend.check(bits=self.value_width, group_size=self.value_group, axis=self.value_axis, role="value")
+        if "key" in minmax:
+            backend.check(bits=self.key_width, group_size=self.key_group, axis=self.key_axis, role="key")
+        if "value" in minmax:
+            backend.check(bits=self.value_width, group_size=self.value_group, axis=self.value_axis, role="value")
         backend.check_meta_dtype(self.meta_dtype)
+
+    def check_transform(self, transform: Any) -> None:
+        """A codebook kind needs rotated data: refuse the identity transform (see the class docstring)."""
+        kinds = [kind for kind in ("key", "value") if getattr(self, f"{kind}_method") == "codebook"]
+        if kinds and getattr(transform, "identity", False):
+            raise ConfigError(
+                f"Quantize: scheme='codebook' for the {' and '.join(kinds)}s assumes rotated coordinates (close to "
+                "Gaussian, which its Lloyd-Max codebook is built for); without a rotation the few outlier channels "
+                "of keys take whole codebook cells. Pass transform='hadamard', or use scheme='minmax'; got "
+                f"transform={transform.name!r}"
+            )
 
     def check_head_dim(self, head_dim: int, multiple: int = 4, role: str | None = None) -> None:
         """Per-token groups split each token's channels: ``group_size`` must divide ``head_dim``.
@@ -206,7 +306,16 @@ class Quantize(Action):
             "value": (self.value_axis, self.value_group),
         }
         for kind, (axis, group) in kinds.items():
-            if role not in (None, kind) or axis != "token" or head_dim % group == 0:
+            if role not in (None, kind):
+                continue
+            if getattr(self, f"{kind}_method") == "codebook":
+                if head_dim % CODEBOOK_HEAD_DIM_MULTIPLE:
+                    raise ConfigError(
+                        f"Quantize: {kind}s with scheme='codebook' need a head_dim that is a multiple of "
+                        f"{CODEBOOK_HEAD_DIM_MULTIPLE} (their indices pack into whole bytes); got head_dim={head_dim}"
+                    )
+                continue
+            if axis != "token" or head_dim % group == 0:
                 continue
             divisors = [g for g in range(multiple, head_dim + 1, multiple) if head_dim % g == 0]
             what = f"the {role} head_dim" if role else "head_dim"
@@ -224,14 +333,20 @@ class QuantizedStream:
 
     Tokens are quantized in the order they are appended. With ``axis="channel"`` they first wait
     in ``staging`` (full precision) until a whole group of ``group_size`` tokens is there.
-    ``meta_dtype`` is handed to ``backend.quantize`` when it is not ``"auto"``.
+    ``meta_dtype`` is handed to ``backend.quantize`` when it is not ``"auto"``, ``scheme`` when it is
+    not ``"minmax"``. A codebook stream quantizes every token on arrival (``axis="token"``, no
+    ``group_size``).
     """
 
-    def __init__(self, backend: Backend, bits: int, group_size: int, axis: str, meta_dtype: str = "auto") -> None:
+    def __init__(
+        self, backend: Backend, bits: int, group_size: int | None, axis: str, meta_dtype: str = "auto",
+        scheme: str = DEFAULT_SCHEME,
+    ) -> None:  # fmt: skip
         self.backend = backend
         self.bits = bits
-        self.group_size = group_size
-        self.axis = axis
+        self.scheme = scheme
+        self.group_size = None if scheme == "codebook" else group_size
+        self.axis = "token" if scheme == "codebook" else axis
         self.meta_dtype = meta_dtype
         self.q: QTensor | None = None
         self.staging: torch.Tensor | None = None
@@ -264,9 +379,13 @@ class QuantizedStream:
         self.staging = staging
 
     def _quantize(self, x: torch.Tensor) -> QTensor:
-        if self.meta_dtype == "auto":  # backends that do not declare meta_dtype need not accept it
-            return self.backend.quantize(x, self.bits, self.group_size, self.axis)
-        return self.backend.quantize(x, self.bits, self.group_size, self.axis, meta_dtype=self.meta_dtype)  # type: ignore[call-arg]
+        # backends that do not declare meta_dtype or schemes need not accept them
+        extra: dict[str, str] = {}
+        if self.meta_dtype != "auto":
+            extra["meta_dtype"] = self.meta_dtype
+        if self.scheme != DEFAULT_SCHEME:
+            extra["scheme"] = self.scheme
+        return self.backend.quantize(x, self.bits, self.group_size, self.axis, **extra)  # type: ignore[arg-type, call-arg]
 
     def read(self) -> torch.Tensor:
         """All held tokens in append order, ``(batch, kv_heads, n, head_dim)``."""
@@ -307,15 +426,17 @@ class QuantizedStream:
     def state_dict(self) -> dict[str, Any]:
         block = None if self.q is None else self.backend.block_state(self.q)
         return {
-            "bits": self.bits, "group_size": self.group_size, "axis": self.axis, "q": block, "staging": self.staging,
+            "bits": self.bits, "group_size": self.group_size, "axis": self.axis, "scheme": self.scheme, "q": block,
+            "staging": self.staging,
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = (state["bits"], state["group_size"], state["axis"])
-        if saved != (self.bits, self.group_size, self.axis):
+        saved = (state["bits"], state["group_size"], state["axis"], state.get("scheme", DEFAULT_SCHEME))
+        mine = (self.bits, self.group_size, self.axis, self.scheme)
+        if saved != mine:
             raise ValueError(
-                f"a stream saved with (bits, group_size, axis)={saved} cannot load into one configured with "
-                f"{(self.bits, self.group_size, self.axis)}"
+                f"a stream saved with (bits, group_size, axis, scheme)={saved} cannot load into one configured with "
+                f"{mine}"
             )
         self.q = None if state["q"] is None else self.backend.load_block(state["q"])
         self.staging = state["staging"]
@@ -327,8 +448,12 @@ class QuantizedStore(DemotedStore):
     def __init__(self, action: Quantize, backend: Backend, layer_idx: int) -> None:
         self.action = action
         self.layer_idx = layer_idx
-        self.k = QuantizedStream(backend, action.key_width, action.key_group, action.key_axis, action.meta_dtype)
-        self.v = QuantizedStream(backend, action.value_width, action.value_group, action.value_axis, action.meta_dtype)
+        self.k = QuantizedStream(
+            backend, action.key_width, action.key_group, action.key_axis, action.meta_dtype, action.key_method
+        )
+        self.v = QuantizedStream(
+            backend, action.value_width, action.value_group, action.value_axis, action.meta_dtype, action.value_method
+        )
         self.positions = torch.empty(1, 0, dtype=POSITION_DTYPE)
 
     def _check_finite(self, x: torch.Tensor, what: str) -> None:

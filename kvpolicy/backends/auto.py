@@ -30,6 +30,11 @@ AUTO = "auto"
 _failed: dict[str, str] = {}  # backend name -> why it could not be built in this process (warned once)
 
 
+def serves(backend: Backend, action: Action, dtype: torch.dtype | None = None) -> bool:
+    """Whether ``backend`` serves ``action`` (and tensors of ``dtype``, when given)."""
+    return _serves(backend, action, dtype)
+
+
 def _serves(backend: Backend, action: Action, dtype: torch.dtype | None) -> bool:
     try:
         action.check_backend(backend)

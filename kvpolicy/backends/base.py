@@ -20,6 +20,9 @@ AXES = ("token", "channel")
 #: ``meta_dtype`` values of :class:`~kvpolicy.actions.quantize.Quantize`: ``"auto"`` (each backend's
 #: default) or the name of the dtype scales and minimums are stored in
 META_DTYPES = ("auto", "float16", "bfloat16", "float32")
+#: ``scheme`` values of :class:`~kvpolicy.actions.quantize.Quantize`: asymmetric min-max groups, or a
+#: per-vector norm with Lloyd-Max indices (:mod:`kvpolicy.backends.codebook`)
+SCHEMES = ("minmax", "codebook")
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,11 @@ class Capabilities:
     bit_pairs : tuple of (int, int), optional
         ``(key_bits, value_bits)`` pairs served when keys and values differ; ``None``: every pair of
         ``bits`` (keys and values are quantized, stored and attended independently).
+    schemes : tuple of str
+        Quantization schemes served (see :data:`SCHEMES`); a backend listing ``"codebook"`` takes a
+        ``scheme`` keyword in ``quantize`` (passed only when it is not ``"minmax"``).
+    codebook_bits : tuple of int
+        Index widths of the codebook scheme, when it is served.
     """
 
     bits: tuple[int, ...]
@@ -59,6 +67,8 @@ class Capabilities:
     fused: bool = True
     meta_dtypes: tuple[str, ...] = ("auto",)
     bit_pairs: tuple[tuple[int, int], ...] | None = None
+    schemes: tuple[str, ...] = ("minmax",)
+    codebook_bits: tuple[int, ...] = ()
 
 
 def dense_attention(
@@ -201,6 +211,10 @@ class Backend(ABC):
             The dtype scales and minimums are stored in, one of :data:`META_DTYPES`. Callers pass it
             (as a keyword) only when it is not ``"auto"``, and only to a backend whose
             ``capabilities.meta_dtypes`` lists it: backends that do not declare it need not accept it.
+        scheme : str, optional
+            ``"codebook"``: a per-vector scale and Lloyd-Max indices (``group_size`` and ``axis`` do not
+            apply; :mod:`kvpolicy.backends.codebook`). Passed (as a keyword) only when it is not
+            ``"minmax"``, and only to a backend whose ``capabilities.schemes`` lists it.
 
         Raises
         ------
@@ -279,6 +293,21 @@ class Backend(ABC):
         if group_size % mult != 0:
             raise ConfigError(
                 f"backend {self.name!r} needs group_size to be a multiple of {mult}; got group_size={group_size}"
+            )
+
+    def check_scheme(self, scheme: str, bits: int, role: str = "") -> None:
+        """Raise :class:`ConfigError` if this backend cannot quantize ``role`` tensors with ``scheme``
+        at ``bits`` (min-max widths are checked by :meth:`check`)."""
+        caps = self.capabilities
+        prefix = f"{role}_" if role else ""
+        if scheme not in caps.schemes:
+            raise ConfigError(
+                f"backend {self.name!r} does not support {prefix}scheme={scheme!r}; it supports {list(caps.schemes)}"
+            )
+        if scheme == "codebook" and bits not in caps.codebook_bits:
+            raise ConfigError(
+                f"backend {self.name!r} does not support {prefix}bits={bits!r} with scheme='codebook'; it supports "
+                f"bits in {list(caps.codebook_bits)}"
             )
 
     def check_meta_dtype(self, meta_dtype: str) -> None:

@@ -12,13 +12,19 @@ The kernel covers one layout: **keys grouped per channel, values grouped per tok
 KIVI's), **2, 3 or 4 bits** (any key/value pair), with float16, bfloat16 or float32 metadata (every
 ``meta_dtype``). Other layouts or widths are refused when a cache is built (``check``), not run some other way: use
 ``backend="torch"`` for them.
+
+Codebook blocks (``Quantize(scheme="codebook")``, :mod:`kvpolicy.backends.codebook`) are attended by
+the ``torch`` backend's computation from their codes (query against the centroid values, one scale
+per token), not by the C++ kernel; a store whose keys or values are codebook blocks goes that way
+as a whole.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvpolicy.backends.base import META_DTYPES, Capabilities, QTensor
+from kvpolicy.backends import codebook
+from kvpolicy.backends.base import META_DTYPES, SCHEMES, Capabilities, QTensor
 from kvpolicy.backends.torch_backend import PackedTensor, TorchBackend, per_head_views
 from kvpolicy.errors import ConfigError
 from kvpolicy.kernels import cpu_attention
@@ -45,6 +51,8 @@ class CpuBackend(TorchBackend):
         devices=("cpu",),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         meta_dtypes=META_DTYPES,
+        schemes=SCHEMES,
+        codebook_bits=codebook.CODEBOOK_BITS,
     )
 
     def __init__(self) -> None:
@@ -102,6 +110,8 @@ class CpuBackend(TorchBackend):
         lse : torch.Tensor
             ``(B, H, q)`` float32 (``-inf`` when ``n = 0``).
         """
+        if isinstance(keys, codebook.CodebookTensor) or isinstance(values, codebook.CodebookTensor):
+            return TorchBackend.attend(self, query, keys, values, scale)
         k = self._packed(keys, "key")
         v = self._packed(values, "value")
         self.check_tensor(query)

@@ -22,9 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpolicy.backends import codebook
 from kvpolicy.backends.base import (
     AXES,
     META_DTYPES,
+    SCHEMES,
     Backend,
     Capabilities,
     QTensor,
@@ -278,6 +280,8 @@ class TorchBackend(Backend):
         devices=("cpu", "cuda", "mps", "xpu"),
         dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64),
         meta_dtypes=META_DTYPES,
+        schemes=SCHEMES,
+        codebook_bits=codebook.CODEBOOK_BITS,
     )
 
     def check(self, *, bits: int, group_size: int, axis: str, role: str = "") -> None:
@@ -290,16 +294,23 @@ class TorchBackend(Backend):
                 f"with bits=3; got {name}={group_size}"
             )
 
-    def quantize(
-        self, x: torch.Tensor, bits: int, group_size: int, axis: str, meta_dtype: str = "auto"
-    ) -> PackedTensor:
-        """:meth:`Backend.quantize`; ``meta_dtype`` selects the metadata dtype (:func:`resolve_meta_dtype`).
+    def quantize(  # type: ignore[override]
+        self, x: torch.Tensor, bits: int, group_size: int | None, axis: str, meta_dtype: str = "auto",
+        scheme: str = "minmax",
+    ) -> PackedTensor | codebook.CodebookTensor:  # fmt: skip
+        """:meth:`Backend.quantize`; ``meta_dtype`` selects the metadata dtype (:func:`resolve_meta_dtype`),
+        ``scheme="codebook"`` stores a :class:`~kvpolicy.backends.codebook.CodebookTensor` (``group_size``
+        and ``axis`` are then ignored).
 
         Raises
         ------
         MetadataOverflowError
             If finite ``x`` gives a non-finite scale or minimum in the metadata dtype.
         """
+        if scheme != "minmax":
+            self.check_scheme(scheme, bits)
+            mdt = resolve_meta_dtype(meta_dtype, x.dtype)
+            return codebook.quantize(x, bits, mdt, self.name, lambda d: widen_remedy(d, self.capabilities.meta_dtypes))
         if bits == 3:
             self.check(bits=bits, group_size=group_size, axis=axis)
         mdt = resolve_meta_dtype(meta_dtype, x.dtype)
@@ -311,18 +322,21 @@ class TorchBackend(Backend):
         packed = pack(codes, bits).contiguous()
         return PackedTensor(packed, scales.contiguous(), zeros.contiguous(), bits, group_size, axis, shape, x.dtype)  # type: ignore[arg-type]
 
-    def dequantize(self, q: PackedTensor) -> torch.Tensor:  # type: ignore[override]
+    def dequantize(self, q: QTensor) -> torch.Tensor:  # type: ignore[override]
         """:meth:`Backend.dequantize`. float16 outputs are clamped to ``±65504`` first: the top of a
         group's grid (``min + qmax * s``, the scale rounded up) can pass 65504 by a few ulps when the
         group's maximum is within that of it, and would otherwise come back as ``inf``. Clamping moves
         such an element towards its input, so the error bound holds."""
-        out = _ungrouped(dequantize_groups(q), q.axis, q.shape)
+        if isinstance(q, codebook.CodebookTensor):
+            out = codebook.dequantize(q)
+        else:
+            out = _ungrouped(dequantize_groups(q), q.axis, q.shape)  # type: ignore[arg-type]
         if q.dtype == torch.float16:
             out = out.clamp_(-FP16_MAX, FP16_MAX)
         return out.to(q.dtype)
 
     def attend(  # type: ignore[override]
-        self, query: torch.Tensor, keys: PackedTensor, values: PackedTensor, scale: float
+        self, query: torch.Tensor, keys: QTensor, values: QTensor, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`Backend.attend` without building the dequantized segment for the default layouts.
 
@@ -332,7 +346,9 @@ class TorchBackend(Backend):
         group by group. Measured and not adopted: folding the values' scales the same way
         (``(p ⊙ s) · codes + p · z``: no faster, and the two sums cancel in float32) and unpacking
         through a 256-entry lookup table (``torch.take``: no faster than the shifts in context).
-        Float32 throughout: no round trip through the tensor's own dtype.
+        Codebook blocks (:mod:`kvpolicy.backends.codebook`) score the query against the centroid
+        values times each key's scale, and mix the value centroids with the probabilities times each
+        value's scale. Float32 throughout: no round trip through the tensor's own dtype.
         """
         b, h, nq, _ = query.shape
         n = keys.shape[2]
@@ -342,7 +358,9 @@ class TorchBackend(Backend):
                 (b, h, nq), -float("inf"), dtype=torch.float32
             )
         q = query.float() * scale
-        if keys.axis == "channel":  # codes (B, H, n/G, D, G): scores of each group's G tokens at once
+        if isinstance(keys, codebook.CodebookTensor):
+            scores = codebook.key_scores(q, keys)
+        elif keys.axis == "channel":  # codes (B, H, n/G, D, G): scores of each group's G tokens at once
             codes = unpack(keys.codes, keys.bits).float()
             qs = q.unsqueeze(2) * keys.scales.float().unsqueeze(3)  # (B, H, n/G, q, D)
             bias = torch.matmul(keys.zeros.float(), q.transpose(-1, -2))  # (B, H, n/G, q)
@@ -352,18 +370,22 @@ class TorchBackend(Backend):
             scores = torch.matmul(q, k.transpose(-1, -2))
         lse = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - lse.unsqueeze(-1))  # (B, H, q, n)
+        if isinstance(values, codebook.CodebookTensor):
+            return codebook.value_mix(probs, values), lse
         v = _ungrouped(dequantize_groups(values), values.axis, values.shape)
         return torch.matmul(probs, v), lse
 
     def block_state(self, q: QTensor) -> dict:
-        return packed_state(q)
+        return codebook.state(q) if isinstance(q, codebook.CodebookTensor) else packed_state(q)
 
-    def load_block(self, state: dict) -> PackedTensor:
-        return packed_from_state(state)
+    def load_block(self, state: dict) -> QTensor:  # type: ignore[override]
+        return codebook.from_state(state) if state.get("layout") == "codebook-v1" else packed_from_state(state)
 
-    def cat(self, blocks: list[PackedTensor]) -> PackedTensor:  # type: ignore[override]
+    def cat(self, blocks: list[QTensor]) -> QTensor:  # type: ignore[override]
         if len(blocks) == 1:
             return blocks[0]
+        if isinstance(blocks[0], codebook.CodebookTensor):
+            return codebook.cat(blocks)  # type: ignore[arg-type]
         first = blocks[0]
         shape = (*first.shape[:2], sum(b.shape[2] for b in blocks), first.shape[3])
         return PackedTensor(

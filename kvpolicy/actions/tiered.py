@@ -1,0 +1,318 @@
+"""The ``"tiered"`` action: demoted tokens step down through precision tiers.
+
+The cache's policy decides which tokens stay at full precision. Every token it lets go enters the
+first tier (for example 4-bit keys and values); a second policy, ``keep[0]``, run over the order in
+which tokens entered that tier, decides which of them stay there; the others move to the next tier
+(for example 2 bits), and so on down to the last tier, which keeps what it gets. Tokens only ever
+move down, and each sits in exactly one tier.
+
+A token moving down is **re-quantized from its reconstruction** in the tier it leaves (it was never
+held at full precision after its demotion). The alternative, quantizing each token to both tiers at
+demotion, holds a second copy of every middle-tier token; docs/quantization.md ("Precision tiers")
+measures the difference in reconstruction error and finds it small, so the re-quantizing store is
+the one built.
+
+Tokens leave a middle tier one at a time, in any order, so middle tiers hold every token on its own:
+keys and values grouped per token (``key_axis="token"``) or the codebook scheme. The last tier can
+be any :class:`~kvpolicy.actions.quantize.Quantize` (keys per channel by default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvpolicy.actions.base import Action, DemotedStore
+from kvpolicy.actions.quantize import Quantize, QuantizedStore
+from kvpolicy.backends.base import Backend, QTensor
+from kvpolicy.errors import ConfigError
+from kvpolicy.policies.base import Policy, PolicyState
+from kvpolicy.positions import POSITION_DTYPE
+
+
+def _as_quantize(tier: Any, index: int) -> Quantize:
+    if isinstance(tier, Quantize):
+        return tier
+    if isinstance(tier, Mapping):
+        try:
+            return Quantize(**tier)
+        except TypeError as exc:
+            raise ConfigError(f"Tiered: tiers[{index}]={dict(tier)!r}: {exc}") from None
+    raise ConfigError(f"Tiered: tiers[{index}] must be a Quantize or a dict of its parameters; got {tier!r}")
+
+
+def _as_policy(spec: Any, index: int) -> Policy:
+    if isinstance(spec, Policy):
+        return spec
+    if isinstance(spec, Mapping) and isinstance(spec.get("name"), str):
+        from kvpolicy import registry
+
+        params = {k: v for k, v in spec.items() if k != "name"}
+        try:
+            return registry.get("policies", spec["name"])(**params)
+        except TypeError as exc:
+            raise ConfigError(f"Tiered: keep[{index}]={dict(spec)!r}: {exc}") from None
+    raise ConfigError(
+        f"Tiered: keep[{index}] must be a Policy or a dict with its registered 'name' and parameters; got {spec!r}"
+    )
+
+
+@dataclass(frozen=True)
+class Tiered(Action):
+    """Demoted tokens held in precision tiers, top to bottom (see the module docstring).
+
+    Parameters
+    ----------
+    tiers : sequence of Quantize (or dicts of its parameters)
+        At least two, from the highest precision to the lowest. Widths may not increase downward
+        (per kind). Every tier but the last must hold tokens on their own: keys and values grouped
+        per token, or ``scheme="codebook"``.
+    keep : sequence of Policy (or dicts ``{"name": ..., **params}``)
+        One per tier but the last: which tokens of that tier stay there, as a policy over the order
+        in which tokens entered it (the first batch of tokens to enter is its "prompt"). Shared,
+        data-independent policies only (``log``, ``recent``, ``sink``...): nothing scores the tokens
+        of a tier.
+
+    Examples
+    --------
+    The log rule at two scales: W = 16 tokens at full precision, the log rule at 64 over the demoted
+    tokens at 4 bits, the rest at 2 bits::
+
+        Tiered(tiers=[Quantize(bits=4, scheme="codebook"), Quantize(bits=2)], keep=[LogWindow(64)])
+    """
+
+    tiers: tuple[Quantize, ...]
+    keep: tuple[Policy, ...]
+
+    name = "tiered"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tiers, (str, bytes)) or not isinstance(self.tiers, (list, tuple)):
+            raise ConfigError(f"Tiered: tiers must be a list of Quantize actions; got tiers={self.tiers!r}")
+        if isinstance(self.keep, (str, bytes, Policy, Mapping)) or not isinstance(self.keep, (list, tuple)):
+            raise ConfigError(f"Tiered: keep must be a list of policies; got keep={self.keep!r}")
+        tiers = tuple(_as_quantize(t, i) for i, t in enumerate(self.tiers))
+        keep = tuple(_as_policy(p, i) for i, p in enumerate(self.keep))
+        object.__setattr__(self, "tiers", tiers)
+        object.__setattr__(self, "keep", keep)
+        if len(tiers) < 2:
+            raise ConfigError(f"Tiered: give at least two tiers (one is Quantize itself); got {len(tiers)}")
+        if len(keep) != len(tiers) - 1:
+            raise ConfigError(
+                f"Tiered: keep needs one policy per tier but the last ({len(tiers) - 1}); got {len(keep)}"
+            )
+        for i, (upper, lower) in enumerate(itertools.pairwise(tiers)):
+            for kind in ("key", "value"):
+                a, b = getattr(upper, f"{kind}_width"), getattr(lower, f"{kind}_width")
+                if b > a:
+                    raise ConfigError(
+                        f"Tiered: tier widths may not increase downward; tiers[{i + 1}] has {kind}_bits={b} below "
+                        f"tiers[{i}] with {kind}_bits={a}"
+                    )
+        for i, tier in enumerate(tiers[:-1]):
+            for kind in ("key", "value"):
+                if getattr(tier, f"{kind}_method") != "codebook" and getattr(tier, f"{kind}_axis") != "token":
+                    raise ConfigError(
+                        f"Tiered: tiers[{i}] is a middle tier, whose tokens leave one at a time; its {kind}s must be "
+                        f"grouped per token ({kind}_axis='token') or use scheme='codebook'; got "
+                        f"{kind}_axis={getattr(tier, f'{kind}_axis')!r}"
+                    )
+        for i, policy in enumerate(keep):
+            if policy.per_head or policy.needs_scores:
+                raise ConfigError(
+                    f"Tiered: keep[{i}]={policy!r} selects per head or needs attention scores; a tier's tokens are "
+                    "not scored, so keep policies must be shared and data-independent (log, recent, sink)"
+                )
+
+    def check_backend(self, backend: Backend) -> None:
+        for tier in self.tiers:
+            tier.check_backend(backend)
+
+    def check_transform(self, transform: Any) -> None:
+        for tier in self.tiers:
+            tier.check_transform(transform)
+
+    def check_head_dim(self, head_dim: int, multiple: int = 4, role: str | None = None) -> None:
+        for tier in self.tiers:
+            tier.check_head_dim(head_dim, multiple, role)
+
+    def new_store(self, backend: Backend, layer_idx: int) -> TieredStore:
+        return TieredStore(self, backend, layer_idx)
+
+
+def _select_tokens(q: QTensor, index: torch.Tensor) -> QTensor:
+    """Tokens ``index`` (dim 2) of a per-token block: every tensor it holds is indexed along dim 2."""
+    fields = {f.name: getattr(q, f.name) for f in dataclasses.fields(q)}  # type: ignore[arg-type]
+    picked = {name: t.index_select(2, index) for name, t in fields.items() if isinstance(t, torch.Tensor)}
+    shape = (*q.shape[:2], int(index.numel()), q.shape[3])
+    return dataclasses.replace(q, **picked, shape=shape)  # type: ignore[type-var]
+
+
+class TierStore:
+    """One middle tier: tokens quantized per token, any of which can leave.
+
+    ``arrival`` holds, for each held token, the index of its arrival in this tier's stream (what the
+    tier's keep policy calls positions).
+    """
+
+    def __init__(self, action: Quantize, backend: Backend, layer_idx: int) -> None:
+        self.inner = QuantizedStore(action, backend, layer_idx)
+        self.backend = backend
+        self.arrival = torch.empty(0, dtype=POSITION_DTYPE)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.inner.positions
+
+    def add(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, first: int) -> None:
+        """Take tokens arriving as ``first, first + 1, ...`` of this tier's stream."""
+        self.inner.add(keys, values, positions)
+        n = keys.shape[2]
+        new = torch.arange(first, first + n, dtype=POSITION_DTYPE, device=positions.device)
+        self.arrival = torch.cat([self.arrival.to(positions.device), new])
+
+    def take(self, arrivals: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Remove the tokens that arrived as ``arrivals`` (in that order) and return their reconstruction.
+
+        Returns
+        -------
+        keys, values : torch.Tensor
+            ``(batch, kv_heads, k, head_dim)`` as this tier held them (dequantized).
+        positions : torch.Tensor
+            ``(rows, k)`` their positions.
+        """
+        device = self.arrival.device
+        wanted = torch.tensor(arrivals, dtype=POSITION_DTYPE, device=device)
+        cols = torch.searchsorted(self.arrival, wanted)
+        if bool((cols >= self.arrival.numel()).any()) or not torch.equal(self.arrival[cols], wanted):
+            raise RuntimeError(f"tier: arrivals {arrivals} are not all held (held: {self.arrival.tolist()})")
+        keep = torch.ones(self.arrival.numel(), dtype=torch.bool, device=device)
+        keep[cols] = False
+        rest = keep.nonzero().flatten()
+        st = self.inner
+        assert st.k.q is not None and st.v.q is not None and st.k.staging is None and st.v.staging is None
+        keys = self.backend.dequantize(_select_tokens(st.k.q, cols))
+        values = self.backend.dequantize(_select_tokens(st.v.q, cols))
+        positions = st.positions.index_select(1, cols.to(st.positions.device))
+        st.k.q = _select_tokens(st.k.q, rest)
+        st.v.q = _select_tokens(st.v.q, rest)
+        st.positions = st.positions.index_select(1, rest.to(st.positions.device))
+        self.arrival = self.arrival[rest]
+        return keys, values, positions
+
+
+class TieredStore(DemotedStore):
+    """The stores of a :class:`Tiered` action for one layer: middle tiers, then the last tier.
+
+    ``positions``, ``keys()`` and ``values()`` list the middle tiers' tokens, top first, then the
+    last tier's, in one consistent order (tokens that moved down are no longer in demotion order:
+    readers place them by position).
+    """
+
+    def __init__(self, action: Tiered, backend: Backend, layer_idx: int) -> None:
+        self.action = action
+        self.backend = backend
+        self.middles = [TierStore(t, backend, layer_idx) for t in action.tiers[:-1]]
+        self.bottom = QuantizedStore(action.tiers[-1], backend, layer_idx)
+        self.states: list[PolicyState] = [p.new_state(1) for p in action.keep]
+
+    # -------------------------------------------------------------- the moves
+    def add(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        moving = (keys, values, positions)
+        for tier, state in zip(self.middles, self.states, strict=True):
+            n = moving[0].shape[2]
+            if n == 0:
+                return
+            tier.add(*moving, first=state.length)
+            leaving = state.append(n)
+            if not leaving:
+                return
+            moving = tier.take(list(leaving))
+        self.bottom.add(*moving)
+
+    # -------------------------------------------------------------- reading
+    @property
+    def positions(self) -> torch.Tensor:  # type: ignore[override]
+        return torch.cat([t.positions for t in self.middles] + [self.bottom.positions], dim=1)
+
+    @positions.setter
+    def positions(self, value: torch.Tensor) -> None:
+        # an empty store takes the rows and device of its positions; later, a cache may hand back an
+        # equal tensor (shared between layers), and the tiers keep their own
+        if value.shape[-1] == 0 and len(self) == 0:
+            for store in self._stores():
+                store.positions = value.clone()
+            return
+        if not torch.equal(value.to(self.bottom.positions.device), self.positions):
+            raise ValueError("TieredStore.positions can only be set to the positions it holds")
+
+    def tier_positions(self) -> list[torch.Tensor]:
+        """Positions held by each tier, top first (``(rows, n_i)`` each, in storage order)."""
+        return [t.positions for t in self.middles] + [self.bottom.positions]
+
+    def _stores(self) -> list[QuantizedStore]:
+        return [t.inner for t in self.middles] + [self.bottom]
+
+    def keys(self) -> torch.Tensor:
+        return torch.cat([s.keys() for s in self._stores() if len(s)], dim=2)
+
+    def values(self) -> torch.Tensor:
+        return torch.cat([s.values() for s in self._stores() if len(s)], dim=2)
+
+    def attention_parts(self) -> tuple[list[tuple[QTensor, QTensor]] | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Every tier's quantized segment (a list: :func:`kvpolicy.fused.decode_attention` merges any
+        number of them) and the last tier's staged tail."""
+        segments = [(t.inner.k.q, t.inner.v.q) for t in self.middles if len(t.inner)]
+        quantized, tail = self.bottom.attention_parts()
+        if quantized is not None:
+            segments.append(quantized)
+        return (segments or None), tail
+
+    def staged_key_positions(self) -> torch.Tensor:
+        return self.bottom.staged_key_positions()
+
+    def staged_value_positions(self) -> torch.Tensor:
+        return self.bottom.staged_value_positions()
+
+    # -------------------------------------------------------------- bookkeeping
+    def nbytes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for store in self._stores():
+            for role, n in store.nbytes().items():
+                out[role] = out.get(role, 0) + n
+        # each middle-tier token's arrival index (what its keep policy calls its position)
+        out["positions"] += sum(t.arrival.numel() * t.arrival.element_size() for t in self.middles)
+        return out
+
+    def shared(self) -> list[tuple[str, torch.Tensor]]:
+        return []  # positions are the tiers' own (counted in nbytes)
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for store in self._stores():
+            store.map_batch(fn)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "middles": [{"store": t.inner.state_dict(), "arrival": t.arrival} for t in self.middles],
+            "bottom": self.bottom.state_dict(),
+            "keep": [s.state_dict() for s in self.states],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["middles"]) != len(self.middles):
+            saved, mine = len(state["middles"]) + 1, len(self.middles) + 1
+            raise ValueError(f"a store saved with {saved} tiers cannot load into one with {mine}")
+        for tier, saved in zip(self.middles, state["middles"], strict=True):
+            tier.inner.load_state_dict(saved["store"])
+            tier.arrival = saved["arrival"]
+        self.bottom.load_state_dict(state["bottom"])
+        for keeper, saved in zip(self.states, state["keep"], strict=True):
+            keeper.load_state_dict(saved)
+
+    def __len__(self) -> int:
+        return sum(len(t.inner) for t in self.middles) + len(self.bottom)

@@ -1,0 +1,251 @@
+"""The ``"codebook"`` quantization scheme: a per-vector norm and Lloyd-Max indices.
+
+After a randomized rotation (``transform="hadamard"``) the coordinates of a key or value vector are
+close to Gaussian, with a variance set by the vector's norm. The codebook scheme stores, per token
+and head,
+
+- one scale ``s`` (in the metadata dtype, 16 bits by default), and
+- ``head_dim`` indices of ``bits`` bits each into the Lloyd-Max codebook ``C`` of the standard
+  normal distribution (the scalar quantizer with the least mean squared error for it),
+
+and reconstructs ``x̂ = s · C[codes]``. To quantize, ``x`` is scaled to unit variance per coordinate
+(``u = x · √D / ‖x‖``), each coordinate takes the nearest centroid, and ``s = ‖x‖ / ‖C[codes]‖``: the
+reconstruction keeps the vector's norm exactly (the *norm correction*; without it ``s = ‖x‖ / √D``
+and the reconstruction's norm is biased low by the quantization's lost energy). There is no
+per-group zero-point: bits per element are ``bits + 16 / head_dim`` (2.25 at 2 bits with
+``head_dim=64``), against ``bits + 32 / G`` for min-max groups of ``G``.
+
+This is TurboQuant's MSE stage (arXiv 2504.19874) with the norm correction of vLLM's implementation.
+Decode attention reads the codes directly (:func:`attend`): scores are the rotated query against the
+centroid values, times each key's scale; the output is the probabilities times each value's scale
+against the value centroids.
+
+Guarantee: each coordinate of ``u`` goes to the centroid of the Lloyd-Max cell it lies in (ties at a
+boundary go up); float noise in the rotation can move a coordinate that lies within rounding of a
+boundary to the neighbouring cell, so the codes of two runs that differ in float noise agree except
+at such coordinates.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvpolicy.backends.base import QTensor, check_metadata, metadata_may_overflow, widen_remedy
+from kvpolicy.errors import ConfigError
+
+#: code widths the codebook scheme serves
+CODEBOOK_BITS = (2, 3, 4)
+#: Lloyd iterations: the cells of a 4-bit codebook settle to float64 precision well before this
+_ITERATIONS = 3000
+
+
+def _pdf(x: float) -> float:
+    return 0.0 if math.isinf(x) else math.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+
+
+def _cdf(x: float) -> float:
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+@functools.cache
+def lloyd_max(bits: int) -> tuple[tuple[float, ...], tuple[float, ...], float]:
+    """The Lloyd-Max quantizer of the standard normal distribution with ``2**bits`` levels.
+
+    Computed by Lloyd's iteration with exact Gaussian cell integrals (float64): boundaries are the
+    midpoints of neighbouring centroids, centroids the conditional means of their cells.
+
+    Returns
+    -------
+    centroids : tuple of float
+        ``2**bits`` levels, increasing, symmetric about 0.
+    boundaries : tuple of float
+        ``2**bits - 1`` cell boundaries, increasing.
+    mse : float
+        The expected squared error ``E[(X - Q(X))²]`` for ``X ~ N(0, 1)`` (2 bits: 0.1175, 3 bits:
+        0.03454, 4 bits: 0.009497).
+    """
+    if bits not in CODEBOOK_BITS:
+        raise ConfigError(f"codebook: bits must be one of {list(CODEBOOK_BITS)}; got bits={bits!r}")
+    levels = 1 << bits
+    # start from the centres of equal-probability cells
+    centroids = [math.sqrt(2.0) * _erfinv(2.0 * (i + 0.5) / levels - 1.0) for i in range(levels)]
+    for _ in range(_ITERATIONS):
+        edges = [-math.inf, *((a + b) / 2 for a, b in itertools.pairwise(centroids)), math.inf]
+        centroids = [(_pdf(lo) - _pdf(hi)) / (_cdf(hi) - _cdf(lo)) for lo, hi in itertools.pairwise(edges)]
+    edges = [-math.inf, *((a + b) / 2 for a, b in itertools.pairwise(centroids)), math.inf]
+    cells = zip(centroids, itertools.pairwise(edges), strict=True)
+    energy = sum((_cdf(hi) - _cdf(lo)) * c * c for c, (lo, hi) in cells)
+    return tuple(centroids), tuple(edges[1:-1]), 1.0 - energy
+
+
+def _erfinv(y: float) -> float:
+    """Inverse error function by Newton's method (only seeds the Lloyd iteration)."""
+    x = 0.0
+    for _ in range(60):
+        x -= (math.erf(x) - y) / (2.0 / math.sqrt(math.pi) * math.exp(-x * x))
+    return x
+
+
+@functools.cache
+def _tables(bits: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    centroids, boundaries, _ = lloyd_max(bits)
+    return (
+        torch.tensor(centroids, dtype=torch.float32, device=device),
+        torch.tensor(boundaries, dtype=torch.float32, device=device),
+    )
+
+
+def centroids(bits: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The codebook ``C``: ``(2**bits,)`` float32 on ``device``."""
+    return _tables(bits, str(torch.device(device)))[0]
+
+
+@dataclass
+class CodebookTensor(QTensor):
+    """Bit-packed Lloyd-Max indices with one scale per vector.
+
+    Attributes
+    ----------
+    codes : torch.Tensor
+        ``uint8``, ``(batch, kv_heads, tokens, head_dim * bits // 8)`` (packed as
+        :func:`~kvpolicy.backends.torch_backend.pack` packs).
+    scales : torch.Tensor
+        ``(batch, kv_heads, tokens)`` in the metadata dtype: ``‖x‖ / ‖C[codes]‖``.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    bits: int
+    shape: tuple[int, int, int, int]
+    dtype: torch.dtype
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"codes": self.codes, "scales": self.scales}
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> CodebookTensor:
+        codes, scales = fn(self.codes), fn(self.scales)
+        return CodebookTensor(codes, scales, self.bits, (codes.shape[0], *self.shape[1:]), self.dtype)
+
+    def narrow(self, start: int, length: int) -> CodebookTensor:
+        """Tokens ``[start, start + length)`` as a view (any range: every token stands alone)."""
+        if start < 0 or length < 0 or start + length > self.shape[2]:
+            raise ValueError(f"narrow(start={start}, length={length}) on a block of {self.shape[2]} tokens")
+        sl = slice(start, start + length)
+        return CodebookTensor(
+            self.codes[:, :, sl], self.scales[:, :, sl], self.bits, (*self.shape[:2], length, self.shape[3]),
+            self.dtype,
+        )  # fmt: skip
+
+
+def quantize(x: torch.Tensor, bits: int, mdtype: torch.dtype, backend: str = "torch",
+             remedy: Callable[[torch.dtype], str] | None = None) -> CodebookTensor:  # fmt: skip
+    """Quantize ``x`` ``(batch, kv_heads, tokens, head_dim)`` to a :class:`CodebookTensor`.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        The vectors, in the rotated basis (their coordinates close to Gaussian).
+    bits : int
+        Index width, one of :data:`CODEBOOK_BITS`; ``head_dim * bits`` must be a multiple of 8.
+    mdtype : torch.dtype
+        The dtype of the per-vector scales.
+    backend : str
+        The backend's name, for error messages.
+    remedy : callable, optional
+        ``remedy(mdtype)``: what to do when a scale overflows ``mdtype`` (see
+        :func:`~kvpolicy.backends.base.widen_remedy`).
+
+    Raises
+    ------
+    MetadataOverflowError
+        If a finite vector's scale does not fit ``mdtype``.
+    """
+    from kvpolicy.backends.torch_backend import pack
+
+    d = x.shape[-1]
+    if (d * bits) % 8 or (bits == 3 and d % 8):
+        raise ConfigError(
+            f"codebook: head_dim={d} with bits={bits} does not pack into whole bytes; head_dim must be a multiple of 8"
+        )
+    table, edges = _tables(bits, str(x.device))
+    xf = x.float()
+    norm = torch.linalg.vector_norm(xf, dim=-1)  # (B, H, n)
+    u = xf * (math.sqrt(d) / norm.clamp_min(torch.finfo(torch.float32).tiny)).unsqueeze(-1)
+    codes = torch.bucketize(u, edges, right=True).to(torch.uint8)
+    recon_norm = torch.linalg.vector_norm(table[codes.long()], dim=-1)
+    scales = (norm / recon_norm).to(mdtype)  # recon_norm > 0: no centroid is 0 at an even level count
+    if metadata_may_overflow(x.dtype, mdtype):
+        why = remedy(mdtype) if remedy is not None else widen_remedy(mdtype, ("float32",))
+        check_metadata(backend, x, {"scales": scales}, why)
+    return CodebookTensor(pack(codes, bits).contiguous(), scales.contiguous(), bits, tuple(x.shape), x.dtype)  # type: ignore[arg-type]
+
+
+def unit_vectors(q: CodebookTensor) -> torch.Tensor:
+    """The centroid vectors ``C[codes]``: ``(batch, kv_heads, tokens, head_dim)`` float32."""
+    from kvpolicy.backends.torch_backend import unpack
+
+    return centroids(q.bits, q.codes.device)[unpack(q.codes, q.bits).long()]
+
+
+def dequantize(q: CodebookTensor) -> torch.Tensor:
+    """``s · C[codes]`` in float32, ``(batch, kv_heads, tokens, head_dim)``."""
+    return unit_vectors(q).mul_(q.scales.float().unsqueeze(-1))
+
+
+def key_scores(query: torch.Tensor, keys: CodebookTensor) -> torch.Tensor:
+    """``query · k̂`` for every key from the codes: ``(q · C[codes]) · s``.
+
+    ``query`` ``(B, H, nq, D)`` float32 (already scaled); returns ``(B, H, nq, n)`` float32.
+    """
+    return torch.matmul(query, unit_vectors(keys).transpose(-1, -2)).mul_(keys.scales.float().unsqueeze(-2))
+
+
+def value_mix(probs: torch.Tensor, values: CodebookTensor) -> torch.Tensor:
+    """``probs @ v̂`` from the codes: ``(probs · s) @ C[codes]``; ``probs`` ``(B, H, nq, n)`` float32."""
+    return torch.matmul(probs * values.scales.float().unsqueeze(-2), unit_vectors(values))
+
+
+def cat(blocks: list[CodebookTensor]) -> CodebookTensor:
+    """Concatenate blocks of the same width along the token axis."""
+    if len(blocks) == 1:
+        return blocks[0]
+    first = blocks[0]
+    shape = (*first.shape[:2], sum(b.shape[2] for b in blocks), first.shape[3])
+    return CodebookTensor(
+        torch.cat([b.codes for b in blocks], dim=2), torch.cat([b.scales for b in blocks], dim=2), first.bits,
+        shape, first.dtype,
+    )  # fmt: skip
+
+
+def state(q: CodebookTensor) -> dict:
+    """``q`` as JSON values and tensors (layout ``codebook-v1``)."""
+    return {
+        "layout": "codebook-v1", "codes": q.codes, "scales": q.scales, "bits": q.bits, "shape": list(q.shape),
+        "dtype": str(q.dtype).removeprefix("torch."),
+    }  # fmt: skip
+
+
+def from_state(saved: dict) -> CodebookTensor:
+    """The block :func:`state` described, its tensor shapes checked."""
+    if saved.get("layout") != "codebook-v1":
+        raise ValueError(f"block layout {saved.get('layout')!r} is not 'codebook-v1'")
+    bits = int(saved["bits"])
+    b, h, n, d = (int(x) for x in saved["shape"])
+    dtype = getattr(torch, saved["dtype"])
+    if bits not in CODEBOOK_BITS or not isinstance(dtype, torch.dtype):
+        raise ValueError(f"bad codebook block description (bits={bits}, dtype={saved['dtype']!r})")
+    codes, scales = saved["codes"], saved["scales"]
+    if tuple(codes.shape) != (b, h, n, d * bits // 8) or tuple(scales.shape) != (b, h, n):
+        raise ValueError(
+            f"codebook block tensors have shapes codes {tuple(codes.shape)}, scales {tuple(scales.shape)}; a block "
+            f"of shape {(b, h, n, d)} at {bits} bits needs {(b, h, n, d * bits // 8)} and {(b, h, n)}"
+        )
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"block codes must be uint8; got {codes.dtype}")
+    return CodebookTensor(codes, scales, bits, (b, h, n, d), dtype)
