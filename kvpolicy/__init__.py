@@ -32,6 +32,9 @@ _EXPORTS = {
     "Evict": "kvpolicy.actions.evict",
     "RecentWindow": "kvpolicy.policies.recent",
     "SinkWindow": "kvpolicy.policies.sink",
+    "Sinks": "kvpolicy.policies.sinks",
+    "Tiered": "kvpolicy.actions.tiered",
+    "boundary": "kvpolicy.layer_bits",
     "HeavyHitters": "kvpolicy.policies.h2o",
     "Quantize": "kvpolicy.actions.quantize",
     "TorchBackend": "kvpolicy.backends.torch_backend",
@@ -54,22 +57,28 @@ __all__ = [
     "Quantize",
     "RecentWindow",
     "SinkWindow",
+    "Sinks",
+    "Tiered",
     "TorchBackend",
     "__version__",
+    "boundary",
 ]
 
 if TYPE_CHECKING:
     from kvpolicy.actions.evict import Evict
     from kvpolicy.actions.none import NoCompression
     from kvpolicy.actions.quantize import Quantize
+    from kvpolicy.actions.tiered import Tiered
     from kvpolicy.backends.torch_backend import TorchBackend
     from kvpolicy.cache import CompressedCache, CompressedLayer
     from kvpolicy.errors import ConfigError, MetadataOverflowError, MissingDependencyError, NonFiniteError
+    from kvpolicy.layer_bits import boundary
     from kvpolicy.memory import MemoryReport
     from kvpolicy.policies.h2o import HeavyHitters
     from kvpolicy.policies.log import LogWindow
     from kvpolicy.policies.recent import RecentWindow
     from kvpolicy.policies.sink import SinkWindow
+    from kvpolicy.policies.sinks import Sinks
     from kvpolicy.transforms.hadamard import Hadamard
 
 

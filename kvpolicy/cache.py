@@ -851,6 +851,30 @@ class CompressedCache(Cache):
             )
 
     @classmethod
+    def from_config(cls, path: str | Path, **overrides: Any) -> CompressedCache:
+        """A cache from a preset file: the ``[cache]`` table of a TOML file (what ``kvpolicy tune``
+        writes) as keywords, ``overrides`` (e.g. ``config=model.config``) on top.
+
+        Raises
+        ------
+        ConfigError
+            If the file cannot be read or parsed, has no ``[cache]`` table, or its keywords are bad.
+        """
+        import tomllib
+
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"from_config: cannot read preset file {str(p)!r}: {exc}") from None
+        table = data.get("cache")
+        if not isinstance(table, dict):
+            raise ConfigError(
+                f"from_config: {str(p)!r} has no [cache] table (the CompressedCache keywords); it has {sorted(data)}"
+            )
+        return cls(**{**table, **overrides})
+
+    @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> CompressedCache:
         """Build a published method by name (``"logquant"``, ``"logquant-4bit"``...).
 

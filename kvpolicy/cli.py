@@ -14,7 +14,7 @@ import sys
 from kvpolicy.errors import ConfigError
 
 #: subcommand modules under kvpolicy.commands, in help order
-COMMANDS = ("demo", "list", "plugins", "ablate", "analyze", "bench")
+COMMANDS = ("demo", "list", "plugins", "ablate", "tune", "analyze", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -27,11 +27,11 @@ from transformers import DynamicCache
 from kvpolicy import CompressedCache
 from kvpolicy.eval.metrics import next_token_kl, nll, teacher_forced_logits
 from kvpolicy.eval.models import load_smollm2
-from kvpolicy.eval.tasks import LM_FILES, stdlib_text
+from kvpolicy.eval.tasks import CALIBRATION_FILES, LM_FILES, stdlib_text
 from kvpolicy.fused import enable_fused
 
 TEXTS = {
-    "calibration": ("enum.py", "dataclasses.py", "functools.py", "pickle.py", "zipfile.py"),
+    "calibration": CALIBRATION_FILES,
     "heldout": LM_FILES[:5],
 }
 CACHES = {

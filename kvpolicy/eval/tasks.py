@@ -36,6 +36,9 @@ LM_FILES = (
     "argparse.py", "inspect.py", "typing.py", "subprocess.py",
     "difflib.py", "configparser.py", "doctest.py", "tarfile.py",
 )  # fmt: skip
+#: standard-library files for choosing settings (``kvpolicy tune``, scripts/quantizer_quality.py), disjoint
+#: from LM_FILES, whose first five the frontier reports on
+CALIBRATION_FILES = ("enum.py", "dataclasses.py", "functools.py", "pickle.py", "zipfile.py")
 #: standard-library files for line completion (disjoint from LM_FILES)
 CODE_FILES = (
     "pydoc.py", "threading.py", "mailbox.py", "smtplib.py",

@@ -1,0 +1,103 @@
+"""``kvpolicy tune``: search compositions under a bits-per-element budget (see :mod:`kvpolicy.tune`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from kvpolicy.commands._types import device_name, out_dir, out_file, positive_float, positive_int
+
+
+def _run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from tqdm.auto import tqdm
+
+    from kvpolicy import tune
+    from kvpolicy.eval.executors import make_executor
+    from kvpolicy.eval.grid import grid_from_dict
+    from kvpolicy.eval.runner import Runner, open_model
+    from kvpolicy.eval.tasks import CALIBRATION_FILES
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, _ = open_model(args.model, args.dtype, args.device)
+    config = model.config
+    del model
+    candidates = list(tune.space(tune.attention_layers(config), tuple(args.windows)))
+    for c in tqdm(candidates, desc="bytes of each composition", disable=args.no_progress):
+        c.bits = tune.simulated_bits(c.args, config, args.context)
+    fitting = tune.within_budget(candidates, args.budget_bits)
+    trials = tune.pick(fitting, args.trials)
+    print(f"{len(candidates)} compositions, {len(fitting)} within {args.budget_bits:g} bits per element at "
+          f"{args.context} tokens; calibrating {len(trials)} of them", file=sys.stderr)  # fmt: skip
+    executor = make_executor(args.executor, None, None, None, args.threads)
+
+    def run(name: str, caches: list[tune.Candidate], lm: dict) -> dict[str, dict[str, float]]:
+        run_dir = args.out / name
+        grid = grid_from_dict(tune.grid(args.model, args.context, caches, lm, args.dtype, args.device))
+        failed = Runner(grid, run_dir, progress=not args.no_progress, executor=executor).run()
+        if failed:
+            raise RuntimeError(f"{failed} cell(s) of the {name} run failed; see {run_dir}")
+        return tune.read_scores(run_dir)
+
+    calibration = run("calibration", trials, {
+        "samples_per_context": args.samples, "tokens": args.tokens, "files": list(CALIBRATION_FILES),
+    })  # fmt: skip
+    for c in trials:
+        c.scores["calibration"] = calibration[c.label]
+    chosen = min(trials, key=lambda c: c.scores["calibration"]["kl"])
+    singles = sorted((c for c in trials if c.family == "single"), key=lambda c: c.scores["calibration"]["kl"])
+    held = [chosen, *[c for c in singles[: args.compare] if c is not chosen]]
+    heldout = run("heldout", held, {"samples_per_context": args.heldout_samples, "tokens": args.heldout_tokens})
+    for c in held:
+        c.scores["heldout"] = heldout[c.label]
+    print(tune.frontier_table(trials, chosen))
+    info = {
+        "model": args.model, "budget_bits": args.budget_bits, "context": args.context, "label": chosen.label,
+        "bits_per_element": round(chosen.bits, 4), "kl_calibration": chosen.scores["calibration"]["kl"],
+        "kl_heldout": chosen.scores["heldout"]["kl"], "top1_heldout": chosen.scores["heldout"]["top1"],
+        "command": " ".join(["kvpolicy", *sys.argv[1:]]),
+    }  # fmt: skip
+    args.preset.parent.mkdir(parents=True, exist_ok=True)
+    args.preset.write_text(tune.preset_toml(chosen, info))
+    print(f"\nchosen: {chosen.label} ({chosen.bits:.3f} bits per element); preset written to {args.preset}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``kvpolicy tune`` to ``sub``."""
+    p = sub.add_parser(
+        "tune",
+        help="find the composition that fits a bits-per-element budget best (calibration, then held-out texts)",
+        description="Search compositions (policy window, sinks, key/value widths and schemes, rotation, boundary "
+        "layers, a middle tier) under --budget-bits, rank the nearest --trials on calibration texts, check the "
+        "winner against the best single-tier compositions on held-out texts, and write a preset file that "
+        "CompressedCache.from_config loads. Resumable: the runs live in --runs.",
+    )  # fmt: skip
+    p.add_argument("--model", default="smollm2", help="smollm2 (default), gemma3-270m, tiny-llama, a path")
+    p.add_argument("--budget-bits", type=positive_float, required=True, help="bits per element, everything held")
+    p.add_argument("--context", type=positive_int, default=2048, help="context tokens (default 2048)")
+    p.add_argument("--out", dest="preset", type=out_file, required=True, help="the preset file to write (.toml)")
+    p.add_argument("--runs", dest="out", type=out_dir, default=None, help="run directories (default: next to --out)")
+    p.add_argument("--trials", type=positive_int, default=10, help="compositions calibrated (default 10)")
+    p.add_argument("--compare", type=positive_int, default=2, help="single-tier rivals scored held out (default 2)")
+    p.add_argument("--samples", type=positive_int, default=3, help="calibration texts (default 3)")
+    p.add_argument("--tokens", type=positive_int, default=128, help="calibration tokens per text (default 128)")
+    p.add_argument("--heldout-samples", type=positive_int, default=5, help="held-out texts (default 5)")
+    p.add_argument("--heldout-tokens", type=positive_int, default=256, help="held-out tokens per text (default 256)")
+    p.add_argument("--windows", type=positive_int, nargs="+", default=[16, 42], help="log windows (default 16 42)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda, cuda:N or mps")
+    p.add_argument("--executor", choices=("local", "ray"), default="local", help="where the cells run")
+    p.add_argument("--threads", type=positive_int, help="torch CPU threads")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=_run_with_defaults)
+
+
+def _run_with_defaults(args: argparse.Namespace) -> int:
+    if args.out is None:
+        args.out = Path(str(args.preset.with_suffix("")) + "-runs")
+    return _run(args)

@@ -1,0 +1,182 @@
+"""``kvpolicy tune``: the composition that fits a bits-per-element budget best, found and checked.
+
+1. **Space.** Compositions built from the parts that measured well (docs/frontier.md): the log
+   policy at two windows, with and without four sink tokens; keys min-max per channel and values
+   min-max or codebook at several widths; the Hadamard rotation; and on top of each, the boundary
+   layers at 4 bits, or a 4-bit codebook middle tier (:class:`~kvpolicy.actions.tiered.Tiered`,
+   the log rule at four times the window).
+2. **Bytes.** Each is built and fed random keys and values of the model's shape for ``context``
+   tokens: its bits per element (everything held, full-precision tensors at 16 bits) are exact,
+   since none of these policies looks at the data. Compositions over the budget are dropped; if
+   none fits, the error names the smallest budget that does.
+3. **Calibration.** ``trials`` compositions under the budget (:func:`pick`: each family in turn,
+   nearest the budget first) run the ablation harness's ``lm`` task on calibration texts
+   (:data:`~kvpolicy.eval.tasks.CALIBRATION_FILES`); the lowest next-token KL wins.
+4. **Held out.** The winner and the best single-tier compositions of the calibration (no tiers, no
+   per-layer widths) are scored on held-out texts (the ``lm`` task's own files), which chose nothing.
+
+Both runs are resumable run directories under ``out_dir``; a preset TOML file records the winner
+(:meth:`kvpolicy.CompressedCache.from_config` loads it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvpolicy.errors import ConfigError
+
+#: the log policy's windows searched by default
+WINDOWS = (16, 42)
+#: (key_bits, value_bits) pairs searched
+WIDTHS = ((2, 2), (3, 2), (4, 2), (3, 3), (4, 3), (4, 4))
+#: what the boundary layers and a middle tier hold
+HIGH_BITS = 4
+#: boundary layers held at HIGH_BITS: the first and the last this many full-attention layers
+BOUNDARY = 2
+
+
+@dataclass
+class Candidate:
+    """One composition: a label, its ``CompressedCache`` keywords and its family."""
+
+    label: str
+    args: dict[str, Any]
+    family: str  # "single", "boundary" or "tiered"
+    bits: float = math.nan
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)  # run -> {"kl", "top1", "bits"}
+
+
+def space(attention_layers: list[int], windows: tuple[int, ...] = WINDOWS) -> Iterator[Candidate]:
+    """Every composition searched, for a model whose full-attention layers are ``attention_layers``."""
+    boundary = sorted({*attention_layers[:BOUNDARY], *attention_layers[-BOUNDARY:]})
+    for window in windows:
+        for sinks in (0, 4):
+            for kb, vb in WIDTHS:
+                for vscheme in ("minmax", "codebook"):
+                    quant: dict[str, Any] = {"key_bits": kb, "value_bits": vb}
+                    if vscheme == "codebook":
+                        quant["value_scheme"] = "codebook"
+                    base: dict[str, Any] = {"policy": "log", "window": window, "transform": "hadamard"}
+                    if sinks:
+                        base["sinks"] = sinks
+                    code = "c" if vscheme == "codebook" else ""
+                    name = f"log{window}{f'-s{sinks}' if sinks else ''}-k{kb}v{vb}{code}"
+                    yield Candidate(name, {**base, **quant}, "single")
+                    if min(kb, vb) >= HIGH_BITS:
+                        continue
+                    layer_bits = {str(i): HIGH_BITS for i in boundary}
+                    yield Candidate(f"{name}-b{HIGH_BITS}", {**base, **quant, "layer_bits": layer_bits}, "boundary")
+                    tiers = [{"bits": HIGH_BITS, "scheme": "codebook"}, quant]
+                    keep = [{"name": "log", "window": 4 * window}]
+                    args = {**base, "action": "tiered", "tiers": tiers, "keep": keep}
+                    yield Candidate(f"{name}-t{HIGH_BITS}x{4 * window}", args, "tiered")
+
+
+def simulated_bits(args: dict[str, Any], config: Any, context: int, seed: int = 0) -> float:
+    """Bits per element a composition holds after ``context`` tokens and one decode step (full-precision
+    tensors counted at 16 bits), fed random keys and values of the model's shape (one batch row)."""
+    from kvpolicy.cache import CompressedCache
+
+    text = config.get_text_config(decoder=True)
+    heads = text.num_key_value_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    cache = CompressedCache(**args, config=config, backend="torch")
+    g = torch.Generator().manual_seed(seed)
+    for step in (context, 1):
+        for i in range(len(cache.layers)):  # sliding-window layers (transformers' own) included
+            x = torch.randn(1, heads, step, head_dim, generator=g)
+            cache.update(x, x, i)
+    return cache.memory_report().bits_per_element_16bit
+
+
+def attention_layers(config: Any) -> list[int]:
+    """Indices of the layers a ``CompressedCache(config=config)`` compresses."""
+    text = config.get_text_config(decoder=True)
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    return [i for i, kind in enumerate(kinds) if kind == "full_attention"]
+
+
+def within_budget(candidates: list[Candidate], budget: float) -> list[Candidate]:
+    """The candidates at or under ``budget`` bits per element, nearest the budget first.
+
+    Raises
+    ------
+    ConfigError
+        If none fits: the message names the smallest budget that does.
+    """
+    fitting = [c for c in candidates if c.bits <= budget]
+    if not fitting:
+        smallest = min(candidates, key=lambda c: c.bits)
+        raise ConfigError(
+            f"--budget-bits {budget:g}: no composition of the search fits; the smallest holds {smallest.bits:.3f} "
+            f"bits per element ({smallest.label}). Pass --budget-bits {math.ceil(smallest.bits * 100) / 100:g} or more."
+        )
+    return sorted(fitting, key=lambda c: (-c.bits, c.label))
+
+
+def pick(fitting: list[Candidate], n: int) -> list[Candidate]:
+    """``n`` candidates for calibration: the families (single, boundary, tiered) in turn, each family's
+    nearest the budget first, so that every family is tried (and single-tier rivals exist)."""
+    families: dict[str, list[Candidate]] = {}
+    for c in fitting:  # already nearest-first
+        families.setdefault(c.family, []).append(c)
+    order = [families[f] for f in ("single", "boundary", "tiered") if f in families]
+    picked: list[Candidate] = []
+    while len(picked) < n and any(order):
+        for queue in order:
+            if queue and len(picked) < n:
+                picked.append(queue.pop(0))
+    return sorted(picked, key=lambda c: (-c.bits, c.label))
+
+
+def grid(model: str, context: int, caches: list[Candidate], lm: dict[str, Any], dtype: str, device: str) -> dict:
+    """An ablation grid (:func:`kvpolicy.eval.grid.grid_from_dict`) of ``caches`` on the ``lm`` task."""
+    return {
+        "models": [model], "dtype": dtype, "device": device, "contexts": [context], "seed": 0, "replay": True,
+        "equal_bytes": False, "tasks": {"lm": lm},
+        "caches": [{"label": "uncompressed", "kind": "dynamic"}] + [{"label": c.label, **c.args} for c in caches],
+    }  # fmt: skip
+
+
+def read_scores(run_dir: Path) -> dict[str, dict[str, float]]:
+    """``{cache label: {"kl", "kl_se", "top1", "bits"}}`` from a run directory's results."""
+    out: dict[str, dict[str, float]] = {}
+    names = {"kl": "kl", "top1": "top1", "bits_per_element_16": "bits"}
+    for line in (run_dir / "results.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row.get("task") == "lm" and row.get("metric") in names:
+            entry = out.setdefault(row["cache"], {})
+            entry[names[row["metric"]]] = float(row["value"])
+            if row["metric"] == "kl" and row.get("se") is not None:
+                entry["kl_se"] = float(row["se"])
+    return out
+
+
+def preset_toml(candidate: Candidate, info: dict[str, Any]) -> str:
+    """The preset file: the ``[cache]`` keywords and a ``[tune]`` record of how they were found."""
+    import tomli_w
+
+    return tomli_w.dumps({"cache": candidate.args, "tune": info})
+
+
+def frontier_table(rows: list[Candidate], chosen: Candidate) -> str:
+    """A markdown table of the evaluated candidates, the chosen one marked ★."""
+    lines = [
+        "| composition | bits/el | calibration KL | held-out KL (± s.e.) | held-out top-1 |",
+        "|---|---|---|---|---|",
+    ]
+    for c in sorted(rows, key=lambda c: c.bits):
+        cal = c.scores.get("calibration", {})
+        held = c.scores.get("heldout", {})
+        mark = " ★" if c is chosen else ""
+        held_kl = f"{held['kl']:.4f} ± {held.get('kl_se', math.nan):.4f}" if "kl" in held else "–"
+        top1 = f"{100 * held['top1']:.1f} %" if "top1" in held else "–"
+        lines.append(f"| `{c.label}`{mark} | {c.bits:.3f} | {cal.get('kl', math.nan):.4f} | {held_kl} | {top1} |")
+    return "\n".join(lines)

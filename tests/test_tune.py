@@ -1,0 +1,90 @@
+"""``kvpolicy tune`` and ``CompressedCache.from_config``."""
+
+from __future__ import annotations
+
+import pytest
+import tomllib
+
+from kvpolicy import CompressedCache, Sinks, Tiered
+from kvpolicy.cli import main
+from kvpolicy.errors import ConfigError
+from kvpolicy.tune import Candidate, pick, preset_toml, simulated_bits, space, within_budget
+
+TINY = ["--model", "tiny-llama", "--context", "128", "--windows", "4", "8", "--no-progress"]
+
+
+def test_the_search_finishes_respects_the_budget_and_writes_a_loadable_preset(tmp_path, capsys):
+    preset = tmp_path / "preset.toml"
+    args = ["tune", *TINY, "--budget-bits", "10", "--out", str(preset), "--trials", "4", "--samples", "1",
+            "--tokens", "4", "--heldout-samples", "1", "--heldout-tokens", "4"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "★" in out and "| composition | bits/el |" in out
+    saved = tomllib.loads(preset.read_text())
+    assert saved["tune"]["bits_per_element"] <= 10
+    cache = CompressedCache.from_config(preset)
+    from kvpolicy.eval.tiny import TinySpec, tiny_model
+
+    model, _ = tiny_model(TinySpec())
+    assert simulated_bits(saved["cache"], model.config, 128) <= 10  # the preset itself, measured again
+    # every calibrated composition fits, and a single-tier rival was scored on held-out texts
+    rows = [line for line in out.splitlines() if line.startswith("| `")]
+    assert len(rows) == 4 and all(float(r.split("|")[2]) <= 10 for r in rows)
+    assert sum(1 for r in rows if r.split("|")[4].strip() != "–") >= 2
+    assert repr(CompressedCache(**saved["cache"])) == repr(cache)
+    # resumable: a second run finds every cell done
+    assert main(args) == 0
+    again = capsys.readouterr().out
+    assert again.count("(0 run,") == 2, again
+
+
+def test_an_unreachable_budget_names_the_smallest_reachable_one(tmp_path, capsys):
+    assert main(["tune", *TINY, "--budget-bits", "1", "--out", str(tmp_path / "p.toml")]) == 2
+    err = capsys.readouterr().err
+    assert "kvpolicy tune: error: --budget-bits 1: no composition of the search fits; the smallest holds" in err
+    smallest = float(err.split("the smallest holds ")[1].split()[0])
+    suggested = float(err.split("Pass --budget-bits ")[1].split()[0])
+    assert smallest <= suggested < smallest + 0.01
+    assert not (tmp_path / "p.toml").exists()
+
+
+def test_within_budget_and_pick_try_every_family_nearest_the_budget_first():
+    families = (("single", (2.0, 2.9, 3.5)), ("boundary", (2.5, 2.95)), ("tiered", (2.7,)))
+    cands = [Candidate(f"{fam}{i}", {}, fam, bits=b) for fam, bits in families for i, b in enumerate(bits)]
+    fitting = within_budget(cands, 3.0)
+    assert [c.label for c in fitting] == ["boundary1", "single1", "tiered0", "boundary0", "single0"]
+    assert [c.label for c in pick(fitting, 3)] == ["boundary1", "single1", "tiered0"]
+    assert [c.label for c in pick(fitting, 10)] == [c.label for c in fitting]
+
+
+def test_every_composition_of_the_space_builds():
+    cands = list(space(list(range(30))))
+    assert len({c.label for c in cands}) == len(cands)
+    for c in cands:
+        cache = CompressedCache(**c.args)
+        if c.family == "tiered":
+            assert isinstance(cache.action, Tiered)
+        if "sinks" in c.args:
+            assert isinstance(cache.policy, Sinks)
+        if c.family == "boundary":
+            assert sorted(cache.layer_bits) == [0, 1, 28, 29]
+
+
+def test_preset_files_round_trip_through_from_config(tmp_path):
+    cand = next(c for c in space(list(range(4))) if c.family == "tiered")
+    path = tmp_path / "p.toml"
+    path.write_text(preset_toml(cand, {"label": cand.label}))
+    assert repr(CompressedCache.from_config(path)) == repr(CompressedCache(**cand.args))
+    assert "LogWindow(window=99)" in repr(CompressedCache.from_config(path, window=99))  # overrides win
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [("[other]\nx = 1\n", r"has no \[cache\] table"), ("[cache\n", r"cannot read preset file"),
+     ('[cache]\npolicy = "nope"\n', r"unknown policy 'nope'")],
+)  # fmt: skip
+def test_bad_preset_files_are_refused(tmp_path, text, match):
+    path = tmp_path / "p.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        CompressedCache.from_config(path)
