@@ -53,30 +53,43 @@ class Candidate:
     scores: dict[str, dict[str, float]] = field(default_factory=dict)  # run -> {"kl", "top1", "bits"}
 
 
-def space(attention_layers: list[int], windows: tuple[int, ...] = WINDOWS) -> Iterator[Candidate]:
-    """Every composition searched, for a model whose full-attention layers are ``attention_layers``."""
+def space(
+    attention_layers: list[int], windows: tuple[int, ...] = WINDOWS, key_groups: tuple[int, ...] = (64,)
+) -> Iterator[Candidate]:
+    """Every composition searched, for a model whose full-attention layers are ``attention_layers``;
+    ``key_groups``: the group sizes of the keys (per channel) tried."""
     boundary = sorted({*attention_layers[:BOUNDARY], *attention_layers[-BOUNDARY:]})
     for window in windows:
         for sinks in (0, 4):
             for kb, vb in WIDTHS:
-                for vscheme in ("minmax", "codebook"):
-                    quant: dict[str, Any] = {"key_bits": kb, "value_bits": vb}
-                    if vscheme == "codebook":
-                        quant["value_scheme"] = "codebook"
-                    base: dict[str, Any] = {"policy": "log", "window": window, "transform": "hadamard"}
-                    if sinks:
-                        base["sinks"] = sinks
-                    code = "c" if vscheme == "codebook" else ""
-                    name = f"log{window}{f'-s{sinks}' if sinks else ''}-k{kb}v{vb}{code}"
-                    yield Candidate(name, {**base, **quant}, "single")
-                    if min(kb, vb) >= HIGH_BITS:
-                        continue
-                    layer_bits = {str(i): HIGH_BITS for i in boundary}
-                    yield Candidate(f"{name}-b{HIGH_BITS}", {**base, **quant, "layer_bits": layer_bits}, "boundary")
-                    tiers = [{"bits": HIGH_BITS, "scheme": "codebook"}, quant]
-                    keep = [{"name": "log", "window": 4 * window}]
-                    args = {**base, "action": "tiered", "tiers": tiers, "keep": keep}
-                    yield Candidate(f"{name}-t{HIGH_BITS}x{4 * window}", args, "tiered")
+                for kg in key_groups:
+                    for vscheme in ("minmax", "codebook"):
+                        yield from _variants(window, sinks, kb, vb, kg, vscheme, boundary)
+
+
+def _variants(
+    window: int, sinks: int, kb: int, vb: int, kg: int, vscheme: str, boundary: list[int]
+) -> Iterator[Candidate]:
+    quant: dict[str, Any] = {"key_bits": kb, "value_bits": vb}
+    if kg != 64:
+        quant["key_group_size"] = kg
+    if vscheme == "codebook":
+        quant["value_scheme"] = "codebook"
+    base: dict[str, Any] = {"policy": "log", "window": window, "transform": "hadamard"}
+    if sinks:
+        base["sinks"] = sinks
+    code = "c" if vscheme == "codebook" else ""
+    group = f"g{kg}" if kg != 64 else ""
+    name = f"log{window}{f'-s{sinks}' if sinks else ''}-k{kb}{group}v{vb}{code}"
+    yield Candidate(name, {**base, **quant}, "single")
+    if min(kb, vb) >= HIGH_BITS:
+        return
+    layer_bits = {str(i): HIGH_BITS for i in boundary}
+    yield Candidate(f"{name}-b{HIGH_BITS}", {**base, **quant, "layer_bits": layer_bits}, "boundary")
+    tiers = [{"bits": HIGH_BITS, "scheme": "codebook"}, quant]
+    keep = [{"name": "log", "window": 4 * window}]
+    args = {**base, "action": "tiered", "tiers": tiers, "keep": keep}
+    yield Candidate(f"{name}-t{HIGH_BITS}x{4 * window}", args, "tiered")
 
 
 def simulated_bits(args: dict[str, Any], config: Any, context: int, seed: int = 0) -> float:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from kvpolicy import CompressedCache
 from kvpolicy.bench.decode import Variant, held_bytes, tiny_llama
 from kvpolicy.cli import main
 from kvpolicy.errors import ConfigError
@@ -101,3 +102,23 @@ def test_rot_variants_add_the_hadamard_transform(tmp_path):
     assert rc == 0
     row = json.loads((tmp_path / "decode.json").read_text())["rows"][0]
     assert row["paths"] == "fused (torch)"
+
+
+def test_preset_variants_build_the_file_and_run_fused(tmp_path):
+    preset = tmp_path / "p.toml"
+    preset.write_text(
+        '[cache]\npolicy = "log"\nwindow = 8\naction = "tiered"\ntransform = "hadamard"\n'
+        'tiers = [{bits = 4, scheme = "codebook"}, {bits = 2, value_scheme = "codebook"}]\n'
+        'keep = [{name = "log", window = 16}]\n'
+    )
+    v = Variant.parse(f"preset:{preset}")
+    assert v.fused and repr(v.build(None, 42)) == repr(CompressedCache.from_config(preset))
+    with pytest.raises(ConfigError, match=r"no preset file"):
+        Variant.parse(f"preset:{tmp_path / 'missing.toml'}")
+    out = tmp_path / "bench"
+    rc = main(["bench", "decode", "--model", "tiny-llama", "--lengths", "256", "--steps", "1", "--reps", "1",
+               "--warmup", "0", "--caches", "dynamic", f"preset:{preset}", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    rows = json.loads((out / "decode.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["dynamic", f"preset:{preset}"]
+    assert rows[1]["paths"] == "fused (cpu)" and 0 < rows[1]["bytes_held"] < rows[0]["bytes_held"]

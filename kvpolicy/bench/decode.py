@@ -22,6 +22,8 @@ Cache variants are named by short strings:
 - ``one-liner``: ``CompressedCache(policy="log", action="quantize", bits=2)`` exactly as the README
   writes it (every default: ``backend="auto"``, ``check_finite=True``, the default group sizes), run
   with :func:`kvpolicy.fused.enable_fused` on the model (``--window`` does not apply);
+- ``preset:<file.toml>``: ``CompressedCache.from_config(file)`` (a preset ``kvpolicy tune`` wrote), run
+  with :func:`kvpolicy.fused.enable_fused` (``--window`` does not apply);
 - ``hf-<quanto|hqq>-<bits>``: transformers' ``QuantizedCache(backend, config, nbits=bits)``;
 - ``<policy>-<bits>-<backend>-<layout>-<fused|mat>``: ``CompressedCache(policy, action="quantize",
   bits, backend, layout, attention="auto" | "materialized")``; ``<bits>`` is one width (``2``) or
@@ -73,7 +75,7 @@ class Variant:
     """One cache configuration, parsed from its name (see the module docstring)."""
 
     name: str
-    kind: str  # "dynamic", "one-liner", "hf", "kv"
+    kind: str  # "dynamic", "one-liner", "preset", "hf", "kv"
     policy: str = ""
     bits: int = 0
     #: ``(key_bits, value_bits)`` of a ``k<K>v<V>`` variant (``bits`` is then 0)
@@ -90,6 +92,11 @@ class Variant:
             return cls(name, "dynamic")
         if name == "one-liner":
             return cls(name, "one-liner", policy="log", bits=2, backend="auto", fused=True)
+        if name.startswith("preset:"):
+            path = name.removeprefix("preset:")
+            if not Path(path).is_file():
+                raise ConfigError(f"cache variant {name!r}: no preset file {path!r} (kvpolicy tune writes them)")
+            return cls(name, "preset", fused=True)
         if parts[0] == "hf" and len(parts) == 3 and parts[1] in ("quanto", "hqq") and parts[2].isdigit():
             return cls(name, "hf", backend=parts[1], bits=int(parts[2]))
         transform = "none"
@@ -105,7 +112,8 @@ class Variant:
             bits, widths = (0, (int(mixed[1]), int(mixed[2]))) if mixed else (int(parts[1]), None)
             return cls(name, "kv", parts[0], bits, widths, parts[2], parts[3], parts[4] == "fused", transform)
         raise ConfigError(
-            f"cache variant {name!r} not understood; use 'dynamic', 'one-liner', 'hf-<quanto|hqq>-<bits>' or "
+            f"cache variant {name!r} not understood; use 'dynamic', 'one-liner', 'preset:<file.toml>', "
+            "'hf-<quanto|hqq>-<bits>' or "
             "'<policy>-<bits|k<K>v<V>>-<backend>-<ordered|agnostic>-<fused|mat>[-rot]' (e.g. "
             "log-2-torch-ordered-fused, log-k4v2-cpu-ordered-fused-rot)"
         )
@@ -126,6 +134,8 @@ class Variant:
 
         if self.kind == "one-liner":
             return CompressedCache(policy="log", action="quantize", bits=2, **hybrid)
+        if self.kind == "preset":
+            return CompressedCache.from_config(self.name.removeprefix("preset:"), **hybrid)
         widths = dict(key_bits=self.widths[0], value_bits=self.widths[1]) if self.widths else dict(bits=self.bits)
         return CompressedCache(
             policy=self.policy, action="quantize", **widths, backend=self.backend, layout=self.layout,
@@ -414,7 +424,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     variants = [Variant.parse(name) for name in args.caches]
     for v in variants:  # construct once: an unavailable backend fails before any model runs
-        if v.kind in ("kv", "one-liner"):
+        if v.kind in ("kv", "one-liner", "preset"):
             v.build(None, args.window)
     model = load(args.model, DTYPES[args.dtype], args.device)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ def _run(args: argparse.Namespace) -> int:
     model, _ = open_model(args.model, args.dtype, args.device)
     config = model.config
     del model
-    candidates = list(tune.space(tune.attention_layers(config), tuple(args.windows)))
+    candidates = list(tune.space(tune.attention_layers(config), tuple(args.windows), tuple(args.key_groups)))
     for c in tqdm(candidates, desc="bytes of each composition", disable=args.no_progress):
         c.bits = tune.simulated_bits(c.args, config, args.context)
     fitting = tune.within_budget(candidates, args.budget_bits)
@@ -89,6 +89,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--heldout-samples", type=positive_int, default=5, help="held-out texts (default 5)")
     p.add_argument("--heldout-tokens", type=positive_int, default=256, help="held-out tokens per text (default 256)")
     p.add_argument("--windows", type=positive_int, nargs="+", default=[16, 42], help="log windows (default 16 42)")
+    p.add_argument("--key-groups", type=positive_int, nargs="+", default=[64],
+                   help="group sizes of the keys (per channel) tried (default 64)")  # fmt: skip
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda, cuda:N or mps")
     p.add_argument("--executor", choices=("local", "ray"), default="local", help="where the cells run")
