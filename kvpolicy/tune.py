@@ -6,13 +6,20 @@
    layers at 4 bits, or a 4-bit codebook middle tier (:class:`~kvpolicy.actions.tiered.Tiered`,
    the log rule at four times the window).
 2. **Bytes.** Each is built and fed random keys and values of the model's shape for ``context``
-   tokens: its bits per element (everything held, full-precision tensors at 16 bits) are exact,
-   since none of these policies looks at the data. Compositions over the budget are dropped; if
+   tokens and then to the lengths the runs below reach: its bits per element (everything held,
+   full-precision tensors at 16 bits) at the largest of them are exact, since none of these policies
+   looks at the data. Compositions over the budget are dropped; if
    none fits, the error names the smallest budget that does.
-3. **Calibration.** ``trials`` compositions under the budget (:func:`pick`: each family in turn,
-   nearest the budget first) run the ablation harness's ``lm`` task on calibration texts
-   (:data:`~kvpolicy.eval.tasks.CALIBRATION_FILES`); the lowest next-token KL wins.
-4. **Held out.** The winner and the best single-tier compositions of the calibration (no tiers, no
+3. **Screening.** Up to ``screen`` compositions under the budget (:func:`pick`: each family in
+   turn, nearest the budget first) run the ablation harness's ``lm`` task briefly (one calibration
+   text, a few tokens): a cheap ranking. A composition whose measured bytes (after the run's
+   tokens) pass the budget is dropped here, and the winner below is chosen among those that stay
+   within it in the calibration run too (a check of the simulation: they agree). The budget holds
+   at the end of every run; between those lengths the bytes differ by the per-channel staging of
+   the keys (fewer than one group of tokens at 16 bits).
+4. **Calibration.** The best ``trials`` of the screening (each family in turn) run the ``lm`` task
+   on calibration texts (:data:`~kvpolicy.eval.tasks.CALIBRATION_FILES`); the lowest next-token KL wins.
+5. **Held out.** The winner and the best single-tier compositions of the calibration (no tiers, no
    per-layer widths) are scored on held-out texts (the ``lm`` task's own files), which chose nothing.
 
 Both runs are resumable run directories under ``out_dir``; a preset TOML file records the winner
@@ -92,9 +99,13 @@ def _variants(
     yield Candidate(f"{name}-t{HIGH_BITS}x{4 * window}", args, "tiered")
 
 
-def simulated_bits(args: dict[str, Any], config: Any, context: int, seed: int = 0) -> float:
-    """Bits per element a composition holds after ``context`` tokens and one decode step (full-precision
-    tensors counted at 16 bits), fed random keys and values of the model's shape (one batch row)."""
+def simulated_bits(
+    args: dict[str, Any], config: Any, context: int, extra: tuple[int, ...] = (1,), seed: int = 0
+) -> float:
+    """The most bits per element a composition holds after ``context + e`` tokens, for each ``e`` of
+    ``extra`` (full-precision tensors counted at 16 bits), fed random keys and values of the model's
+    shape (one batch row). None of the searched policies looks at the data, so this is what a model
+    run of those lengths holds."""
     from kvpolicy.cache import CompressedCache
 
     text = config.get_text_config(decoder=True)
@@ -102,11 +113,16 @@ def simulated_bits(args: dict[str, Any], config: Any, context: int, seed: int = 
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     cache = CompressedCache(**args, config=config, backend="torch")
     g = torch.Generator().manual_seed(seed)
-    for step in (context, 1):
+    most, length = 0.0, 0
+    for target in sorted({context, *(context + e for e in extra)}):
+        step = target - length
         for i in range(len(cache.layers)):  # sliding-window layers (transformers' own) included
             x = torch.randn(1, heads, step, head_dim, generator=g)
             cache.update(x, x, i)
-    return cache.memory_report().bits_per_element_16bit
+        length = target
+        if target > context or not extra:
+            most = max(most, cache.memory_report().bits_per_element_16bit)
+    return most
 
 
 def attention_layers(config: Any) -> list[int]:
@@ -134,11 +150,19 @@ def within_budget(candidates: list[Candidate], budget: float) -> list[Candidate]
     return sorted(fitting, key=lambda c: (-c.bits, c.label))
 
 
-def pick(fitting: list[Candidate], n: int) -> list[Candidate]:
-    """``n`` candidates for calibration: the families (single, boundary, tiered) in turn, each family's
-    nearest the budget first, so that every family is tried (and single-tier rivals exist)."""
+def measured_bits(c: Candidate) -> float:
+    """The most bits per element the screening and calibration runs of ``c`` measured (after their tokens),
+    else the simulated figure."""
+    measured = [run["bits"] for name, run in c.scores.items() if name != "heldout" and "bits" in run]
+    return max(measured) if measured else c.bits
+
+
+def pick(ranked: list[Candidate], n: int, nearest: bool = True) -> list[Candidate]:
+    """``n`` of ``ranked`` (best first): the families (single, boundary, tiered) in turn, each family's
+    best first, so that every family is tried (and single-tier rivals exist). Returned nearest the
+    budget first (``nearest``) or in ``ranked`` order."""
     families: dict[str, list[Candidate]] = {}
-    for c in fitting:  # already nearest-first
+    for c in ranked:
         families.setdefault(c.family, []).append(c)
     order = [families[f] for f in ("single", "boundary", "tiered") if f in families]
     picked: list[Candidate] = []
@@ -146,7 +170,9 @@ def pick(fitting: list[Candidate], n: int) -> list[Candidate]:
         for queue in order:
             if queue and len(picked) < n:
                 picked.append(queue.pop(0))
-    return sorted(picked, key=lambda c: (-c.bits, c.label))
+    if nearest:
+        return sorted(picked, key=lambda c: (-c.bits, c.label))
+    return [c for c in ranked if c in picked]
 
 
 def grid(model: str, context: int, caches: list[Candidate], lm: dict[str, Any], dtype: str, device: str) -> dict:
@@ -182,14 +208,20 @@ def preset_toml(candidate: Candidate, info: dict[str, Any]) -> str:
 def frontier_table(rows: list[Candidate], chosen: Candidate) -> str:
     """A markdown table of the evaluated candidates, the chosen one marked ★."""
     lines = [
-        "| composition | bits/el | calibration KL | held-out KL (± s.e.) | held-out top-1 |",
-        "|---|---|---|---|---|",
+        "| composition | bits/el (simulated) | bits/el (measured) | calibration KL | held-out KL (± s.e.) "
+        "| held-out top-1 |",
+        "|---|---|---|---|---|---|",
     ]
     for c in sorted(rows, key=lambda c: c.bits):
         cal = c.scores.get("calibration", {})
+        if not cal:
+            continue
         held = c.scores.get("heldout", {})
         mark = " ★" if c is chosen else ""
         held_kl = f"{held['kl']:.4f} ± {held.get('kl_se', math.nan):.4f}" if "kl" in held else "–"
         top1 = f"{100 * held['top1']:.1f} %" if "top1" in held else "–"
-        lines.append(f"| `{c.label}`{mark} | {c.bits:.3f} | {cal.get('kl', math.nan):.4f} | {held_kl} | {top1} |")
+        lines.append(
+            f"| `{c.label}`{mark} | {c.bits:.3f} | {measured_bits(c):.3f} | {cal.get('kl', math.nan):.4f} | {held_kl} "
+            f"| {top1} |"
+        )
     return "\n".join(lines)

@@ -15,27 +15,28 @@ TINY = ["--model", "tiny-llama", "--context", "128", "--windows", "4", "8", "--n
 
 def test_the_search_finishes_respects_the_budget_and_writes_a_loadable_preset(tmp_path, capsys):
     preset = tmp_path / "preset.toml"
-    args = ["tune", *TINY, "--budget-bits", "10", "--out", str(preset), "--trials", "4", "--samples", "1",
-            "--tokens", "4", "--heldout-samples", "1", "--heldout-tokens", "4"]  # fmt: skip
+    args = ["tune", *TINY, "--budget-bits", "10", "--out", str(preset), "--screen", "6", "--trials", "4",
+            "--samples", "1", "--tokens", "4", "--heldout-samples", "1", "--heldout-tokens", "4"]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "★" in out and "| composition | bits/el |" in out
+    assert "★" in out and "| composition | bits/el (simulated) | bits/el (measured) |" in out
     saved = tomllib.loads(preset.read_text())
-    assert saved["tune"]["bits_per_element"] <= 10
+    assert saved["tune"]["bits_per_element"] <= 10 and saved["tune"]["bits_per_element_calibration"] <= 10
     cache = CompressedCache.from_config(preset)
     from kvpolicy.eval.tiny import TinySpec, tiny_model
 
     model, _ = tiny_model(TinySpec())
-    assert simulated_bits(saved["cache"], model.config, 128) <= 10  # the preset itself, measured again
+    assert simulated_bits(saved["cache"], model.config, 128, (1, 4, 32)) <= 10  # the preset, measured again
+    assert saved["tune"]["bits_per_element_heldout"] <= 10
     # every calibrated composition fits, and a single-tier rival was scored on held-out texts
     rows = [line for line in out.splitlines() if line.startswith("| `")]
-    assert len(rows) == 4 and all(float(r.split("|")[2]) <= 10 for r in rows)
-    assert sum(1 for r in rows if r.split("|")[4].strip() != "–") >= 2
+    assert len(rows) == 4 and all(float(r.split("|")[2]) <= 10 and float(r.split("|")[3]) <= 10 for r in rows)
+    assert sum(1 for r in rows if r.split("|")[5].strip() != "–") >= 2
     assert repr(CompressedCache(**saved["cache"])) == repr(cache)
     # resumable: a second run finds every cell done
     assert main(args) == 0
     again = capsys.readouterr().out
-    assert again.count("(0 run,") == 2, again
+    assert again.count("(0 run,") == 3, again
 
 
 def test_an_unreachable_budget_names_the_smallest_reachable_one(tmp_path, capsys):

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from kvpolicy.commands._types import device_name, out_dir, out_file, positive_float, positive_int
+from kvpolicy.errors import ConfigError
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -26,13 +27,15 @@ def _run(args: argparse.Namespace) -> int:
     model, _ = open_model(args.model, args.dtype, args.device)
     config = model.config
     del model
+    lengths = (1, args.screen_tokens, args.tokens, args.heldout_tokens)  # the ends of the runs below
     candidates = list(tune.space(tune.attention_layers(config), tuple(args.windows), tuple(args.key_groups)))
     for c in tqdm(candidates, desc="bytes of each composition", disable=args.no_progress):
-        c.bits = tune.simulated_bits(c.args, config, args.context)
+        c.bits = tune.simulated_bits(c.args, config, args.context, lengths)
     fitting = tune.within_budget(candidates, args.budget_bits)
-    trials = tune.pick(fitting, args.trials)
+    screened = tune.pick(fitting, args.screen)
     print(f"{len(candidates)} compositions, {len(fitting)} within {args.budget_bits:g} bits per element at "
-          f"{args.context} tokens; calibrating {len(trials)} of them", file=sys.stderr)  # fmt: skip
+          f"{args.context} tokens; screening {len(screened)}, calibrating the best {args.trials}",
+          file=sys.stderr)  # fmt: skip
     executor = make_executor(args.executor, None, None, None, args.threads)
 
     def run(name: str, caches: list[tune.Candidate], lm: dict) -> dict[str, dict[str, float]]:
@@ -43,12 +46,33 @@ def _run(args: argparse.Namespace) -> int:
             raise RuntimeError(f"{failed} cell(s) of the {name} run failed; see {run_dir}")
         return tune.read_scores(run_dir)
 
+    screen = run("screen", screened, {
+        "samples_per_context": args.screen_samples, "tokens": args.screen_tokens, "files": list(CALIBRATION_FILES),
+    })  # fmt: skip
+    for c in screened:
+        c.scores["screen"] = screen[c.label]
+    # the bytes a run measured (after its teacher-forced tokens) must fit too: per-channel staging varies
+    fits = [c for c in screened if tune.measured_bits(c) <= args.budget_bits]
+    if not fits:
+        least = min(tune.measured_bits(c) for c in screened)
+        raise ConfigError(
+            f"--budget-bits {args.budget_bits:g}: every screened composition measured more after its tokens; the "
+            f"least was {least:.3f}. Pass a larger budget."
+        )
+    trials = tune.pick(sorted(fits, key=lambda c: c.scores["screen"]["kl"]), args.trials, nearest=False)
     calibration = run("calibration", trials, {
         "samples_per_context": args.samples, "tokens": args.tokens, "files": list(CALIBRATION_FILES),
     })  # fmt: skip
     for c in trials:
         c.scores["calibration"] = calibration[c.label]
-    chosen = min(trials, key=lambda c: c.scores["calibration"]["kl"])
+    fitting_trials = [c for c in trials if tune.measured_bits(c) <= args.budget_bits]
+    if not fitting_trials:
+        least = min(tune.measured_bits(c) for c in trials)
+        raise ConfigError(
+            f"--budget-bits {args.budget_bits:g}: every calibrated composition measured more after its tokens "
+            f"(per-channel key staging varies with the length); the least was {least:.3f}. Pass a larger budget."
+        )
+    chosen = min(fitting_trials, key=lambda c: c.scores["calibration"]["kl"])
     singles = sorted((c for c in trials if c.family == "single"), key=lambda c: c.scores["calibration"]["kl"])
     held = [chosen, *[c for c in singles[: args.compare] if c is not chosen]]
     heldout = run("heldout", held, {"samples_per_context": args.heldout_samples, "tokens": args.heldout_tokens})
@@ -57,7 +81,10 @@ def _run(args: argparse.Namespace) -> int:
     print(tune.frontier_table(trials, chosen))
     info = {
         "model": args.model, "budget_bits": args.budget_bits, "context": args.context, "label": chosen.label,
-        "bits_per_element": round(chosen.bits, 4), "kl_calibration": chosen.scores["calibration"]["kl"],
+        "bits_per_element": round(chosen.bits, 4),
+        "bits_per_element_calibration": round(chosen.scores["calibration"]["bits"], 4),
+        "bits_per_element_heldout": round(chosen.scores["heldout"]["bits"], 4),
+        "kl_calibration": chosen.scores["calibration"]["kl"],
         "kl_heldout": chosen.scores["heldout"]["kl"], "top1_heldout": chosen.scores["heldout"]["top1"],
         "command": " ".join(["kvpolicy", *sys.argv[1:]]),
     }  # fmt: skip
@@ -71,9 +98,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add ``kvpolicy tune`` to ``sub``."""
     p = sub.add_parser(
         "tune",
-        help="find the composition that fits a bits-per-element budget best (calibration, then held-out texts)",
+        help="find the composition that fits a bits-per-element budget best (screening and calibration texts, "
+        "then held-out texts)",
         description="Search compositions (policy window, sinks, key/value widths and schemes, rotation, boundary "
-        "layers, a middle tier) under --budget-bits, rank the nearest --trials on calibration texts, check the "
+        "layers, a middle tier) under --budget-bits, screen --screen of them on a short calibration text, rank the "
+        "best --trials on calibration texts, check the "
         "winner against the best single-tier compositions on held-out texts, and write a preset file that "
         "CompressedCache.from_config loads. Resumable: the runs live in --runs.",
     )  # fmt: skip
@@ -82,7 +111,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context", type=positive_int, default=2048, help="context tokens (default 2048)")
     p.add_argument("--out", dest="preset", type=out_file, required=True, help="the preset file to write (.toml)")
     p.add_argument("--runs", dest="out", type=out_dir, default=None, help="run directories (default: next to --out)")
-    p.add_argument("--trials", type=positive_int, default=10, help="compositions calibrated (default 10)")
+    p.add_argument("--screen", type=positive_int, default=40, help="compositions screened (default 40)")
+    p.add_argument("--screen-samples", type=positive_int, default=1, help="screening texts (default 1)")
+    p.add_argument("--screen-tokens", type=positive_int, default=32, help="screening tokens per text (default 32)")
+    p.add_argument("--trials", type=positive_int, default=9, help="compositions calibrated (default 9)")
     p.add_argument("--compare", type=positive_int, default=2, help="single-tier rivals scored held out (default 2)")
     p.add_argument("--samples", type=positive_int, default=3, help="calibration texts (default 3)")
     p.add_argument("--tokens", type=positive_int, default=128, help="calibration tokens per text (default 128)")
