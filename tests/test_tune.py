@@ -89,3 +89,13 @@ def test_bad_preset_files_are_refused(tmp_path, text, match):
     path.write_text(text)
     with pytest.raises(ConfigError, match=match):
         CompressedCache.from_config(path)
+
+
+def test_the_shipped_preset_loads_as_the_tuned_composition():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "presets" / "smollm2-3bit.toml"
+    saved = tomllib.loads(path.read_text())
+    assert saved["tune"]["budget_bits"] == 3.0 and saved["tune"]["bits_per_element_heldout"] <= 3.0
+    cache = CompressedCache.from_config(path)
+    assert isinstance(cache.action, Tiered) and [t.value_method for t in cache.action.tiers] == ["codebook"] * 2
