@@ -125,7 +125,7 @@ def test_ablate_docs_that_is_a_directory(tmp_path, capsys):
         ("--lengths", "0", "token count >= 1"),
         ("--lengths", "abc", "token count >= 1"),
         ("--context", "1x", "token count >= 1"),
-        ("--caches", "nosuch", "'dynamic', 'one-liner', 'hf-<quanto|hqq>-<bits>'"),
+        ("--caches", "nosuch", "'dynamic', 'one-liner', 'preset:<file.toml>', 'hf-<quanto|hqq>-<bits>'"),
         ("--device", "tpu", "cpu, cuda, cuda:N or mps"),
     ],
 )
