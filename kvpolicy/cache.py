@@ -1021,6 +1021,11 @@ def _num_layers(config: Any) -> int | None:
 def _sinks_keyword(policy: str | Policy, params: dict[str, Any]) -> int | None:
     """Take ``sinks`` out of ``params`` when it asks for :class:`~kvpolicy.policies.Sinks` around a policy
     that has no ``sinks`` parameter of its own (the ``"sink"`` policy keeps its own)."""
+    if isinstance(policy, str) and registry.get("policies", policy) is Sinks:
+        raise ConfigError(
+            f"policy={policy!r} wraps another policy, so it cannot be named alone: pass the policy to wrap and "
+            "sinks=S (policy='log', sinks=4), or the object (policy=Sinks(LogWindow(42), 4))"
+        )
     if "sinks" not in params:
         return None
     cls = registry.get("policies", policy) if isinstance(policy, str) else type(policy)

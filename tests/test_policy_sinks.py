@@ -127,6 +127,10 @@ def test_the_cache_keyword_wraps_any_policy_but_the_sink_policy_keeps_its_own():
         (lambda: CompressedCache(policy="log", sinks=-1), r"Sinks: sinks must be an integer >= 0; got sinks=-1"),
         (lambda: Sinks("log", 4), r"Sinks: policy must be a Policy object; got policy='log'"),
         (lambda: CompressedCache(policy="logg", sinks=4), r"unknown policy 'logg'; registered policies: \["),
+        (
+            lambda: CompressedCache(policy="sinks", sinks=4),
+            r"policy='sinks' wraps another policy.*policy='log', sinks=4",
+        ),
     ],
 )
 def test_bad_sinks_are_refused_naming_the_parameter(make, match):
