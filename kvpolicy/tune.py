@@ -157,6 +157,24 @@ def measured_bits(c: Candidate) -> float:
     return max(measured) if measured else c.bits
 
 
+def measured_within(candidates: list[Candidate], budget: float, stage: str) -> list[Candidate]:
+    """The candidates whose runs so far measured at most ``budget`` bits per element.
+
+    Raises
+    ------
+    ConfigError
+        If none did (``stage`` names the candidates in the message: "screened", "calibrated").
+    """
+    fits = [c for c in candidates if measured_bits(c) <= budget]
+    if not fits:
+        least = min(measured_bits(c) for c in candidates)
+        raise ConfigError(
+            f"--budget-bits {budget:g}: every {stage} composition measured more after its tokens (per-channel key "
+            f"staging varies with the length); the least was {least:.3f}. Pass a larger budget."
+        )
+    return fits
+
+
 def pick(ranked: list[Candidate], n: int, nearest: bool = True) -> list[Candidate]:
     """``n`` of ``ranked`` (best first): the families (single, boundary, tiered) in turn, each family's
     best first, so that every family is tried (and single-tier rivals exist). Returned nearest the

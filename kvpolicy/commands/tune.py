@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 from kvpolicy.commands._types import device_name, out_dir, out_file, positive_float, positive_int
-from kvpolicy.errors import ConfigError
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -38,46 +37,28 @@ def _run(args: argparse.Namespace) -> int:
           file=sys.stderr)  # fmt: skip
     executor = make_executor(args.executor, None, None, None, args.threads)
 
-    def run(name: str, caches: list[tune.Candidate], lm: dict) -> dict[str, dict[str, float]]:
+    def run(name: str, caches: list[tune.Candidate], lm: dict) -> None:
+        """Run ``caches`` on the ``lm`` task into ``--runs/name``; their scores go to ``c.scores[name]``."""
         run_dir = args.out / name
         grid = grid_from_dict(tune.grid(args.model, args.context, caches, lm, args.dtype, args.device))
         failed = Runner(grid, run_dir, progress=not args.no_progress, executor=executor).run()
         if failed:
             raise RuntimeError(f"{failed} cell(s) of the {name} run failed; see {run_dir}")
-        return tune.read_scores(run_dir)
+        scores = tune.read_scores(run_dir)
+        for c in caches:
+            c.scores[name] = scores[c.label]
 
-    screen = run("screen", screened, {
-        "samples_per_context": args.screen_samples, "tokens": args.screen_tokens, "files": list(CALIBRATION_FILES),
-    })  # fmt: skip
-    for c in screened:
-        c.scores["screen"] = screen[c.label]
-    # the bytes a run measured (after its teacher-forced tokens) must fit too: per-channel staging varies
-    fits = [c for c in screened if tune.measured_bits(c) <= args.budget_bits]
-    if not fits:
-        least = min(tune.measured_bits(c) for c in screened)
-        raise ConfigError(
-            f"--budget-bits {args.budget_bits:g}: every screened composition measured more after its tokens; the "
-            f"least was {least:.3f}. Pass a larger budget."
-        )
+    texts = {"files": list(CALIBRATION_FILES)}
+    run("screen", screened, {"samples_per_context": args.screen_samples, "tokens": args.screen_tokens, **texts})
+    # the bytes a run measured (after its teacher-forced tokens) must fit too
+    fits = tune.measured_within(screened, args.budget_bits, "screened")
     trials = tune.pick(sorted(fits, key=lambda c: c.scores["screen"]["kl"]), args.trials, nearest=False)
-    calibration = run("calibration", trials, {
-        "samples_per_context": args.samples, "tokens": args.tokens, "files": list(CALIBRATION_FILES),
-    })  # fmt: skip
-    for c in trials:
-        c.scores["calibration"] = calibration[c.label]
-    fitting_trials = [c for c in trials if tune.measured_bits(c) <= args.budget_bits]
-    if not fitting_trials:
-        least = min(tune.measured_bits(c) for c in trials)
-        raise ConfigError(
-            f"--budget-bits {args.budget_bits:g}: every calibrated composition measured more after its tokens "
-            f"(per-channel key staging varies with the length); the least was {least:.3f}. Pass a larger budget."
-        )
+    run("calibration", trials, {"samples_per_context": args.samples, "tokens": args.tokens, **texts})
+    fitting_trials = tune.measured_within(trials, args.budget_bits, "calibrated")
     chosen = min(fitting_trials, key=lambda c: c.scores["calibration"]["kl"])
     singles = sorted((c for c in trials if c.family == "single"), key=lambda c: c.scores["calibration"]["kl"])
     held = [chosen, *[c for c in singles[: args.compare] if c is not chosen]]
-    heldout = run("heldout", held, {"samples_per_context": args.heldout_samples, "tokens": args.heldout_tokens})
-    for c in held:
-        c.scores["heldout"] = heldout[c.label]
+    run("heldout", held, {"samples_per_context": args.heldout_samples, "tokens": args.heldout_tokens})
     print(tune.frontier_table(trials, chosen))
     info = {
         "model": args.model, "budget_bits": args.budget_bits, "context": args.context, "label": chosen.label,
