@@ -1,8 +1,9 @@
 """The transformers adapter: the only module that knows transformers' ``Cache`` API.
 
-``CompressedCache`` is a ``transformers.Cache`` whose per-layer objects (``CompressedLayer``) hold
-two segments: full-precision tokens (the policy's set) and demoted tokens (the action's store),
-each with the logical positions of its tokens.
+``CompressedCache`` is a ``transformers.Cache`` whose per-layer objects (``CompressedLayer``)
+translate transformers' calls for a :class:`~kvpolicy.segments.LayerSegments`, which holds the
+tokens: full-precision ones (the policy's set) and demoted ones (the action's store, one or more
+compressed tiers), each with the logical positions of its tokens.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from kvpolicy.memory import LayerBytes, MemoryReport
 from kvpolicy.padded import PaddedRows, left_pads
 from kvpolicy.policies.base import Policy, PolicyState
 from kvpolicy.policies.sinks import Sinks
-from kvpolicy.positions import POSITION_DTYPE, PositionBook, check_length, storage_bytes
+from kvpolicy.positions import PositionBook
+from kvpolicy.segments import SEGMENTS, LayerSegments, nbytes
 from kvpolicy.transforms import NoTransform, Transform
-from kvpolicy.transforms import wrap as wrap_store
 
 # kvpolicy's attention implementations ("kvpolicy_fused_sdpa", "kvpolicy_sdpa", ... ) are known to
 # transformers from here on, so a model can be loaded with attn_implementation="kvpolicy_fused_sdpa"
@@ -40,13 +41,17 @@ ATTENTION = ("auto", "fused", "materialized")
 
 
 class CompressedLayer(CacheLayerMixin):
-    """One layer of a :class:`CompressedCache`.
+    """One layer of a :class:`CompressedCache`: translates transformers' calls for its
+    :class:`~kvpolicy.segments.LayerSegments` (``held``), which owns the tokens.
 
-    Holds a full-precision segment (``keys``/``values``: ``(batch, kv_heads, n_full, head_dim)``,
-    positions ``full_pos``: ``(1, n_full)`` for shared policies, ``(kv_heads, n_full)`` for
-    per-head ones, sorted) and the action's store of demoted tokens. Positions are held as int32
-    (:mod:`kvpolicy.positions`); a shared policy's demoted positions are held once per cache
-    (its ``book``) for all the layers that demoted the same ones.
+    ``held`` holds a full-precision segment (``keys``/``values``: ``(batch, kv_heads, n_full, head_dim)``,
+    positions ``full_pos``: ``(1, n_full)`` for shared policies, ``(kv_heads, n_full)`` for per-head
+    ones, sorted) and the action's store of demoted tokens (one or more compressed tiers). Positions
+    are held as int32 (:mod:`kvpolicy.positions`); a shared policy's demoted positions are held once
+    per cache (its ``book``) for all the layers that demoted the same ones. This class adds what
+    transformers needs: lazy initialisation and backend choice, left-padded batches (one row layer
+    per row, :mod:`kvpolicy.padded`), the hand-off to attention (:mod:`kvpolicy.handoff`) and the
+    version that makes stale hand-offs fail.
 
     Contract with transformers:
 
@@ -77,12 +82,15 @@ class CompressedLayer(CacheLayerMixin):
             return False
         if self.rows is not None:
             return all(row.is_croppable for row in self.rows.rows)
-        return not self.is_initialized or self._pending > 0
+        return self.held is None or self.held.is_croppable
 
     def __init__(
         self, policy: Policy, action: Action, backend: Backend, layout: str, layer_idx: int, attention: str = "auto",
         auto: bool = False, transform: Transform | None = None,
     ) -> None:  # fmt: skip
+        #: the tokens held (None until the first update; unused by a padded batch's layer)
+        self.held: LayerSegments | None = None
+        self._version = 0  # see version
         super().__init__()
         #: the change of basis of demoted tokens (:mod:`kvpolicy.transforms`)
         self.transform = transform if transform is not None else NoTransform()
@@ -95,24 +103,76 @@ class CompressedLayer(CacheLayerMixin):
         )
         #: how the latest update's attention was done: "fused", "full-precision" or "materialized: <why>"
         self.attention_path: str | None = None
-        #: bumped by every change of the held tokens; a hand-off of an older version is refused
-        self.version = 0
         self.internal = False  # a row layer of a padded batch: returns plain views to its PaddedRows
         self.policy = policy
         self.action = action
         self.backend = backend
         self.layout = layout
         self.layer_idx = layer_idx
-        self.length = 0
-        self.state: PolicyState | None = None
-        self.store: DemotedStore | None = None
-        self.full_pos: torch.Tensor | None = None
-        self._pending = 0  # tokens appended whose demotion is deferred (multi-token update)
-        self._scored = True  # whether the last forward delivered the scores the policy needs
-        self._failed: str | None = None  # an error that left the policy and the store out of step
         self.rows: PaddedRows | None = None  # set for a left-padded batch
+        self.rows_length = 0  # a padded batch's logical length (pads included)
         #: where a shared policy's demoted positions are held once for the cache's layers (None: own copy)
         self.book: PositionBook | None = None
+
+    # ------------------------------------------------------------------ what held owns, read through
+    @property
+    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
+        """The full-precision segment's keys, ``(batch, kv_heads, n_full, head_dim)``."""
+        return None if self.held is None else self.held.keys
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._set_held("keys", value)
+
+    @property
+    def values(self) -> torch.Tensor | None:  # type: ignore[override]
+        """The full-precision segment's values, ``(batch, kv_heads, n_full, head_dim_v)``."""
+        return None if self.held is None else self.held.values
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._set_held("values", value)
+
+    def _set_held(self, name: str, value: torch.Tensor | None) -> None:
+        if self.held is not None:
+            setattr(self.held, name, value)
+        elif value is not None:
+            raise RuntimeError(f"layer {self.layer_idx} holds no tokens yet; its {name} cannot be set")
+
+    @property
+    def store(self) -> DemotedStore | None:
+        """The action's store of demoted tokens (None without compression or before the first update)."""
+        return None if self.held is None else self.held.store
+
+    @property
+    def state(self) -> PolicyState | None:
+        """The policy's state for this layer (None without compression or before the first update)."""
+        return None if self.held is None else self.held.state
+
+    @property
+    def full_pos(self) -> torch.Tensor | None:
+        """Positions of the full-precision segment (see the class docstring)."""
+        return None if self.held is None else self.held.full_pos
+
+    @property
+    def version(self) -> int:
+        """Grows with every change of the held tokens (updates, crops, beam moves, demotions applied
+        by an inspection); a hand-off of an older version is refused (:mod:`kvpolicy.handoff`)."""
+        return self._version + (0 if self.held is None else self.held.moves)
+
+    def _drop_held(self) -> None:
+        """Forget the held tokens, keeping :attr:`version` growing."""
+        if self.held is not None:
+            self._version += self.held.moves
+        self._version += 1
+        self.held = None
+
+    @property
+    def length(self) -> int:
+        """Tokens seen (the logical length)."""
+        if self.rows is not None:
+            return self.rows_length
+        return 0 if self.held is None else self.held.length
 
     # ------------------------------------------------------------------ transformers API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -123,21 +183,10 @@ class CompressedLayer(CacheLayerMixin):
                 self.unfusable = _unfusable(self.policy, self.action, self.backend)
         self.device = key_states.device
         self.dtype = key_states.dtype
-        self.keys = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[3]))
-        self.values = value_states.new_empty((*value_states.shape[:2], 0, value_states.shape[3]))
-        if self.action.compresses:
-            multiple = self.backend.capabilities.group_size_multiple
-            self.action.check_head_dim(key_states.shape[-1], multiple, role="key")
-            self.action.check_head_dim(value_states.shape[-1], multiple, role="value")
-            self.backend.check_tensor(key_states)
-            if self.action.keeps_demoted:
-                self.transform.check_head_dim(key_states.shape[-1])
-                self.transform.check_head_dim(value_states.shape[-1])
-            rows = key_states.shape[1] if self.policy.per_head else 1
-            self.state = self.policy.new_state(num_heads=key_states.shape[1])
-            self.store = wrap_store(self.action.new_store(self.backend, self.layer_idx), self.transform, self.action)
-            self.store.positions = torch.empty(rows, 0, dtype=POSITION_DTYPE, device=self.device)
-            self.full_pos = torch.empty(rows, 0, dtype=POSITION_DTYPE, device=self.device)
+        held = LayerSegments(self.policy, self.action, self.backend, self.transform, self.layer_idx, self.book)
+        held.start(key_states, value_states)
+        self._drop_held()
+        self.held = held
         self.is_initialized = True
 
     def update(
@@ -151,27 +200,16 @@ class CompressedLayer(CacheLayerMixin):
             pads = left_pads(_position_ids(kwargs), n) if self.action.compresses else None
             if pads is not None:
                 self.rows = PaddedRows([self._row_layer() for _ in pads], pads, keeps_demoted=self.action.keeps_demoted)
-        elif self.rows is None and self.keys is not None:
+        elif self.rows is None:
             self._check_shape(key_states, value_states)
-        self.version += 1
+        self._version += 1
         if self.rows is not None:
             return self._update_rows(key_states, value_states)
-        start = self.length
-        if self.action.compresses:
-            if n > 1:
-                _refuse_padding(kwargs)
-            self._settle()  # deferred demotions first: they index the segment as it was
-        self.length += n
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
+        if self.action.compresses and n > 1:
+            _refuse_padding(kwargs)
+        self.held.append(key_states, value_states)
         if not self.action.compresses:
             return self.keys, self.values
-        check_length(self.length)
-        new = torch.arange(start, start + n, dtype=POSITION_DTYPE, device=self.device).expand(self.full_pos.shape[0], n)
-        self.full_pos = torch.cat([self.full_pos, new], dim=1)
-        self._pending = n
-        if n == 1:
-            self._settle()
         grad = torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad)
         return self._hand_out(n, grad)
 
@@ -199,23 +237,9 @@ class CompressedLayer(CacheLayerMixin):
             raise NotImplementedError(
                 f"layer {self.layer_idx} holds a left-padded batch (one layer per row); saving it is not supported"
             )
-        if self._failed is not None:
-            raise RuntimeError(f"layer {self.layer_idx} failed while demoting tokens ({self._failed}); not saved")
         if not self.is_initialized:
             return {"kind": "compressed", "initialized": False}
-        if self.store is not None:
-            self._settle()
-        out: dict[str, Any] = {
-            "kind": "compressed", "initialized": True, "length": self.length, "keys": self.keys,
-            "values": self.values, "backend": self.backend.name,
-        }  # fmt: skip
-        if self.action.compresses:
-            assert self.state is not None and self.store is not None
-            out.update(
-                full_pos=self.full_pos, pending=self._pending, scored=self._scored, state=self.state.state_dict(),
-                store=self.store.state_dict(),
-            )  # fmt: skip
-        return out
+        return {"kind": "compressed", "initialized": True, "backend": self.backend.name, **self.held.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output into this fresh layer, checking that its parts agree
@@ -226,34 +250,7 @@ class CompressedLayer(CacheLayerMixin):
         if keys.dim() != 4 or values.dim() != 4 or keys.shape[:3] != values.shape[:3]:
             raise ValueError(f"layer {self.layer_idx}: keys {tuple(keys.shape)} and values {tuple(values.shape)}")
         self.lazy_initialization(keys[:, :, :0], values[:, :, :0])  # checks and a fresh state and store
-        self.keys, self.values, self.length = keys, values, int(state["length"])
-        if not self.action.compresses:
-            if keys.shape[2] != self.length:
-                raise ValueError(f"layer {self.layer_idx}: {keys.shape[2]} tokens held for length {self.length}")
-            return
-        assert self.state is not None and self.store is not None
-        self.state.load_state_dict(state["state"])
-        self.store.load_state_dict(state["store"])
-        self.full_pos = state["full_pos"]
-        self._pending, self._scored = int(state["pending"]), bool(state["scored"])
-        rows = keys.shape[1] if self.policy.per_head else 1
-        full = self.full_pos.shape[1]
-        stored = len(self.store) if self.action.keeps_demoted else 0
-        problems = []
-        if self.full_pos.dtype != POSITION_DTYPE or self.full_pos.shape[0] != rows or full != keys.shape[2]:
-            problems.append(f"full-precision positions {tuple(self.full_pos.shape)} for keys {tuple(keys.shape)}")
-        if self.action.keeps_demoted and full + stored != self.length:
-            problems.append(f"{full} full-precision + {stored} demoted tokens for length {self.length}")
-        if self.state.length != self.length - self._pending:
-            problems.append(f"policy length {self.state.length}, layer length {self.length} - {self._pending} pending")
-        else:
-            told = torch.as_tensor(self.state.full_positions(), dtype=torch.long).cpu()
-            told = told if self.policy.per_head else told.reshape(1, -1)
-            mine = self.full_pos[:, : full - self._pending].long().cpu()
-            if tuple(told.shape) != tuple(mine.shape) or not torch.equal(told, mine):
-                problems.append("the policy's full-precision positions differ from the layer's")
-        if problems:
-            raise ValueError(f"layer {self.layer_idx}: the saved parts disagree: {'; '.join(problems)}")
+        self.held.load_state_dict(state)
 
     def _row_layer(self) -> CompressedLayer:
         layer = CompressedLayer(
@@ -273,11 +270,10 @@ class CompressedLayer(CacheLayerMixin):
         hand-off materialises below autograd, so it would cut their graph: such a forward gets plain
         position-ordered tensors (score-based policies still go through kvpolicy's wrapper, which
         materialises above autograd)."""
-        assert self.store is not None
-        held = self.action.keeps_demoted and len(self.store) > 0
+        held = self.held.holds_demoted
         scores = self.policy.needs_scores
         if scores:
-            self._scored = False
+            self.held.scored = False
         if not held:
             self.attention_path = "full-precision"  # nothing compressed to read: the plain view is the segment
         elif self.unfusable is not None:
@@ -310,19 +306,19 @@ class CompressedLayer(CacheLayerMixin):
         )  # fmt: skip
 
     # ------------------------------------------------------------------ kvpolicy.fused
-    def fused_parts(self) -> tuple[Any, Any]:
-        """``(quantized, tail)`` of the store (see ``QuantizedStore.attention_parts``), in the basis
-        of :meth:`fused_basis`."""
-        return self.store.attention_parts()  # type: ignore[union-attr]
+    def fused_parts(self) -> Any:
+        """The store's compressed segments (see ``QuantizedStore.attention_parts``), in the basis of
+        :meth:`fused_basis`."""
+        return self.held.store.attention_parts()  # type: ignore[union-attr]
 
     def fused_basis(self) -> Transform | None:
         """The transform :meth:`fused_parts` are expressed in (``None``: the model's own basis)."""
-        return self.store.basis  # type: ignore[union-attr]
+        return self.held.store.basis  # type: ignore[union-attr]
 
     def _update_rows(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A left-padded batch: each row runs alone (see :mod:`kvpolicy.padded`)."""
         assert self.rows is not None
-        self.length += key_states.shape[-2]
+        self.rows_length += key_states.shape[-2]
         keys, values, key_mask = self.rows.update(key_states, value_states, self.length)
         self.attention_path = "materialized: left-padded batch (one layer per row)"
         if self.attention == "fused" and self.unfusable is None and self.action.keeps_demoted:
@@ -339,12 +335,9 @@ class CompressedLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self.rows is not None:
             return self.rows.mask_sizes(query_length, self.length)
-        if self.store is None or self.action.keeps_demoted:
-            return self.length + query_length, 0
-        self._settle()
-        held = self.full_pos.shape[1]
-        kv_length = self.state.full_count_after(1) if query_length == 1 else held + query_length
-        return kv_length, self.length + query_length - kv_length
+        if self.held is None:
+            return query_length, 0
+        return self.held.mask_sizes(query_length)
 
     def get_seq_length(self) -> int:
         return self.length
@@ -353,40 +346,33 @@ class CompressedLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.keys = self.values = None
-        self.length = 0
-        self.state = None
-        self.store = None
-        self.full_pos = None
-        self._pending = 0
-        self._scored = True
-        self._failed = None
+        self._drop_held()
         self.rows = None
-        self.version += 1
+        self.rows_length = 0
         self.attention_path = None
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.version += 1
+        self._version += 1
         if self.rows is not None:
             self.rows.select(beam_idx.tolist())
         elif self.is_initialized:
             idx = beam_idx.to(self.device)
-            self._map_batch(lambda t: t.index_select(0, idx))
+            self.held.map_batch(lambda t: t.index_select(0, idx))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.version += 1
+        self._version += 1
         if self.rows is not None:
             self.rows.select(torch.arange(len(self.rows.rows))[indices].tolist())
         elif self.is_initialized:
-            self._map_batch(lambda t: t[indices, ...])
+            self.held.map_batch(lambda t: t[indices, ...])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self.version += 1
+        self._version += 1
         if self.rows is not None:
             self.rows.select([i for i in range(len(self.rows.rows)) for _ in range(repeats)])
         elif self.is_initialized:
-            self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+            self.held.map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens (assisted decoding's rollback of rejected drafts).
@@ -402,30 +388,13 @@ class CompressedLayer(CacheLayerMixin):
         k = -tokens_to_remove
         if k == 0 or not self.is_initialized:
             return
-        self.version += 1
+        self._version += 1
         if self.rows is not None:
             for layer in self.rows.rows:
                 layer.crop(tokens_to_remove)
-            self.length -= k
+            self.rows_length -= k
             return
-        if self.action.compresses and self.policy.needs_scores:
-            raise ValueError(
-                f"crop(tokens_to_remove={tokens_to_remove}): policy {self.policy.name!r} has already accumulated the "
-                "attention of the tokens to remove into the scores of the tokens it holds, which cannot be taken "
-                "back; assisted decoding is not supported with score-based policies"
-            )
-        if self.action.compresses and k > self._pending:
-            raise ValueError(
-                f"crop(tokens_to_remove={tokens_to_remove}) on layer {self.layer_idx}: only the {self._pending} "
-                "token(s) of the latest multi-token update can be removed; older tokens were already handed to "
-                f"the policy ({self.policy.name!r}) and may have been demoted"
-            )
-        self.keys = self.keys[:, :, :-k]
-        self.values = self.values[:, :, :-k]
-        self.length -= k
-        if self.action.compresses:
-            self.full_pos = self.full_pos[:, :-k].contiguous()
-            self._pending -= k
+        self.held.crop(k)
 
     # ------------------------------------------------------------------ kvpolicy.attention
     def attention_done(self, scores: torch.Tensor | None, layout: str = "ordered") -> None:
@@ -439,80 +408,13 @@ class CompressedLayer(CacheLayerMixin):
     def observe_attention(self, scores: torch.Tensor, layout: str = "ordered") -> None:
         """Attention mass per returned key, ``(kv_heads, keys)`` with keys in ``layout``'s order;
         forwarded to the policy for the full-precision tokens."""
-        if not self.action.keeps_demoted or len(self.store) == 0:
-            full = scores
-        elif layout == "agnostic":
-            full = scores[:, len(self.store) :]
-        else:
-            full = scores.gather(1, self.full_pos.long().expand(scores.shape[0], -1))
-        self.state.observe(full, self.full_pos.long())
-        self._scored = True
-
-    # ------------------------------------------------------------------ internals
-    def _map_batch(self, fn: Any) -> None:
-        self.keys = fn(self.keys)
-        self.values = fn(self.values)
-        if self.store is not None:
-            self.store.map_batch(fn)
-
-    def _settle(self) -> None:
-        """Apply deferred demotions (and check that score-based policies got their scores)."""
-        if self.policy.needs_scores and not self._scored:
-            raise RuntimeError(
-                f"policy {self.policy.name!r} needs attention scores, but layer {self.layer_idx} received none "
-                "in the last forward. Call kvpolicy.attention.enable_scores(model) once before running the model: "
-                "it wraps the model's sdpa/eager attention to report them (see docs/policies.md)."
-            )
-        if self._failed is not None:
-            raise RuntimeError(
-                f"layer {self.layer_idx} of this CompressedCache failed while demoting tokens ({self._failed}); its "
-                "policy and its store no longer agree, so it cannot go on. Start a new cache (or call reset())."
-            )
-        if self._pending:
-            n, self._pending = self._pending, 0
-            try:
-                self._demote(n)
-            except Exception as exc:
-                self._failed = f"{type(exc).__name__}: {exc}"
-                raise
-
-    def _demote(self, n: int) -> None:
-        assert self.state is not None and self.store is not None and self.full_pos is not None
-        demoted = self.state.append(n)
-        if isinstance(demoted, torch.Tensor):
-            pos = demoted.to(self.device, POSITION_DTYPE)
-        else:
-            pos = torch.tensor(demoted, dtype=POSITION_DTYPE, device=self.device).view(1, -1)
-        k = pos.shape[1]
-        if k == 0:
-            return
-        rows, full = self.full_pos.shape
-        idx = torch.searchsorted(self.full_pos, pos)
-        keep = torch.ones(rows, full, dtype=torch.bool, device=self.device)
-        keep.scatter_(1, idx, False)
-        keep_idx = torch.arange(full, device=self.device).expand(rows, full)[keep].view(rows, full - k)
-        self.version += 1
-        self.store.add(_take(self.keys, idx), _take(self.values, idx), pos)
-        if self.book is not None and rows == 1:
-            self.store.positions = self.book.intern(self.store.positions)
-        self.keys = _take(self.keys, keep_idx)
-        self.values = _take(self.values, keep_idx)
-        self.full_pos = self.full_pos.gather(1, keep_idx)
+        self.held.observe(scores, layout)
 
     def attention_view(self, layout: str = "ordered") -> tuple[torch.Tensor, torch.Tensor]:
         """The whole history, materialised: ``(batch, kv_heads, keys, head_dim)`` keys and values in
         position order (``"ordered"``) or as ``[demoted tokens, full-precision tokens]``
         (``"agnostic"``, valid only under a purely causal mask)."""
-        assert self.store is not None
-        if not self.action.keeps_demoted or len(self.store) == 0:
-            return self.keys, self.values
-        dk, dv = self.store.keys(), self.store.values()
-        if layout == "agnostic":
-            return torch.cat([dk, self.keys], dim=-2), torch.cat([dv, self.values], dim=-2)
-        return (
-            _scatter_ordered(self.length, (self.store.positions, dk), (self.full_pos, self.keys)),
-            _scatter_ordered(self.length, (self.store.positions, dv), (self.full_pos, self.values)),
-        )
+        return self.held.view(layout)
 
     # ------------------------------------------------------------------ inspection
     def positions(self) -> dict[str, torch.Tensor]:
@@ -530,21 +432,10 @@ class CompressedLayer(CacheLayerMixin):
         if self.rows is not None:
             per_row = [layer.positions() for layer in self.rows.rows]
             return {key: [p[key] for p in per_row] for key in per_row[0]}  # type: ignore[misc]
-        device = self.device if self.is_initialized else "cpu"
-        if self.store is None or self.full_pos is None:
-            empty = torch.empty(0, dtype=torch.long, device=device)
-            return {"full": torch.arange(self.length, device=device), "compressed": empty, "staged_keys": empty}
-        self._settle()
-        staged = getattr(self.store, "staged_key_positions", lambda: self.store.positions[:, :0])()
-        out = {
-            "full": self.full_pos.long(),
-            "compressed": torch.sort(self.store.positions.long(), dim=1).values,
-            "staged_keys": torch.sort(staged.long(), dim=1).values,
-        }
-        if not self.policy.per_head:
-            return {key: value[0] for key, value in out.items()}
-        batch = self.keys.shape[0]
-        return {key: value.unsqueeze(0).expand(batch, -1, -1) for key, value in out.items()}
+        if self.held is None:
+            empty = torch.empty(0, dtype=torch.long)
+            return {"full": empty, "compressed": empty, "staged_keys": empty}
+        return self.held.positions()
 
     def memory(self, seen: set[tuple[str, int]] | None = None) -> LayerBytes:
         """Bytes of every tensor this layer holds, by segment.
@@ -562,27 +453,9 @@ class CompressedLayer(CacheLayerMixin):
                 self.layer_idx, self.length, merged, sum(part.baseline_bytes for part in parts),
                 max(part.element_size for part in parts),
             )  # fmt: skip
-        segments = dict.fromkeys(("full_precision", "codes", "scales", "zeros", "staging", "positions"), 0)
-        baseline = 0
-        element_size = 2
-        if self.is_initialized:
-            element_size = self.keys.element_size()
-            if self.store is not None:
-                self._settle()
-            segments["full_precision"] = _nbytes(self.keys) + _nbytes(self.values)
-            b, h, _, d = self.keys.shape
-            baseline = self.length * b * h * (d + self.values.shape[-1]) * 2
-            if self.full_pos is not None:
-                segments["positions"] += storage_bytes(self.full_pos, seen)
-            if self.store is not None:
-                shared = self.store.shared()  # counted from their storage: other layers may hold them too
-                kinds = {role for role, _ in shared}
-                for role, n in self.store.nbytes().items():
-                    if role not in kinds:
-                        segments[role] = segments.get(role, 0) + n
-                for role, t in shared:
-                    segments[role] = segments.get(role, 0) + storage_bytes(t, seen)
-        return LayerBytes(self.layer_idx, self.length, segments, baseline, element_size)
+        if self.held is None:
+            return LayerBytes(self.layer_idx, 0, dict.fromkeys(SEGMENTS, 0), 0, 2)
+        return self.held.memory(seen)
 
     def __repr__(self) -> str:
         return f"CompressedLayer(layer_idx={self.layer_idx}, length={self.length})"
@@ -636,42 +509,17 @@ def _refuse_padding(kwargs: dict[str, Any]) -> None:
         )
 
 
-def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Tokens of ``x`` (``(batch, heads, n, d)``) at ``idx`` (``(1 or heads, k)``) along dim 2."""
-    if idx.shape[0] == 1:
-        return x.index_select(2, idx[0])
-    b, h, _, d = x.shape
-    return x.gather(2, idx[None, :, :, None].expand(b, h, idx.shape[1], d))
-
-
-def _scatter_ordered(length: int, *parts: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Place each part's tokens at their positions: ``(batch, heads, length, d)``."""
-    first = parts[0][1]
-    b, h, _, d = first.shape
-    out = first.new_empty((b, h, length, d))
-    for pos, x in parts:
-        if pos.shape[0] == 1:
-            out.index_copy_(2, pos[0].long(), x)
-        else:
-            out.scatter_(2, pos.long()[None, :, :, None].expand(b, h, pos.shape[1], d), x)
-    return out
-
-
 def _layer_memory(layer: CacheLayerMixin, layer_idx: int, seen: set[tuple[str, int]]) -> LayerBytes:
     if isinstance(layer, CompressedLayer):
         return layer.memory(seen)
-    segments = dict.fromkeys(("full_precision", "codes", "scales", "zeros", "staging", "positions"), 0)
+    segments = dict.fromkeys(SEGMENTS, 0)
     kind = type(layer).__name__
     if not layer.is_initialized or layer.keys is None or layer.keys.dim() != 4:
         return LayerBytes(layer_idx, layer.get_seq_length(), segments, 0, kind=kind)
-    segments["full_precision"] = _nbytes(layer.keys) + _nbytes(layer.values)
+    segments["full_precision"] = nbytes(layer.keys) + nbytes(layer.values)
     b, h, n, d = layer.keys.shape
     baseline = n * b * h * (d + layer.values.shape[-1]) * 2
     return LayerBytes(layer_idx, layer.get_seq_length(), segments, baseline, layer.keys.element_size(), kind)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _param_names(obj_or_cls: Any) -> set[str]:

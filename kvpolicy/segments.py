@@ -1,0 +1,372 @@
+"""The tokens one layer holds, by segment, and the moves between segments: plain torch, no transformers.
+
+:class:`LayerSegments` owns a full-precision segment (the policy's set) and the action's store of
+demoted tokens, which may itself hold several compressed tiers (:mod:`kvpolicy.actions.tiered`),
+each with the logical positions of its tokens. It applies the policy's decisions (demotion) and
+answers what attention needs (the materialised history, positions, bytes held). It knows nothing
+of transformers: :class:`kvpolicy.cache.CompressedLayer` translates transformers' calls into these
+methods (padded batches, the hand-off to attention, backend choice), and this object is testable
+with bare tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvpolicy.actions.base import Action, DemotedStore
+from kvpolicy.backends.base import Backend
+from kvpolicy.memory import LayerBytes
+from kvpolicy.policies.base import Policy, PolicyState
+from kvpolicy.positions import POSITION_DTYPE, PositionBook, check_length, storage_bytes
+from kvpolicy.transforms import Transform
+from kvpolicy.transforms import wrap as wrap_store
+
+#: the segments of a memory report, in order
+SEGMENTS = ("full_precision", "codes", "scales", "zeros", "staging", "positions")
+
+
+class LayerSegments:
+    """One layer's held tokens: a full-precision segment and the action's store.
+
+    Parameters
+    ----------
+    policy, action, backend, transform
+        The composition; ``backend`` packs the store's blocks and ``transform`` is the change of
+        basis of demoted tokens.
+    layer_idx : int
+        The layer's index (error messages, per-layer stores).
+    book : PositionBook, optional
+        Where a shared policy's demoted positions are held once for every layer that demoted the same.
+
+    Attributes
+    ----------
+    keys, values : torch.Tensor
+        The full-precision segment: ``(batch, kv_heads, n_full, head_dim)``.
+    full_pos : torch.Tensor or None
+        Its logical positions, int32, sorted: ``(1, n_full)`` for shared policies, ``(kv_heads, n_full)``
+        for per-head ones (``None`` when the action does not compress).
+    store : DemotedStore or None
+        The demoted tokens (``store.positions`` is laid out like ``full_pos``).
+    length : int
+        Tokens seen (logical length).
+    pending : int
+        Tokens of the latest multi-token append whose demotion is deferred to the next call.
+    moves : int
+        Demotions applied so far: it grows whenever tokens move between segments, including a
+        deferred demotion applied by an inspection, so views of the segments taken earlier can be
+        told stale.
+    """
+
+    def __init__(
+        self, policy: Policy, action: Action, backend: Backend, transform: Transform, layer_idx: int,
+        book: PositionBook | None = None,
+    ) -> None:  # fmt: skip
+        self.policy = policy
+        self.action = action
+        self.backend = backend
+        self.transform = transform
+        self.layer_idx = layer_idx
+        self.book = book
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.full_pos: torch.Tensor | None = None
+        self.state: PolicyState | None = None
+        self.store: DemotedStore | None = None
+        self.length = 0
+        self.pending = 0
+        self.moves = 0
+        #: whether the latest forward delivered the attention scores the policy needs
+        self.scored = True
+        #: an error that left the policy and the store out of step (the layer cannot go on)
+        self.failed: str | None = None
+
+    # ------------------------------------------------------------------ building
+    def start(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Empty segments shaped like ``key_states``/``value_states`` (``(batch, kv_heads, n, head_dim)``),
+        after checking that the composition can hold them (``ConfigError`` naming what cannot)."""
+        self.keys = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[3]))
+        self.values = value_states.new_empty((*value_states.shape[:2], 0, value_states.shape[3]))
+        if not self.action.compresses:
+            return
+        multiple = self.backend.capabilities.group_size_multiple
+        self.action.check_head_dim(key_states.shape[-1], multiple, role="key")
+        self.action.check_head_dim(value_states.shape[-1], multiple, role="value")
+        self.backend.check_tensor(key_states)
+        if self.action.keeps_demoted:
+            self.transform.check_head_dim(key_states.shape[-1])
+            self.transform.check_head_dim(value_states.shape[-1])
+        rows = key_states.shape[1] if self.policy.per_head else 1
+        device = key_states.device
+        self.state = self.policy.new_state(num_heads=key_states.shape[1])
+        self.store = wrap_store(self.action.new_store(self.backend, self.layer_idx), self.transform, self.action)
+        self.store.positions = torch.empty(rows, 0, dtype=POSITION_DTYPE, device=device)
+        self.full_pos = torch.empty(rows, 0, dtype=POSITION_DTYPE, device=device)
+
+    @property
+    def compressing(self) -> bool:
+        """Whether the action compresses (a policy state and a store exist once started)."""
+        return self.store is not None
+
+    @property
+    def holds_demoted(self) -> bool:
+        """Whether attention must read compressed tokens besides the full-precision segment."""
+        return self.action.keeps_demoted and self.store is not None and len(self.store) > 0
+
+    # ------------------------------------------------------------------ appending and demoting
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Append ``n`` new tokens at full precision.
+
+        Deferred demotions of the previous multi-token append are applied first (they index the
+        segment as it was). A single token (decode) is demoted for at once, so the next read sees
+        ``FP(T)``; a multi-token append (prefill) stays whole until the next call, so its attention
+        sees the uncompressed prompt and score-based policies get its scores before choosing.
+        """
+        n = key_states.shape[-2]
+        if self.compressing:
+            self.settle()
+        start = self.length
+        self.length += n
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        if not self.compressing:
+            return
+        check_length(self.length)
+        new = torch.arange(start, start + n, dtype=POSITION_DTYPE, device=self.keys.device)
+        self.full_pos = torch.cat([self.full_pos, new.expand(self.full_pos.shape[0], n)], dim=1)
+        self.pending = n
+        if n == 1:
+            self.settle()
+
+    def settle(self) -> None:
+        """Apply deferred demotions (and check that score-based policies got their scores)."""
+        if self.policy.needs_scores and not self.scored:
+            raise RuntimeError(
+                f"policy {self.policy.name!r} needs attention scores, but layer {self.layer_idx} received none "
+                "in the last forward. Call kvpolicy.attention.enable_scores(model) once before running the model: "
+                "it wraps the model's sdpa/eager attention to report them (see docs/policies.md)."
+            )
+        if self.failed is not None:
+            raise RuntimeError(
+                f"layer {self.layer_idx} of this CompressedCache failed while demoting tokens ({self.failed}); its "
+                "policy and its store no longer agree, so it cannot go on. Start a new cache (or call reset())."
+            )
+        if self.pending:
+            n, self.pending = self.pending, 0
+            try:
+                self._demote(n)
+            except Exception as exc:
+                self.failed = f"{type(exc).__name__}: {exc}"
+                raise
+
+    def _demote(self, n: int) -> None:
+        """Tell the policy of ``n`` new tokens and move the tokens it demotes into the store."""
+        assert self.state is not None and self.store is not None and self.full_pos is not None
+        demoted = self.state.append(n)
+        device = self.keys.device
+        if isinstance(demoted, torch.Tensor):
+            pos = demoted.to(device, POSITION_DTYPE)
+        else:
+            pos = torch.tensor(demoted, dtype=POSITION_DTYPE, device=device).view(1, -1)
+        k = pos.shape[1]
+        if k == 0:
+            return
+        rows, full = self.full_pos.shape
+        idx = torch.searchsorted(self.full_pos, pos)
+        keep = torch.ones(rows, full, dtype=torch.bool, device=device)
+        keep.scatter_(1, idx, False)
+        keep_idx = torch.arange(full, device=device).expand(rows, full)[keep].view(rows, full - k)
+        self.moves += 1
+        self.store.add(take(self.keys, idx), take(self.values, idx), pos)
+        if self.book is not None and rows == 1:
+            self.store.positions = self.book.intern(self.store.positions)
+        self.keys = take(self.keys, keep_idx)
+        self.values = take(self.values, keep_idx)
+        self.full_pos = self.full_pos.gather(1, keep_idx)
+
+    def observe(self, scores: torch.Tensor, layout: str = "ordered") -> None:
+        """Attention mass per key of the latest read, ``(kv_heads, keys)`` with keys in ``layout``'s
+        order; the full-precision tokens' share goes to the policy."""
+        if not self.holds_demoted:
+            full = scores
+        elif layout == "agnostic":
+            full = scores[:, len(self.store) :]
+        else:
+            full = scores.gather(1, self.full_pos.long().expand(scores.shape[0], -1))
+        self.state.observe(full, self.full_pos.long())
+        self.scored = True
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether :meth:`crop` can remove the latest append now (see ``CompressedLayer.is_croppable``)."""
+        if not self.compressing:
+            return True
+        return not self.policy.needs_scores and self.pending > 0
+
+    def crop(self, k: int) -> None:
+        """Remove the last ``k`` tokens: exact while they are the latest multi-token append's and
+        still undemoted (the policy never learnt of them); anything else raises ``ValueError``."""
+        if self.compressing and self.policy.needs_scores:
+            raise ValueError(
+                f"crop(tokens_to_remove={-k}): policy {self.policy.name!r} has already accumulated the "
+                "attention of the tokens to remove into the scores of the tokens it holds, which cannot be taken "
+                "back; assisted decoding is not supported with score-based policies"
+            )
+        if self.compressing and k > self.pending:
+            raise ValueError(
+                f"crop(tokens_to_remove={-k}) on layer {self.layer_idx}: only the {self.pending} "
+                "token(s) of the latest multi-token update can be removed; older tokens were already handed to "
+                f"the policy ({self.policy.name!r}) and may have been demoted"
+            )
+        self.keys = self.keys[:, :, :-k]
+        self.values = self.values[:, :, :-k]
+        self.length -= k
+        if self.compressing:
+            self.full_pos = self.full_pos[:, :-k].contiguous()
+            self.pending -= k
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply ``fn`` to the batch dimension of every held tensor (beam reorder, batch select)."""
+        self.keys = fn(self.keys)
+        self.values = fn(self.values)
+        if self.store is not None:
+            self.store.map_batch(fn)
+
+    # ------------------------------------------------------------------ reading
+    def view(self, layout: str = "ordered") -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole history, materialised: ``(batch, kv_heads, keys, head_dim)`` keys and values in
+        position order (``"ordered"``) or as ``[demoted tokens, full-precision tokens]``
+        (``"agnostic"``, valid only under a purely causal mask)."""
+        if not self.holds_demoted:
+            return self.keys, self.values
+        dk, dv = self.store.keys(), self.store.values()
+        if layout == "agnostic":
+            return torch.cat([dk, self.keys], dim=-2), torch.cat([dv, self.values], dim=-2)
+        return (
+            scatter_ordered(self.length, (self.store.positions, dk), (self.full_pos, self.keys)),
+            scatter_ordered(self.length, (self.store.positions, dv), (self.full_pos, self.values)),
+        )
+
+    def mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(keys the next append's read returns, logical position of the first)``."""
+        if self.store is None or self.action.keeps_demoted:
+            return self.length + query_length, 0
+        self.settle()
+        held = self.full_pos.shape[1]
+        kv_length = self.state.full_count_after(1) if query_length == 1 else held + query_length
+        return kv_length, self.length + query_length - kv_length
+
+    def positions(self) -> dict[str, torch.Tensor]:
+        """Logical positions by segment, sorted int64 (see ``CompressedLayer.positions``)."""
+        if not self.compressing:
+            device = self.keys.device
+            empty = torch.empty(0, dtype=torch.long, device=device)
+            return {"full": torch.arange(self.length, device=device), "compressed": empty, "staged_keys": empty}
+        self.settle()
+        staged = getattr(self.store, "staged_key_positions", lambda: self.store.positions[:, :0])()
+        out = {
+            "full": self.full_pos.long(),
+            "compressed": torch.sort(self.store.positions.long(), dim=1).values,
+            "staged_keys": torch.sort(staged.long(), dim=1).values,
+        }
+        if not self.policy.per_head:
+            return {key: value[0] for key, value in out.items()}
+        batch = self.keys.shape[0]
+        return {key: value.unsqueeze(0).expand(batch, -1, -1) for key, value in out.items()}
+
+    def memory(self, seen: set[tuple[str, int]] | None = None) -> LayerBytes:
+        """Bytes of every tensor held, by segment; positions count the whole storage they live in,
+        once across the layers that share it (``seen``: storages already counted, updated here)."""
+        if self.compressing:
+            self.settle()
+        segments = dict.fromkeys(SEGMENTS, 0)
+        segments["full_precision"] = nbytes(self.keys) + nbytes(self.values)
+        b, h, _, d = self.keys.shape
+        baseline = self.length * b * h * (d + self.values.shape[-1]) * 2
+        if self.full_pos is not None:
+            segments["positions"] += storage_bytes(self.full_pos, seen)
+        if self.store is not None:
+            shared = self.store.shared()  # counted from their storage: other layers may hold them too
+            kinds = {role for role, _ in shared}
+            for role, n in self.store.nbytes().items():
+                if role not in kinds:
+                    segments[role] = segments.get(role, 0) + n
+            for role, t in shared:
+                segments[role] = segments.get(role, 0) + storage_bytes(t, seen)
+        return LayerBytes(self.layer_idx, self.length, segments, baseline, self.keys.element_size())
+
+    # ------------------------------------------------------------------ saving (kvpolicy.persist)
+    def state_dict(self) -> dict[str, Any]:
+        """Everything held, as JSON values and tensors; deferred demotions are applied first, so what
+        is saved is what the next step attends over."""
+        if self.failed is not None:
+            raise RuntimeError(f"layer {self.layer_idx} failed while demoting tokens ({self.failed}); not saved")
+        if self.compressing:
+            self.settle()
+        out: dict[str, Any] = {"length": self.length, "keys": self.keys, "values": self.values}
+        if self.compressing:
+            out.update(
+                full_pos=self.full_pos, pending=self.pending, scored=self.scored, state=self.state.state_dict(),
+                store=self.store.state_dict(),
+            )  # fmt: skip
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output into these started, empty segments, checking that its
+        parts agree (positions, counts, the policy's own state); ``ValueError`` names what does not."""
+        keys, values = state["keys"], state["values"]
+        self.keys, self.values, self.length = keys, values, int(state["length"])
+        if not self.compressing:
+            if keys.shape[2] != self.length:
+                raise ValueError(f"layer {self.layer_idx}: {keys.shape[2]} tokens held for length {self.length}")
+            return
+        self.state.load_state_dict(state["state"])
+        self.store.load_state_dict(state["store"])
+        self.full_pos = state["full_pos"]
+        self.pending, self.scored = int(state["pending"]), bool(state["scored"])
+        rows = keys.shape[1] if self.policy.per_head else 1
+        full = self.full_pos.shape[1]
+        stored = len(self.store) if self.action.keeps_demoted else 0
+        problems = []
+        if self.full_pos.dtype != POSITION_DTYPE or self.full_pos.shape[0] != rows or full != keys.shape[2]:
+            problems.append(f"full-precision positions {tuple(self.full_pos.shape)} for keys {tuple(keys.shape)}")
+        if self.action.keeps_demoted and full + stored != self.length:
+            problems.append(f"{full} full-precision + {stored} demoted tokens for length {self.length}")
+        if self.state.length != self.length - self.pending:
+            problems.append(f"policy length {self.state.length}, layer length {self.length} - {self.pending} pending")
+        else:
+            told = torch.as_tensor(self.state.full_positions(), dtype=torch.long).cpu()
+            told = told if self.policy.per_head else told.reshape(1, -1)
+            mine = self.full_pos[:, : full - self.pending].long().cpu()
+            if tuple(told.shape) != tuple(mine.shape) or not torch.equal(told, mine):
+                problems.append("the policy's full-precision positions differ from the layer's")
+        if problems:
+            raise ValueError(f"layer {self.layer_idx}: the saved parts disagree: {'; '.join(problems)}")
+
+
+def take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Tokens of ``x`` (``(batch, heads, n, d)``) at ``idx`` (``(1 or heads, k)``) along dim 2."""
+    if idx.shape[0] == 1:
+        return x.index_select(2, idx[0])
+    b, h, _, d = x.shape
+    return x.gather(2, idx[None, :, :, None].expand(b, h, idx.shape[1], d))
+
+
+def scatter_ordered(length: int, *parts: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Place each part's tokens at their positions: ``(batch, heads, length, d)``."""
+    first = parts[0][1]
+    b, h, _, d = first.shape
+    out = first.new_empty((b, h, length, d))
+    for pos, x in parts:
+        if pos.shape[0] == 1:
+            out.index_copy_(2, pos[0].long(), x)
+        else:
+            out.scatter_(2, pos.long()[None, :, :, None].expand(b, h, pos.shape[1], d), x)
+    return out
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements."""
+    return t.numel() * t.element_size()
