@@ -1,10 +1,10 @@
 """``kvpolicy tune``: the composition that fits a bits-per-element budget best, found and checked.
 
 1. **Space.** Compositions built from the parts that measured well (docs/frontier.md): the log
-   policy at two windows, with and without four sink tokens; keys min-max per channel and values
-   min-max or codebook at several widths; the Hadamard rotation; and on top of each, the boundary
-   layers at 4 bits, or a 4-bit codebook middle tier (:class:`~kvpolicy.actions.tiered.Tiered`,
-   the log rule at four times the window).
+   policy at two windows, with and without four sink tokens; keys min-max per channel (or, from 3
+   bits, codebook per token) and values min-max or codebook at several widths; the Hadamard
+   rotation; and on top of each, the boundary layers at 4 bits, or a 4-bit codebook middle tier
+   (:class:`~kvpolicy.actions.tiered.Tiered`, the log rule at four times the window).
 2. **Bytes.** Each is built and fed random keys and values of the model's shape for ``context``
    tokens and then to the lengths the runs below reach: its bits per element (everything held,
    full-precision tensors at 16 bits) at the largest of them are exact, since none of these policies
@@ -43,6 +43,8 @@ from kvpolicy.errors import ConfigError
 WINDOWS = (16, 42)
 #: (key_bits, value_bits) pairs searched
 WIDTHS = ((2, 2), (3, 2), (4, 2), (3, 3), (4, 3), (4, 4))
+#: the narrowest keys searched with the codebook scheme (per token)
+KEY_CODEBOOK_BITS = 3
 #: what the boundary layers and a middle tier hold
 HIGH_BITS = 4
 #: boundary layers held at HIGH_BITS: the first and the last this many full-attention layers
@@ -69,25 +71,30 @@ def space(
     for window in windows:
         for sinks in (0, 4):
             for kb, vb in WIDTHS:
-                for kg in key_groups:
+                # codebook keys (per token, no group) from 3 bits: at 2 bits they lose to min-max per channel
+                keys = [("minmax", kg) for kg in key_groups] + ([("codebook", None)] if kb >= KEY_CODEBOOK_BITS else [])
+                for kscheme, kg in keys:
                     for vscheme in ("minmax", "codebook"):
-                        yield from _variants(window, sinks, kb, vb, kg, vscheme, boundary)
+                        yield from _variants(window, sinks, kb, vb, kg, kscheme, vscheme, boundary)
 
 
 def _variants(
-    window: int, sinks: int, kb: int, vb: int, kg: int, vscheme: str, boundary: list[int]
+    window: int, sinks: int, kb: int, vb: int, kg: int | None, kscheme: str, vscheme: str, boundary: list[int]
 ) -> Iterator[Candidate]:
     quant: dict[str, Any] = {"key_bits": kb, "value_bits": vb}
-    if kg != 64:
+    if kg is not None and kg != 64:
         quant["key_group_size"] = kg
+    if kscheme == "codebook":
+        quant["key_scheme"] = "codebook"
     if vscheme == "codebook":
         quant["value_scheme"] = "codebook"
     base: dict[str, Any] = {"policy": "log", "window": window, "transform": "hadamard"}
     if sinks:
         base["sinks"] = sinks
     code = "c" if vscheme == "codebook" else ""
-    group = f"g{kg}" if kg != 64 else ""
-    name = f"log{window}{f'-s{sinks}' if sinks else ''}-k{kb}{group}v{vb}{code}"
+    kcode = "c" if kscheme == "codebook" else ""
+    group = f"g{kg}" if kg is not None and kg != 64 else ""
+    name = f"log{window}{f'-s{sinks}' if sinks else ''}-k{kb}{kcode}{group}v{vb}{code}"
     yield Candidate(name, {**base, **quant}, "single")
     if min(kb, vb) >= HIGH_BITS:
         return

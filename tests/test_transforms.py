@@ -311,13 +311,19 @@ def test_beam_search_reorders_the_rotated_store(models):
 
 
 @pytest.mark.parametrize(
-    ("name", "policy", "key_bits"),
-    [("kvpolicy-3bit", "sink", 2), ("kvpolicy-3.5bit", "log", 3), ("kvpolicy-4bit", "log", 4)],
+    ("name", "policy", "key_bits", "schemes"),
+    [
+        ("kvpolicy-3bit", "log", 3, ("codebook", "codebook")),
+        ("kvpolicy-3.5bit", "log", 3, ("minmax", "minmax")),
+        ("kvpolicy-4bit", "log", 4, ("minmax", "minmax")),
+    ],
 )
-def test_kvpolicy_presets_compose_rotation_with_a_selection(name, policy, key_bits):
+def test_kvpolicy_presets_compose_rotation_with_a_selection(name, policy, key_bits, schemes):
     cache = CompressedCache.from_preset(name)
     assert cache.transform == Hadamard(0) and cache.policy.name == policy
     assert (cache.action.key_width, cache.action.value_width) == (key_bits, 2)
-    assert (cache.action.key_axis, cache.action.value_axis, cache.action.key_group) == ("channel", "token", 64)
+    assert (cache.action.key_method, cache.action.value_method) == schemes
+    if schemes[0] == "minmax":
+        assert (cache.action.key_axis, cache.action.value_axis, cache.action.key_group) == ("channel", "token", 64)
     assert CompressedCache.from_preset(name, seed=3, window=8).transform == Hadamard(3)
     assert CompressedCache.from_preset(name, window=8).policy.window == 8
