@@ -1,8 +1,10 @@
 """Building, verifying and calling the C++ decode-attention kernel of the ``cpu`` backend.
 
 The kernel (``cpu_attention.cpp``, next to this file) reads the ``torch`` backend's
-:class:`~kvpolicy.backends.torch_backend.PackedTensor` directly: keys grouped per channel, values
-grouped per token, 2, 3 or 4 bits, float16 / bfloat16 metadata. It is compiled with
+:class:`~kvpolicy.backends.torch_backend.PackedTensor` directly (keys grouped per channel, values
+grouped per token) and the codebook scheme's :class:`~kvpolicy.backends.codebook.CodebookTensor`
+(one scale per token, indices into a small table of centroids), for keys and values in any
+combination: 2, 3 or 4 bits, float16 / bfloat16 / float32 metadata. It is compiled with
 :func:`torch.utils.cpp_extension.load_inline` (``-O3 -march=native``, OpenMP through
 ``at::parallel_for``) the first time it is needed in an environment, and kept as
 ``<kvpolicy cache>/extensions/<name>/<name>.so`` (the kvpolicy cache directory:
