@@ -279,7 +279,7 @@ def _lock_timeout_message(lock: Path, timeout: float) -> str:
         holder = "gone now"
     return (
         f"backend 'cpu' waited {timeout:g} s for the lock file {lock} of another build of its C++ kernel "
-        f"({holder}). A build takes about half a minute; if no kvpolicy process is building it now (a killed "
+        f"({holder}). A build takes under a minute; if no kvpolicy process is building it now (a killed "
         f"build leaves the file behind), delete {lock} and retry; or wait longer with {LOCK_TIMEOUT_ENV}=<seconds>"
     )
 
@@ -393,7 +393,7 @@ def load() -> Any:
             with build_lock(library.parent / LOCK_NAME, lock_timeout()):
                 if not is_verified(library, record, warn=False):  # another process may have built it while we waited
                     print(
-                        "kvpolicy: compiling the cpu backend's C++ kernel (once per environment, about half a minute)",
+                        "kvpolicy: compiling the cpu backend's C++ kernel (once per environment, under a minute)",
                         file=sys.stderr,
                         flush=True,
                     )
