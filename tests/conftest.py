@@ -69,7 +69,7 @@ def quanto_extension():
 
 @pytest.fixture(scope="session")
 def cpu_kernel():
-    """Build (first run in an environment: ~25 s, needs a C++ compiler and ninja) and load the ``cpu``
+    """Build (first run in an environment: ~45 s, needs a C++ compiler and ninja) and load the ``cpu``
     backend's C++ attention kernel once per session, so its cost shows up in one fixture's setup."""
     from kvpolicy.kernels import cpu_attention
 

@@ -1,17 +1,20 @@
-"""The ``cpu`` backend: its C++ ``attend`` against exact float64 attention over the stored codes, the
-log-sum-exp merge of segments, end-to-end logits against the ``torch`` backend, and its refusals."""
+"""The ``cpu`` backend: its C++ ``attend`` against exact float64 attention over the stored codes (min-max
+and codebook blocks, in every key/value combination), the log-sum-exp merge of segments, end-to-end logits
+against the ``torch`` backend, and its refusals."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import teacher_forced_logits, tiny_model
+from conftest import fused_and_materialized, teacher_forced_logits, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpolicy import CompressedCache
-from kvpolicy.backends.base import Backend
-from kvpolicy.backends.torch_backend import PackedTensor, TorchBackend, unpack
+from kvpolicy.backends import codebook
+from kvpolicy.backends.base import Backend, QTensor
+from kvpolicy.backends.codebook import CodebookTensor
+from kvpolicy.backends.torch_backend import TorchBackend, unpack
 from kvpolicy.errors import ConfigError
 from kvpolicy.fused import disable_fused, enable_fused, merge
 from kvpolicy.kernels import cpu_attention
@@ -28,15 +31,18 @@ def backend():
     return CpuBackend()
 
 
-def exact(q: PackedTensor) -> torch.Tensor:
-    """float64 values of the stored codes and metadata, ``(B, H, n, D)`` (no rounding anywhere)."""
+def exact(q: QTensor) -> torch.Tensor:
+    """float64 values of the stored codes and metadata, ``(B, H, n, D)`` (no rounding anywhere): min-max
+    ``s * code + z``, codebook ``s * C[code]`` (``C`` the float32 table the kernel reads)."""
+    if isinstance(q, CodebookTensor):
+        return codebook.centroids(q.bits).double()[unpack(q.codes, q.bits).long()] * q.scales.double().unsqueeze(-1)
     v = unpack(q.codes, q.bits).double() * q.scales.double().unsqueeze(-1) + q.zeros.double().unsqueeze(-1)
     if q.axis == "token":
         return v.reshape(q.shape)
     return v.transpose(-1, -2).reshape(q.shape)
 
 
-def reference(query: torch.Tensor, keys: PackedTensor, values: PackedTensor, scale: float):
+def reference(query: torch.Tensor, keys: QTensor, values: QTensor, scale: float):
     """Dequantize + softmax attention in float64: ``(out, lse)``."""
     scores = torch.matmul(query.double(), exact(keys).transpose(-1, -2)) * scale
     lse = torch.logsumexp(scores, dim=-1)
@@ -175,6 +181,157 @@ def test_empty_segment():
     out, lse = be.attend(torch.randn(1, 2, 3, 64), keys, values, 0.125)
     assert out.shape == (1, 2, 3, 64) and (out == 0).all()
     assert lse.shape == (1, 2, 3) and (lse == -float("inf")).all()
+
+
+# ------------------------------------------------------------------ codebook blocks
+
+#: (keys, values) schemes the kernel reads besides min-max / min-max
+CODEBOOK_PAIRS = [("minmax", "codebook"), ("codebook", "codebook"), ("codebook", "minmax")]
+
+
+def _block(be, x: torch.Tensor, scheme: str, role: str, bits: int, group: int, meta_dtype: str) -> QTensor:
+    if scheme == "codebook":
+        return be.quantize(x, bits, None, "token", meta_dtype=meta_dtype, scheme="codebook")
+    return be.quantize(x, bits, group, "channel" if role == "key" else "token", meta_dtype=meta_dtype)
+
+
+def _assert_matches_reference(query, keys, values, scale, out, lse):
+    ref_out, ref_lse = reference(query, keys, values, scale)
+    assert out.dtype == lse.dtype == torch.float32
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    v_mag = float(exact(values).abs().max()) + 1.0
+    s_mag = float(ref_lse.abs().max()) + 1.0
+    torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=3e-6 * v_mag * (1 + s_mag))
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=3e-6 * s_mag * query.shape[-1] ** 0.5)
+
+
+@pytest.mark.parametrize("meta_dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize(("kb", "vb"), [(2, 2), (2, 3), (2, 4), (3, 2), (3, 3), (3, 4), (4, 2), (4, 3), (4, 4)])
+@pytest.mark.parametrize(("k_scheme", "v_scheme"), CODEBOOK_PAIRS)
+def test_codebook_attend_equals_float64_reference(k_scheme, v_scheme, kb, vb, meta_dtype):
+    """The kernel over codebook blocks (and mixes with min-max) is softmax attention over the exact
+    reconstruction: every width pair, every metadata dtype, batch 2 and 3 kv heads, one and several
+    queries, token counts of one, a few and more than a tile (codebook keys: not a multiple of the
+    tile; min-max keys: whole groups of 8 or 16), one split and several, tiles of 64 and 5 tokens."""
+    gen = torch.Generator().manual_seed(kb * 100 + vb * 10 + len(meta_dtype))
+    be = backend()
+    b, h, d = 2, 3, 64
+    # (n, key group): min-max keys in whole groups
+    sizes = [(1, 8), (7, 8), (64, 8), (133, 16)] if k_scheme == "codebook" else [(8, 8), (24, 8), (16, 16), (144, 16)]
+    for (n, gk), nq, splits, tile in zip(sizes, [1, 4, 1, 3], [None, 2, 1, 3], [64, 5, 64, 64], strict=True):
+        be.splits, be.tile = splits, tile
+        keys = _block(be, torch.randn(b, h, n, d, generator=gen), k_scheme, "key", kb, gk, meta_dtype)
+        values = _block(be, torch.randn(b, h, n, d, generator=gen) * 2, v_scheme, "value", vb, 16, meta_dtype)
+        query = torch.randn(b, h, nq, d, generator=gen)
+        out, lse = be.attend(query, keys, values, 0.125)
+        _assert_matches_reference(query, keys, values, 0.125, out, lse)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    pair=st.sampled_from(CODEBOOK_PAIRS), kb=st.sampled_from([2, 3, 4]), vb=st.sampled_from([2, 3, 4]),
+    d=st.sampled_from([8, 16, 32, 64, 96, 128]), n=st.integers(1, 300), nq=st.integers(1, 9),
+    b=st.integers(1, 2), h=st.integers(1, 3), splits=st.sampled_from([None, 1, 2, 7]),
+    tile=st.sampled_from([1, 3, 16, 64, 128]), meta=st.sampled_from(["float16", "bfloat16", "float32"]),
+    spread=st.sampled_from([0.05, 1.0, 30.0]), seed=st.integers(0, 2**31 - 1),
+)  # fmt: skip
+def test_codebook_attend_fuzzed(pair, kb, vb, d, n, nq, b, h, splits, tile, meta, spread, seed):
+    """Head dims whose rows are not whole 16-byte blocks (the decoding's scalar tails), tiles of one token
+    up to more than the whole segment, scales from small to large."""
+    k_scheme, v_scheme = pair
+    gen = torch.Generator().manual_seed(seed)
+    be = backend()
+    be.splits, be.tile = splits, tile
+    gk = 8
+    if k_scheme == "minmax":
+        n = max(gk, n - n % gk)
+    keys = _block(be, torch.randn(b, h, n, d, generator=gen) * spread, k_scheme, "key", kb, gk, meta)
+    values = _block(be, torch.randn(b, h, n, d, generator=gen) * spread, v_scheme, "value", vb, 8, meta)
+    query = torch.randn(b, h, nq, d, generator=gen) / spread
+    out, lse = be.attend(query, keys, values, d**-0.5)
+    _assert_matches_reference(query, keys, values, d**-0.5, out, lse)
+
+
+def test_codebook_token_slice_of_a_larger_block_is_read_in_place():
+    """A token range of a bigger codebook container (what a tier holds: batch and head strides larger than
+    the slice) attends like the range on its own."""
+    gen = torch.Generator().manual_seed(8)
+    be = backend()
+    keys = be.quantize(torch.randn(2, 2, 120, 64, generator=gen), 3, None, "token", scheme="codebook")
+    values = be.quantize(torch.randn(2, 2, 120, 64, generator=gen), 4, None, "token", scheme="codebook")
+    keys, values = keys.narrow(13, 70), values.narrow(13, 70)
+    assert not keys.codes.is_contiguous() and not values.scales.is_contiguous()
+    query = torch.randn(2, 2, 3, 64, generator=gen)
+    out, lse = be.attend(query, keys, values, 0.125)
+    _assert_matches_reference(query, keys, values, 0.125, out, lse)
+
+
+def _no_torch_attention(monkeypatch):
+    """Make every piece of the ``torch`` computation of attention raise: a fallback from the kernel fails."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the cpu backend fell back to the torch computation of attention")
+
+    monkeypatch.setattr(TorchBackend, "attend", refuse)
+    monkeypatch.setattr(Backend, "attend", refuse)
+    for name in ("key_scores", "value_mix"):
+        monkeypatch.setattr(codebook, name, refuse)
+
+
+@pytest.mark.parametrize(("k_scheme", "v_scheme"), CODEBOOK_PAIRS)
+def test_codebook_blocks_do_not_take_the_torch_computation(monkeypatch, k_scheme, v_scheme):
+    gen = torch.Generator().manual_seed(9)
+    be = backend()
+    keys = _block(be, torch.randn(1, 3, 128, 64, generator=gen), k_scheme, "key", 2, 64, "float16")
+    values = _block(be, torch.randn(1, 3, 128, 64, generator=gen), v_scheme, "value", 2, 64, "float16")
+    want = reference(torch.ones(1, 3, 2, 64), keys, values, 0.125)
+    _no_torch_attention(monkeypatch)
+    out, lse = be.attend(torch.ones(1, 3, 2, 64), keys, values, 0.125)
+    torch.testing.assert_close(out.double(), want[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want[1], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        # the tuned preset's shape: a 4-bit codebook middle tier, 2-bit keys per channel + codebook values below
+        dict(action="tiered", keep=[{"name": "log", "window": 8}],
+             tiers=[{"bits": 4, "scheme": "codebook"}, {"bits": 2, "value_scheme": "codebook", "group_size": 16}]),
+        dict(bits=3, key_scheme="codebook", group_size=16),  # codebook keys, min-max values per token
+    ],
+    ids=["preset-tiers", "codebook-keys"],
+)  # fmt: skip
+def test_codebook_caches_decode_through_the_kernel_alone(monkeypatch, kw):
+    """Fused decode of a tiny model over codebook stores: no attend reaches the torch computation, and
+    the logits equal the materialised path's."""
+    _no_torch_attention(monkeypatch)  # the materialised path builds the history: it calls no attend
+    got, ref, cache = fused_and_materialized(**dict(group_size=None, transform="hadamard", backend="cpu") | kw)
+    assert set(cache.attention_paths().values()) == {"fused (cpu)"}
+    if "tiers" in kw:
+        assert all(p.shape[1] for p in cache.layers[0].store.tier_positions())  # both tiers hold tokens
+    torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
+
+
+def test_bad_codebook_blocks_are_refused_naming_the_role():
+    be = backend()
+    x = torch.randn(1, 2, 16, 64)
+    cb = be.quantize(x, 2, None, "token", scheme="codebook")
+    mm_keys = be.quantize(x, 2, 16, "channel")
+    query = torch.randn(1, 2, 1, 64)
+    wide = be.quantize(x, 2, None, "token", meta_dtype="float32", scheme="codebook")
+    with pytest.raises(ConfigError, match=r"keys and values must share their metadata dtype.*float16.*float32"):
+        be.attend(query, mm_keys, wide, 0.125)
+    bad_codes = CodebookTensor(cb.codes[..., :8], cb.scales, 2, cb.shape, cb.dtype)
+    with pytest.raises(ConfigError, match=r"codebook values of shape \(1, 2, 16, 64\) at 2 bits need uint8 codes"):
+        be.attend(query, mm_keys, bad_codes, 0.125)
+    bad_scales = CodebookTensor(cb.codes, cb.scales.double(), 2, cb.shape, cb.dtype)
+    with pytest.raises(ConfigError, match=r"codebook keys need one float16, bfloat16 or float32 scale per token"):
+        be.attend(query, bad_scales, cb, 0.125)
+    eight = CodebookTensor(cb.codes, cb.scales, 8, cb.shape, cb.dtype)
+    with pytest.raises(ConfigError, match=r"does not support key_bits=8 with scheme='codebook'"):
+        be.attend(query, eight, cb, 0.125)
+    with pytest.raises(ConfigError, match=r"values of shape .* do not hold the tokens of keys"):
+        be.attend(query, cb, cb.narrow(0, 8), 0.125)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])

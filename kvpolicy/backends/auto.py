@@ -4,7 +4,7 @@
   fits its capabilities, else ``torch``;
 - CPU: ``cpu`` (the C++ fused decode-attention kernel) when the composition fits it (keys per
   channel, values per token, 2, 3 or 4 bits) and the kernel builds — the first time in an environment
-  it compiles (about half a minute, announced on stderr); if it cannot build (no compiler, no
+  it compiles (under a minute, announced on stderr); if it cannot build (no compiler, no
   ``ninja``, a failed build), ``torch`` with one warning saying why;
 - anything else: ``torch``.
 

@@ -1,22 +1,24 @@
 """The ``cpu`` backend: the ``torch`` backend's storage with a C++ decode-attention kernel.
 
 Quantize, dequantize, ``cat`` and the containers are the ``torch`` backend's
-(:class:`~kvpolicy.backends.torch_backend.PackedTensor`, bit for bit). ``attend`` — the quantized
+(:class:`~kvpolicy.backends.torch_backend.PackedTensor` and
+:class:`~kvpolicy.backends.codebook.CodebookTensor`, bit for bit). ``attend`` — the quantized
 part of :mod:`kvpolicy.fused`'s decode attention — runs a hand-written C++ kernel
 (:mod:`kvpolicy.kernels.cpu_attention`) that reads the packed codes inside the score and value
-reductions: per key group, scores are ``(q ⊙ s) · codes + q · z``; per token, values add
-``(p · s) · codes`` and ``p · z``; online softmax; float32 accumulation; OpenMP over
+reductions: for min-max blocks, per key group, scores are ``(q ⊙ s) · codes + q · z``; per token, values
+add ``(p · s) · codes`` and ``p · z``; online softmax; float32 accumulation; OpenMP over
 (batch, kv head, token split).
 
-The kernel covers one layout: **keys grouped per channel, values grouped per token** (the default,
-KIVI's), **2, 3 or 4 bits** (any key/value pair), with float16, bfloat16 or float32 metadata (every
-``meta_dtype``). Other layouts or widths are refused when a cache is built (``check``), not run some other way: use
-``backend="torch"`` for them.
+Codebook blocks (``Quantize(scheme="codebook")``, :class:`~kvpolicy.backends.codebook.CodebookTensor`:
+one scale per token, Lloyd-Max indices) are read by the same kernel: codebook keys score
+``s_t · (q · C[codes_t])`` token by token (tiles of :attr:`CpuBackend.tile` tokens), codebook values add
+``(p · s_t) · C[codes_t]`` (a table lookup, no zero term). Any key scheme goes with any value scheme.
 
-Codebook blocks (``Quantize(scheme="codebook")``, :mod:`kvpolicy.backends.codebook`) are attended by
-the ``torch`` backend's computation from their codes (query against the centroid values, one scale
-per token), not by the C++ kernel; a store whose keys or values are codebook blocks goes that way
-as a whole.
+The kernel covers: **keys** min-max grouped per channel (the default, KIVI's) or codebook; **values**
+min-max grouped per token or codebook; **2, 3 or 4 bits** (any key/value pair), with float16, bfloat16 or
+float32 metadata (every ``meta_dtype``, the same for keys and values). Other min-max layouts or widths are
+refused when a cache is built (``check``), not run some other way: use ``backend="torch"`` for them.
+Nothing falls back to the ``torch`` computation at decode time.
 """
 
 from __future__ import annotations
@@ -25,12 +27,20 @@ import torch
 
 from kvpolicy.backends import codebook
 from kvpolicy.backends.base import META_DTYPES, SCHEMES, Capabilities, QTensor
-from kvpolicy.backends.torch_backend import PackedTensor, TorchBackend, per_head_views
+from kvpolicy.backends.torch_backend import (
+    META_TORCH_DTYPES,
+    PackedTensor,
+    TorchBackend,
+    _inner_contiguous,
+    per_head_views,
+)
 from kvpolicy.errors import ConfigError
 from kvpolicy.kernels import cpu_attention
 
 #: the grouping axis the kernel reads, by role
 AXIS_BY_ROLE = {"key": "channel", "value": "token"}
+#: tokens per tile of codebook keys (:attr:`CpuBackend.tile`)
+CODEBOOK_TILE = 64
 
 
 class CpuBackend(TorchBackend):
@@ -59,17 +69,20 @@ class CpuBackend(TorchBackend):
         self._kernel = cpu_attention.load()
         #: token splits per (batch, kv head); ``None``: :func:`cpu_attention.default_splits`
         self.splits: int | None = None
+        #: tokens per tile of codebook keys (min-max keys: their group); one online-softmax step each
+        self.tile: int = CODEBOOK_TILE
 
     # the loaded kernel is a module: copies of a cache share it, pickles load it again
     def __deepcopy__(self, memo: dict) -> CpuBackend:
         return self
 
     def __getstate__(self) -> dict:
-        return {"splits": self.splits}
+        return {"splits": self.splits, "tile": self.tile}
 
     def __setstate__(self, state: dict) -> None:
         self._kernel = cpu_attention.load()
         self.splits = state["splits"]
+        self.tile = state.get("tile", CODEBOOK_TILE)
 
     def check(self, *, bits: int, group_size: int, axis: str, role: str = "") -> None:
         """:meth:`Backend.check`, and keys must be grouped per channel, values per token."""
@@ -83,11 +96,50 @@ class CpuBackend(TorchBackend):
 
     def _packed(self, q: QTensor, role: str) -> PackedTensor:
         if not isinstance(q, PackedTensor):
-            raise ConfigError(f"backend 'cpu' reads PackedTensor containers; got {role}s={type(q).__name__}")
+            raise ConfigError(
+                f"backend 'cpu' reads PackedTensor and CodebookTensor containers; got {role}s={type(q).__name__}"
+            )
         self.check(bits=q.bits, group_size=q.group_size, axis=q.axis, role=role)
         if q.codes.device.type != "cpu":
             raise ConfigError(f"backend 'cpu' runs on CPU tensors; got {role}s on {q.codes.device.type!r}")
         return q
+
+    def _kernel_args(self, q: QTensor, role: str) -> tuple:
+        """``(codes, scales, minimums or None, codebook table or None, bits, group)`` of one role's block as
+        the kernel takes them (``group``: the key group or the value group; a codebook block's tile of
+        :attr:`tile` tokens for keys, unused for values), after checking the block.
+
+        Raises
+        ------
+        ConfigError
+            Naming the role and what is wrong: a container the kernel does not read, a layout or width it
+            does not serve, tensors not on the CPU or of the wrong shape or dtype.
+        """
+        if not isinstance(q, codebook.CodebookTensor):
+            p = self._packed(q, role)
+            codes, scales, zeros = per_head_views(p)
+            return codes, scales, zeros, None, p.bits, p.group_size
+        self.check_scheme("codebook", q.bits, role=role)
+        codes, scales = q.codes, q.scales
+        if codes.device.type != "cpu" or scales.device.type != "cpu":
+            raise ConfigError(f"backend 'cpu' runs on CPU tensors; got {role}s on {codes.device.type!r}")
+        b, h, n, d = q.shape
+        want = (b, h, n, d * q.bits // 8)
+        if codes.dtype != torch.uint8 or tuple(codes.shape) != want or (d * q.bits) % 8:
+            raise ConfigError(
+                f"backend 'cpu': codebook {role}s of shape {q.shape} at {q.bits} bits need uint8 codes of shape "
+                f"{want}; got {codes.dtype} {tuple(codes.shape)}"
+            )
+        if scales.dtype not in META_TORCH_DTYPES.values() or tuple(scales.shape) != (b, h, n):
+            raise ConfigError(
+                f"backend 'cpu': codebook {role}s need one float16, bfloat16 or float32 scale per token, shape "
+                f"{(b, h, n)}; got {scales.dtype} {tuple(scales.shape)}"
+            )
+        if not _inner_contiguous(codes):
+            codes = codes.contiguous()
+        if not _inner_contiguous(scales):
+            scales = scales.contiguous()
+        return codes, scales, None, codebook.centroids(q.bits), q.bits, max(1, int(self.tile)) if role == "key" else 0
 
     def attend(  # type: ignore[override]
         self, query: torch.Tensor, keys: QTensor, values: QTensor, scale: float
@@ -98,8 +150,10 @@ class CpuBackend(TorchBackend):
         ----------
         query : torch.Tensor
             ``(B, H, q, D)``, float32 / float16 / bfloat16 (converted to float32 and scaled).
-        keys, values : PackedTensor
-            ``(B, H, n, D)`` / ``(B, H, n, Dv)``: keys per channel, values per token, 2, 3 or 4 bits each.
+        keys : PackedTensor or CodebookTensor
+            ``(B, H, n, D)``: min-max per channel, or codebook; 2, 3 or 4 bits.
+        values : PackedTensor or CodebookTensor
+            ``(B, H, n, Dv)``: min-max per token, or codebook; 2, 3 or 4 bits.
         scale : float
             Score scale.
 
@@ -109,38 +163,41 @@ class CpuBackend(TorchBackend):
             ``(B, H, q, Dv)`` float32 (zeros when ``n = 0``).
         lse : torch.Tensor
             ``(B, H, q)`` float32 (``-inf`` when ``n = 0``).
+
+        Raises
+        ------
+        ConfigError
+            If a block is not one the kernel reads (see :meth:`_kernel_args`), the shapes do not match the
+            query or each other, or keys and values differ in metadata dtype.
         """
-        if isinstance(keys, codebook.CodebookTensor) or isinstance(values, codebook.CodebookTensor):
-            return TorchBackend.attend(self, query, keys, values, scale)
-        k = self._packed(keys, "key")
-        v = self._packed(values, "value")
+        kc, ks, kz, kt, kbits, kgroup = self._kernel_args(keys, "key")
+        vc, vs, vz, vt, vbits, vgroup = self._kernel_args(values, "value")
         self.check_tensor(query)
         if query.dim() != 4:
             raise ConfigError(f"backend 'cpu': query must be (batch, kv_heads, q, head_dim); got {tuple(query.shape)}")
         b, h, nq, d = query.shape
-        if k.shape[:2] != (b, h) or k.shape[3] != d:
+        if tuple(keys.shape[:2]) != (b, h) or keys.shape[3] != d:
             raise ConfigError(
-                f"backend 'cpu': keys of shape {k.shape} do not match query of shape {tuple(query.shape)}"
+                f"backend 'cpu': keys of shape {keys.shape} do not match query of shape {tuple(query.shape)}"
             )
-        if v.shape[:3] != k.shape[:3]:
-            raise ConfigError(f"backend 'cpu': values of shape {v.shape} do not hold the tokens of keys {k.shape}")
-        if k.scales.dtype != v.scales.dtype:
+        if tuple(values.shape[:3]) != tuple(keys.shape[:3]):
             raise ConfigError(
-                f"backend 'cpu': keys and values must share their metadata dtype; got {k.scales.dtype} and "
-                f"{v.scales.dtype}"
+                f"backend 'cpu': values of shape {values.shape} do not hold the tokens of keys {keys.shape}"
             )
-        n, dv = k.shape[2], v.shape[3]
+        if ks.dtype != vs.dtype:
+            raise ConfigError(
+                f"backend 'cpu': keys and values must share their metadata dtype; got {ks.dtype} and {vs.dtype}"
+            )
+        n, dv = keys.shape[2], values.shape[3]
         if n == 0 or nq == 0 or b * h == 0:
             return (
                 torch.zeros((b, h, nq, dv), dtype=torch.float32),
                 torch.full((b, h, nq), -float("inf"), dtype=torch.float32),
             )
         q32 = (query.float() * scale).contiguous()
-        kc, ks, kz = per_head_views(k)
-        vc, vs, vz = per_head_views(v)
-        n_tiles = n // k.group_size
+        n_tiles = -(-n // kgroup)
         splits = self.splits if self.splits is not None else cpu_attention.default_splits(b * h, n_tiles)
         out, lse = self._kernel.attend(
-            q32, kc, ks, kz, k.bits, k.group_size, vc, vs, vz, v.bits, v.group_size, max(1, int(splits))
+            q32, kc, ks, kz, kt, kbits, kgroup, vc, vs, vz, vt, vbits, vgroup, max(1, int(splits))
         )
         return out, lse

@@ -1,22 +1,33 @@
 // Decode attention over bit-packed keys and values on CPU (kvpolicy's "cpu" backend).
 //
-// Storage: the "torch" backend's PackedTensor. Keys grouped per channel: codes (B, H, n/GK, D, GK*KB/8),
-// scales/minimums (B, H, n/GK, D); values grouped per token: codes (B, H, n, DV/GV, GV*VB/8),
-// scales/minimums (B, H, n, DV/GV). Codes are packed 8/bits per byte, lowest bits first (3 bits: eight
-// codes per three bytes, a little-endian bit stream); metadata is
-// float16, bfloat16 or float32 (keys and values alike). Each (batch, head) slice must be contiguous;
-// batch and head strides are free.
+// Storage, for keys and for values independently, one of two schemes:
+// - min-max (the "torch" backend's PackedTensor), x = s * code + z. Keys grouped per channel: codes
+//   (B, H, n/GK, D, GK*KB/8), scales/minimums (B, H, n/GK, D); values grouped per token: codes
+//   (B, H, n, DV/GV, GV*VB/8), scales/minimums (B, H, n, DV/GV).
+// - codebook (CodebookTensor), x[t, d] = s_t * C[code_{t,d}]: codes per token (B, H, n, D*bits/8), one
+//   scale per token (B, H, n), and the codebook C (2^bits float32 centroids, a small table).
+// Any key scheme goes with any value scheme. Codes are packed 8/bits per byte, lowest bits first (3 bits:
+// eight codes per three bytes, a little-endian bit stream); widths 2, 3 and 4 bits; metadata is float16,
+// bfloat16 or float32 (keys and values alike). Each (batch, head) slice must be contiguous; batch and
+// head strides are free.
 //
-// One work item = one (batch, head, token split). It walks the key groups of its split (a tile of GK
-// tokens each): scores (q*s)·codes + q·z from the codes, an online softmax, then the values of the
-// tile accumulated as (p*s)·codes with p·z kept per value group (codes centred and unpacked in planar
-// order, see expand); nothing is dequantized into memory.
+// One work item = one (batch, head, token split). It walks the tiles of its split: one key group of GK
+// tokens for min-max keys, `tile` tokens for codebook keys (the last tile may be shorter). Scores of the
+// tile: min-max keys (q*s)·codes + q·z channel by channel across the tile's tokens; codebook keys
+// s_t * (q·C[codes_t]) token by token. An online softmax, then the values of the tile: min-max values
+// accumulate (p*s)·codes with p·z kept per value group; codebook values (p*s_t)·C[codes_t], the row one
+// group and no zero term. Codes are decoded in planar order (see expand): centred (code - MID) for
+// min-max, looked up in C for the codebook; nothing is dequantized into memory.
 // Partial results of the splits of one (batch, head) are merged through their log-sum-exp.
 // Accumulation is float32 throughout.
 
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -29,54 +40,98 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Codes are unpacked centred: code - MID with MID = (2^BITS - 1) / 2 (exact in float32). A group's
-// values are then s * (code - MID) + (z + s * MID): the per-group constant sits near the group's middle
-// instead of its minimum, so the folded sums p·z and q·z cancel far less.
-template <int BITS>
-struct Centre {
+enum Scheme { kMinMax, kCodebook };
+
+// What a code decodes to. Min-max: centred, code - MID with MID = (2^BITS - 1) / 2 (exact in float32);
+// a group's values are then s * (code - MID) + (z + s * MID): the per-group constant sits near the
+// group's middle instead of its minimum, so the folded sums p·z and q·z cancel far less. Codebook: the
+// centroid C[code], looked up eight codes at a time with a register permute where there is AVX2.
+template <Scheme S, int BITS>
+struct Decode {
   static constexpr float MID = ((1 << BITS) - 1) * 0.5f;
+  static constexpr uint32_t MASK = (1u << BITS) - 1;
+  static constexpr bool kLookup = S == kCodebook;
+  float table[16] = {};  // the codebook's 2^BITS centroids, zero-padded to 16 (codebook only)
+#if defined(__AVX2__)
+  __m256 lo, hi;  // table[0..8), table[8..16)
+#endif
+
+  explicit Decode(const float* centroids) {
+    if constexpr (S == kCodebook) std::copy(centroids, centroids + (1 << BITS), table);
+#if defined(__AVX2__)
+    lo = _mm256_loadu_ps(table);
+    hi = _mm256_loadu_ps(table + 8);
+#endif
+  }
+
+  float operator()(uint32_t code) const {
+    if constexpr (S == kCodebook) {
+      return table[code];
+    } else {
+      return static_cast<float>(static_cast<int>(code)) - MID;
+    }
+  }
+
+  // dst[i] = the code at bit `shift` of w[i], decoded, for i < 8
+  void eight(const uint32_t* __restrict w, int shift, float* __restrict dst) const {
+#if defined(__AVX2__)
+    if constexpr (S == kCodebook) {
+      const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+      const __m256i c = _mm256_and_si256(_mm256_srli_epi32(words, shift), _mm256_set1_epi32(MASK));
+      __m256 v = _mm256_permutevar8x32_ps(lo, c);  // table[c & 7]
+      if constexpr (BITS == 4)  // codes 8..15: table[8 + (c & 7)], chosen by bit 3 (shifted to the sign bit)
+        v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(hi, c), _mm256_castsi256_ps(_mm256_slli_epi32(c, 28)));
+      _mm256_storeu_ps(dst, v);
+      return;
+    }
+#endif
+    for (int i = 0; i < 8; ++i) dst[i] = (*this)((w[i] >> shift) & MASK);
+  }
 };
 
-// The codes of nb bytes in *planar* order: dst[k * nb + j] = (code k of byte j) - MID, i.e. element
-// PER * j + k of the row lands at k * nb + j. One shift-and-mask per plane over consecutive bytes,
-// which the compiler vectorises; rows are accumulated in this order and put back in place at the end.
-template <int BITS>
-inline void expand(const uint8_t* __restrict src, int nb, float* __restrict dst) {
-  constexpr int PER = 8 / BITS;
-  constexpr int MASK = (1 << BITS) - 1;
-  int j0 = 0;
-  for (; j0 + 16 <= nb; j0 += 16) {  // fixed-width blocks: one vector per plane
-    for (int k = 0; k < PER; ++k)
-      for (int j = 0; j < 16; ++j)
-        dst[k * nb + j0 + j] = static_cast<float>((src[j0 + j] >> (BITS * k)) & MASK) - Centre<BITS>::MID;
-  }
-  for (int k = 0; k < PER; ++k)
-    for (int j = j0; j < nb; ++j)
-      dst[k * nb + j] = static_cast<float>((src[j] >> (BITS * k)) & MASK) - Centre<BITS>::MID;
-}
-
-// 3 bits: each run of three bytes holds eight codes (code k at bits 3k .. 3k + 2 of the little-endian
-// 24-bit word). Planar order too, by run: code k of run c lands at k * R + c (R = nb / 3 runs). Blocks
-// of eight runs: their words first, then per plane one fixed-width shift-and-mask the compiler
-// unrolls and vectorises; a scalar tail for the last runs.
+// 3 bits: the little-endian 24-bit word of a run of three bytes (eight codes, code k at bits 3k .. 3k + 2)
 inline uint32_t word3(const uint8_t* p) {
   return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) | (static_cast<uint32_t>(p[2]) << 16);
 }
 
-template <>
-inline void expand<3>(const uint8_t* __restrict src, int nb, float* __restrict dst) {
-  const int R = nb / 3;
-  int c0 = 0;
-  for (; c0 + 8 <= R; c0 += 8) {
-    uint32_t w[8];
-    for (int c = 0; c < 8; ++c) w[c] = word3(src + 3 * (c0 + c));
-    for (int k = 0; k < 8; ++k)
-      for (int c = 0; c < 8; ++c)
-        dst[k * R + c0 + c] = static_cast<float>((w[c] >> (3 * k)) & 7u) - Centre<3>::MID;
-  }
-  for (; c0 < R; ++c0) {
-    const uint32_t w = word3(src + 3 * c0);
-    for (int k = 0; k < 8; ++k) dst[k * R + c0] = static_cast<float>((w >> (3 * k)) & 7u) - Centre<3>::MID;
+// The decoded codes of a row of nb bytes in *planar* order. 2 and 4 bits: dst[k * nb + j] = code k of
+// byte j, i.e. element PER * j + k of the row lands at k * nb + j; blocks of 16 bytes, one shift-and-mask
+// per plane, which the compiler vectorises. 3 bits: code k of run c (three bytes) lands at k * R + c
+// (R = nb / 3 runs); blocks of eight runs, their words first, then per plane one fixed-width
+// shift-and-mask. Scalar tails for the last bytes or runs. Rows are accumulated in this order and put
+// back in place at the end (see planar).
+template <int BITS, class Dec>
+inline void expand(const uint8_t* __restrict src, int nb, float* __restrict dst, const Dec& dec) {
+  if constexpr (BITS == 3) {
+    const int R = nb / 3;
+    int c0 = 0;
+    for (; c0 + 8 <= R; c0 += 8) {
+      uint32_t w[8];
+      for (int c = 0; c < 8; ++c) w[c] = word3(src + 3 * (c0 + c));
+      for (int k = 0; k < 8; ++k) dec.eight(w, 3 * k, dst + k * R + c0);
+    }
+    for (; c0 < R; ++c0) {
+      const uint32_t w = word3(src + 3 * c0);
+      for (int k = 0; k < 8; ++k) dst[k * R + c0] = dec((w >> (3 * k)) & 7u);
+    }
+  } else {
+    constexpr int PER = 8 / BITS;
+    int j0 = 0;
+    for (; j0 + 16 <= nb; j0 += 16) {
+      if constexpr (Dec::kLookup) {  // the table lookup eight codes at a time
+        uint32_t w[16];
+        for (int j = 0; j < 16; ++j) w[j] = src[j0 + j];
+        for (int k = 0; k < PER; ++k) {
+          dec.eight(w, BITS * k, dst + k * nb + j0);
+          dec.eight(w + 8, BITS * k, dst + k * nb + j0 + 8);
+        }
+      } else {  // one vector per plane straight from the bytes
+        for (int k = 0; k < PER; ++k)
+          for (int j = 0; j < 16; ++j) dst[k * nb + j0 + j] = dec((src[j0 + j] >> (BITS * k)) & Dec::MASK);
+      }
+    }
+    for (int k = 0; k < PER; ++k)
+      for (int j = j0; j < nb; ++j) dst[k * nb + j] = dec((src[j] >> (BITS * k)) & Dec::MASK);
   }
 }
 
@@ -96,58 +151,118 @@ inline void axpy(float* __restrict acc, const float* __restrict x, float w, int 
   for (int e = 0; e < len; ++e) acc[e] += w * x[e];
 }
 
+// a · b: sixteen running partial sums (vectorised without reassociating one float sum), added up pairwise
+inline float dot(const float* __restrict a, const float* __restrict b, int len) {
+  constexpr int L = 16;
+  float part[L] = {};
+  int e0 = 0;
+  for (; e0 + L <= len; e0 += L)
+    for (int e = 0; e < L; ++e) part[e] += a[e0 + e] * b[e0 + e];
+  for (int e = e0; e < len; ++e) part[e - e0] += a[e] * b[e];
+  for (int w = L / 2; w >= 1; w /= 2)
+    for (int e = 0; e < w; ++e) part[e] += part[e + w];
+  return part[0];
+}
+
+template <typename T>
+inline void to_float(const T* __restrict src, int64_t count, float* __restrict dst) {
+  for (int64_t i = 0; i < count; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// Metadata (scales, minimums) in its stored dtype, read as float32 a tile at a time. The dtype is switched
+// at run time, once per tile, not a template parameter: a third as many kernels to compile.
+struct Meta {
+  const void* base;
+  at::ScalarType dtype;
+  // dst[i] = element start + i, i < count
+  void read(int64_t start, int64_t count, float* dst) const {
+    switch (dtype) {
+      case at::kHalf:
+        return to_float(static_cast<const c10::Half*>(base) + start, count, dst);
+      case at::kBFloat16:
+        return to_float(static_cast<const c10::BFloat16*>(base) + start, count, dst);
+      default:
+        return to_float(static_cast<const float*>(base) + start, count, dst);
+    }
+  }
+};
+
+// One role's storage (see the header); zeros and table: min-max and codebook only, respectively.
 struct Packed {
   const uint8_t* codes;
   const void* scales;
   const void* zeros;
+  const float* table;
+  at::ScalarType meta;     // dtype of scales and zeros
   int64_t c0, c1, m0, m1;  // batch and head strides (elements) of codes and of metadata
+
+  // the metadata `base` (scales or zeros) of one (batch, head)
+  Meta slice(const void* base, int64_t b, int64_t h) const {
+    if (base == nullptr) return {nullptr, meta};
+    return {static_cast<const char*>(base) + (b * m0 + h * m1) * static_cast<int64_t>(c10::elementSize(meta)), meta};
+  }
 };
 
+// tile: tokens per tile (min-max keys: the key group GK); gv: value group (codebook values: DV)
 struct Shape {
-  int64_t heads, nq, d, dv, gk, gv;
+  int64_t heads, nq, d, dv, n, tile, gv;
 };
 
-template <int KB, int VB, typename M>
+template <Scheme KS, int KB, Scheme VS, int VB>
 void run_item(const float* q, const Packed& K, const Packed& V, const Shape& s, int64_t b, int64_t h,
               int64_t tile0, int64_t tile1, float* out, float* lse) {
-  const int64_t nq = s.nq, D = s.d, DV = s.dv, GK = s.gk, GV = s.gv, J = DV / GV;
-  const int kgb = static_cast<int>(GK * KB / 8), vgb = static_cast<int>(GV * VB / 8);  // bytes per group
+  const int64_t nq = s.nq, D = s.d, DV = s.dv, T = s.tile, GV = s.gv, J = DV / GV;
+  // bytes per row of key codes (min-max: one channel of a group; codebook: one token) and of a value group
+  const int krow = static_cast<int>((KS == kMinMax ? T : D) * KB / 8), vgb = static_cast<int>(GV * VB / 8);
+  const Decode<KS, KB> kdec(K.table);
+  const Decode<VS, VB> vdec(V.table);
   const uint8_t* kc = K.codes + b * K.c0 + h * K.c1;
-  const M* ks = static_cast<const M*>(K.scales) + b * K.m0 + h * K.m1;
-  const M* kz = static_cast<const M*>(K.zeros) + b * K.m0 + h * K.m1;
+  const Meta ks = K.slice(K.scales, b, h), kz = K.slice(K.zeros, b, h);
   const uint8_t* vc = V.codes + b * V.c0 + h * V.c1;
-  const M* vs = static_cast<const M*>(V.scales) + b * V.m0 + h * V.m1;
-  const M* vz = static_cast<const M*>(V.zeros) + b * V.m0 + h * V.m1;
+  const Meta vs = V.slice(V.scales, b, h), vz = V.slice(V.zeros, b, h);  // zeros: min-max only
 
-  std::vector<float> qs(nq * D), sc(nq * GK), cf(std::max(GK, GV)), sd(D), zd(D);
+  std::vector<float> qs(nq * D), sc(nq * T), cf(std::max({T, D, GV}));
+  // metadata of a tile: keys' scales and minimums (min-max: per channel; codebook: scales per token), values'
+  std::vector<float> sd(std::max(D, T)), zd(D), sv(T * J), zv(T * J);
   std::vector<float> m(nq, kNegInf), l(nq, 0.f), acc(nq * DV, 0.f), zacc(nq * J, 0.f);
+  if constexpr (KS == kCodebook) {  // the query in the planar order of a key row, once
+    for (int64_t i = 0; i < nq; ++i)
+      for (int64_t e = 0; e < D; ++e) qs[i * D + planar<KB>(e, krow)] = q[i * D + e];
+  }
 
   for (int64_t tile = tile0; tile < tile1; ++tile) {
-    // scores of the GK tokens of this key group
-    for (int64_t d = 0; d < D; ++d) {
-      sd[d] = static_cast<float>(ks[tile * D + d]);
-      zd[d] = static_cast<float>(kz[tile * D + d]) + sd[d] * Centre<KB>::MID;
-    }
-    for (int64_t i = 0; i < nq; ++i) {
-      float bias = 0.f;
-      for (int64_t d = 0; d < D; ++d) {
-        qs[i * D + d] = q[i * D + d] * sd[d];
-        bias += q[i * D + d] * zd[d];
+    const int64_t tok0 = tile * T, len = std::min(T, s.n - tok0);
+    if constexpr (KS == kMinMax) {  // scores of the GK tokens of this key group, channel by channel
+      ks.read(tile * D, D, sd.data());
+      kz.read(tile * D, D, zd.data());
+      for (int64_t d = 0; d < D; ++d) zd[d] += sd[d] * Decode<KS, KB>::MID;
+      for (int64_t i = 0; i < nq; ++i) {
+        float bias = 0.f;
+        for (int64_t d = 0; d < D; ++d) {
+          qs[i * D + d] = q[i * D + d] * sd[d];
+          bias += q[i * D + d] * zd[d];
+        }
+        std::fill(sc.begin() + i * T, sc.begin() + (i + 1) * T, bias);
       }
-      std::fill(sc.begin() + i * GK, sc.begin() + (i + 1) * GK, bias);
-    }
-    const uint8_t* row = kc + tile * D * kgb;
-    for (int64_t d = 0; d < D; ++d) {
-      expand<KB>(row + d * kgb, kgb, cf.data());
-      for (int64_t i = 0; i < nq; ++i) axpy(&sc[i * GK], cf.data(), qs[i * D + d], static_cast<int>(GK));
+      const uint8_t* row = kc + tile * D * krow;
+      for (int64_t d = 0; d < D; ++d) {
+        expand<KB>(row + d * krow, krow, cf.data(), kdec);
+        for (int64_t i = 0; i < nq; ++i) axpy(&sc[i * T], cf.data(), qs[i * D + d], static_cast<int>(T));
+      }
+    } else {  // scores token by token: s_t * (q · C[codes_t])
+      ks.read(tok0, len, sd.data());
+      for (int64_t t = 0; t < len; ++t) {
+        expand<KB>(kc + (tok0 + t) * krow, krow, cf.data(), kdec);
+        for (int64_t i = 0; i < nq; ++i) sc[i * T + t] = sd[t] * dot(&qs[i * D], cf.data(), static_cast<int>(D));
+      }
     }
     // online softmax: rescale what was accumulated, turn scores into unnormalised probabilities
     for (int64_t i = 0; i < nq; ++i) {
-      float* si = &sc[i * GK];
-      float mt = *std::max_element(si, si + GK);
+      float* si = &sc[i * T];
+      float mt = *std::max_element(si, si + len);
       float mn = std::max(m[i], mt);
       if (mn == kNegInf) {  // every score -inf so far: nothing to add
-        std::fill(si, si + GK, 0.f);
+        std::fill(si, si + len, 0.f);
         continue;
       }
       float corr = m[i] == kNegInf ? 0.f : std::exp(m[i] - mn);
@@ -157,24 +272,26 @@ void run_item(const float* q, const Packed& K, const Packed& V, const Shape& s, 
         l[i] *= corr;
       }
       float sum = 0.f;
-      for (int64_t t = 0; t < GK; ++t) {
+      for (int64_t t = 0; t < len; ++t) {
         si[t] = std::exp(si[t] - mn);
         sum += si[t];
       }
       l[i] += sum;
       m[i] = mn;
     }
-    // values of the tile: acc += (p * s) * codes, zacc += p * z
-    for (int64_t t = 0; t < GK; ++t) {
-      const int64_t tok = tile * GK + t;
-      const int64_t pt = planar<KB>(t, kgb);  // scores are in planar token order
+    // values of the tile: acc += (p * s) * decoded codes; min-max values also zacc += p * z
+    vs.read(tok0 * J, len * J, sv.data());
+    if constexpr (VS == kMinMax) vz.read(tok0 * J, len * J, zv.data());
+    for (int64_t t = 0; t < len; ++t) {
+      const int64_t tok = tok0 + t;
+      const int64_t pt = KS == kMinMax ? planar<KB>(t, krow) : t;  // min-max scores are in planar token order
       for (int64_t j = 0; j < J; ++j) {
-        const float s_v = static_cast<float>(vs[tok * J + j]);
-        const float z_v = static_cast<float>(vz[tok * J + j]) + s_v * Centre<VB>::MID;
-        expand<VB>(vc + (tok * J + j) * vgb, vgb, cf.data());
+        const float s_v = sv[t * J + j];
+        const float z_v = VS == kMinMax ? zv[t * J + j] + s_v * Decode<VS, VB>::MID : 0.f;
+        expand<VB>(vc + (tok * J + j) * vgb, vgb, cf.data(), vdec);
         for (int64_t i = 0; i < nq; ++i) {
-          const float p = sc[i * GK + pt];
-          zacc[i * J + j] += p * z_v;
+          const float p = sc[i * T + pt];
+          if constexpr (VS == kMinMax) zacc[i * J + j] += p * z_v;
           axpy(&acc[i * DV + j * GV], cf.data(), p * s_v, static_cast<int>(GV));
         }
       }
@@ -194,7 +311,7 @@ void run_item(const float* q, const Packed& K, const Packed& V, const Shape& s, 
   }
 }
 
-template <int KB, int VB, typename M>
+template <Scheme KS, int KB, Scheme VS, int VB>
 void run_all(const float* q, const Packed& K, const Packed& V, const Shape& s, int64_t bh, int64_t n_tiles,
              int64_t per, int64_t splits, float* part_out, float* part_lse) {
   at::parallel_for(0, bh * splits, 1, [&](int64_t begin, int64_t end) {
@@ -202,17 +319,25 @@ void run_all(const float* q, const Packed& K, const Packed& V, const Shape& s, i
       const int64_t x = item / splits, sp = item % splits;
       const int64_t b = x / s.heads, h = x % s.heads;
       const int64_t t0 = sp * per, t1 = std::min(n_tiles, t0 + per);
-      run_item<KB, VB, M>(q + x * s.nq * s.d, K, V, s, b, h, t0, t1, part_out + item * s.nq * s.dv,
-                          part_lse + item * s.nq);
+      run_item<KS, KB, VS, VB>(q + x * s.nq * s.d, K, V, s, b, h, t0, t1, part_out + item * s.nq * s.dv,
+                                  part_lse + item * s.nq);
     }
   });
 }
 
-template <typename M>
-void dispatch_bits(int64_t kb, int64_t vb, const float* q, const Packed& K, const Packed& V, const Shape& s,
-                   int64_t bh, int64_t n_tiles, int64_t per, int64_t splits, float* po, float* pl) {
-#define KVPOLICY_PAIR(K_, V_) \
-  if (kb == K_ && vb == V_) return run_all<K_, V_, M>(q, K, V, s, bh, n_tiles, per, splits, po, pl);
+struct Args {
+  const float* q;
+  Packed K, V;
+  Shape s;
+  int64_t bh, n_tiles, per, splits;
+  float *po, *pl;
+};
+
+template <Scheme KS, Scheme VS>
+void dispatch_bits(int64_t kb, int64_t vb, const Args& a) {
+#define KVPOLICY_PAIR(K_, V_)                                                                          \
+  if (kb == K_ && vb == V_)                                                                            \
+    return run_all<KS, K_, VS, V_>(a.q, a.K, a.V, a.s, a.bh, a.n_tiles, a.per, a.splits, a.po, a.pl);
   KVPOLICY_PAIR(2, 2) KVPOLICY_PAIR(2, 3) KVPOLICY_PAIR(2, 4)
   KVPOLICY_PAIR(3, 2) KVPOLICY_PAIR(3, 3) KVPOLICY_PAIR(3, 4)
   KVPOLICY_PAIR(4, 2) KVPOLICY_PAIR(4, 3) KVPOLICY_PAIR(4, 4)
@@ -220,53 +345,109 @@ void dispatch_bits(int64_t kb, int64_t vb, const float* q, const Packed& K, cons
   TORCH_CHECK(false, "cpu_attention: bits must be 2, 3 or 4; got key bits ", kb, ", value bits ", vb);
 }
 
-void check_packed(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, const char* what) {
-  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kByte && codes.dim() == 5, what,
-              ": codes must be a 5-d uint8 CPU tensor");
-  TORCH_CHECK(scales.dim() == 4 && zeros.sizes() == scales.sizes() && zeros.strides() == scales.strides() &&
-                  scales.scalar_type() == zeros.scalar_type(),
-              what, ": scales and minimums must be 4-d with equal shapes and strides");
+void dispatch(bool kcb, bool vcb, int64_t kb, int64_t vb, const Args& a) {
+  if (!kcb && !vcb) return dispatch_bits<kMinMax, kMinMax>(kb, vb, a);
+  if (!kcb && vcb) return dispatch_bits<kMinMax, kCodebook>(kb, vb, a);
+  if (kcb && !vcb) return dispatch_bits<kCodebook, kMinMax>(kb, vb, a);
+  return dispatch_bits<kCodebook, kCodebook>(kb, vb, a);
+}
+
+// whether each (batch, head) slice of t (dims 2 and up) is one contiguous block
+bool inner_contiguous(const at::Tensor& t) {
+  int64_t expected = 1;
+  for (int64_t d = t.dim() - 1; d >= 2; --d) {
+    if (t.size(d) != 1 && t.stride(d) != expected) return false;
+    expected *= t.size(d);
+  }
+  return true;
+}
+
+// One role's block as the kernel reads it. Min-max when `zeros` is given, codebook when `table` is.
+struct Block {
+  Packed p;
+  bool codebook;
+  int64_t tokens, width;  // n, and D (keys) or DV (values)
+};
+
+Block read_block(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
+                 const c10::optional<at::Tensor>& table, int64_t bits, int64_t group, bool keys) {
+  const char* what = keys ? "keys" : "values";
+  TORCH_CHECK(zeros.has_value() != table.has_value(), what,
+              ": give minimums (min-max) or a codebook table (codebook), not both or neither");
+  TORCH_CHECK(bits >= 2 && bits <= 4, what, ": bits must be 2, 3 or 4; got ", bits);
+  const bool cb = table.has_value();
+  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kByte && codes.dim() == (cb ? 4 : 5), what,
+              ": codes must be a ", cb ? 4 : 5, "-d uint8 CPU tensor");
+  TORCH_CHECK(inner_contiguous(codes) && inner_contiguous(scales), what,
+              ": each (batch, head) slice of codes and scales must be contiguous");
+  const at::ScalarType meta = scales.scalar_type();
+  TORCH_CHECK(meta == at::kHalf || meta == at::kBFloat16 || meta == at::kFloat, what,
+              ": metadata must be float16, bfloat16 or float32");
+  Block blk{{codes.data_ptr<uint8_t>(), scales.data_ptr(), nullptr, nullptr, meta, codes.stride(0),
+             codes.stride(1), scales.stride(0), scales.stride(1)},
+            cb, 0, 0};
+  if (cb) {
+    const at::Tensor& c = *table;
+    TORCH_CHECK(c.scalar_type() == at::kFloat && c.is_contiguous() && c.dim() == 1 && c.numel() == (1 << bits),
+                what, ": the codebook table must be ", 1 << bits, " contiguous float32 centroids");
+    TORCH_CHECK(scales.dim() == 3 && scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) &&
+                    scales.size(2) == codes.size(2),
+                what, ": codebook scales must be (batch, heads, tokens) like the codes");
+    TORCH_CHECK((codes.size(3) * 8) % bits == 0 && (bits != 3 || codes.size(3) % 3 == 0), what, ": ",
+                codes.size(3), " bytes per token do not hold whole ", bits, "-bit codes");
+    blk.p.table = c.data_ptr<float>();
+    blk.tokens = codes.size(2);
+    blk.width = codes.size(3) * 8 / bits;
+  } else {
+    const at::Tensor& z = *zeros;
+    TORCH_CHECK(scales.dim() == 4 && z.sizes() == scales.sizes() && z.strides() == scales.strides() &&
+                    scales.scalar_type() == z.scalar_type(),
+                what, ": scales and minimums must be 4-d with equal shapes and strides");
+    TORCH_CHECK(group >= 1 && codes.size(4) * 8 == group * bits, what, ": groups of ", group, " at ", bits,
+                " bits do not take ", codes.size(4), " bytes");
+    blk.p.zeros = z.data_ptr();
+    blk.tokens = keys ? codes.size(2) * group : codes.size(2);
+    blk.width = keys ? codes.size(3) : codes.size(3) * group;
+  }
+  return blk;
 }
 
 }  // namespace
 
-// q: (B, H, nq, D) float32 contiguous, already multiplied by the score scale.
+// q: (B, H, nq, D) float32 contiguous, already multiplied by the score scale. Per role: codes, scales, and
+// either minimums (min-max) or the codebook table (codebook), the width and: keys, the tokens per tile
+// (min-max: the key group GK; codebook: any tile size >= 1); values, the value group GV (min-max; a
+// codebook row is one group).
 // Returns {out (B, H, nq, DV) float32, lse (B, H, nq) float32}.
-std::vector<at::Tensor> attend(at::Tensor q, at::Tensor kc, at::Tensor ks, at::Tensor kz, int64_t kbits, int64_t gk,
-                               at::Tensor vc, at::Tensor vs, at::Tensor vz, int64_t vbits, int64_t gv, int64_t splits) {
+std::vector<at::Tensor> attend(at::Tensor q, at::Tensor kc, at::Tensor ks, c10::optional<at::Tensor> kz,
+                               c10::optional<at::Tensor> ktable, int64_t kbits, int64_t ktile, at::Tensor vc,
+                               at::Tensor vs, c10::optional<at::Tensor> vz, c10::optional<at::Tensor> vtable,
+                               int64_t vbits, int64_t gv, int64_t splits) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 4, "q must be contiguous float32 4-d");
-  check_packed(kc, ks, kz, "keys");
-  check_packed(vc, vs, vz, "values");
-  TORCH_CHECK(ks.scalar_type() == vs.scalar_type(), "keys and values must have the same metadata dtype");
+  TORCH_CHECK(ktile >= 1, "keys: tokens per tile must be >= 1; got ", ktile);
+  const Block K = read_block(kc, ks, kz, ktable, kbits, ktile, true);
+  const Block V = read_block(vc, vs, vz, vtable, vbits, gv, false);
+  TORCH_CHECK(K.p.meta == V.p.meta, "keys and values must have the same metadata dtype");
   const int64_t B = q.size(0), H = q.size(1), nq = q.size(2), D = q.size(3);
-  const int64_t n_tiles = kc.size(2), DV = vc.size(3) * gv;
-  TORCH_CHECK(kc.size(0) == B && kc.size(1) == H && kc.size(3) == D && kc.size(4) * 8 == gk * kbits,
-              "keys do not match q");
-  TORCH_CHECK(vc.size(0) == B && vc.size(1) == H && vc.size(2) == n_tiles * gk && vc.size(4) * 8 == gv * vbits,
-              "values do not hold the tokens of keys");
-  Shape s{H, nq, D, DV, gk, gv};
-  Packed K{kc.data_ptr<uint8_t>(), ks.data_ptr(), kz.data_ptr(), kc.stride(0), kc.stride(1), ks.stride(0),
-           ks.stride(1)};
-  Packed V{vc.data_ptr<uint8_t>(), vs.data_ptr(), vz.data_ptr(), vc.stride(0), vc.stride(1), vs.stride(0),
-           vs.stride(1)};
-  const int64_t bh = B * H;
+  const int64_t n = K.tokens, DV = V.width;
+  TORCH_CHECK(kc.size(0) == B && kc.size(1) == H && K.width == D, "keys do not match q");
+  TORCH_CHECK(vc.size(0) == B && vc.size(1) == H && V.tokens == n, "values do not hold the tokens of keys");
+  if (V.codebook) gv = DV;
+  TORCH_CHECK(gv >= 1 && DV % gv == 0, "values: the value group must divide the value width");
+  Args a{q.data_ptr<float>(), K.p, V.p, Shape{H, nq, D, DV, n, ktile, gv}, B * H, (n + ktile - 1) / ktile, 0, 0,
+         nullptr, nullptr};
+  int64_t& n_tiles = a.n_tiles;
   splits = std::max<int64_t>(1, std::min(splits, std::max<int64_t>(n_tiles, 1)));
-  const int64_t per = n_tiles ? (n_tiles + splits - 1) / splits : 0;
-  if (n_tiles) splits = (n_tiles + per - 1) / per;
+  a.per = n_tiles ? (n_tiles + splits - 1) / splits : 0;
+  if (n_tiles) splits = (n_tiles + a.per - 1) / a.per;
+  a.splits = splits;
+  const int64_t bh = a.bh;
   auto opts = q.options();
   at::Tensor part_out = at::empty({bh, splits, nq, DV}, opts);
   at::Tensor part_lse = at::empty({bh, splits, nq}, opts);
-  const float* qp = q.data_ptr<float>();
-  float* po = part_out.data_ptr<float>();
-  float* pl = part_lse.data_ptr<float>();
-  if (ks.scalar_type() == at::kHalf) {
-    dispatch_bits<c10::Half>(kbits, vbits, qp, K, V, s, bh, n_tiles, per, splits, po, pl);
-  } else if (ks.scalar_type() == at::kBFloat16) {
-    dispatch_bits<c10::BFloat16>(kbits, vbits, qp, K, V, s, bh, n_tiles, per, splits, po, pl);
-  } else {
-    TORCH_CHECK(ks.scalar_type() == at::kFloat, "metadata must be float16, bfloat16 or float32");
-    dispatch_bits<float>(kbits, vbits, qp, K, V, s, bh, n_tiles, per, splits, po, pl);
-  }
+  float* po = a.po = part_out.data_ptr<float>();
+  float* pl = a.pl = part_lse.data_ptr<float>();
+  dispatch(K.codebook, V.codebook, kbits, vbits, a);
   if (splits == 1) return {part_out.view({B, H, nq, DV}), part_lse.view({B, H, nq})};
   at::Tensor out = at::empty({B, H, nq, DV}, opts);
   at::Tensor lse = at::empty({B, H, nq}, opts);

@@ -1,8 +1,10 @@
 """Building, verifying and calling the C++ decode-attention kernel of the ``cpu`` backend.
 
 The kernel (``cpu_attention.cpp``, next to this file) reads the ``torch`` backend's
-:class:`~kvpolicy.backends.torch_backend.PackedTensor` directly: keys grouped per channel, values
-grouped per token, 2, 3 or 4 bits, float16 / bfloat16 metadata. It is compiled with
+:class:`~kvpolicy.backends.torch_backend.PackedTensor` directly (keys grouped per channel, values
+grouped per token) and the codebook scheme's :class:`~kvpolicy.backends.codebook.CodebookTensor`
+(one scale per token, indices into a small table of centroids), for keys and values in any
+combination: 2, 3 or 4 bits, float16 / bfloat16 / float32 metadata. It is compiled with
 :func:`torch.utils.cpp_extension.load_inline` (``-O3 -march=native``, OpenMP through
 ``at::parallel_for``) the first time it is needed in an environment, and kept as
 ``<kvpolicy cache>/extensions/<name>/<name>.so`` (the kvpolicy cache directory:
@@ -277,7 +279,7 @@ def _lock_timeout_message(lock: Path, timeout: float) -> str:
         holder = "gone now"
     return (
         f"backend 'cpu' waited {timeout:g} s for the lock file {lock} of another build of its C++ kernel "
-        f"({holder}). A build takes about half a minute; if no kvpolicy process is building it now (a killed "
+        f"({holder}). A build takes under a minute; if no kvpolicy process is building it now (a killed "
         f"build leaves the file behind), delete {lock} and retry; or wait longer with {LOCK_TIMEOUT_ENV}=<seconds>"
     )
 
@@ -391,7 +393,7 @@ def load() -> Any:
             with build_lock(library.parent / LOCK_NAME, lock_timeout()):
                 if not is_verified(library, record, warn=False):  # another process may have built it while we waited
                     print(
-                        "kvpolicy: compiling the cpu backend's C++ kernel (once per environment, about half a minute)",
+                        "kvpolicy: compiling the cpu backend's C++ kernel (once per environment, under a minute)",
                         file=sys.stderr,
                         flush=True,
                     )
