@@ -83,14 +83,7 @@ def test_attend_equals_float64_reference(case):
     query = torch.randn((*shape[:2], nq, shape[3]), generator=gen).to(dtype)
     scale = shape[3] ** -0.5
     out, lse = be.attend(query, keys, values, scale)
-    ref_out, ref_lse = reference(query, keys, values, scale)
-    assert out.dtype == lse.dtype == torch.float32
-    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
-    # float32 accumulation over n terms of size |v| (|score|): a few ulps of the magnitudes involved
-    v_mag = float(exact(values).abs().max()) + 1.0
-    s_mag = float(ref_lse.abs().max()) + 1.0
-    torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=3e-6 * v_mag * (1 + s_mag))
-    torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=3e-6 * s_mag * shape[3] ** 0.5)
+    _assert_matches_reference(query, keys, values, scale, out, lse)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -196,6 +189,7 @@ def _block(be, x: torch.Tensor, scheme: str, role: str, bits: int, group: int, m
 
 
 def _assert_matches_reference(query, keys, values, scale, out, lse):
+    """float32 accumulation over n terms of size |v| (|score|): a few ulps of the magnitudes involved."""
     ref_out, ref_lse = reference(query, keys, values, scale)
     assert out.dtype == lse.dtype == torch.float32
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
