@@ -311,17 +311,17 @@ def test_beam_search_reorders_the_rotated_store(models):
 
 
 @pytest.mark.parametrize(
-    ("name", "policy", "key_bits", "schemes"),
+    ("name", "policy", "bits", "schemes"),
     [
-        ("kvpolicy-3bit", "log", 3, ("codebook", "codebook")),
-        ("kvpolicy-3.5bit", "log", 3, ("minmax", "minmax")),
-        ("kvpolicy-4bit", "log", 4, ("minmax", "minmax")),
+        ("kvpolicy-3bit", "log", (3, 2), ("codebook", "codebook")),
+        ("kvpolicy-3.5bit", "log", (3, 2), ("minmax", "minmax")),
+        ("kvpolicy-4bit", "log", (3, 3), ("minmax", "codebook")),
     ],
 )
-def test_kvpolicy_presets_compose_rotation_with_a_selection(name, policy, key_bits, schemes):
+def test_kvpolicy_presets_compose_rotation_with_a_selection(name, policy, bits, schemes):
     cache = CompressedCache.from_preset(name)
     assert cache.transform == Hadamard(0) and cache.policy.name == policy
-    assert (cache.action.key_width, cache.action.value_width) == (key_bits, 2)
+    assert (cache.action.key_width, cache.action.value_width) == bits
     assert (cache.action.key_method, cache.action.value_method) == schemes
     if schemes[0] == "minmax":
         assert (cache.action.key_axis, cache.action.value_axis, cache.action.key_group) == ("channel", "token", 64)
