@@ -43,8 +43,8 @@ from kvpolicy.errors import ConfigError
 WINDOWS = (16, 42)
 #: (key_bits, value_bits) pairs searched
 WIDTHS = ((2, 2), (3, 2), (4, 2), (3, 3), (4, 3), (4, 4))
-#: the narrowest keys searched with the codebook scheme (per token)
-KEY_CODEBOOK_BITS = 3
+#: the narrowest keys searched with the codebook scheme (per token, centred: ``key_centre=True``)
+KEY_CODEBOOK_BITS = 2
 #: what the boundary layers and a middle tier hold
 HIGH_BITS = 4
 #: boundary layers held at HIGH_BITS: the first and the last this many full-attention layers
@@ -71,7 +71,8 @@ def space(
     for window in windows:
         for sinks in (0, 4):
             for kb, vb in WIDTHS:
-                # codebook keys (per token, no group) from 3 bits: at 2 bits they lose to min-max per channel
+                # codebook keys (per token, no group, centred) at every width: centred, they lose less than
+                # min-max per channel at fewer bytes (docs/quantization.md)
                 keys = [("minmax", kg) for kg in key_groups] + ([("codebook", None)] if kb >= KEY_CODEBOOK_BITS else [])
                 for kscheme, kg in keys:
                     for vscheme in ("minmax", "codebook"):
@@ -85,14 +86,14 @@ def _variants(
     if kg is not None and kg != 64:
         quant["key_group_size"] = kg
     if kscheme == "codebook":
-        quant["key_scheme"] = "codebook"
+        quant.update(key_scheme="codebook", key_centre=True)
     if vscheme == "codebook":
         quant["value_scheme"] = "codebook"
     base: dict[str, Any] = {"policy": "log", "window": window, "transform": "hadamard"}
     if sinks:
         base["sinks"] = sinks
     code = "c" if vscheme == "codebook" else ""
-    kcode = "c" if kscheme == "codebook" else ""
+    kcode = "cm" if kscheme == "codebook" else ""
     group = f"g{kg}" if kg is not None and kg != 64 else ""
     name = f"log{window}{f'-s{sinks}' if sinks else ''}-k{kb}{kcode}{group}v{vb}{code}"
     yield Candidate(name, {**base, **quant}, "single")

@@ -4,7 +4,9 @@ One prefill of ``--context`` tokens of a calibration text (files the frontier do
 ``DynamicCache``; every layer's keys and values are rotated (``Hadamard(0)``, what
 ``transform="hadamard"`` stores) and quantized by each scheme. Printed: bits per element (codes and
 metadata), and the error relative to the data, ``‖x − x̂‖² / ‖x‖²`` summed over all layers, for
-keys and values separately.
+keys and values separately. ``codebook centred`` subtracts, per head, the mean of the first half of
+the tokens (standing for the prompt, the first block a cache demotes) from every token before
+quantizing, as ``Quantize(key_centre=True)`` does; its bytes include the centre.
 
 Then the precision-tier question: a token that leaves a 4-bit middle tier for the 2-bit bottom is
 either re-quantized from its 4-bit reconstruction (what :class:`kvpolicy.Tiered` does) or was
@@ -36,6 +38,7 @@ SCHEMES = {
     "minmax channel G=128": dict(group_size=128, axis="channel", scheme="minmax"),
     "minmax token G=64": dict(group_size=64, axis="token", scheme="minmax"),
     "codebook": dict(group_size=None, axis="token", scheme="codebook"),
+    "codebook centred": dict(group_size=None, axis="token", scheme="codebook", centred=True),
 }
 
 
@@ -49,8 +52,11 @@ def _kv(context: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return [rot.forward(layer.keys) for layer in cache.layers], [rot.forward(layer.values) for layer in cache.layers]
 
 
-def _quantize(be: TorchBackend, x: torch.Tensor, bits: int, group_size: int | None, axis: str, scheme: str):
-    extra = {"scheme": scheme} if scheme != "minmax" else {}
+def _quantize(be: TorchBackend, x: torch.Tensor, bits: int, group_size: int | None, axis: str, scheme: str,
+              centred: bool = False):  # fmt: skip
+    extra: dict = {"scheme": scheme} if scheme != "minmax" else {}
+    if centred:
+        extra["centre"] = x[:, :, : x.shape[2] // 2].mean(dim=2, keepdim=True)
     return be.quantize(x, bits, group_size, axis, **extra)
 
 

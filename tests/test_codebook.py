@@ -122,10 +122,16 @@ def test_attend_from_codes_equals_dense_attention_over_the_reconstruction(n, nq,
     else:
         kq = be.quantize(keys, kbits, None, "token", scheme="codebook")
     vq = be.quantize(values, vbits, None, "token", scheme="codebook")
+    _assert_attend_is_dense_attention(be, query, kq, vq, atol=2e-5)
+
+
+def _assert_attend_is_dense_attention(be, query, kq, vq, atol):
+    """``be.attend`` over the blocks equals softmax attention over their reconstruction (output and
+    log-sum-exp) within ``atol``."""
     out, lse = be.attend(query, kq, vq, 0.125)
     want, want_lse = dense_attention(query, be.dequantize(kq), be.dequantize(vq), 0.125)
-    torch.testing.assert_close(out, want, rtol=0, atol=2e-5)
-    torch.testing.assert_close(lse, want_lse, rtol=0, atol=2e-5)
+    torch.testing.assert_close(out, want, rtol=0, atol=atol)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=atol)
 
 
 def test_blocks_cat_narrow_and_round_trip_through_their_saved_state():
@@ -180,10 +186,12 @@ def test_cache_bytes_are_codes_scales_and_positions_with_no_staging():
     assert seg["zeros"] == 0 and seg["staging"] == 0
 
 
-def test_saved_cache_continues_identically(tmp_path):
+@pytest.mark.parametrize("key_centre", [False, True])
+def test_saved_cache_continues_identically(tmp_path, key_centre):
     model = tiny_model("llama")
     ids = torch.randint(3, 96, (2, 40), generator=torch.Generator().manual_seed(2))
-    cache = CompressedCache(policy="log", window=4, key_bits=3, value_bits=2, scheme="codebook", transform="hadamard")
+    cache = CompressedCache(policy="log", window=4, key_bits=3, value_bits=2, scheme="codebook", transform="hadamard",
+                            key_centre=key_centre)  # fmt: skip
     with torch.no_grad():
         model(ids[:, :30], cache=cache, use_cache=True)
     path = tmp_path / "c.kvc"
@@ -299,3 +307,174 @@ def test_non_finite_and_overflowing_inputs_raise():
     wide.update(big, big, 0)
     wide.update(big[:, :, :1], big[:, :, :1], 0)
     assert wide.layers[0].store.inner.k.q.scales.dtype == torch.float32
+
+
+# ------------------------------------------------------------------ centred blocks (key_centre)
+
+
+def _offset_vectors(n: int, seed: int = 0) -> torch.Tensor:
+    """``(2, 3, n, 64)`` vectors sharing a per-head offset three times their own spread, as keys do."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 3, n, 64, generator=g) + 3 * torch.randn(2, 3, 1, 64, generator=g)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_a_centre_removes_the_shared_offset_from_the_error(bits):
+    """Quantizing ``x − μ`` and adding ``μ`` back: the error is that of the residual, far below that of
+    vectors whose offset takes the codebook's cells; ``μ`` is stored rounded to the metadata dtype and
+    the reconstruction uses the stored one."""
+    be = TorchBackend()
+    x = _offset_vectors(200)
+    mu = x.mean(2, keepdim=True)
+    plain = be.quantize(x, bits, None, "token", scheme="codebook")
+    centred = be.quantize(x, bits, None, "token", scheme="codebook", centre=mu)
+    assert centred.centre.dtype == torch.float16 and torch.equal(centred.centre, mu.half())
+    err = lambda q: float((be.dequantize(q) - x).pow(2).sum() / x.pow(2).sum())  # noqa: E731
+    assert err(centred) < 0.5 * err(plain)
+    residual = be.quantize(x - centred.centre.float(), bits, None, "token", scheme="codebook")
+    torch.testing.assert_close(be.dequantize(centred), be.dequantize(residual) + centred.centre.float(), rtol=0,
+                               atol=1e-6)  # fmt: skip
+
+
+def test_a_centre_counts_as_a_shared_zero_point_in_the_bytes():
+    be = TorchBackend()
+    x = _offset_vectors(50)
+    q = be.quantize(x, 3, None, "token", scheme="codebook", centre=x.mean(2, keepdim=True))
+    assert q.nbytes() == {"codes": 2 * 3 * 50 * 64 * 3 // 8, "scales": 2 * 3 * 50 * 2, "zeros": 2 * 3 * 64 * 2}
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 60), nq=st.integers(1, 3), kbits=st.sampled_from([2, 3, 4]), vbits=st.sampled_from([2, 3, 4]),
+       backend=st.sampled_from(["torch", "cpu"]), centre_values=st.booleans())  # fmt: skip
+def test_attend_over_centred_blocks_equals_dense_attention_over_the_reconstruction(
+    n, nq, kbits, vbits, backend, centre_values, cpu_kernel
+):
+    """A key centre shifts the block's log-sum-exp by ``q · μ``, a value centre its output by ``μ``:
+    both backends equal softmax attention over ``μ + s · C[codes]``."""
+    from kvpolicy import registry
+
+    be = registry.get("backends", backend)()
+    keys, values = _offset_vectors(n, seed=n), _offset_vectors(n, seed=n + 1)
+    query = torch.randn(2, 3, nq, 64, generator=torch.Generator().manual_seed(nq))
+    kq = be.quantize(keys, kbits, None, "token", scheme="codebook", centre=keys.mean(2, keepdim=True))
+    vcentre = values.mean(2, keepdim=True) if centre_values else None
+    vq = be.quantize(values, vbits, None, "token", scheme="codebook", centre=vcentre)
+    _assert_attend_is_dense_attention(be, query, kq, vq, atol=5e-5)
+
+
+def test_centred_blocks_cat_narrow_select_and_round_trip_keeping_their_centre():
+    be = TorchBackend()
+    x = _offset_vectors(30)
+    mu = x[:, :, :12].mean(2, keepdim=True)
+    a = be.quantize(x[:, :, :12], 3, None, "token", scheme="codebook", centre=mu)
+    b = be.quantize(x[:, :, 12:], 3, None, "token", scheme="codebook", centre=a.centre)
+    whole = be.cat([a, b])
+    assert torch.equal(be.dequantize(whole), be.dequantize(be.quantize(x, 3, None, "token", scheme="codebook",
+                                                                        centre=mu)))  # fmt: skip
+    assert torch.equal(be.dequantize(whole.narrow(5, 11)), be.dequantize(whole)[:, :, 5:16])
+    idx = torch.tensor([7, 2, 20])
+    assert torch.equal(be.dequantize(whole.select(idx)), be.dequantize(whole)[:, :, idx])
+    assert torch.equal(be.dequantize(whole.map_batch(lambda t: t[1:])), be.dequantize(whole)[1:])
+    saved = be.block_state(whole)
+    assert saved["layout"] == "codebook-v2"
+    assert torch.equal(be.dequantize(be.load_block(saved)), be.dequantize(whole))
+    with pytest.raises(ValueError, match="needs a centre of shape"):
+        be.load_block({k: v for k, v in saved.items() if k != "centre"})
+    other = be.quantize(x[:, :, 12:], 3, None, "token", scheme="codebook", centre=mu + 1)
+    with pytest.raises(ValueError, match="different centres"):
+        be.cat([a, other])
+    with pytest.raises(ValueError, match="different centres"):
+        be.cat([a, be.quantize(x[:, :, 12:], 3, None, "token", scheme="codebook")])
+
+
+def test_a_key_centre_is_the_first_demoted_block_mean_and_is_shared_by_every_later_block():
+    cache = CompressedCache(policy="recent", window=4, key_bits=3, value_bits=2, scheme="codebook", key_centre=True,
+                            transform="hadamard", backend="torch")  # fmt: skip
+    x = _offset_vectors(40)[:1]
+    cache.update(x[:, :, :30], x[:, :, :30], 0)
+    for t in range(30, 40):
+        cache.update(x[:, :, t : t + 1], x[:, :, t : t + 1], 0)
+    store = cache.layers[0].store
+    rotated = cache.transform.forward(x[:, :, :26].float())  # the first demotion: tokens 0..25
+    torch.testing.assert_close(store.k.q.centre.float(), rotated.mean(2, keepdim=True), rtol=1e-3, atol=1e-5)
+    assert store.v.q.centre is None  # values are not centred
+    assert cache.memory_report().segments["zeros"] == 3 * 64 * 2
+
+
+def test_fused_equals_materialized_with_centred_codebook_keys(cpu_kernel):
+    for backend in ("torch", "cpu"):
+        got, ref, cache = fused_and_materialized(
+            group_size=None, key_bits=3, value_bits=2, scheme="codebook", key_centre=True, transform="hadamard",
+            backend=backend,
+        )  # fmt: skip
+        assert set(cache.attention_paths().values()) == {f"fused ({backend})"}
+        torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
+
+
+def test_tier_moves_keep_each_tier_centred_on_its_own_mean():
+    """Tokens leaving a centred middle tier are re-quantized from their reconstruction into the bottom
+    tier, which centres on its own first block."""
+    from kvpolicy.actions.tiered import Tiered
+    from kvpolicy.policies.log import LogWindow
+
+    middle = Quantize(bits=4, scheme="codebook", key_centre=True)
+    bottom = Quantize(key_bits=2, value_bits=2, scheme="codebook", key_centre=True)
+    cache = CompressedCache(policy="log", window=4, action=Tiered(tiers=[middle, bottom], keep=[LogWindow(8)]),
+                            transform="hadamard", backend="torch")  # fmt: skip
+    x = _offset_vectors(120)[:1]
+    cache.update(x[:, :, :100], x[:, :, :100], 0)
+    for t in range(100, 120):
+        cache.update(x[:, :, t : t + 1], x[:, :, t : t + 1], 0)
+    cache.layers[0].held.settle()
+    store = cache.layers[0].store
+    top, low = store.middles[0].inner.k.q, store.bottom.k.q
+    assert top.centre is not None and low.centre is not None and not torch.equal(top.centre, low.centre)
+    held = store.keys().float()  # every demoted key, reconstructed, in store order
+    want = x.float()[:, :, store.positions[0].long()]
+    assert held.shape[2] == 120 - cache.layers[0].held.keys.shape[2]
+    assert float((held - want).pow(2).sum() / want.pow(2).sum()) < 0.1
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        (dict(bits=2, key_centre=True), r"key_centre=True centres codebook keys; the keys' scheme is 'minmax'"),
+        (dict(bits=2, value_scheme="codebook", key_centre=True), r"the keys' scheme is 'minmax'"),
+        (dict(bits=2, scheme="codebook", key_centre=1), r"key_centre must be a bool; got key_centre=1"),
+    ],
+)
+def test_bad_key_centre_parameters_are_refused_naming_them(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        Quantize(**kw)
+
+
+def test_key_centre_is_part_of_equality_and_repr():
+    plain, centred = Quantize(bits=3, scheme="codebook"), Quantize(bits=3, scheme="codebook", key_centre=True)
+    assert plain != centred and hash(plain) != hash(centred)
+    assert "key_centre" not in repr(plain) and "key_centre=True" in repr(centred)
+    assert eval(repr(centred), {"Quantize": Quantize}) == centred
+
+
+def test_backends_without_centred_blocks_refuse_key_centre():
+    from kvpolicy.backends.base import Capabilities
+
+    class NoCentre(TorchBackend):
+        name = "nocentre"
+        capabilities = Capabilities(**{**TorchBackend.capabilities.__dict__, "codebook_centre": False})
+
+    with pytest.raises(ConfigError, match=r"backend 'nocentre' does not store centred codebook blocks"):
+        Quantize(bits=3, scheme="codebook", key_centre=True).check_backend(NoCentre())
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_fused_equals_materialized_across_moves_between_centred_tiers(backend, cpu_kernel):
+    from kvpolicy.actions.tiered import Tiered
+    from kvpolicy.policies.log import LogWindow
+
+    tiers = [Quantize(key_bits=3, value_bits=2, scheme="codebook", key_centre=True),
+             Quantize(bits=2, scheme="codebook", key_centre=True)]  # fmt: skip
+    got, ref, cache = fused_and_materialized(
+        group_size=None, action=Tiered(tiers=tiers, keep=[LogWindow(4)]), transform="hadamard", backend=backend
+    )
+    assert set(cache.attention_paths().values()) == {f"fused ({backend})"}
+    torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)

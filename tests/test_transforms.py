@@ -325,5 +325,6 @@ def test_kvpolicy_presets_compose_rotation_with_a_selection(name, policy, bits, 
     assert (cache.action.key_method, cache.action.value_method) == schemes
     if schemes[0] == "minmax":
         assert (cache.action.key_axis, cache.action.value_axis, cache.action.key_group) == ("channel", "token", 64)
+    assert cache.action.key_centre is (name == "kvpolicy-3bit")
     assert CompressedCache.from_preset(name, seed=3, window=8).transform == Hadamard(3)
     assert CompressedCache.from_preset(name, window=8).policy.window == 8

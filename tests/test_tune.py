@@ -61,9 +61,9 @@ def test_within_budget_and_pick_try_every_family_nearest_the_budget_first():
 def test_every_composition_of_the_space_builds():
     cands = list(space(list(range(30))))
     assert len({c.label for c in cands}) == len(cands)
-    keyed = {c.args["key_bits"] for c in cands if c.args.get("key_scheme") == "codebook"}
-    assert keyed == {3, 4}  # codebook keys from 3 bits (at 2 they lose to min-max per channel)
-    assert "log16-k3cv2c" in {c.label for c in cands}
+    keyed = [c.args for c in cands if c.args.get("key_scheme") == "codebook"]
+    assert {a["key_bits"] for a in keyed} == {2, 3, 4} and all(a["key_centre"] is True for a in keyed)
+    assert {"log16-k3cmv2c", "log16-k2cmv2c"} <= {c.label for c in cands}
     for c in cands:
         cache = CompressedCache(**c.args)
         if c.family == "tiered":

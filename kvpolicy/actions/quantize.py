@@ -84,6 +84,17 @@ class Quantize(Action):
         (``torch`` and ``cpu`` backends).
     key_scheme, value_scheme : {"minmax", "codebook"}, optional
         The scheme of keys or values alone; contradicting ``scheme`` is a ConfigError.
+    key_centre : bool
+        Codebook keys only: quantize each key minus a centre ``μ`` (per batch row and head), the mean
+        of the first keys the layer demotes (usually the prompt's), stored once in the metadata dtype
+        and shared by every later key, so the codebook spends its cells on how keys differ rather
+        than on the offset they share. Costs ``head_dim`` metadata values per row, head and layer;
+        the fused path reads it at no extra pass (:mod:`kvpolicy.backends.codebook`). Measured in
+        docs/quantization.md. Needs ``key_scheme="codebook"`` and a backend whose capabilities list
+        ``codebook_centre`` (``torch``, ``cpu``). Any centre is exact (it is stored and added back);
+        how much it helps depends on how well the first block stands for later keys: a left-padded
+        row's mean includes its padding tokens' keys, and a first demotion of a few tokens gives a
+        noisy mean.
     """
 
     bits: int | None = None
@@ -99,6 +110,7 @@ class Quantize(Action):
     scheme: str | None = None
     key_scheme: str | None = None
     value_scheme: str | None = None
+    key_centre: bool = False
 
     name = "quantize"
 
@@ -131,6 +143,14 @@ class Quantize(Action):
                     f"other (tokens are read back in whole groups of both); got key_group_size={self.key_group}, "
                     f"value_group_size={self.value_group}"
                 )
+        if not isinstance(self.key_centre, bool):
+            raise ConfigError(f"Quantize: key_centre must be a bool; got key_centre={self.key_centre!r}")
+        if self.key_centre and self.key_method != "codebook":
+            raise ConfigError(
+                "Quantize: key_centre=True centres codebook keys; the keys' scheme is "
+                f"{self.key_method!r} (min-max groups carry their own zero-point). Pass key_scheme='codebook', "
+                "or drop key_centre"
+            )
         if not isinstance(self.check_finite, bool):
             raise ConfigError(f"Quantize: check_finite must be a bool; got check_finite={self.check_finite!r}")
         if not isinstance(self.meta_dtype, str) or self.meta_dtype not in META_DTYPES:
@@ -201,7 +221,7 @@ class Quantize(Action):
 
     def _canonical(self) -> tuple:
         return (self.key_width, self.value_width, self._kind_layout("key"), self._kind_layout("value"),
-                self.check_finite, self.meta_dtype)  # fmt: skip
+                self.check_finite, self.meta_dtype, self.key_centre)  # fmt: skip
 
     def __eq__(self, other: object) -> bool:
         # equal when they quantize alike: Quantize() == Quantize(key_group_size=128, value_group_size=64)
@@ -244,6 +264,8 @@ class Quantize(Action):
             if getattr(self, f"{kind}_method") == "minmax":
                 shown += [f"{kind}_group_size={getattr(self, f'{kind}_group')!r}",
                           f"{kind}_axis={getattr(self, f'{kind}_axis')!r}"]  # fmt: skip
+        if self.key_centre:
+            shown.append("key_centre=True")
         shown.append(f"check_finite={self.check_finite!r}")
         if self.meta_dtype != "auto":
             shown.append(f"meta_dtype={self.meta_dtype!r}")
@@ -262,6 +284,11 @@ class Quantize(Action):
         for kind in ("key", "value"):
             if kind not in minmax:
                 backend.check_scheme("codebook", getattr(self, f"{kind}_width"), role=kind)
+        if self.key_centre and not getattr(backend.capabilities, "codebook_centre", False):
+            raise ConfigError(
+                f"backend {backend.name!r} does not store centred codebook blocks (key_centre=True); backends "
+                "whose capabilities list codebook_centre do (torch, cpu)"
+            )
         for kind, group in (("key", self.key_group), ("value", self.value_group)):
             if kind not in minmax:
                 continue
@@ -340,11 +367,12 @@ class QuantizedStream:
 
     def __init__(
         self, backend: Backend, bits: int, group_size: int | None, axis: str, meta_dtype: str = "auto",
-        scheme: str = DEFAULT_SCHEME,
+        scheme: str = DEFAULT_SCHEME, centre: bool = False,
     ) -> None:  # fmt: skip
         self.backend = backend
         self.bits = bits
         self.scheme = scheme
+        self.centre = centre
         self.group_size = None if scheme == "codebook" else group_size
         self.axis = "token" if scheme == "codebook" else axis
         self.meta_dtype = meta_dtype
@@ -385,6 +413,11 @@ class QuantizedStream:
             extra["meta_dtype"] = self.meta_dtype
         if self.scheme != DEFAULT_SCHEME:
             extra["scheme"] = self.scheme
+        if self.centre:
+            # the first block's mean, then that block's stored centre for every later block: a stream
+            # holds one centre, so its blocks concatenate
+            held = getattr(self.q, "centre", None)
+            extra["centre"] = held if held is not None else x.float().mean(dim=2, keepdim=True)
         return self.backend.quantize(x, self.bits, self.group_size, self.axis, **extra)  # type: ignore[arg-type, call-arg]
 
     def read(self) -> torch.Tensor:
@@ -409,7 +442,7 @@ class QuantizedStream:
         return 0 if self.q is None else self.q.num_tokens
 
     def nbytes(self) -> dict[str, int]:
-        out = dict.fromkeys(("codes", "scales", "zeros", "staging"), 0)
+        out = dict.fromkeys(("codes", "scales", "zeros", "staging"), 0)  # a centre adds its own role
         if self.q is not None:
             for role, n in self.q.nbytes().items():
                 out[role] = out.get(role, 0) + n
@@ -449,8 +482,9 @@ class QuantizedStore(DemotedStore):
         self.action = action
         self.layer_idx = layer_idx
         self.k = QuantizedStream(
-            backend, action.key_width, action.key_group, action.key_axis, action.meta_dtype, action.key_method
-        )
+            backend, action.key_width, action.key_group, action.key_axis, action.meta_dtype, action.key_method,
+            action.key_centre,
+        )  # fmt: skip
         self.v = QuantizedStream(
             backend, action.value_width, action.value_group, action.value_axis, action.meta_dtype, action.value_method
         )

@@ -146,7 +146,10 @@ class Tiered(Action):
 
 
 def _select_tokens(q: QTensor, index: torch.Tensor) -> QTensor:
-    """Tokens ``index`` (dim 2) of a per-token block: every tensor it holds is indexed along dim 2."""
+    """Tokens ``index`` (dim 2) of a per-token block: the block's own ``select`` when it has one (a
+    codebook block keeps its centre), else every tensor it holds indexed along dim 2."""
+    if hasattr(q, "select"):
+        return q.select(index)
     fields = {f.name: getattr(q, f.name) for f in dataclasses.fields(q)}  # type: ignore[arg-type]
     picked = {name: t.index_select(2, index) for name, t in fields.items() if isinstance(t, torch.Tensor)}
     shape = (*q.shape[:2], int(index.numel()), q.shape[3])

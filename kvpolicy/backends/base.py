@@ -57,6 +57,9 @@ class Capabilities:
         ``scheme`` keyword in ``quantize`` (passed only when it is not ``"minmax"``).
     codebook_bits : tuple of int
         Index widths of the codebook scheme, when it is served.
+    codebook_centre : bool
+        Whether codebook blocks may carry a centre (``quantize(..., centre=μ)``, read back by
+        ``dequantize`` and ``attend``): what ``Quantize(key_centre=True)`` needs.
     """
 
     bits: tuple[int, ...]
@@ -69,6 +72,7 @@ class Capabilities:
     bit_pairs: tuple[tuple[int, int], ...] | None = None
     schemes: tuple[str, ...] = ("minmax",)
     codebook_bits: tuple[int, ...] = ()
+    codebook_centre: bool = False
 
 
 def dense_attention(

@@ -20,6 +20,14 @@ Decode attention reads the codes directly (:func:`attend`): scores are the rotat
 centroid values, times each key's scale; the output is the probabilities times each value's scale
 against the value centroids.
 
+A block may also hold a *centre* ``μ`` (one vector per batch row and head, in the metadata dtype),
+subtracted before quantizing and added back: ``x̂ = μ + s · C[codes]``. Keys share a large offset
+that RoPE turns only slowly (their outlier channels), which otherwise costs the codebook its
+resolution; a stream centres every block on the mean of its first block (``Quantize(key_centre=True)``,
+see docs/quantization.md). Attention reads a centred block at no extra pass: a key centre adds
+``q · μ`` to every score of the block, which leaves the block's softmax unchanged and shifts its
+log-sum-exp; a value centre adds ``μ`` to the block's output (its probabilities sum to one).
+
 Guarantee: each coordinate of ``u`` goes to the centroid of the Lloyd-Max cell it lies in (ties at a
 boundary go up); float noise in the rotation can move a coordinate that lies within rounding of a
 boundary to the neighbouring cell, so the codes of two runs that differ in float noise agree except
@@ -116,7 +124,10 @@ class CodebookTensor(QTensor):
         ``uint8``, ``(batch, kv_heads, tokens, head_dim * bits // 8)`` (packed as
         :func:`~kvpolicy.backends.torch_backend.pack` packs).
     scales : torch.Tensor
-        ``(batch, kv_heads, tokens)`` in the metadata dtype: ``‖x‖ / ‖C[codes]‖``.
+        ``(batch, kv_heads, tokens)`` in the metadata dtype: ``‖x − μ‖ / ‖C[codes]‖``.
+    centre : torch.Tensor or None
+        ``(batch, kv_heads, 1, head_dim)`` in the metadata dtype: ``μ``, shared by every token of the
+        block (``None``: no centre, ``μ = 0``).
     """
 
     codes: torch.Tensor
@@ -124,13 +135,35 @@ class CodebookTensor(QTensor):
     bits: int
     shape: tuple[int, int, int, int]
     dtype: torch.dtype
+    centre: torch.Tensor | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {"codes": self.codes, "scales": self.scales}
+        out = {"codes": self.codes, "scales": self.scales}
+        if self.centre is not None:
+            out["centre"] = self.centre
+        return out
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes by role; the centre, an offset shared by every token, counts as ``zeros`` (the
+        zero-points of memory reports)."""
+        out = {"codes": self.codes.numel() * self.codes.element_size(),
+               "scales": self.scales.numel() * self.scales.element_size()}  # fmt: skip
+        if self.centre is not None:
+            out["zeros"] = self.centre.numel() * self.centre.element_size()
+        return out
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> CodebookTensor:
         codes, scales = fn(self.codes), fn(self.scales)
-        return CodebookTensor(codes, scales, self.bits, (codes.shape[0], *self.shape[1:]), self.dtype)
+        centre = None if self.centre is None else fn(self.centre)
+        return CodebookTensor(codes, scales, self.bits, (codes.shape[0], *self.shape[1:]), self.dtype, centre)
+
+    def select(self, index: torch.Tensor) -> CodebookTensor:
+        """Tokens ``index`` (a 1-D index into the token axis), in that order; the centre is kept."""
+        shape = (*self.shape[:2], int(index.numel()), self.shape[3])
+        return CodebookTensor(
+            self.codes.index_select(2, index), self.scales.index_select(2, index), self.bits, shape, self.dtype,
+            self.centre,
+        )  # fmt: skip
 
     def narrow(self, start: int, length: int) -> CodebookTensor:
         """Tokens ``[start, start + length)`` as a view (any range: every token stands alone)."""
@@ -139,12 +172,13 @@ class CodebookTensor(QTensor):
         sl = slice(start, start + length)
         return CodebookTensor(
             self.codes[:, :, sl], self.scales[:, :, sl], self.bits, (*self.shape[:2], length, self.shape[3]),
-            self.dtype,
+            self.dtype, self.centre,
         )  # fmt: skip
 
 
 def quantize(x: torch.Tensor, bits: int, mdtype: torch.dtype, backend: str = "torch",
-             remedy: Callable[[torch.dtype], str] | None = None) -> CodebookTensor:  # fmt: skip
+             remedy: Callable[[torch.dtype], str] | None = None,
+             centre: torch.Tensor | None = None) -> CodebookTensor:  # fmt: skip
     """Quantize ``x`` ``(batch, kv_heads, tokens, head_dim)`` to a :class:`CodebookTensor`.
 
     Parameters
@@ -160,6 +194,10 @@ def quantize(x: torch.Tensor, bits: int, mdtype: torch.dtype, backend: str = "to
     remedy : callable, optional
         ``remedy(mdtype)``: what to do when a scale overflows ``mdtype`` (see
         :func:`~kvpolicy.backends.base.widen_remedy`).
+    centre : torch.Tensor, optional
+        ``μ``, ``(batch, kv_heads, 1, head_dim)``: quantize ``x − μ`` and keep ``μ`` (stored in
+        ``mdtype``; the rounded ``μ`` is the one subtracted, so ``x̂ = μ + s · C[codes]`` holds for
+        the stored ``μ``).
 
     Raises
     ------
@@ -175,6 +213,13 @@ def quantize(x: torch.Tensor, bits: int, mdtype: torch.dtype, backend: str = "to
         )
     table, edges = _tables(bits, str(x.device))
     xf = x.float()
+    if centre is not None:
+        want = (*x.shape[:2], 1, d)
+        if tuple(centre.shape) != want:
+            raise ValueError(f"codebook: a centre for vectors of shape {tuple(x.shape)} has shape {want}; got "
+                             f"{tuple(centre.shape)}")  # fmt: skip
+        centre = centre.to(mdtype).contiguous()
+        xf = xf - centre.float()
     norm = torch.linalg.vector_norm(xf, dim=-1)  # (B, H, n)
     u = xf * (math.sqrt(d) / norm.clamp_min(torch.finfo(torch.float32).tiny)).unsqueeze(-1)
     codes = torch.bucketize(u, edges, right=True).to(torch.uint8)
@@ -182,8 +227,10 @@ def quantize(x: torch.Tensor, bits: int, mdtype: torch.dtype, backend: str = "to
     scales = (norm / recon_norm).to(mdtype)  # recon_norm > 0: no centroid is 0 at an even level count
     if metadata_may_overflow(x.dtype, mdtype):
         why = remedy(mdtype) if remedy is not None else widen_remedy(mdtype, ("float32",))
-        check_metadata(backend, x, {"scales": scales}, why)
-    return CodebookTensor(pack(codes, bits).contiguous(), scales.contiguous(), bits, tuple(x.shape), x.dtype)  # type: ignore[arg-type]
+        meta = {"scales": scales} if centre is None else {"scales": scales, "centre": centre}
+        check_metadata(backend, x, meta, why)
+    shape: tuple[int, int, int, int] = tuple(x.shape)  # type: ignore[assignment]
+    return CodebookTensor(pack(codes, bits).contiguous(), scales.contiguous(), bits, shape, x.dtype, centre)
 
 
 def unit_vectors(q: CodebookTensor) -> torch.Tensor:
@@ -194,21 +241,37 @@ def unit_vectors(q: CodebookTensor) -> torch.Tensor:
 
 
 def dequantize(q: CodebookTensor) -> torch.Tensor:
-    """``s · C[codes]`` in float32, ``(batch, kv_heads, tokens, head_dim)``."""
-    return unit_vectors(q).mul_(q.scales.float().unsqueeze(-1))
+    """``μ + s · C[codes]`` in float32, ``(batch, kv_heads, tokens, head_dim)``."""
+    out = unit_vectors(q).mul_(q.scales.float().unsqueeze(-1))
+    return out if q.centre is None else out.add_(q.centre.float())
+
+
+def centre_score(query: torch.Tensor, keys: CodebookTensor) -> torch.Tensor | None:
+    """``q · μ`` of a centred key block, ``(B, H, nq)`` float32 (``None`` for a block without a centre):
+    what the centre adds to every score of the block, hence to its log-sum-exp.
+
+    ``query`` ``(B, H, nq, D)`` float32 (already scaled).
+    """
+    if keys.centre is None:
+        return None
+    return torch.matmul(query, keys.centre.float().transpose(-1, -2)).squeeze(-1)
 
 
 def key_scores(query: torch.Tensor, keys: CodebookTensor) -> torch.Tensor:
-    """``query · k̂`` for every key from the codes: ``(q · C[codes]) · s``.
+    """``query · k̂`` for every key from the codes: ``(q · C[codes]) · s + q · μ``.
 
     ``query`` ``(B, H, nq, D)`` float32 (already scaled); returns ``(B, H, nq, n)`` float32.
     """
-    return torch.matmul(query, unit_vectors(keys).transpose(-1, -2)).mul_(keys.scales.float().unsqueeze(-2))
+    scores = torch.matmul(query, unit_vectors(keys).transpose(-1, -2)).mul_(keys.scales.float().unsqueeze(-2))
+    shift = centre_score(query, keys)
+    return scores if shift is None else scores.add_(shift.unsqueeze(-1))
 
 
 def value_mix(probs: torch.Tensor, values: CodebookTensor) -> torch.Tensor:
-    """``probs @ v̂`` from the codes: ``(probs · s) @ C[codes]``; ``probs`` ``(B, H, nq, n)`` float32."""
-    return torch.matmul(probs * values.scales.float().unsqueeze(-2), unit_vectors(values))
+    """``probs @ v̂`` from the codes: ``(probs · s) @ C[codes] + μ``; ``probs`` ``(B, H, nq, n)`` float32,
+    each row summing to one (a block's own softmax: the centre enters once per row)."""
+    out = torch.matmul(probs * values.scales.float().unsqueeze(-2), unit_vectors(values))
+    return out if values.centre is None else out.add_(values.centre.float())
 
 
 def cat(blocks: list[CodebookTensor]) -> CodebookTensor:
@@ -216,25 +279,40 @@ def cat(blocks: list[CodebookTensor]) -> CodebookTensor:
     if len(blocks) == 1:
         return blocks[0]
     first = blocks[0]
+    for b in blocks[1:]:
+        same = (b.centre is None) == (first.centre is None) and (
+            b.centre is None or b.centre is first.centre or torch.equal(b.centre, first.centre)  # type: ignore[arg-type]
+        )
+        if not same:
+            raise ValueError("codebook: blocks with different centres cannot be concatenated (a stream keeps one)")
     shape = (*first.shape[:2], sum(b.shape[2] for b in blocks), first.shape[3])
     return CodebookTensor(
         torch.cat([b.codes for b in blocks], dim=2), torch.cat([b.scales for b in blocks], dim=2), first.bits,
-        shape, first.dtype,
+        shape, first.dtype, first.centre,
     )  # fmt: skip
 
 
+#: saved block layouts: ``codebook-v1`` without a centre, ``codebook-v2`` with one (a reader that
+#: knows only v1 refuses a centred block instead of dropping its centre)
+LAYOUTS = ("codebook-v1", "codebook-v2")
+
+
 def state(q: CodebookTensor) -> dict:
-    """``q`` as JSON values and tensors (layout ``codebook-v1``)."""
-    return {
+    """``q`` as JSON values and tensors (layout ``codebook-v1``, or ``codebook-v2`` with a centre)."""
+    out = {
         "layout": "codebook-v1", "codes": q.codes, "scales": q.scales, "bits": q.bits, "shape": list(q.shape),
         "dtype": str(q.dtype).removeprefix("torch."),
     }  # fmt: skip
+    if q.centre is not None:
+        out.update(layout="codebook-v2", centre=q.centre)
+    return out
 
 
 def from_state(saved: dict) -> CodebookTensor:
     """The block :func:`state` described, its tensor shapes checked."""
-    if saved.get("layout") != "codebook-v1":
-        raise ValueError(f"block layout {saved.get('layout')!r} is not 'codebook-v1'")
+    layout = saved.get("layout")
+    if layout not in LAYOUTS:
+        raise ValueError(f"block layout {layout!r} is not one of {list(LAYOUTS)}")
     bits = int(saved["bits"])
     b, h, n, d = (int(x) for x in saved["shape"])
     dtype = getattr(torch, saved["dtype"])
@@ -248,4 +326,10 @@ def from_state(saved: dict) -> CodebookTensor:
         )
     if codes.dtype != torch.uint8:
         raise ValueError(f"block codes must be uint8; got {codes.dtype}")
-    return CodebookTensor(codes, scales, bits, (b, h, n, d), dtype)
+    centre = saved.get("centre") if layout == "codebook-v2" else None
+    if layout == "codebook-v2" and (not isinstance(centre, torch.Tensor) or tuple(centre.shape) != (b, h, 1, d)):
+        got = tuple(centre.shape) if isinstance(centre, torch.Tensor) else type(centre).__name__
+        raise ValueError(
+            f"a codebook-v2 block of shape {(b, h, n, d)} needs a centre of shape {(b, h, 1, d)}; got {got}"
+        )
+    return CodebookTensor(codes, scales, bits, (b, h, n, d), dtype, centre)

@@ -63,6 +63,7 @@ class CpuBackend(TorchBackend):
         meta_dtypes=META_DTYPES,
         schemes=SCHEMES,
         codebook_bits=codebook.CODEBOOK_BITS,
+        codebook_centre=True,
     )
 
     def __init__(self) -> None:
@@ -200,4 +201,11 @@ class CpuBackend(TorchBackend):
         out, lse = self._kernel.attend(
             q32, kc, ks, kz, kt, kbits, kgroup, vc, vs, vz, vt, vbits, vgroup, max(1, int(splits))
         )
+        # a centred codebook block: the kernel reads the codes alone, and the centre enters after it
+        # (every key score of the block shifts by q · μ, which moves the block's log-sum-exp only; the
+        # values' centre adds to the output, whose probabilities sum to one)
+        if isinstance(keys, codebook.CodebookTensor) and keys.centre is not None:
+            lse = lse + codebook.centre_score(q32, keys)  # type: ignore[operator]
+        if isinstance(values, codebook.CodebookTensor) and values.centre is not None:
+            out = out + values.centre.float()
         return out, lse

@@ -282,6 +282,7 @@ class TorchBackend(Backend):
         meta_dtypes=META_DTYPES,
         schemes=SCHEMES,
         codebook_bits=codebook.CODEBOOK_BITS,
+        codebook_centre=True,
     )
 
     def check(self, *, bits: int, group_size: int, axis: str, role: str = "") -> None:
@@ -296,11 +297,12 @@ class TorchBackend(Backend):
 
     def quantize(  # type: ignore[override]
         self, x: torch.Tensor, bits: int, group_size: int | None, axis: str, meta_dtype: str = "auto",
-        scheme: str = "minmax",
+        scheme: str = "minmax", centre: torch.Tensor | None = None,
     ) -> PackedTensor | codebook.CodebookTensor:  # fmt: skip
         """:meth:`Backend.quantize`; ``meta_dtype`` selects the metadata dtype (:func:`resolve_meta_dtype`),
         ``scheme="codebook"`` stores a :class:`~kvpolicy.backends.codebook.CodebookTensor` (``group_size``
-        and ``axis`` are then ignored).
+        and ``axis`` are then ignored), centred on ``centre`` ``(batch, kv_heads, 1, head_dim)`` when one
+        is given (codebook only).
 
         Raises
         ------
@@ -310,7 +312,11 @@ class TorchBackend(Backend):
         if scheme != "minmax":
             self.check_scheme(scheme, bits)
             mdt = resolve_meta_dtype(meta_dtype, x.dtype)
-            return codebook.quantize(x, bits, mdt, self.name, lambda d: widen_remedy(d, self.capabilities.meta_dtypes))
+            return codebook.quantize(
+                x, bits, mdt, self.name, lambda d: widen_remedy(d, self.capabilities.meta_dtypes), centre
+            )
+        if centre is not None:
+            raise ConfigError(f"backend {self.name!r}: a centre applies to scheme='codebook' only; got scheme='minmax'")
         if bits == 3:
             self.check(bits=bits, group_size=group_size, axis=axis)
         mdt = resolve_meta_dtype(meta_dtype, x.dtype)
@@ -379,7 +385,7 @@ class TorchBackend(Backend):
         return codebook.state(q) if isinstance(q, codebook.CodebookTensor) else packed_state(q)
 
     def load_block(self, state: dict) -> QTensor:  # type: ignore[override]
-        return codebook.from_state(state) if state.get("layout") == "codebook-v1" else packed_from_state(state)
+        return codebook.from_state(state) if state.get("layout") in codebook.LAYOUTS else packed_from_state(state)
 
     def cat(self, blocks: list[QTensor]) -> QTensor:  # type: ignore[override]
         if len(blocks) == 1:
