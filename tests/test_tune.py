@@ -102,3 +102,21 @@ def test_the_shipped_preset_loads_as_the_tuned_composition():
     assert saved["tune"]["budget_bits"] == 3.0 and saved["tune"]["bits_per_element_heldout"] <= 3.0
     cache = CompressedCache.from_config(path)
     assert isinstance(cache.action, Tiered) and [t.value_method for t in cache.action.tiers] == ["codebook"] * 2
+
+
+def test_the_8k_preset_holds_at_most_2_5_bits_at_8k_and_centres_its_keys():
+    """examples/presets/smollm2-8k-2.5bit.toml: what its header claims about bytes, checked on a
+    model of SmolLM2's shape (30 layers, 3 KV heads of 64) fed 8k tokens and 128 more."""
+    from pathlib import Path
+
+    from transformers import LlamaConfig
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "presets" / "smollm2-8k-2.5bit.toml"
+    cache = CompressedCache.from_config(path)
+    assert isinstance(cache.action, Tiered)
+    assert [(t.key_width, t.key_centre) for t in cache.action.tiers] == [(3, True), (2, True)]
+    config = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576,
+                         head_dim=64)  # fmt: skip
+    args = tomllib.loads(path.read_text())["cache"]
+    bits = simulated_bits(args, config, 8192, extra=(128,))
+    assert 2.3 < bits <= 2.5
