@@ -101,7 +101,7 @@ def _variants(
         return
     layer_bits = {str(i): HIGH_BITS for i in boundary}
     yield Candidate(f"{name}-b{HIGH_BITS}", {**base, **quant, "layer_bits": layer_bits}, "boundary")
-    tiers = [{"bits": HIGH_BITS, "scheme": "codebook"}, quant]
+    tiers = [{"bits": HIGH_BITS, "scheme": "codebook", "key_centre": True}, quant]
     keep = [{"name": "log", "window": 4 * window}]
     args = {**base, "action": "tiered", "tiers": tiers, "keep": keep}
     yield Candidate(f"{name}-t{HIGH_BITS}x{4 * window}", args, "tiered")

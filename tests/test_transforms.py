@@ -313,7 +313,6 @@ def test_beam_search_reorders_the_rotated_store(models):
 @pytest.mark.parametrize(
     ("name", "policy", "bits", "schemes"),
     [
-        ("kvpolicy-3bit", "log", (3, 2), ("codebook", "codebook")),
         ("kvpolicy-3.5bit", "log", (3, 2), ("minmax", "minmax")),
         ("kvpolicy-4bit", "log", (3, 3), ("minmax", "codebook")),
     ],
@@ -325,6 +324,26 @@ def test_kvpolicy_presets_compose_rotation_with_a_selection(name, policy, bits, 
     assert (cache.action.key_method, cache.action.value_method) == schemes
     if schemes[0] == "minmax":
         assert (cache.action.key_axis, cache.action.value_axis, cache.action.key_group) == ("channel", "token", 64)
-    assert cache.action.key_centre is (name == "kvpolicy-3bit")
+    assert cache.action.key_centre is False
     assert CompressedCache.from_preset(name, seed=3, window=8).transform == Hadamard(3)
     assert CompressedCache.from_preset(name, window=8).policy.window == 8
+
+
+def test_kvpolicy_3bit_is_the_measured_tiered_composition():
+    """The preset is the cell its docstring cites (examples/configs/centred-keys.toml), tier for tier."""
+    from pathlib import Path
+
+    import tomllib
+
+    from kvpolicy.actions.tiered import Tiered
+
+    cache = CompressedCache.from_preset("kvpolicy-3bit")
+    assert cache.transform == Hadamard(0) and cache.policy.window == 4 and isinstance(cache.action, Tiered)
+    widths = [(t.key_width, t.value_width, t.key_method, t.value_method, t.key_centre) for t in cache.action.tiers]
+    assert widths == [(4, 4, "codebook", "codebook", True), (3, 2, "codebook", "codebook", True)]
+    assert [k.window for k in cache.action.keep] == [32]
+    grid = tomllib.loads((Path(__file__).resolve().parents[1] / "examples/configs/centred-keys.toml").read_text())
+    cell = next(c for c in grid["caches"] if c["label"] == "log4-k3cmv2c-t44x32")
+    assert repr(CompressedCache(**{k: v for k, v in cell.items() if k != "label"})) == repr(cache)
+    other = CompressedCache.from_preset("kvpolicy-3bit", window=8, middle_window=64, seed=3)
+    assert (other.policy.window, other.action.keep[0].window, other.transform) == (8, 64, Hadamard(3))
