@@ -19,7 +19,6 @@ be any :class:`~kvpolicy.actions.quantize.Quantize` (keys per channel by default
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -145,17 +144,6 @@ class Tiered(Action):
         return TieredStore(self, backend, layer_idx)
 
 
-def _select_tokens(q: QTensor, index: torch.Tensor) -> QTensor:
-    """Tokens ``index`` (dim 2) of a per-token block: the block's own ``select`` when it has one (a
-    codebook block keeps its centre), else every tensor it holds indexed along dim 2."""
-    if hasattr(q, "select"):
-        return q.select(index)
-    fields = {f.name: getattr(q, f.name) for f in dataclasses.fields(q)}  # type: ignore[arg-type]
-    picked = {name: t.index_select(2, index) for name, t in fields.items() if isinstance(t, torch.Tensor)}
-    shape = (*q.shape[:2], int(index.numel()), q.shape[3])
-    return dataclasses.replace(q, **picked, shape=shape)  # type: ignore[type-var]
-
-
 class TierStore:
     """One middle tier: tokens quantized per token, any of which can leave.
 
@@ -199,11 +187,11 @@ class TierStore:
         rest = keep.nonzero().flatten()
         st = self.inner
         assert st.k.q is not None and st.v.q is not None and st.k.staging is None and st.v.staging is None
-        keys = self.backend.dequantize(_select_tokens(st.k.q, cols))
-        values = self.backend.dequantize(_select_tokens(st.v.q, cols))
+        keys = self.backend.dequantize(st.k.q.select(cols))
+        values = self.backend.dequantize(st.v.q.select(cols))
         positions = st.positions.index_select(1, cols.to(st.positions.device))
-        st.k.q = _select_tokens(st.k.q, rest)
-        st.v.q = _select_tokens(st.v.q, rest)
+        st.k.q = st.k.q.select(rest)
+        st.v.q = st.v.q.select(rest)
         st.positions = st.positions.index_select(1, rest.to(st.positions.device))
         self.arrival = self.arrival[rest]
         return keys, values, positions

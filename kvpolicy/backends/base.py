@@ -8,6 +8,7 @@ policies or about transformers.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -175,6 +176,15 @@ class QTensor(ABC):
         decode path (:mod:`kvpolicy.fused`) needs it when a store's key and value streams hold
         different numbers of quantized tokens; without it that path is not used."""
         raise NotImplementedError(f"{type(self).__name__} does not implement narrow()")
+
+    def select(self, index: torch.Tensor) -> QTensor:
+        """Tokens ``index`` (a 1-D index into the token axis), in that order, of a block quantized per
+        token: every tensor field of a dataclass container indexed along dim 2. Containers holding a
+        tensor without a token axis override it (a codebook block keeps its centre)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        picked = {name: t.index_select(2, index) for name, t in fields.items() if isinstance(t, torch.Tensor)}
+        shape = (*self.shape[:2], int(index.numel()), self.shape[3])
+        return dataclasses.replace(self, **picked, shape=shape)  # type: ignore[type-var]
 
     @property
     def num_tokens(self) -> int:

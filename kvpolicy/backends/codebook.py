@@ -138,18 +138,11 @@ class CodebookTensor(QTensor):
     centre: torch.Tensor | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        """Codes and scales; the centre, an offset shared by every token, under ``zeros`` (the
+        zero-points of memory reports)."""
         out = {"codes": self.codes, "scales": self.scales}
         if self.centre is not None:
-            out["centre"] = self.centre
-        return out
-
-    def nbytes(self) -> dict[str, int]:
-        """Bytes by role; the centre, an offset shared by every token, counts as ``zeros`` (the
-        zero-points of memory reports)."""
-        out = {"codes": self.codes.numel() * self.codes.element_size(),
-               "scales": self.scales.numel() * self.scales.element_size()}  # fmt: skip
-        if self.centre is not None:
-            out["zeros"] = self.centre.numel() * self.centre.element_size()
+            out["zeros"] = self.centre
         return out
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> CodebookTensor:
