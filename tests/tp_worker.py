@@ -10,14 +10,16 @@ cannot split). Every rank loads ``heads4`` twice, as a single-process reference 
 4 heads) and tensor-parallel (``tp_plan="auto"``: 2 heads per rank, gloo), and runs every case on
 both: each policy (log, recent sliding and flush, sink, h2o, the snapkv plugin, and a test policy
 that shares one score-based selection across heads) with each action (none, evict, quantize 4 and 2
-bits, quantize 4 bits with ``transform="hadamard"``), teacher-forced (a prefill of ``PREFILL``
+bits, quantize 4 bits with ``transform="hadamard"``, and the ``kvpolicy-3bit`` composition in small:
+two tiers of centred codebook blocks under the rotation), teacher-forced (a prefill of ``PREFILL``
 tokens, then ``DECODE`` single tokens), so both runs see the same tokens whatever their logits. Each
 rank compares its heads with the same heads of its reference:
 
 - logits of every step (max absolute difference);
 - ``cache.positions(l)`` of every layer (per-head policies: the rank's heads of the reference);
 - every quantization call (a recording ``torch`` backend keeps each input and its result): codes,
-  float16 minimums and scales, with a proof for each difference (see :func:`tie_analysis`);
+  float16 minimums and scales (codebook blocks: codes, scales and centres), with a proof for each
+  difference (see :func:`tie_analysis`);
 - the stores held at the end, and the bytes held (``memory_report``);
 - for h2o and snapkv, the smallest relative score gap at a selection boundary (distance from a tie).
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 import warnings
@@ -42,8 +45,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kvpolicy import CompressedCache, distributed, registry
+from kvpolicy import CompressedCache, Quantize, Tiered, distributed, registry
 from kvpolicy.attention import enable_scores
+from kvpolicy.backends import codebook
+from kvpolicy.backends.codebook import CodebookTensor
 from kvpolicy.backends.torch_backend import PackedTensor, TorchBackend, _grouped, unpack
 from kvpolicy.errors import ConfigError
 from kvpolicy.policies import LogWindow, Policy, PolicyState, RecentWindow, SinkWindow
@@ -66,6 +71,18 @@ ACTIONS: dict[str, dict[str, Any]] = {
     "quantize4": {"action": "quantize", "bits": 4, "group_size": GROUP},
     "quantize2": {"action": "quantize", "bits": 2, "group_size": GROUP},
     "quantize4-hadamard": {"action": "quantize", "bits": 4, "group_size": GROUP, "transform": "hadamard"},
+    # kvpolicy-3bit in small: centred 4-bit codebook keys and values for the demoted tokens the log rule
+    # at 8 keeps, 3-bit keys and 2-bit values below (tokens moving down are re-quantized)
+    "quantize-tiered-codebook": {
+        "action": Tiered(
+            tiers=[
+                Quantize(bits=4, scheme="codebook", key_centre=True),
+                Quantize(key_bits=3, value_bits=2, scheme="codebook", key_centre=True),
+            ],
+            keep=[LogWindow(window=8)],
+        ),
+        "transform": "hadamard",
+    },
 }
 
 
@@ -116,9 +133,9 @@ class RecordingBackend(TorchBackend):
         self.replay = replay
 
     def quantize(  # type: ignore[override]
-        self, x: torch.Tensor, bits: int, group_size: int, axis: str, meta_dtype: str = "auto"
-    ) -> PackedTensor:
-        q = super().quantize(x, bits, group_size, axis, meta_dtype)
+        self, x: torch.Tensor, bits: int, group_size: int | None, axis: str, meta_dtype: str = "auto", **extra: Any
+    ) -> PackedTensor | CodebookTensor:
+        q = super().quantize(x, bits, group_size, axis, meta_dtype, **extra)
         if self.replay is not None:
             q = self.replay[len(self.calls)]
         self.calls.append((x.detach().clone(), q))
@@ -258,9 +275,14 @@ def policies() -> tuple[dict[str, Policy], list[float]]:
     return out, gaps
 
 
+def quantizes(action: str) -> bool:
+    """Whether the case's action quantizes (its calls are recorded and compared)."""
+    return action.startswith("quantize")
+
+
 def make_cache(policy: Policy, action: str, backend: RecordingBackend) -> CompressedCache:
     kwargs = dict(ACTIONS[action])
-    if kwargs["action"] == "quantize":
+    if quantizes(action):
         kwargs["backend"] = backend
     return CompressedCache(policy=policy, **kwargs)
 
@@ -286,18 +308,26 @@ def run(model: torch.nn.Module, ids: torch.Tensor, cache: Any, backend: Recordin
 
 
 # ---------------------------------------------------------------------- comparisons
-def restrict_heads(q: PackedTensor, heads: slice) -> PackedTensor:
-    """``q`` restricted to some kv heads (dim 1 of its codes, scales and minimums)."""
+def restrict_heads(q: PackedTensor | CodebookTensor, heads: slice) -> PackedTensor | CodebookTensor:
+    """``q`` restricted to some kv heads (dim 1 of its codes, scales and minimums or centre)."""
     codes = q.codes[:, heads]
+    if isinstance(q, CodebookTensor):
+        centre = None if q.centre is None else q.centre[:, heads]
+        return CodebookTensor(codes, q.scales[:, heads], q.bits, (q.shape[0], codes.shape[1], *q.shape[2:]), q.dtype,
+                              centre)  # fmt: skip
     return PackedTensor(
         codes, q.scales[:, heads], q.zeros[:, heads], q.bits, q.group_size, q.axis,
         (q.shape[0], codes.shape[1], *q.shape[2:]), q.dtype,
     )  # fmt: skip
 
 
-def merge_heads(parts: list[PackedTensor]) -> PackedTensor:
+def merge_heads(parts: list[PackedTensor | CodebookTensor]) -> PackedTensor | CodebookTensor:
     """The ranks' containers of one quantization call as the single-process one (heads concatenated)."""
     first, codes = parts[0], torch.cat([p.codes for p in parts], dim=1)
+    if isinstance(first, CodebookTensor):
+        centre = None if first.centre is None else torch.cat([p.centre for p in parts], dim=1)
+        return CodebookTensor(codes, torch.cat([p.scales for p in parts], dim=1), first.bits,
+                              (first.shape[0], codes.shape[1], *first.shape[2:]), first.dtype, centre)  # fmt: skip
     return PackedTensor(
         codes, torch.cat([p.scales for p in parts], dim=1), torch.cat([p.zeros for p in parts], dim=1),
         first.bits, first.group_size, first.axis, (first.shape[0], codes.shape[1], *first.shape[2:]), first.dtype,
@@ -330,8 +360,74 @@ def _straddles(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return (low <= boundary) & (boundary <= high), boundary
 
 
+def _unit(x: torch.Tensor, q: CodebookTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the codebook quantizer bucketizes, ``u = (x - μ) · √d / ‖x - μ‖`` with the stored centre
+    ``μ``, computed as it does, and ``‖x - μ‖`` per vector."""
+    xf = x.float()
+    if q.centre is not None:
+        xf = xf - q.centre.float()
+    norm = torch.linalg.vector_norm(xf, dim=-1)
+    scale = math.sqrt(x.shape[-1]) / norm.clamp_min(torch.finfo(torch.float32).tiny)
+    return xf * scale.unsqueeze(-1), norm
+
+
+def codebook_ties(i: int, xr: torch.Tensor, qr: CodebookTensor, xt: torch.Tensor, qt: CodebookTensor,
+                  out: dict[str, Any]) -> None:  # fmt: skip
+    """:func:`tie_analysis` of one codebook call (a group is one vector: one token of one head).
+
+    - The stored centres (a stream's first block's mean) are equal or neighbouring numbers of their dtype.
+    - A code that differs is a tie when the two runs' ``u`` are within ``TIE_GAP`` (plus the centres'
+      difference, in units of ``u``) of each other: an edge of the codebook lies between them, which
+      the differing codes themselves show once ``u`` is checked to give the stored codes.
+    - A scale (``‖x - μ‖ / ‖C[codes]‖``) that differs is a tie when the vector's codes all agree, the
+      stored scales are neighbouring numbers and every input moved by less than ``TIE_GAP`` of the
+      vector's coordinate scale; in a vector with a proved flip the reconstruction's norm differs, and
+      so may its scale.
+    """
+    _, edges = codebook._tables(qr.bits, "cpu")
+    ur, nr = _unit(xr, qr)
+    ut, _ = _unit(xt, qt)
+    cr, ct = unpack(qr.codes, qr.bits), unpack(qt.codes, qt.bits)
+    for name, u, c in (("reference", ur, cr), ("tensor-parallel", ut, ct)):
+        if not torch.equal(torch.bucketize(u, edges, right=True).to(c.dtype), c):
+            out["unproven"].append(f"call {i}: the {name} codes are not what its inputs give (analysis out of date)")
+            return
+    shift = torch.zeros_like(nr)
+    if qr.centre is not None:
+        if not bool(_adjacent(qr.centre, qt.centre).all()):
+            out["unproven"].append(f"call {i}: centres differ beyond a rounding tie")
+        moved = (qr.centre.float() - qt.centre.float()).abs().amax(-1)  # (B, H, 1)
+        shift = moved * math.sqrt(xr.shape[-1]) / nr.clamp_min(1e-30)
+    gap = (ur - ut).abs()
+    flip = cr != ct
+    out["codes"] += cr.numel()
+    out["flipped"] += int(flip.sum())
+    out["groups"] += nr.numel()
+    out["max_input_diff"] = max(out["max_input_diff"], float((xr.float() - xt.float()).abs().max()))
+    if (~flip).any():
+        out["max_gap"] = max(out["max_gap"], float(gap[~flip].max()))
+    if flip.any():
+        proven = gap[flip] <= TIE_GAP + shift.unsqueeze(-1).expand_as(gap)[flip]
+        out["flips_proven"] += int(proven.sum())
+        out["max_flip_gap"] = max(out["max_flip_gap"], float(gap[flip].max()))
+        if not bool(proven.all()):
+            out["unproven"].append(f"call {i}: {int((~proven).sum())} flipped code(s) not at a codebook edge tie")
+    differ = qr.scales != qt.scales
+    if differ.any():
+        noise = (xr.float() - xt.float()).abs().amax(-1)
+        quiet = noise <= TIE_GAP * nr / math.sqrt(xr.shape[-1])
+        flipped_vector = flip.any(-1)
+        ok = flipped_vector | (_adjacent(qr.scales, qt.scales) & quiet)
+        out["groups_meta_differ"] += int(differ.sum())
+        out["groups_scale_differ"] += int(differ.sum())
+        out["groups_meta_proven"] += int((ok & differ).sum())
+        if not bool(ok[differ].all()):
+            out["unproven"].append(f"call {i}: {int((differ & ~ok).sum())} scale(s) differ beyond a rounding tie")
+
+
 def tie_analysis(ref_calls: list, tp_calls: list, heads: slice) -> dict[str, Any]:
-    """Compare the quantization calls of the two runs on the rank's heads and prove each difference a tie.
+    """Compare the quantization calls of the two runs on the rank's heads and prove each difference a tie
+    (codebook calls: :func:`codebook_ties`).
 
     For every group, with ``u = (x - min) * (1 / scale)`` computed as the quantizer does:
 
@@ -362,6 +458,9 @@ def tie_analysis(ref_calls: list, tp_calls: list, heads: slice) -> dict[str, Any
         xr, qr = xr[:, heads], restrict_heads(qr, heads)
         if xr.shape != xt.shape:
             out["unproven"].append(f"call {i}: shapes {tuple(xr.shape)} vs {tuple(xt.shape)}")
+            continue
+        if isinstance(qr, CodebookTensor):
+            codebook_ties(i, xr, qr, xt, qt, out)
             continue
         out["max_input_diff"] = max(out["max_input_diff"], float((xr.float() - xt.float()).abs().max()))
         gr, gt = _grouped(xr, qr.group_size, qr.axis).float(), _grouped(xt, qt.group_size, qt.axis).float()
@@ -424,18 +523,29 @@ def tie_analysis(ref_calls: list, tp_calls: list, heads: slice) -> dict[str, Any
     return out
 
 
+def _streams(store: Any) -> list[tuple[Any, Any]]:
+    """The (keys, values) streams of a layer's store: one pair, or one per tier."""
+    store = getattr(store, "inner", store)  # behind a transform
+    stores = store._stores() if hasattr(store, "_stores") else [store]
+    return [(s.k, s.v) for s in stores]
+
+
 def compare_stores(ref: CompressedCache, tp: CompressedCache, heads: slice) -> dict[str, Any]:
-    """Codes, scales, minimums and staged tokens held at the end, on the rank's heads."""
+    """Codes, scales, minimums (centres) and staged tokens held at the end, on the rank's heads."""
     out: dict[str, Any] = {"codes": 0, "flipped": 0, "meta_differ": 0, "staging_max_diff": 0.0}
     for lr, lt in zip(ref.layers, tp.layers, strict=True):
-        sr, st = getattr(lr.store, "inner", lr.store), getattr(lt.store, "inner", lt.store)  # behind a transform
-        for a, b in ((sr.k, st.k), (sr.v, st.v)):
+        pairs = [p for a, b in zip(_streams(lr.store), _streams(lt.store), strict=True) for p in zip(a, b, strict=True)]
+        for a, b in pairs:
             if a.q is not None:
                 qa = restrict_heads(a.q, heads)
                 ca, cb = unpack(qa.codes, qa.bits), unpack(b.q.codes, b.q.bits)
                 out["codes"] += ca.numel()
                 out["flipped"] += int((ca != cb).sum())
-                out["meta_differ"] += int(((qa.scales != b.q.scales) | (qa.zeros != b.q.zeros)).sum())
+                if isinstance(qa, CodebookTensor):
+                    centre = 0 if qa.centre is None else int((qa.centre != b.q.centre).sum())
+                    out["meta_differ"] += int((qa.scales != b.q.scales).sum()) + centre
+                else:
+                    out["meta_differ"] += int(((qa.scales != b.q.scales) | (qa.zeros != b.q.zeros)).sum())
             if a.staging is not None:
                 diff = float((a.staging[:, heads] - b.staging).abs().max())
                 out["staging_max_diff"] = max(out["staging_max_diff"], diff)
@@ -476,7 +586,7 @@ def run_cases(ref_model: Any, tp_model: Any, ids: torch.Tensor, rank: int, world
                 "score_gap_rank": tp_gap,
                 "tp_logits": tp.logits,
             }
-            if ACTIONS[action]["action"] == "quantize":
+            if quantizes(action):
                 entry["ties"] = tie_analysis(ref.backend.calls, tp.backend.calls, heads)
                 entry["store"] = compare_stores(ref.cache, tp.cache, heads)
                 entry["tp_calls"] = [q for _, q in tp.backend.calls]  # for the replay on rank 0
