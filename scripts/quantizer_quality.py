@@ -61,6 +61,18 @@ def _ids(tokenizer, files: tuple[str, ...], first: int, need: int) -> torch.Tens
     raise SystemExit(f"the files {files} hold {len(ids)} tokens; {need} needed")
 
 
+def setup(threads: int, files: tuple[str, ...], context: int, tokens: int):
+    """SmolLM2 with the fused path, one text of ``context + tokens`` tokens per file (``_ids``), and the
+    uncompressed cache's teacher-forced logits of each."""
+    torch.set_num_threads(threads)
+    model, tokenizer = load_smollm2()
+    enable_fused(model)
+    texts = [_ids(tokenizer, files, i, context + tokens) for i in range(len(files))]
+    with torch.inference_mode():
+        refs = [teacher_forced_logits(model, ids, context, DynamicCache()) for ids in texts]
+    return model, texts, refs
+
+
 def _mean_se(x: torch.Tensor) -> str:
     x = x.double().flatten()
     return f"{float(x.mean()):.4f} ± {float(x.std() / math.sqrt(x.numel())):.4f}"
@@ -74,13 +86,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--caches", nargs="+", choices=list(CACHES), default=list(CACHES))
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model, tokenizer = load_smollm2()
-    enable_fused(model)
     files = TEXTS[args.texts]
-    texts = [_ids(tokenizer, files, i, args.context + args.tokens) for i in range(len(files))]
-    with torch.inference_mode():
-        refs = [teacher_forced_logits(model, ids, args.context, DynamicCache()) for ids in texts]
+    model, texts, refs = setup(args.threads, files, args.context, args.tokens)
     print(
         f"SmolLM2-135M fp32, {args.texts} texts {list(files)}: {args.context} context + {args.tokens} "
         "teacher-forced tokens each; log policy W=42, 2-bit unless said"
