@@ -4,7 +4,8 @@
    policy at two windows, with and without four sink tokens; keys min-max per channel (or, from 3
    bits, codebook per token) and values min-max or codebook at several widths; the Hadamard
    rotation; and on top of each, the boundary layers at 4 bits, or a 4-bit codebook middle tier
-   (:class:`~kvpolicy.actions.tiered.Tiered`, the log rule at four times the window).
+   (:class:`~kvpolicy.actions.tiered.Tiered`, the log rule at ``tier_factors`` times the window:
+   four by default).
 2. **Bytes.** Each is built and fed random keys and values of the model's shape for ``context``
    tokens and then to the lengths the runs below reach: its bits per element (everything held,
    full-precision tensors at 16 bits) at the largest of them are exact, since none of these policies
@@ -49,6 +50,8 @@ KEY_CODEBOOK_BITS = 2
 HIGH_BITS = 4
 #: boundary layers held at HIGH_BITS: the first and the last this many full-attention layers
 BOUNDARY = 2
+#: a middle tier keeps what the log rule at this many times the policy's window keeps
+TIER_FACTORS = (4,)
 
 
 @dataclass
@@ -63,10 +66,22 @@ class Candidate:
 
 
 def space(
-    attention_layers: list[int], windows: tuple[int, ...] = WINDOWS, key_groups: tuple[int, ...] = (64,)
-) -> Iterator[Candidate]:
+    attention_layers: list[int], windows: tuple[int, ...] = WINDOWS, key_groups: tuple[int, ...] = (64,),
+    tier_factors: tuple[int, ...] = TIER_FACTORS,
+) -> Iterator[Candidate]:  # fmt: skip
     """Every composition searched, for a model whose full-attention layers are ``attention_layers``;
-    ``key_groups``: the group sizes of the keys (per channel) tried."""
+    ``key_groups``: the group sizes of the keys (per channel) tried; ``tier_factors``: a middle tier
+    keeps what the log rule at each of these multiples of the window keeps (one candidate each).
+
+    Raises
+    ------
+    ConfigError
+        If a tier factor is not an integer of at least 2 (the middle tier's window must exceed the
+        policy's, or the tier keeps nothing the policy did not already).
+    """
+    for f in tier_factors:
+        if not isinstance(f, int) or isinstance(f, bool) or f < 2:
+            raise ConfigError(f"tune: tier factors must be integers >= 2 (W' = factor x W > W); got {f!r}")
     boundary = sorted({*attention_layers[:BOUNDARY], *attention_layers[-BOUNDARY:]})
     for window in windows:
         for sinks in (0, 4):
@@ -76,12 +91,13 @@ def space(
                 keys = [("minmax", kg) for kg in key_groups] + ([("codebook", None)] if kb >= KEY_CODEBOOK_BITS else [])
                 for kscheme, kg in keys:
                     for vscheme in ("minmax", "codebook"):
-                        yield from _variants(window, sinks, kb, vb, kg, kscheme, vscheme, boundary)
+                        yield from _variants(window, sinks, kb, vb, kg, kscheme, vscheme, boundary, tier_factors)
 
 
 def _variants(
-    window: int, sinks: int, kb: int, vb: int, kg: int | None, kscheme: str, vscheme: str, boundary: list[int]
-) -> Iterator[Candidate]:
+    window: int, sinks: int, kb: int, vb: int, kg: int | None, kscheme: str, vscheme: str, boundary: list[int],
+    tier_factors: tuple[int, ...] = TIER_FACTORS,
+) -> Iterator[Candidate]:  # fmt: skip
     quant: dict[str, Any] = {"key_bits": kb, "value_bits": vb}
     if kg is not None and kg != 64:
         quant["key_group_size"] = kg
@@ -102,9 +118,10 @@ def _variants(
     layer_bits = {str(i): HIGH_BITS for i in boundary}
     yield Candidate(f"{name}-b{HIGH_BITS}", {**base, **quant, "layer_bits": layer_bits}, "boundary")
     tiers = [{"bits": HIGH_BITS, "scheme": "codebook", "key_centre": True}, quant]
-    keep = [{"name": "log", "window": 4 * window}]
-    args = {**base, "action": "tiered", "tiers": tiers, "keep": keep}
-    yield Candidate(f"{name}-t{HIGH_BITS}x{4 * window}", args, "tiered")
+    for factor in dict.fromkeys(tier_factors):
+        keep = [{"name": "log", "window": factor * window}]
+        args = {**base, "action": "tiered", "tiers": tiers, "keep": keep}
+        yield Candidate(f"{name}-t{HIGH_BITS}x{factor * window}", args, "tiered")
 
 
 def simulated_bits(

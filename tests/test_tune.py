@@ -74,6 +74,21 @@ def test_every_composition_of_the_space_builds():
             assert sorted(cache.layer_bits) == [0, 1, 28, 29]
 
 
+def test_tier_factors_put_the_kvpolicy_3bit_composition_in_the_space(capsys):
+    """W' = 8W (``--tier-factors 4 8``) makes the search hold the shipped kvpolicy-3bit composition, which
+    the default W' = 4W does not."""
+    tiered = {c.label: c for c in space(list(range(30)), windows=(4,), tier_factors=(4, 8)) if c.family == "tiered"}
+    assert {"log4-k3cmv2c-t4x16", "log4-k3cmv2c-t4x32"} <= set(tiered)
+    preset = CompressedCache.from_preset("kvpolicy-3bit")
+    assert repr(CompressedCache(**tiered["log4-k3cmv2c-t4x32"].args)) == repr(preset)
+    default = {c.label for c in space(list(range(30)), windows=(4,)) if c.family == "tiered"}
+    assert "log4-k3cmv2c-t4x16" in default and not any(label.endswith("x32") for label in default)
+    with pytest.raises(ConfigError, match=r"tier factors must be integers >= 2 .*got 1"):
+        list(space(list(range(4)), tier_factors=(1,)))
+    assert main(["tune", *TINY, "--budget-bits", "3", "--tier-factors", "1", "--out", "/nonexistent/p.toml"]) == 2
+    assert "tier factors must be integers >= 2" in capsys.readouterr().err
+
+
 def test_preset_files_round_trip_through_from_config(tmp_path):
     cand = next(c for c in space(list(range(4))) if c.family == "tiered")
     path = tmp_path / "p.toml"

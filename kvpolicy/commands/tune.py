@@ -27,7 +27,9 @@ def _run(args: argparse.Namespace) -> int:
     config = model.config
     del model
     lengths = (1, args.screen_tokens, args.tokens, args.heldout_tokens)  # the ends of the runs below
-    candidates = list(tune.space(tune.attention_layers(config), tuple(args.windows), tuple(args.key_groups)))
+    candidates = list(
+        tune.space(tune.attention_layers(config), tuple(args.windows), tuple(args.key_groups), tuple(args.tier_factors))
+    )
     for c in tqdm(candidates, desc="bytes of each composition", disable=args.no_progress):
         c.bits = tune.simulated_bits(c.args, config, args.context, lengths)
     fitting = tune.within_budget(candidates, args.budget_bits)
@@ -104,6 +106,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--windows", type=positive_int, nargs="+", default=[16, 42], help="log windows (default 16 42)")
     p.add_argument("--key-groups", type=positive_int, nargs="+", default=[64],
                    help="group sizes of the keys (per channel) tried (default 64)")  # fmt: skip
+    p.add_argument("--tier-factors", type=positive_int, nargs="+", default=[4],
+                   help="a middle tier keeps what the log rule at FACTOR x the window keeps (default 4)")  # fmt: skip
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda, cuda:N or mps")
     p.add_argument("--executor", choices=("local", "ray"), default="local", help="where the cells run")
