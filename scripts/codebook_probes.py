@@ -23,7 +23,9 @@ Probes:
   grid of 1/32 or 1/64 octave (8 bits then span 8 or 4 octaves). The bits shown are still those of
   16-bit scales: 8-bit ones would save 0.125 bits per element;
 - ``bottom-k3v4``, ``bottom-k4v2``, ``bottom-k4v4``: the bottom tier's widths, to split the error
-  between keys and values.
+  between keys and values;
+- ``bottom-k3v3``, ``bottom-k4v3``, ``w8-x64-bottom-k3v3`` (W = 8, W′ = 64) against the presets
+  ``kvpolicy-3.5bit`` and ``kvpolicy-4bit``: wider bottom tiers for larger budgets.
 
 ``--scale-range`` also prints the range of the log2 scales the composition stores on the first text.
 
@@ -53,15 +55,17 @@ from kvpolicy.eval.tasks import CALIBRATION_FILES
 from kvpolicy.transforms import Hadamard
 
 
-def composition(key_bits: int = 3, value_bits: int = 2, sinks: int = 0) -> Callable[[], CompressedCache]:
-    """The ``kvpolicy-3bit`` composition with the bottom tier's widths and sinks given."""
+def composition(
+    key_bits: int = 3, value_bits: int = 2, sinks: int = 0, window: int = 4, middle: int = 32
+) -> Callable[[], CompressedCache]:
+    """The ``kvpolicy-3bit`` composition with the bottom tier's widths, sinks and windows given."""
     tiers = [
         Quantize(bits=4, scheme="codebook", key_centre=True),
         Quantize(key_bits=key_bits, value_bits=value_bits, scheme="codebook", key_centre=True),
     ]
     extra = {"sinks": sinks} if sinks else {}
-    return lambda: CompressedCache(policy=LogWindow(window=4), action=Tiered(tiers=tiers, keep=[LogWindow(window=32)]),
-                                   transform=Hadamard(0), **extra)  # fmt: skip
+    action = Tiered(tiers=tiers, keep=[LogWindow(window=middle)])
+    return lambda: CompressedCache(policy=LogWindow(window=window), action=action, transform=Hadamard(0), **extra)
 
 
 @contextlib.contextmanager
@@ -149,6 +153,12 @@ PROBES: dict[str, tuple[Callable[[], CompressedCache], Callable[[], Any]]] = {
     "bottom-k3v4": (composition(value_bits=4), contextlib.nullcontext),
     "bottom-k4v2": (composition(key_bits=4), contextlib.nullcontext),
     "bottom-k4v4": (composition(key_bits=4, value_bits=4), contextlib.nullcontext),
+    # wider bottom tiers against the 3.5- and 4-bit presets
+    "bottom-k3v3": (composition(value_bits=3), contextlib.nullcontext),
+    "bottom-k4v3": (composition(key_bits=4, value_bits=3), contextlib.nullcontext),
+    "w8-x64-bottom-k3v3": (composition(value_bits=3, window=8, middle=64), contextlib.nullcontext),
+    "kvpolicy-3.5bit": (lambda: CompressedCache.from_preset("kvpolicy-3.5bit"), contextlib.nullcontext),
+    "kvpolicy-4bit": (lambda: CompressedCache.from_preset("kvpolicy-4bit"), contextlib.nullcontext),
 }
 
 

@@ -45,3 +45,40 @@ def test_ablate_writes_the_frontier_page(tmp_path):
     assert (tmp_path / "docs" / "img" / "frontier" / "frontier_96.png").stat().st_size > 1000
     # the uncompressed cache is on the frontier (nothing has a lower KL), drawn in bold with a star
     assert "**`uncompressed`** ★" in text
+
+
+def test_each_shipped_preset_is_the_frontier_cell_the_page_names():
+    """docs/frontier.md labels a cell with a preset's name: the preset must build exactly that cell."""
+    from pathlib import Path
+
+    from kvpolicy import CompressedCache
+    from kvpolicy.eval.frontier_report import PRESET_CELLS
+    from kvpolicy.eval.grid import grid_from_dict, load_config
+    from kvpolicy.presets import BUILTIN_PRESETS
+
+    grid = grid_from_dict(load_config(Path(__file__).resolve().parents[1] / "examples/configs/frontier.toml"))
+    specs = {s.label: s for s in grid.caches}
+    assert set(PRESET_CELLS) == {n for n in BUILTIN_PRESETS if n.startswith("kvpolicy-")}
+    for name, (budget, label) in PRESET_CELLS.items():
+        assert name == f"kvpolicy-{budget:g}bit"
+        assert specs[label].describe() == repr(CompressedCache.from_preset(name)), name
+
+
+def test_verdicts_name_the_best_cache_under_each_budget_and_judge_the_presets():
+    from kvpolicy.eval.frontier_report import _verdicts
+
+    pts = [_p("log4-k3cmv2c-t44x32", 2.97, 0.031, 0.929), _p("other", 2.99, 0.019, 0.951),
+           _p("log16-k3v2-rot", 3.32, 0.031, 0.935), _p("log16-k3v3c", 3.69, 0.0164, 0.953)]  # fmt: skip
+    lines = "\n".join(_verdicts(pts))
+    assert "best at ≤ 3.0 bits per element `other` (2.99 bits), KL 0.019, top-1 95.1%" in lines
+    assert "target KL ≤ 0.02, top-1 ≥ 95%: met" in lines
+    assert "`kvpolicy-3bit` = `log4-k3cmv2c-t44x32`: 2.97 bits (within its 3.0-bit budget)" in lines
+    assert "**`other` has a lower KL** there (0.0190 at 2.99 bits)" in lines
+    assert (
+        "`kvpolicy-4bit` = `log16-k3v3c`: 3.69 bits (within its 4.0-bit budget), KL 0.0164, top-1 95.3%; "
+        "the lowest KL measured at ≤ 4.0 bits" in lines
+    )
+    # over budget, and the target missed, said so
+    lines = "\n".join(_verdicts([_p("log4-k3cmv2c-t44x32", 3.05, 0.03, 0.93), _p("a", 2.9, 0.05, 0.9)]))
+    assert "3.05 bits (**over** its 3.0-bit budget)" in lines
+    assert "`a` (2.90 bits), KL 0.050, top-1 90.0% (target KL ≤ 0.02, top-1 ≥ 95%: not met)" in lines

@@ -26,6 +26,13 @@ COLUMNS = (
 BITS = "bits_per_element_16"
 #: caches drawn as anchors (labels of the committed config)
 ANCHORS = ("hf-quanto-2b", "hf-quanto-4b", "hf-hqq-2b", "hf-hqq-4b", "logquant", "kivi")
+#: kvpolicy's shipped presets, their bit budget and the label of their cell in the committed config
+#: (tests/test_frontier_report.py checks that each preset builds exactly that cell's cache)
+PRESET_CELLS = {
+    "kvpolicy-3bit": (3.0, "log4-k3cmv2c-t44x32"),
+    "kvpolicy-3.5bit": (3.5, "log16-k3v2-rot"),
+    "kvpolicy-4bit": (4.0, "log16-k3v3c"),
+}
 
 
 @dataclass(frozen=True)
@@ -106,8 +113,11 @@ def _table(pts: list[Point]) -> str:
              "identical": "greedy identical", "first_divergence": "first divergence"}  # fmt: skip
     head = ["cache", "bits/el", *[names[m] for _, m in present]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    preset = {cell: name for name, (_, cell) in PRESET_CELLS.items()}
     for p in pts:
         label = f"**`{p.cache}`** ★" if p.cache in on else f"`{p.cache}`"
+        if p.cache in preset:
+            label += f" (`{preset[p.cache]}`)"
         cells = [label, f"{p.bits:.2f}"]
         for key in present:
             value, se = p.values.get(key, (None, None))
@@ -117,7 +127,8 @@ def _table(pts: list[Point]) -> str:
 
 
 def _verdicts(pts: list[Point]) -> list[str]:
-    """Each target of issue 11, with the number reached and the cache reaching it."""
+    """Each target of issues 11 and 14 and each shipped preset, with the number reached and the cache
+    reaching it."""
     by = {p.cache: p for p in pts}
     out = []
     a, b = by.get("log42-k2v2"), by.get("log42-k2v2-rot")
@@ -142,6 +153,25 @@ def _verdicts(pts: list[Point]) -> list[str]:
             saved = 1 - p.bits / hf4.bits
             out.append(f"- transformers' `QuantizedCache(quanto, 4)`: KL {hf4.kl:.4f} at {hf4.bits:.2f} bits; "
                        f"`{p.cache}` has a lower KL ({p.kl:.4f}) with {saved:.0%} fewer bits.")  # fmt: skip
+    p = best_within(pts, 3.0)
+    if p is not None:
+        verdict = "met" if p.kl <= 0.02 and p.top1 >= 0.95 else "not met"
+        out.append(f"- Part 2, 2-bit memory at 4-bit quality: best at ≤ 3.0 bits per element `{p.cache}` "
+                   f"({p.bits:.2f} bits), KL {p.kl:.3f}, top-1 {p.top1:.1%} (target KL ≤ 0.02, top-1 ≥ 95%: "
+                   f"{verdict}).")  # fmt: skip
+    by = {p.cache: p for p in pts}
+    for name, (budget, cell) in PRESET_CELLS.items():
+        mine = by.get(cell)
+        if mine is None:
+            continue
+        best = best_within(pts, budget)
+        within = "within" if mine.bits <= budget + 1e-9 else "**over**"
+        if best is None or best.cache == cell:
+            rank = f"the lowest KL measured at ≤ {budget} bits"
+        else:
+            rank = f"**`{best.cache}` has a lower KL** there ({best.kl:.4f} at {best.bits:.2f} bits)"
+        out.append(f"- Preset `{name}` = `{cell}`: {mine.bits:.2f} bits ({within} its {budget}-bit budget), "
+                   f"KL {mine.kl:.4f}, top-1 {mine.top1:.1%}; {rank}.")  # fmt: skip
     return out
 
 
@@ -180,7 +210,13 @@ def write_frontier_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pa
         "dim + value dim), with full-precision tensors counted at 16 bits (what they hold in a 16-bit model; the "
         "model runs in float32 here). A 16-bit `DynamicCache` is 16. ★ marks the frontier: no other cache holds "
         "as few bits with a lower KL. Names: `log42-k3v2-rot` is the log policy with W=42, 3-bit keys (per "
-        'channel, groups of 64), 2-bit values (per token, groups of 64) and `transform="hadamard"`.',
+        'channel, groups of 64), 2-bit values (per token, groups of 64) and `transform="hadamard"`. A `c` after '
+        "the bits is the codebook scheme (one scale per token and head, Lloyd-Max indices, always rotated: "
+        "`v2c` = 2-bit codebook values), `cm` codebook keys centred on their stream's mean (`key_centre=True`), "
+        "`-s4` 4 sink tokens at full precision, and `-t4x64` or `-t44x32` a middle tier of 4-bit codebook keys "
+        'and values for the demoted tokens that the log rule at W′ = 64 or 32 keeps (`action="tiered"`); '
+        "every cache's exact "
+        "composition is its entry in the grid file. A preset's name follows its cell.",
         "",
     ]
     for context in sorted({r["context"] for r in rows if r["task"] == "lm"}):
