@@ -159,7 +159,6 @@ def _verdicts(pts: list[Point]) -> list[str]:
         out.append(f"- Part 2, 2-bit memory at 4-bit quality: best at ≤ 3.0 bits per element `{p.cache}` "
                    f"({p.bits:.2f} bits), KL {p.kl:.3f}, top-1 {p.top1:.1%} (target KL ≤ 0.02, top-1 ≥ 95%: "
                    f"{verdict}).")  # fmt: skip
-    by = {p.cache: p for p in pts}
     for name, (budget, cell) in PRESET_CELLS.items():
         mine = by.get(cell)
         if mine is None:
@@ -215,8 +214,7 @@ def write_frontier_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pa
         "`v2c` = 2-bit codebook values), `cm` codebook keys centred on their stream's mean (`key_centre=True`), "
         "`-s4` 4 sink tokens at full precision, and `-t4x64` or `-t44x32` a middle tier of 4-bit codebook keys "
         'and values for the demoted tokens that the log rule at W′ = 64 or 32 keeps (`action="tiered"`); '
-        "every cache's exact "
-        "composition is its entry in the grid file. A preset's name follows its cell.",
+        "every cache's exact composition is its entry in the grid file. A preset's name follows its cell.",
         "",
     ]
     for context in sorted({r["context"] for r in rows if r["task"] == "lm"}):
