@@ -171,10 +171,12 @@ def register_wrappers(prefix: str, names: tuple[str, ...], make: Callable[[str],
     _registered.add(prefix)
 
 
-def strip_wrapper(model: torch.nn.Module, prefix: str) -> None:
-    """Switch ``model`` from attention implementation ``prefix + name`` back to ``name`` (else leave it)."""
+def strip_wrapper(model: torch.nn.Module, prefix: str, names: tuple[str, ...]) -> None:
+    """Switch ``model`` from attention implementation ``prefix + name`` back to ``name``, for ``name`` in
+    ``names``; leave any other implementation alone (``kvpolicy_fused_sdpa`` also starts with
+    ``kvpolicy_``, and is not the score wrapper)."""
     current = model.config._attn_implementation
-    if current.startswith(prefix):
+    if current.startswith(prefix) and current[len(prefix) :] in names:
         model.set_attn_implementation(current[len(prefix) :])
 
 
@@ -201,5 +203,6 @@ def enable_scores(model: torch.nn.Module) -> None:
 
 
 def disable_scores(model: torch.nn.Module) -> None:
-    """Undo :func:`enable_scores`."""
-    strip_wrapper(model, PREFIX)
+    """Undo :func:`enable_scores`. A model switched to fused attention (which includes the scores) is
+    left as it is: :func:`kvpolicy.fused.disable_fused` undoes that."""
+    strip_wrapper(model, PREFIX, WRAPPED)

@@ -206,4 +206,4 @@ def enable_fused(model: torch.nn.Module) -> None:
 def disable_fused(model: torch.nn.Module) -> None:
     """Undo :func:`enable_fused` (back to the original implementation). Caches in use stay correct: their
     next decode steps materialise the history (``attention_paths()`` says so)."""
-    strip_wrapper(model, PREFIX)
+    strip_wrapper(model, PREFIX, INNER)

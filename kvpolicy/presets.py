@@ -84,14 +84,24 @@ def streamingllm(budget: int = 1024, sinks: int = 4) -> dict[str, Any]:
     return {"policy": SinkWindow(sinks=sinks, window=budget - sinks), "action": Evict()}
 
 
-def _rotated(policy: Any, key_bits: int, value_bits: int, seed: int) -> dict[str, Any]:
-    """``policy``, keys per channel and values per token in groups of 64 at the given widths, and the
-    Hadamard rotation: the composition of kvpolicy's own presets."""
+def _tiered(name: str, window: int, middle_window: int, key_bits: int, value_bits: int, seed: int) -> dict[str, Any]:
+    """The composition of kvpolicy's own presets: the log policy with W = ``window`` at full precision,
+    then two tiers of codebook blocks with centred keys (``key_centre=True``): 4-bit keys and values
+    for the demoted tokens that the log rule at W′ = ``middle_window`` keeps, ``key_bits`` keys and
+    ``value_bits`` values for the rest (a token moving down is re-quantized from its 4-bit
+    reconstruction), and the Hadamard rotation (``seed``)."""
+    from kvpolicy.actions.tiered import Tiered
     from kvpolicy.transforms.hadamard import Hadamard
 
+    check_int("window", window, 1, f"preset {name!r}")
+    check_int("middle_window", middle_window, 1, f"preset {name!r}")
+    tiers = [
+        Quantize(bits=4, scheme="codebook", key_centre=True),
+        Quantize(key_bits=key_bits, value_bits=value_bits, scheme="codebook", key_centre=True),
+    ]
     return {
-        "policy": policy,
-        "action": Quantize(key_bits=key_bits, value_bits=value_bits),
+        "policy": LogWindow(window=window),
+        "action": Tiered(tiers=tiers, keep=[LogWindow(window=middle_window)]),
         "transform": Hadamard(seed=seed),
     }
 
@@ -102,55 +112,38 @@ def kvpolicy_3bit(window: int = 4, middle_window: int = 32, seed: int = 0) -> di
     (``key_centre=True``): 4-bit keys and values for the tokens the log rule at W′ = ``middle_window``
     keeps among the demoted ones, 3-bit keys and 2-bit values for the rest (a token moving down is
     re-quantized from its 4-bit reconstruction), and the Hadamard rotation (``seed``). Measured on
-    SmolLM2-135M at 2k context on the texts of docs/frontier.md (docs/quantization.md,
-    ``examples/configs/centred-keys.toml``, cache ``log4-k3cmv2c-t44x32``): 2.97 bits, KL 0.031,
-    top-1 92.9 % (before centred keys: ``log8-k3cv2c``, 2.89 bits, KL 0.068). Not a published
-    method: a composition of kvpolicy's parts, chosen on calibration texts and measured on the
-    frontier's.
+    SmolLM2-135M at 2k context on the texts of docs/frontier.md (cache ``log4-k3cmv2c-t44x32``):
+    2.97 bits, KL 0.031, top-1 92.9 % (before centred keys: ``log8-k3cv2c``, 2.89 bits, KL 0.068).
+    Not a published method: a composition of kvpolicy's parts, chosen on calibration texts and
+    measured on the frontier's.
     """
-    from kvpolicy.actions.tiered import Tiered
-    from kvpolicy.transforms.hadamard import Hadamard
-
-    check_int("window", window, 1, "preset 'kvpolicy-3bit'")
-    check_int("middle_window", middle_window, 1, "preset 'kvpolicy-3bit'")
-    tiers = [
-        Quantize(bits=4, scheme="codebook", key_centre=True),
-        Quantize(key_bits=3, value_bits=2, scheme="codebook", key_centre=True),
-    ]
-    return {
-        "policy": LogWindow(window=window),
-        "action": Tiered(tiers=tiers, keep=[LogWindow(window=middle_window)]),
-        "transform": Hadamard(seed=seed),
-    }
+    return _tiered("kvpolicy-3bit", window, middle_window, 3, 2, seed)
 
 
-def kvpolicy_3_5bit(window: int = 16, seed: int = 0) -> dict[str, Any]:
-    """kvpolicy's best measured composition at or under 3.5 bits per element: the log policy
-    with W = 16, 3-bit keys per channel and 2-bit values per token in groups of 64, and the Hadamard
-    rotation (``seed``). Measured on SmolLM2-135M at 2k context (docs/frontier.md, cache
-    ``log16-k3v2-rot``): 3.32 bits, KL 0.031, top-1 93.5 %.
-    Not a published method: a composition of kvpolicy's parts, chosen on the frontier grid.
+def kvpolicy_3_5bit(window: int = 4, middle_window: int = 32, seed: int = 0) -> dict[str, Any]:
+    """kvpolicy's best measured composition at or under 3.5 bits per element: ``kvpolicy-3bit`` with
+    3-bit codebook values in the bottom tier (log W = ``window``; centred 4-bit codebook keys and
+    values for the tokens the log rule at W′ = ``middle_window`` keeps; centred 3-bit codebook keys
+    and 3-bit codebook values below; Hadamard, ``seed``). Measured on SmolLM2-135M at 2k context
+    (docs/frontier.md, cache ``log4-k3cmv3c-t44x32``): 3.45 bits, KL 0.021, top-1 93.7 %. The
+    previous preset, ``log16-k3v2-rot`` (3-bit min-max keys, 2-bit values, W = 16), held 3.32 bits
+    for KL 0.031. Not a published method: a composition of kvpolicy's parts, chosen on calibration
+    texts and measured on the frontier's.
     """
-    check_int("window", window, 1, "preset 'kvpolicy-3.5bit'")
-    return _rotated(LogWindow(window=window), 3, 2, seed)
+    return _tiered("kvpolicy-3.5bit", window, middle_window, 3, 3, seed)
 
 
-def kvpolicy_4bit(window: int = 16, seed: int = 0) -> dict[str, Any]:
-    """kvpolicy's best measured composition at or under 4.0 bits per element: the log policy
-    with W = 16, 3-bit keys per channel in groups of 64, 3-bit codebook values (one scale per token
-    and head, Lloyd-Max indices) and the Hadamard rotation (``seed``). Measured on SmolLM2-135M at
-    2k context (docs/frontier.md, cache ``log16-k3v3c``): 3.69 bits, KL 0.016, top-1 95.3 %
-    (the previous preset, 4-bit keys and 2-bit min-max values, held 3.80 bits for KL 0.019).
-    Not a published method: a composition of kvpolicy's parts, chosen on the frontier grid.
+def kvpolicy_4bit(window: int = 4, middle_window: int = 32, seed: int = 0) -> dict[str, Any]:
+    """kvpolicy's best measured composition at or under 4.0 bits per element: ``kvpolicy-3bit`` with
+    4-bit keys and 3-bit values in the bottom tier (log W = ``window``; centred 4-bit codebook keys
+    and values for the tokens the log rule at W′ = ``middle_window`` keeps; centred 4-bit codebook
+    keys and 3-bit codebook values below; Hadamard, ``seed``). Measured on SmolLM2-135M at 2k
+    context (docs/frontier.md, cache ``log4-k4cmv3c-t44x32``): 3.93 bits, KL 0.010, top-1 95.9 %.
+    The previous preset, ``log16-k3v3c`` (3-bit min-max keys, 3-bit codebook values, W = 16), held
+    3.69 bits for KL 0.016. Not a published method: a composition of kvpolicy's parts, chosen on
+    calibration texts and measured on the frontier's.
     """
-    from kvpolicy.transforms.hadamard import Hadamard
-
-    check_int("window", window, 1, "preset 'kvpolicy-4bit'")
-    return {
-        "policy": LogWindow(window=window),
-        "action": Quantize(key_bits=3, value_bits=3, value_scheme="codebook"),
-        "transform": Hadamard(seed=seed),
-    }
+    return _tiered("kvpolicy-4bit", window, middle_window, 4, 3, seed)
 
 
 BUILTIN_PRESETS: dict[str, Callable[..., dict[str, Any]]] = {

@@ -170,3 +170,50 @@ def test_cross_product_dedupes_and_applies_bits_only_where_accepted():
     assert labels.count("none") == 0 and sum("none" in x for x in labels) == 1  # one uncompressed
     assert "log/quantize/2b" in labels and "log/quantize/4b" in labels and "log/evict" in labels
     assert len(labels) == 1 + 2 * 2 + 2 + 1  # ref + quantize x bits + evict + none
+
+
+def test_fused_and_materialized_decode_measure_the_same_and_record_their_paths(tmp_path):
+    """The grid's ``decode`` mode changes the path, not the measurement (up to float rounding); every
+    compressed cell's rows say how its decode steps attended."""
+    caches = [
+        {"kind": "dynamic", "label": "ref"},
+        {"label": "log-k2v2-rot", "policy": "log", "window": 4, "action": "quantize", "bits": 2,
+         "transform": "hadamard"},
+        {"label": "tiered-cm", "policy": "log", "window": 2, "transform": "hadamard", "action": "tiered",
+         "tiers": [{"bits": 4, "scheme": "codebook", "key_centre": True},
+                   {"key_bits": 3, "value_bits": 2, "scheme": "codebook", "key_centre": True}],
+         "keep": [{"name": "log", "window": 8}]},
+    ]  # fmt: skip
+    got = {}
+    for mode in ("fused", "materialized"):
+        grid = _grid(tasks={"lm": {"samples_per_context": 2, "tokens": 12}}, caches=caches, cross={},
+                     equal_bytes=False, only={}, decode=mode)  # fmt: skip
+        out = tmp_path / mode
+        assert Runner(grid, out, progress=False, log=lambda s: None).run() == 0
+        got[mode] = {(r["cache"], r["metric"]): r for r in _rows(out)}
+        assert f"decode attention: {mode}" in (out / "summary.md").read_text()
+    fused, mat = got["fused"], got["materialized"]
+    assert fused.keys() == mat.keys()
+    for key, row in fused.items():
+        assert row["cell"] == mat[key]["cell"]  # a quality cell's id does not depend on the path
+        if key[1] in ("kl", "delta_nll", "top1", "bits_per_element"):
+            assert row["value"] == pytest.approx(mat[key]["value"], abs=1e-6), key
+    for label in ("log-k2v2-rot", "tiered-cm"):
+        f_paths = fused[(label, "kl")]["extra"]["attention_paths"]
+        m_paths = mat[(label, "kl")]["extra"]["attention_paths"]
+        # 2 texts x 11 decode steps x 2 layers, every one on the path the grid asked for
+        assert sum(f_paths.values()) == sum(m_paths.values()) == 2 * 11 * 2
+        assert all(p.startswith("fused") for p in f_paths), f_paths
+        assert all(p.startswith("materialized") for p in m_paths), m_paths
+    assert "attention_paths" not in fused[("ref", "kl")]["extra"]
+
+
+def test_decode_mode_enters_only_timing_cell_ids():
+    from kvpolicy.eval.grid import cell_id
+
+    fused, mat = _grid(decode="fused"), _grid(decode="materialized")
+    spec = fused.caches[1]
+    assert cell_id("m", spec, 64, "lm", {}, fused) == cell_id("m", spec, 64, "lm", {}, mat)
+    assert cell_id("m", spec, 64, "speed", {}, fused) != cell_id("m", spec, 64, "speed", {}, mat)
+    with pytest.raises(ConfigError, match=r"decode must be one of \['fused', 'materialized'\]; got decode='fast'"):
+        _grid(decode="fast")

@@ -89,6 +89,23 @@ def test_enable_and_disable_are_idempotent():
     assert model.config._attn_implementation == "sdpa"
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_disable_scores_leaves_fused_attention_alone(attn):
+    # "kvpolicy_fused_sdpa" starts with the score wrapper's prefix "kvpolicy_": stripping that prefix
+    # would leave "fused_sdpa", which transformers refuses
+    from kvpolicy.fused import disable_fused, enable_fused
+
+    model = tiny_model("llama", attn, layers=1)
+    enable_fused(model)
+    disable_scores(model)
+    assert model.config._attn_implementation == f"kvpolicy_fused_{attn}"
+    disable_fused(model)
+    assert model.config._attn_implementation == attn
+    enable_scores(model)
+    disable_fused(model)  # likewise: the score wrapper is not fused attention
+    assert model.config._attn_implementation == f"kvpolicy_{attn}"
+
+
 @pytest.mark.parametrize("impl", ["flex_attention", "flash_attention_2", "paged|sdpa"])
 def test_enable_scores_rejects_unsupported_implementations(impl):
     fake = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation=impl))

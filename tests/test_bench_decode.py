@@ -113,8 +113,12 @@ def test_preset_variants_build_the_file_and_run_fused(tmp_path):
     )
     v = Variant.parse(f"preset:{preset}")
     assert v.fused and repr(v.build(None, 42)) == repr(CompressedCache.from_config(preset))
-    with pytest.raises(ConfigError, match=r"no preset file"):
+    with pytest.raises(ConfigError, match=r"neither a preset file .* nor a registered preset; registered presets: "
+                                          r"\[.*'kvpolicy-3bit'"):  # fmt: skip
         Variant.parse(f"preset:{tmp_path / 'missing.toml'}")
+    # a registered preset by name
+    named = Variant.parse("preset:kvpolicy-3bit")
+    assert named.fused and repr(named.build(None, 42)) == repr(CompressedCache.from_preset("kvpolicy-3bit"))
     out = tmp_path / "bench"
     rc = main(["bench", "decode", "--model", "tiny-llama", "--lengths", "256", "--steps", "1", "--reps", "1",
                "--warmup", "0", "--caches", "dynamic", f"preset:{preset}", "--out", str(out)])  # fmt: skip

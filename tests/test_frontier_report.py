@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 from kvpolicy.cli import main
-from kvpolicy.eval.frontier_report import Point, best_within, frontier
+from kvpolicy.eval.frontier_report import Point, best_within, frontier, write_frontier_doc
 
 
 def _p(cache: str, bits: float, kl: float, top1: float = 0.9) -> Point:
@@ -45,6 +47,16 @@ def test_ablate_writes_the_frontier_page(tmp_path):
     assert (tmp_path / "docs" / "img" / "frontier" / "frontier_96.png").stat().st_size > 1000
     # the uncompressed cache is on the frontier (nothing has a lower KL), drawn in bold with a star
     assert "**`uncompressed`** ★" in text
+    assert "Decode attention: 3 of the 3 compressed cells attended over the packed codes" in text
+
+    # a materialised cell (or one measured before rows recorded paths) is counted as such
+    rows = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
+    for r in rows:
+        if r["cache"] == "log-4b":
+            r["extra"].pop("attention_paths")
+    (tmp_path / "run" / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = write_frontier_doc(tmp_path / "run", doc, "cmd").read_text()
+    assert "Decode attention: 2 of the 3 compressed cells" in text and "the other 1 rebuilt the history" in text
 
 
 def test_each_shipped_preset_is_the_frontier_cell_the_page_names():
@@ -68,16 +80,24 @@ def test_verdicts_name_the_best_cache_under_each_budget_and_judge_the_presets():
     from kvpolicy.eval.frontier_report import _verdicts
 
     pts = [_p("log4-k3cmv2c-t44x32", 2.97, 0.031, 0.929), _p("other", 2.99, 0.019, 0.951),
-           _p("log16-k3v2-rot", 3.32, 0.031, 0.935), _p("log16-k3v3c", 3.69, 0.0164, 0.953)]  # fmt: skip
+           _p("log4-k3cmv3c-t44x32", 3.45, 0.021, 0.937), _p("log4-k4cmv3c-t44x32", 3.93, 0.0102, 0.959)]  # fmt: skip
     lines = "\n".join(_verdicts(pts))
     assert "best at ≤ 3.0 bits per element `other` (2.99 bits), KL 0.019, top-1 95.1%" in lines
     assert "target KL ≤ 0.02, top-1 ≥ 95%: met" in lines
     assert "`kvpolicy-3bit` = `log4-k3cmv2c-t44x32`: 2.97 bits (within its 3.0-bit budget)" in lines
     assert "**`other` has a lower KL** there (0.0190 at 2.99 bits)" in lines
+    assert "`kvpolicy-3.5bit` = `log4-k3cmv3c-t44x32`: 3.45 bits (within its 3.5-bit budget), KL 0.0210" in lines
+    assert "`other` has a lower KL** there (0.0190 at 2.99 bits)." in lines.split("kvpolicy-3.5bit")[1]
     assert (
-        "`kvpolicy-4bit` = `log16-k3v3c`: 3.69 bits (within its 4.0-bit budget), KL 0.0164, top-1 95.3%; "
+        "`kvpolicy-4bit` = `log4-k4cmv3c-t44x32`: 3.93 bits (within its 4.0-bit budget), KL 0.0102, top-1 95.9%; "
         "the lowest KL measured at ≤ 4.0 bits" in lines
     )
+    # a lower KL within one standard error is not called better
+    close = [Point("log4-k3cmv2c-t44x32", 2.97, {("lm", "kl"): (0.0313, 0.002), ("lm", "top1"): (0.93, None)}),
+             Point("s4", 2.99, {("lm", "kl"): (0.0310, 0.002), ("lm", "top1"): (0.93, None)})]  # fmt: skip
+    lines = "\n".join(_verdicts(close))
+    assert "`s4` measured 0.0003 lower (0.0310 at 2.99 bits), within one standard error (± 0.0020)" in lines
+    assert "has a lower KL" not in lines
     # over budget, and the target missed, said so
     lines = "\n".join(_verdicts([_p("log4-k3cmv2c-t44x32", 3.05, 0.03, 0.93), _p("a", 2.9, 0.05, 0.9)]))
     assert "3.05 bits (**over** its 3.0-bit budget)" in lines

@@ -32,7 +32,7 @@ def test_demo_on_smollm2(capsys):
     out = capsys.readouterr().out
     assert "MemoryReport" in out and "ms/token" in out and "mean next-token KL" in out
     assert out.count("decode attention: fused") == 3  # the compressed caches decode on the fused path
-    # kvpolicy's 3.5-bit preset (3-bit keys, rotation, W=16): fewer bits than 4-bit, closer than LogQuant 2-bit
+    # kvpolicy's 3.5-bit preset (tiers of centred codebook codes, rotation): fewer bits than 4-bit, closer than 2-bit
     ours = rows["kvpolicy-3.5bit"]
     assert ours.kl < two.kl and ours.bits_16 < four.bits_16 and ours.total_bytes < four.total_bytes
     assert "transform=Hadamard(seed=0)" in out

@@ -13,7 +13,7 @@ from conftest import fused_and_materialized, teacher_forced_logits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpolicy import CompressedCache, registry
+from kvpolicy import CompressedCache, LogWindow, registry
 from kvpolicy.errors import ConfigError
 from kvpolicy.fused import decode_attention, disable_fused, enable_fused
 from kvpolicy.testing import check_transform
@@ -311,39 +311,21 @@ def test_beam_search_reorders_the_rotated_store(models):
 
 
 @pytest.mark.parametrize(
-    ("name", "policy", "bits", "schemes"),
-    [
-        ("kvpolicy-3.5bit", "log", (3, 2), ("minmax", "minmax")),
-        ("kvpolicy-4bit", "log", (3, 3), ("minmax", "codebook")),
-    ],
+    ("name", "bottom"),
+    [("kvpolicy-3bit", (3, 2)), ("kvpolicy-3.5bit", (3, 3)), ("kvpolicy-4bit", (4, 3))],
 )
-def test_kvpolicy_presets_compose_rotation_with_a_selection(name, policy, bits, schemes):
-    cache = CompressedCache.from_preset(name)
-    assert cache.transform == Hadamard(0) and cache.policy.name == policy
-    assert (cache.action.key_width, cache.action.value_width) == bits
-    assert (cache.action.key_method, cache.action.value_method) == schemes
-    if schemes[0] == "minmax":
-        assert (cache.action.key_axis, cache.action.value_axis, cache.action.key_group) == ("channel", "token", 64)
-    assert cache.action.key_centre is False
-    assert CompressedCache.from_preset(name, seed=3, window=8).transform == Hadamard(3)
-    assert CompressedCache.from_preset(name, window=8).policy.window == 8
-
-
-def test_kvpolicy_3bit_is_the_measured_tiered_composition():
-    """The preset is the cell its docstring cites (examples/configs/centred-keys.toml), tier for tier."""
-    from pathlib import Path
-
-    import tomllib
-
+def test_kvpolicy_presets_are_the_measured_tiered_compositions(name, bottom):
+    """Each preset is log W=4, a centred 4-bit codebook middle tier kept by the log rule at W′=32, a
+    centred codebook bottom tier of its widths, and the rotation; tier for tier the frontier cell
+    that docs/frontier.md measures (tests/test_frontier_report.py checks the cell's label)."""
     from kvpolicy.actions.tiered import Tiered
 
-    cache = CompressedCache.from_preset("kvpolicy-3bit")
-    assert cache.transform == Hadamard(0) and cache.policy.window == 4 and isinstance(cache.action, Tiered)
+    cache = CompressedCache.from_preset(name)
+    assert cache.transform == Hadamard(0) and cache.policy == LogWindow(window=4) and isinstance(cache.action, Tiered)
     widths = [(t.key_width, t.value_width, t.key_method, t.value_method, t.key_centre) for t in cache.action.tiers]
-    assert widths == [(4, 4, "codebook", "codebook", True), (3, 2, "codebook", "codebook", True)]
+    assert widths == [(4, 4, "codebook", "codebook", True), (*bottom, "codebook", "codebook", True)]
     assert [k.window for k in cache.action.keep] == [32]
-    grid = tomllib.loads((Path(__file__).resolve().parents[1] / "examples/configs/centred-keys.toml").read_text())
-    cell = next(c for c in grid["caches"] if c["label"] == "log4-k3cmv2c-t44x32")
-    assert repr(CompressedCache(**{k: v for k, v in cell.items() if k != "label"})) == repr(cache)
-    other = CompressedCache.from_preset("kvpolicy-3bit", window=8, middle_window=64, seed=3)
+    other = CompressedCache.from_preset(name, window=8, middle_window=64, seed=3)
     assert (other.policy.window, other.action.keep[0].window, other.transform) == (8, 64, Hadamard(3))
+    with pytest.raises(ConfigError, match=f"preset '{name}'"):
+        CompressedCache.from_preset(name, middle_window=0)

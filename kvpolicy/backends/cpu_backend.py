@@ -11,7 +11,8 @@ add ``(p · s) · codes`` and ``p · z``; online softmax; float32 accumulation; 
 
 Codebook blocks (``Quantize(scheme="codebook")``, :class:`~kvpolicy.backends.codebook.CodebookTensor`:
 one scale per token, Lloyd-Max indices) are read by the same kernel: codebook keys score
-``s_t · (q · C[codes_t])`` token by token (tiles of :attr:`CpuBackend.tile` tokens), codebook values add
+``s_t · (q · C[codes_t])`` eight tokens at a time where AVX2 and FMA allow (tiles of
+:attr:`CpuBackend.tile` tokens), codebook values add
 ``(p · s_t) · C[codes_t]`` (a table lookup, no zero term). Any key scheme goes with any value scheme.
 
 The kernel covers: **keys** min-max grouped per channel (the default, KIVI's) or codebook; **values**

@@ -22,8 +22,9 @@ Cache variants are named by short strings:
 - ``one-liner``: ``CompressedCache(policy="log", action="quantize", bits=2)`` exactly as the README
   writes it (every default: ``backend="auto"``, ``check_finite=True``, the default group sizes), run
   with :func:`kvpolicy.fused.enable_fused` on the model (``--window`` does not apply);
-- ``preset:<file.toml>``: ``CompressedCache.from_config(file)`` (a preset ``kvpolicy tune`` wrote), run
-  with :func:`kvpolicy.fused.enable_fused` (``--window`` does not apply);
+- ``preset:<file.toml>``: ``CompressedCache.from_config(file)`` (a preset ``kvpolicy tune`` wrote), or
+  ``preset:<name>``: ``CompressedCache.from_preset(name)`` (a registered preset, e.g.
+  ``preset:kvpolicy-3bit``); run with :func:`kvpolicy.fused.enable_fused` (``--window`` does not apply);
 - ``hf-<quanto|hqq>-<bits>``: transformers' ``QuantizedCache(backend, config, nbits=bits)``;
 - ``<policy>-<bits>-<backend>-<layout>-<fused|mat>``: ``CompressedCache(policy, action="quantize",
   bits, backend, layout, attention="auto" | "materialized")``; ``<bits>`` is one width (``2``) or
@@ -95,7 +96,14 @@ class Variant:
         if name.startswith("preset:"):
             path = name.removeprefix("preset:")
             if not Path(path).is_file():
-                raise ConfigError(f"cache variant {name!r}: no preset file {path!r} (kvpolicy tune writes them)")
+                from kvpolicy import registry
+
+                known = registry.names("presets")
+                if path not in known:
+                    raise ConfigError(
+                        f"cache variant {name!r}: {path!r} is neither a preset file (kvpolicy tune writes them) "
+                        f"nor a registered preset; registered presets: {known}"
+                    )
             return cls(name, "preset", fused=True)
         if parts[0] == "hf" and len(parts) == 3 and parts[1] in ("quanto", "hqq") and parts[2].isdigit():
             return cls(name, "hf", backend=parts[1], bits=int(parts[2]))
@@ -135,7 +143,10 @@ class Variant:
         if self.kind == "one-liner":
             return CompressedCache(policy="log", action="quantize", bits=2, **hybrid)
         if self.kind == "preset":
-            return CompressedCache.from_config(self.name.removeprefix("preset:"), **hybrid)
+            source = self.name.removeprefix("preset:")
+            if Path(source).is_file():
+                return CompressedCache.from_config(source, **hybrid)
+            return CompressedCache.from_preset(source, **hybrid)
         widths = dict(key_bits=self.widths[0], value_bits=self.widths[1]) if self.widths else dict(bits=self.bits)
         return CompressedCache(
             policy=self.policy, action="quantize", **widths, backend=self.backend, layout=self.layout,

@@ -25,7 +25,7 @@ from kvpolicy.errors import ConfigError
 
 #: flags that define the grid (``--merge`` takes the grid from the shards instead)
 _GRID_FLAGS = ("config", "model", "dtype", "device", "seed", "context", "task", "policy", "action", "bits", "backend",
-               "preset", "baseline", "equal_bytes", "no_replay", "online")  # fmt: skip
+               "preset", "baseline", "equal_bytes", "no_replay", "decode", "online")  # fmt: skip
 
 
 def _build_config(args: argparse.Namespace) -> dict:
@@ -34,7 +34,7 @@ def _build_config(args: argparse.Namespace) -> dict:
     d = load_config(args.config) if args.config else {}
     if args.model:
         d["models"] = args.model
-    for key in ("dtype", "device", "seed"):
+    for key in ("dtype", "device", "seed", "decode"):
         if getattr(args, key) is not None:
             d[key] = getattr(args, key)
     if args.context:
@@ -168,6 +168,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also run every compressing cache resized to hold the bytes of ANCHOR (a cache label; "
                    "default: the first compressing cache)")  # fmt: skip
     p.add_argument("--no-replay", action="store_true", help="run every prefill instead of replaying the reference's")
+    p.add_argument("--decode", choices=("fused", "materialized"), default=None,  # kvpolicy.eval.grid.DECODE_MODES
+                   help="how decode steps attend over compressed caches: fused (default; the path users run) or "
+                        "materialized (rebuild the history every step)")  # fmt: skip
     p.add_argument("--online", action="store_true", help="allow downloading models from the Hugging Face hub")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads (with --executor ray: in each worker)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -9,8 +9,11 @@ and writes nothing, so it can run in the runner's process or in a worker elsewhe
 
 from __future__ import annotations
 
+import contextlib
 import time
 import traceback
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +86,71 @@ def error_result(cid: str, model: str, spec: CacheSpec, eq: bool, context: int |
     return CellResult(cid, spec.label, task, context, [row], error=message)
 
 
+def _prepare_attention(model: Any, decode: str, scores: bool) -> None:
+    """Switch ``model`` to kvpolicy's attention for a cell (``decode``: the grid's mode).
+
+    ``"fused"`` installs the fused decode attention (:func:`kvpolicy.fused.enable_fused`, which also
+    reports attention scores): compressed caches are measured on the path a user runs, and a cell
+    decodes 2-3x faster than with a materialised history. ``"materialized"`` installs the score
+    wrapper only, so every decode step rebuilds the history. Both check masks, so ``layout="agnostic"``
+    works (:mod:`kvpolicy.handoff`); other caches' outputs are unchanged either way. Models whose
+    attention implementation kvpolicy does not wrap are left alone (a policy that needs scores then
+    fails in its cell, with the error that says why).
+    """
+    from kvpolicy import attention, fused
+
+    base = model.config._attn_implementation.removeprefix(fused.PREFIX).removeprefix(attention.PREFIX)
+    if base not in attention.WRAPPED and not scores:
+        return
+    if decode == "fused":
+        fused.enable_fused(model)  # a ConfigError naming the implementation where it cannot
+    else:
+        fused.disable_fused(model)
+        attention.enable_scores(model)
+
+
+class PathTally:
+    """How the decode steps of a cell attended: per path, how many layer-steps took it.
+
+    After every forward of ``model`` through a watched cache, each compressed layer's latest path
+    (:meth:`kvpolicy.cache.CompressedCache.attention_paths`, e.g. ``"fused (cpu)"`` or
+    ``"materialized (torch): <reason>"``) is counted once. Caches without that report (transformers'
+    own) count nothing.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.counts: Counter[str] = Counter()
+        self._cache: Any = None
+        self._active = True
+        self._handle = model.register_forward_hook(self._hook)
+
+    def watch(self, cache: Any) -> Any:
+        """Count the steps through ``cache`` from now on; returns it."""
+        self._cache = cache
+        return cache
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Count nothing inside (the uncompressed references' forwards)."""
+        self._active = False
+        try:
+            yield
+        finally:
+            self._active = True
+
+    def _hook(self, module: Any, args: Any, output: Any) -> None:
+        report = getattr(self._cache, "attention_paths", None)
+        if self._active and report is not None:
+            self.counts.update(p for p in report().values() if p is not None)
+
+    def close(self) -> None:
+        self._handle.remove()
+
+    def extra(self) -> dict[str, Any]:
+        """``{"attention_paths": {path: layer-steps}}`` for a row's ``extra`` (empty when none)."""
+        return {"attention_paths": dict(sorted(self.counts.items()))} if self.counts else {}
+
+
 class CellGroup:
     """The cells of one model × context × task, run one at a time on a loaded model.
 
@@ -129,22 +197,19 @@ class CellGroup:
         grid, model, task, context = self.grid, self.model, self.task, self.context
         t0 = time.perf_counter()
         scores = spec.needs_scores()
-        if scores or model.config._attn_implementation in ("sdpa", "eager"):
-            # outputs unchanged; reports scores where a policy needs them and checks the mask, so
-            # layout="agnostic" can be used (kvpolicy.handoff)
-            from kvpolicy.attention import enable_scores
-
-            enable_scores(model)
+        _prepare_attention(model, grid.decode, scores)
+        paths = PathTally(model)
         records: list[dict[str, Any]] = []
         try:
-            make = lambda spec=spec: spec.build(model)  # noqa: E731
+            make = lambda spec=spec: paths.watch(spec.build(model))  # noqa: E731
             if self.task_name == SPEED:
                 metrics = measure.speed(model, self.ids, make, task["steps"], task["repeats"])  # type: ignore[index]
             else:
                 samples = self.samples
                 needs_ref = grid.replay or any(s.kind == "teacher_forced" or s.against_reference for s in samples)
                 if self.refs is None and needs_ref:
-                    self.refs = [measure.reference(model, s) for s in samples]
+                    with paths.paused():
+                        self.refs = [measure.reference(model, s) for s in samples]
                 replay = grid.replay and not scores
                 metrics, records = measure.quality(
                     model, self.tok, task, samples, self.refs, make, replay=replay, progress=self.progress
@@ -153,13 +218,10 @@ class CellGroup:
             return error_result(cid, self.model_name, spec, eq, context, self.task_name,
                                 f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=6))  # fmt: skip
         finally:
-            if scores:
-                from kvpolicy.attention import disable_scores
-
-                disable_scores(model)
+            paths.close()
         seconds = time.perf_counter() - t0
         rows = [make_row(cid, self.model_name, spec, eq, context, self.task_name, m.name, len(metrics), value=m.value,
-                         se=m.se, n=m.n, extra={**m.extra, "seconds": round(seconds, 2)})
+                         se=m.se, n=m.n, extra={**m.extra, "seconds": round(seconds, 2), **paths.extra()})
                 for m in metrics]  # fmt: skip
         lines = [{"cell": cid, "cache": spec.label, "task": self.task_name, "context": context, **r} for r in records]
         return CellResult(cid, spec.label, self.task_name, context, rows, lines)

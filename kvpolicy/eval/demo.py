@@ -2,7 +2,8 @@
 
 The model runs kvpolicy's fused decode attention (:func:`kvpolicy.fused.enable_fused`). For each
 cache (uncompressed, log 4-bit, log 2-bit as LogQuant publishes it, and kvpolicy's own
-``kvpolicy-3.5bit`` preset: 3-bit keys, 2-bit values, rotation and a smaller window) it answers a
+``kvpolicy-3.5bit`` preset: rotation, a 4-bit codebook tier for log-spaced tokens and 3-bit codebook
+keys and values below it) it answers a
 question about a Python source file (prompt >= 2k tokens), and prints the answer, the bytes the
 cache holds, the decode speed, the decode attention path and the fidelity against the uncompressed
 cache: the mean next-token KL divergence over a teacher-forced continuation of a long source file.

@@ -30,8 +30,8 @@ ANCHORS = ("hf-quanto-2b", "hf-quanto-4b", "hf-hqq-2b", "hf-hqq-4b", "logquant",
 #: (tests/test_frontier_report.py checks that each preset builds exactly that cell's cache)
 PRESET_CELLS = {
     "kvpolicy-3bit": (3.0, "log4-k3cmv2c-t44x32"),
-    "kvpolicy-3.5bit": (3.5, "log16-k3v2-rot"),
-    "kvpolicy-4bit": (4.0, "log16-k3v3c"),
+    "kvpolicy-3.5bit": (3.5, "log4-k3cmv3c-t44x32"),
+    "kvpolicy-4bit": (4.0, "log4-k4cmv3c-t44x32"),
 }
 
 
@@ -46,6 +46,12 @@ class Point:
     @property
     def kl(self) -> float:
         return self.values.get(("lm", "kl"), (float("nan"), None))[0]
+
+    @property
+    def kl_se(self) -> float:
+        """The standard error of :attr:`kl` over tokens (0 when not recorded)."""
+        se = self.values.get(("lm", "kl"), (float("nan"), None))[1]
+        return 0.0 if se is None or se != se else se
 
     @property
     def top1(self) -> float:
@@ -165,13 +171,34 @@ def _verdicts(pts: list[Point]) -> list[str]:
             continue
         best = best_within(pts, budget)
         within = "within" if mine.bits <= budget + 1e-9 else "**over**"
+        se = max(mine.kl_se, best.kl_se) if best is not None else 0.0
         if best is None or best.cache == cell:
             rank = f"the lowest KL measured at ≤ {budget} bits"
+        elif mine.kl - best.kl <= se:
+            # the standard error over (correlated) tokens is a lower bound: a smaller gap is no evidence
+            rank = (f"`{best.cache}` measured {mine.kl - best.kl:.4f} lower ({best.kl:.4f} at {best.bits:.2f} bits), "
+                    f"within one standard error (± {se:.4f})")  # fmt: skip
         else:
             rank = f"**`{best.cache}` has a lower KL** there ({best.kl:.4f} at {best.bits:.2f} bits)"
         out.append(f"- Preset `{name}` = `{cell}`: {mine.bits:.2f} bits ({within} its {budget}-bit budget), "
                    f"KL {mine.kl:.4f}, top-1 {mine.top1:.1%}; {rank}.")  # fmt: skip
     return out
+
+
+def _decode_sentence(rows: list[dict[str, Any]]) -> str:
+    """How the compressed cells' decode steps attended, from their rows (``extra.attention_paths``)."""
+    cells: dict[str, dict[str, int]] = {}
+    for r in rows:
+        if r["kind"] in ("compressed", "preset"):
+            cells.setdefault(r["cell"], {}).update(r["extra"].get("attention_paths", {}))
+    fused = sum(1 for p in cells.values() if p and all(k.startswith("fused") for k in p))
+    text = (f"Decode attention: {fused} of the {len(cells)} compressed cells attended over the packed codes in "
+            "every decode step (the fused path that `enable_fused(model)` installs)")  # fmt: skip
+    if fused < len(cells):
+        text += (f"; the other {len(cells) - fused} rebuilt the history in some or all steps (cells measured with "
+                 "`decode = \"materialized\"`, or before the grid recorded its paths: their rows carry no "
+                 "`attention_paths`)")  # fmt: skip
+    return text + ". The two paths give the same measurements up to float rounding (`tests/test_ablate_runner.py`)."
 
 
 def write_frontier_doc(run_dir: str | Path, doc: str | Path, command: str) -> Path:
@@ -203,6 +230,8 @@ def write_frontier_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pa
         f"`greedy`: {greedy.get('samples_per_context', '?')} of those contexts continued greedily for "
         f"{greedy.get('tokens', '?')} tokens, compared token by token with the uncompressed cache's continuation "
         "(share identical; tokens before the first difference). `passkey`: a 5-digit key at depths 10/50/90 %.",
+        "",
+        _decode_sentence(rows),
         "",
         "**Bits per element** count every byte held after the last token (codes, scales, zero-points, positions, "
         "key staging, the full-precision window and the rotation matrix) over tokens × layers × KV heads × (key "

@@ -9,6 +9,7 @@ the same keys::
     contexts = [2048]
     seed = 0
     replay = true                   # replay the uncompressed prefill (see kvpolicy.eval.measure)
+    decode = "fused"                # or "materialized": how decode steps attend (see kvpolicy.eval.cells)
     equal_bytes = "log/quantize/2b" # anchor label, true (first compressing cache) or false
 
     [tasks.lm]                      # task name -> its parameters (kvpolicy.eval.tasks); "speed" times
@@ -51,8 +52,10 @@ DTYPES = ("float32", "float16", "bfloat16")
 MIN_CONTEXT = 8
 #: the timing pseudo-task: real prefill + ``steps`` decode steps on the LM text
 SPEED = "speed"
-_TOP_KEYS = {"models", "dtype", "device", "contexts", "seed", "replay", "equal_bytes", "online", "tasks", "caches",
-             "cross", "attention", "only"}  # fmt: skip
+_TOP_KEYS = {"models", "dtype", "device", "contexts", "seed", "replay", "decode", "equal_bytes", "online", "tasks",
+             "caches", "cross", "attention", "only"}  # fmt: skip
+#: how a grid's decode steps attend over compressed caches (``decode``; kvpolicy.eval.cells)
+DECODE_MODES = ("fused", "materialized")
 _CROSS_KEYS = {"policies", "actions", "bits", "backends", "params"}
 _ATTENTION_KEYS = ("context", "queries", "top_k", "window")
 _SPEED_KEYS = ("contexts", "repeats", "steps")
@@ -149,6 +152,7 @@ class Grid:
     contexts: list[int] = field(default_factory=lambda: [2048])
     seed: int = 0
     replay: bool = True
+    decode: str = "fused"
     equal_bytes: str | bool = False
     online: bool = False
     tasks: dict[str, dict[str, Any]] = field(default_factory=lambda: {"lm": {}})
@@ -195,6 +199,8 @@ class Grid:
         for key in ("replay", "online"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key} must be true or false; got {key}={getattr(self, key)!r}")
+        if self.decode not in DECODE_MODES:
+            raise ConfigError(f"decode must be one of {list(DECODE_MODES)}; got decode={self.decode!r}")
         if not isinstance(self.equal_bytes, (str, bool)):
             raise ConfigError(f"equal_bytes must be a cache label, true or false; got equal_bytes={self.equal_bytes!r}")
         if not isinstance(self.device, str):
@@ -298,12 +304,18 @@ def _jsonable(x: Any) -> Any:
 
 
 def cell_id(model: str, spec: CacheSpec, context: int | None, task: str, task_params: dict, grid: Grid) -> str:
-    """Stable id of a cell: a hash of everything that determines its result."""
-    key = json.dumps(
-        {"model": model, "dtype": grid.dtype, "device": grid.device, "cache": spec.describe(), "context": context,
-         "task": task, "params": _jsonable(task_params), "seed": grid.seed, "replay": grid.replay},
-        sort_keys=True,
-    )  # fmt: skip
+    """Stable id of a cell: a hash of everything that determines its result.
+
+    ``decode`` enters the id of timing cells only: the fused and the materialised paths compute the
+    same attention up to float rounding (tests/test_ablation.py compares the two), so a quality cell
+    measured on either stands for both, while their timings differ.
+    """
+    key_fields = {"model": model, "dtype": grid.dtype, "device": grid.device, "cache": spec.describe(),
+                  "context": context, "task": task, "params": _jsonable(task_params), "seed": grid.seed,
+                  "replay": grid.replay}  # fmt: skip
+    if task == SPEED:
+        key_fields["decode"] = grid.decode
+    key = json.dumps(key_fields, sort_keys=True)
     return hashlib.sha1(key.encode()).hexdigest()[:16]
 
 
@@ -421,8 +433,8 @@ def grid_from_dict(d: dict[str, Any]) -> Grid:
     caches = [spec_from_entry(e) for e in entries]
     if d.get("cross"):
         caches += cross_specs(d["cross"])
-    kwargs = {k: d[k] for k in ("models", "dtype", "device", "contexts", "seed", "replay", "equal_bytes", "online",
-                                "tasks", "attention", "only") if k in d}  # fmt: skip
+    kwargs = {k: d[k] for k in ("models", "dtype", "device", "contexts", "seed", "replay", "decode", "equal_bytes",
+                                "online", "tasks", "attention", "only") if k in d}  # fmt: skip
     return Grid(caches=caches, **kwargs)
 
 

@@ -248,13 +248,15 @@ class ConfigGrid:
     seed: int
     replay: bool
     caches: list[_CacheLabel]
+    decode: str = "fused"
 
     @classmethod
     def of(cls, config: dict[str, Any]) -> ConfigGrid:
         """The grid of ``config`` (as :meth:`kvpolicy.eval.grid.Grid.to_dict` wrote it)."""
         return cls(config.get("models", []), config.get("dtype", ""), config.get("device", ""),
                    config.get("seed", 0), config.get("replay", True),
-                   [_CacheLabel(c["label"]) for c in config.get("caches", []) if isinstance(c, dict)])  # fmt: skip
+                   [_CacheLabel(c["label"]) for c in config.get("caches", []) if isinstance(c, dict)],
+                   config.get("decode", "materialized"))  # fmt: skip
 
 
 def write_report(out: Path) -> None:
