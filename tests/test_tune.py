@@ -117,6 +117,8 @@ def test_the_shipped_preset_loads_as_the_tuned_composition():
     assert saved["tune"]["budget_bits"] == 3.0 and saved["tune"]["bits_per_element_heldout"] <= 3.0
     cache = CompressedCache.from_config(path)
     assert isinstance(cache.action, Tiered) and [t.value_method for t in cache.action.tiers] == ["codebook"] * 2
+    # the search over the current space finds the shipped kvpolicy-3bit preset itself (docs/tune.md)
+    assert repr(cache) == repr(CompressedCache.from_preset("kvpolicy-3bit"))
 
 
 def test_the_8k_preset_holds_at_most_2_5_bits_at_8k_and_centres_its_keys():
