@@ -206,6 +206,13 @@ def test_fused_and_materialized_decode_measure_the_same_and_record_their_paths(t
         assert all(p.startswith("fused") for p in f_paths), f_paths
         assert all(p.startswith("materialized") for p in m_paths), m_paths
     assert "attention_paths" not in fused[("ref", "kl")]["extra"]
+    # a prefill that runs (no replay) is not a decode step: the count is the same
+    grid = _grid(tasks={"lm": {"samples_per_context": 2, "tokens": 12}}, caches=caches[1:2], cross={},
+                 equal_bytes=False, only={}, replay=False)  # fmt: skip
+    assert Runner(grid, tmp_path / "prefill", progress=False, log=lambda s: None).run() == 0
+    rows = {(r["cache"], r["metric"]): r for r in _rows(tmp_path / "prefill")}
+    assert rows[("log-k2v2-rot", "kl")]["extra"]["attention_paths"] == fused[("log-k2v2-rot", "kl")]["extra"][
+        "attention_paths"]  # fmt: skip
 
 
 def test_decode_mode_enters_only_timing_cell_ids():
