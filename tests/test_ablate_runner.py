@@ -224,3 +224,26 @@ def test_decode_mode_enters_only_timing_cell_ids():
     assert cell_id("m", spec, 64, "speed", {}, fused) != cell_id("m", spec, 64, "speed", {}, mat)
     with pytest.raises(ConfigError, match=r"decode must be one of \['fused', 'materialized'\]; got decode='fast'"):
         _grid(decode="fast")
+
+
+def test_a_scoring_cell_on_an_unwrappable_attention_is_that_cells_error_row():
+    """H2O needs attention scores, which kvpolicy reports only through sdpa or eager: on another
+    implementation its cell records the ConfigError naming it instead of stopping the run."""
+    from kvpolicy.eval.cells import CellGroup
+    from kvpolicy.eval.runner import open_model
+
+    grid = _grid(tasks={"lm": {"samples_per_context": 1, "tokens": 4}}, cross={}, equal_bytes=False, only={},
+                 caches=[{"label": "h2o", "policy": "h2o", "action": "evict"},
+                         {"label": "log", "policy": "log", "window": 4, "bits": 2}])  # fmt: skip
+    model, tok = open_model("tiny-llama")
+    model.config._attn_implementation = "flash_attention_2"  # as loaded, never run here
+    task = grid.task_objects()["lm"]
+    group = CellGroup(grid, model, tok, "tiny-llama", 64, "lm", task)
+    h2o, log = grid.caches
+    bad = group.run("c1", h2o, False)
+    assert bad.error is not None and "flash_attention_2" in bad.error and bad.rows[0]["metric"] == "error"
+    assert model.config._attn_implementation == "flash_attention_2"  # left alone
+    model.config._attn_implementation = "sdpa"
+    ok = group.run("c2", log, False)  # the group goes on: the next cell runs (fused, on sdpa)
+    assert ok.error is None and ok.rows[0]["extra"]["attention_paths"]
+    assert all(p.startswith("fused") for p in ok.rows[0]["extra"]["attention_paths"])
