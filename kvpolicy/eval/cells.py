@@ -9,11 +9,9 @@ and writes nothing, so it can run in the runner's process or in a worker elsewhe
 
 from __future__ import annotations
 
-import contextlib
 import time
 import traceback
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,16 +113,16 @@ def _prepare_attention(model: Any, decode: str, scores: bool) -> None:
 class PathTally:
     """How the decode steps of a cell attended: per path, how many layer-steps took it.
 
-    After every decode forward of ``model`` (one new position) through a watched cache, each
+    After every decode forward of ``model`` (one new position) through the watched cache, each
     compressed layer's latest path (:meth:`kvpolicy.cache.CompressedCache.attention_paths`, e.g.
     ``"fused (cpu)"`` or ``"materialized (torch): <reason>"``) is counted once. Prefill forwards are
-    not decode steps and count nothing; neither do caches without that report (transformers' own).
+    not decode steps and count nothing; neither do forwards through another cache (the uncompressed
+    references) or caches without that report (transformers' own).
     """
 
     def __init__(self, model: Any) -> None:
         self.counts: Counter[str] = Counter()
         self._cache: Any = None
-        self._active = True
         self._handle = model.register_forward_hook(self._hook, with_kwargs=True)
 
     def watch(self, cache: Any) -> Any:
@@ -132,20 +130,12 @@ class PathTally:
         self._cache = cache
         return cache
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Count nothing inside (the uncompressed references' forwards)."""
-        self._active = False
-        try:
-            yield
-        finally:
-            self._active = True
-
     def _hook(self, module: Any, args: Any, kwargs: dict, output: Any) -> None:
-        report = getattr(self._cache, "attention_paths", None)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        report = getattr(cache, "attention_paths", None)
         ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
         positions = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else None
-        if self._active and report is not None and positions == 1:
+        if cache is self._cache and report is not None and positions == 1:
             self.counts.update(p for p in report().values() if p is not None)
 
     def close(self) -> None:
@@ -213,8 +203,7 @@ class CellGroup:
                 samples = self.samples
                 needs_ref = grid.replay or any(s.kind == "teacher_forced" or s.against_reference for s in samples)
                 if self.refs is None and needs_ref:
-                    with paths.paused():
-                        self.refs = [measure.reference(model, s) for s in samples]
+                    self.refs = [measure.reference(model, s) for s in samples]
                 replay = grid.replay and not scores
                 metrics, records = measure.quality(
                     model, self.tok, task, samples, self.refs, make, replay=replay, progress=self.progress

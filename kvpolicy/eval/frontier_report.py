@@ -171,10 +171,9 @@ def _verdicts(pts: list[Point]) -> list[str]:
             continue
         best = best_within(pts, budget)
         within = "within" if mine.bits <= budget + 1e-9 else "**over**"
-        se = max(mine.kl_se, best.kl_se) if best is not None else 0.0
         if best is None or best.cache == cell:
             rank = f"the lowest KL measured at ≤ {budget} bits"
-        elif mine.kl - best.kl <= se:
+        elif mine.kl - best.kl <= (se := max(mine.kl_se, best.kl_se)):
             # the standard error over (correlated) tokens is a lower bound: a smaller gap is no evidence
             rank = (f"`{best.cache}` measured {mine.kl - best.kl:.4f} lower ({best.kl:.4f} at {best.bits:.2f} bits), "
                     f"within one standard error (± {se:.4f})")  # fmt: skip

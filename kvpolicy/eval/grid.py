@@ -307,7 +307,7 @@ def cell_id(model: str, spec: CacheSpec, context: int | None, task: str, task_pa
     """Stable id of a cell: a hash of everything that determines its result.
 
     ``decode`` enters the id of timing cells only: the fused and the materialised paths compute the
-    same attention up to float rounding (tests/test_ablation.py compares the two), so a quality cell
+    same attention up to float rounding (tests/test_ablate_runner.py compares the two), so a quality cell
     measured on either stands for both, while their timings differ.
     """
     key_fields = {"model": model, "dtype": grid.dtype, "device": grid.device, "cache": spec.describe(),

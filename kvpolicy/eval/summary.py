@@ -100,7 +100,7 @@ def write_summary(out: Path, rows: list[dict[str, Any]], grid: Any, sizings: lis
         "# Ablation summary",
         "",
         f"Models: {', '.join(grid.models)}; dtype {grid.dtype}; device {grid.device}; seed {grid.seed}; "
-        f"prefill replay: {grid.replay}; decode attention: {getattr(grid, 'decode', 'fused')}. Exact cache reprs: "
+        f"prefill replay: {grid.replay}; decode attention: {grid.decode}. Exact cache reprs: "
         "`config.json`. Rows: `results.jsonl` (`extra.attention_paths`: how many decode layer-steps took each path).",
         "",
         "ΔNLL, KL and top-1 are teacher-forced against the uncompressed cache on the same tokens (± standard "

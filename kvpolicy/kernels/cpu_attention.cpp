@@ -14,10 +14,11 @@
 // One work item = one (batch, head, token split). It walks the tiles of its split: one key group of GK
 // tokens for min-max keys, `tile` tokens for codebook keys (the last tile may be shorter). Scores of the
 // tile: min-max keys (q*s)·codes + q·z channel by channel across the tile's tokens; codebook keys
-// s_t * (q·C[codes_t]), eight tokens at a time with AVX2 and FMA (dot8), else token by token. An online softmax, then the values of the tile: min-max values
-// accumulate (p*s)·codes with p·z kept per value group; codebook values (p*s_t)·C[codes_t], the row one
-// group and no zero term. Codes are decoded in planar order (see expand): centred (code - MID) for
-// min-max, looked up in C for the codebook; nothing is dequantized into memory.
+// s_t * (q·C[codes_t]), eight tokens at a time with AVX2 and FMA (dot8), else token by token. An online
+// softmax, then the values of the tile: min-max values accumulate (p*s)·codes with p·z kept per value
+// group; codebook values (p*s_t)·C[codes_t], the row one group and no zero term. Codes are decoded in
+// planar order (see expand): centred (code - MID) for min-max, looked up in C for the codebook; nothing is
+// dequantized into memory.
 // Partial results of the splits of one (batch, head) are merged through their log-sum-exp.
 // Accumulation is float32 throughout.
 
@@ -178,7 +179,8 @@ inline void dot8(const float* __restrict a, const float* __restrict x, int64_t l
   // per 128-bit lane: s0123 = [sum_0, sum_1, sum_2, sum_3] of each lane's half of rows 0..3 (likewise 4..7)
   const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
   const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-  const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+  const __m256 sums =
+      _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
   _mm256_storeu_ps(out, _mm256_mul_ps(sums, _mm256_loadu_ps(s)));
 }
 #endif
