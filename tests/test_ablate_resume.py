@@ -170,3 +170,27 @@ def test_a_corrupt_sizing_memo_is_ignored_with_a_warning(tmp_path):
     assert sum("not a sizing memo" in m for m in log) == 3
     memo.write_text('{"tiny-llama": {"k": 1}}')
     assert runner._read_sizing_memo(memo) == {"tiny-llama": {"k": 1}}
+
+
+def test_a_run_stopped_early_still_reports_the_cells_finished_before(tmp_path, monkeypatch):
+    """``config.json`` lists the grid's cells when a run starts, not only as its groups run: a run
+    stopped before it reached a model (a long grid resumed, then interrupted again) must not hide
+    that model's finished cells from ``--report-only`` and the pages."""
+    from kvpolicy.eval.runner import current_rows
+
+    log = {"label": "log", "policy": "log", "window": 8, "bits": 2, "group_size": 16}
+    grid = grid_from_dict({"models": ["tiny-llama", "tiny-qwen2"], "contexts": [32],
+                           "tasks": {"lm": {"samples_per_context": 1, "tokens": 3}},
+                           "caches": [{"kind": "dynamic", "label": "ref"}, log]})  # fmt: skip
+    assert Runner(grid, tmp_path, progress=False, log=lambda s: None).run() == 0
+    before = current_rows(tmp_path)[1]
+    assert {r["model"] for r in before} == {"tiny-llama", "tiny-qwen2"}
+
+    def stopped(self, model_name, tasks, done, bar):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Runner, "run_model", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        Runner(grid, tmp_path, progress=False, log=lambda s: None).run()
+    after = current_rows(tmp_path)[1]
+    assert sorted((r["cell"], r["metric"]) for r in after) == sorted((r["cell"], r["metric"]) for r in before)

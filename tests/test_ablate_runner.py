@@ -247,3 +247,71 @@ def test_a_scoring_cell_on_an_unwrappable_attention_is_that_cells_error_row():
     ok = group.run("c2", log, False)  # the group goes on: the next cell runs (fused, on sdpa)
     assert ok.error is None and ok.rows[0]["extra"]["attention_paths"]
     assert all(p.startswith("fused") for p in ok.rows[0]["extra"]["attention_paths"])
+
+
+def test_model_caches_run_each_model_on_its_own_subset_and_both_pages_cover_both_models(tmp_path):
+    """``[model_caches]`` restricts the caches of one model; the frontier and results pages get one
+    part per model and compare the second model's ordering with the first's."""
+    from kvpolicy.eval.docs_report import write_results_doc
+    from kvpolicy.eval.frontier_report import write_frontier_doc
+
+    def log(label, bits, window=8):
+        return {"label": label, "policy": "log", "window": window, "bits": bits, "group_size": 16}
+
+    d = {"models": ["tiny-llama", "tiny-qwen2"], "contexts": [64],
+         "tasks": {"lm": {"samples_per_context": 1, "tokens": 6}},
+         "caches": [{"kind": "dynamic", "label": "ref"}, log("log-2b", 2), log("log-4b", 4), log("wide-2b", 2, 24)],
+         "model_caches": {"tiny-qwen2": ["ref", "log-2b", "log-4b"]}}  # fmt: skip
+    grid = grid_from_dict(d)
+    assert Runner(grid, tmp_path, progress=False, log=lambda s: None).run() == 0
+    rows = _rows(tmp_path)
+    assert {r["cache"] for r in rows if r["model"] == "tiny-llama"} == {"ref", "log-2b", "log-4b", "wide-2b"}
+    assert {r["cache"] for r in rows if r["model"] == "tiny-qwen2"} == {"ref", "log-2b", "log-4b"}
+
+    text = write_frontier_doc(tmp_path, tmp_path / "docs" / "frontier.md", "cmd").read_text()
+    assert "## tiny-llama · context 64" in text and "## tiny-qwen2 · context 64" in text
+    qwen = text.split("## tiny-qwen2 · context 64")[1]
+    assert "`wide-2b`" not in qwen and "`log-4b`" in qwen
+    assert "### tiny-qwen2 against tiny-llama at context 64" in qwen
+    assert "Rank correlation of KL over the 2 caches measured on both" in qwen
+    assert (tmp_path / "docs" / "img" / "frontier" / "frontier_tiny-qwen2_64.png").is_file()
+
+    text = write_results_doc(tmp_path, tmp_path / "docs" / "results.md", "cmd").read_text()
+    lm = text.split("## Language modelling")[1].split("\n## ")[0]
+    assert "### tiny-llama" in lm and "### tiny-qwen2" in lm
+    assert "`wide-2b`" not in lm.split("### tiny-qwen2")[1]
+    assert "## tiny-llama and tiny-qwen2 side by side" in text
+
+    # a cell that failed on one model (transformers' QuantizedCache refuses Gemma-3's hybrid layers):
+    # both pages name it under that model, with its error
+    kept = [r for r in rows if not (r["model"] == "tiny-qwen2" and r["cache"] == "log-4b")]
+    cell = next(r["cell"] for r in rows if r["model"] == "tiny-qwen2" and r["cache"] == "log-4b")
+    error = {**kept[-1], "cell": cell, "model": "tiny-qwen2", "cache": "log-4b", "task": "lm", "metric": "error",
+             "value": float("nan"), "extra": {"error": "ValueError: refused here"}}  # fmt: skip
+    (tmp_path / RESULTS).write_text("".join(json.dumps(r) + "\n" for r in [*kept, error]))
+    text = write_frontier_doc(tmp_path, tmp_path / "docs" / "frontier.md", "cmd").read_text()
+    assert "Refused on this model (the error their cells recorded): `log-4b`: ValueError: refused here" in text
+    assert "Refused" not in text.split("## tiny-qwen2")[0]
+    text = write_results_doc(tmp_path, tmp_path / "docs" / "results.md", "cmd").read_text()
+    qwen = text.split("### tiny-qwen2")[1]
+    assert "Refused on this model (the error their cells recorded, on every task): `log-4b`: ValueError" in qwen
+
+
+def test_model_caches_name_models_and_labels_of_the_grid(tmp_path):
+    base = {"models": ["tiny-llama"], "contexts": [64], "tasks": {"lm": {"samples_per_context": 1, "tokens": 4}},
+            "caches": [{"kind": "dynamic", "label": "ref"}]}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"model_caches: 'tiny-qwen2' is not a model of the grid; models: "):
+        grid_from_dict({**base, "model_caches": {"tiny-qwen2": ["ref"]}})
+    with pytest.raises(ConfigError, match=r"model_caches.tiny-llama: unknown cache label\(s\) \['nope'\]"):
+        grid_from_dict({**base, "model_caches": {"tiny-llama": ["nope"]}})
+    with pytest.raises(ConfigError, match=r"\[model_caches\] tiny-llama must be a list"):
+        grid_from_dict({**base, "model_caches": {"tiny-llama": "ref"}})
+    # --model picks models of the config: the other models' restrictions go with them
+    cfg = tmp_path / "g.toml"
+    cfg.write_text(
+        'models = ["tiny-llama", "tiny-qwen2"]\ncontexts = [64]\n[tasks.lm]\nsamples_per_context = 1\n'
+        'tokens = 4\n[model_caches]\ntiny-qwen2 = ["ref"]\n[[caches]]\nlabel = "ref"\nkind = "dynamic"\n'
+    )
+    assert main(["ablate", "--config", str(cfg), "--model", "tiny-llama", "--out", str(tmp_path / "o"),
+                 "--no-progress"]) == 0  # fmt: skip
+    assert {r["model"] for r in _rows(tmp_path / "o")} == {"tiny-llama"}

@@ -40,7 +40,7 @@ def test_ablate_writes_the_frontier_page(tmp_path):
                "--frontier-doc", str(doc)])  # fmt: skip
     assert rc == 0
     text = doc.read_text()
-    assert "## Context 96" in text and "| cache | bits/el | ΔNLL (nats) | KL (nats) | top-1 |" in text
+    assert "## tiny-llama · context 96" in text and "| cache | bits/el | ΔNLL (nats) | KL (nats) | top-1 |" in text
     for label in ("uncompressed", "log42-k2v2", "log42-k2v2-rot", "log-4b"):
         assert f"`{label}`" in text
     assert "Rotation at equal bits (log, W=42, K2V2" in text
@@ -102,3 +102,53 @@ def test_verdicts_name_the_best_cache_under_each_budget_and_judge_the_presets():
     lines = "\n".join(_verdicts([_p("log4-k3cmv2c-t44x32", 3.05, 0.03, 0.93), _p("a", 2.9, 0.05, 0.9)]))
     assert "3.05 bits (**over** its 3.0-bit budget)" in lines
     assert "`a` (2.90 bits), KL 0.050, top-1 90.0% (target KL ≤ 0.02, top-1 ≥ 95%: not met)" in lines
+    # over budget with a lower KL than everything within it: no negative "lower" gap
+    lines = "\n".join(_verdicts([_p("log4-k4cmv3c-t44x32", 4.3, 0.0198, 0.95), _p("b", 3.3, 0.0316, 0.94)]))
+    assert ("4.30 bits (**over** its 4.0-bit budget), KL 0.0198, top-1 95.0%; no cache measured at ≤ 4.0 bits has "
+            "a lower KL (the lowest there: `b`, 0.0316 at 3.30 bits)") in lines  # fmt: skip
+
+
+def test_orderings_name_the_pairs_two_models_order_differently_beyond_their_errors():
+    from kvpolicy.eval.frontier_report import _spearman, orderings
+
+    def pt(cache, kl, se=0.001, whole=None):
+        return Point(cache, 3.0, {("lm", "kl"): (kl, se), ("lm", "top1"): (0.9, None)}, whole)
+
+    first = [pt("uncompressed", 0.0), pt("log42-k2v2", 0.27), pt("log42-k2v2-rot", 0.11), pt("sink42-k2v2-rot", 0.12),
+             pt("recent42-k2v2-rot", 0.30), pt("only-first", 0.5)]  # fmt: skip
+    other = [pt("uncompressed", 0.0), pt("log42-k2v2", 0.12, whole=10.2), pt("log42-k2v2-rot", 0.62, whole=10.4),
+             pt("sink42-k2v2-rot", 0.6195, se=0.01, whole=10.4), pt("recent42-k2v2-rot", 0.9, whole=10.4)]  # fmt: skip
+    text = "\n".join(orderings(first, other, ("A", "B")))
+    assert "| cache | A bits/el | A KL | B bits/el (global layers) | B KL | KL B / A |" in text
+    assert "`only-first`" not in text and "`uncompressed`" not in text  # shared, compressed caches only
+    # pairs: (rot, sink) flipped within B's error; (k2v2, rot), (k2v2, sink) flipped beyond both errors
+    assert "3 of the 6 pairs are ordered differently; 2 of them by more than one standard error on both" in text
+    assert "`log42-k2v2-rot` 0.1100 < `log42-k2v2` 0.2700 on A, but 0.6200 > 0.1200 on B" in text
+    # a policy ordering that differs is said to, even when the gap is within the errors (the pairs say which)
+    want = (
+        "Policy ordering (W=42, K2V2, rotation; lowest KL first): A log (0.1100) < sink (0.1200) < recent "
+        "(0.3000); B sink (0.6195) < log (0.6200) < recent (0.9000): **different between the models**."
+    )
+    assert want in text
+    assert _spearman([1, 2, 3], [3, 2, 1]) == -1.0 and _spearman([1, 2, 2, 4], [1, 2, 2, 4]) == 1.0
+
+
+def test_the_page_lists_the_caches_of_the_grid_not_measured_yet(tmp_path):
+    """A grid run in parts (hours of cells, stopped and resumed): the page names every cache of the
+    grid that has no measurement yet."""
+    cfg = tmp_path / "f.toml"
+    cfg.write_text(
+        'models = ["tiny-llama"]\ncontexts = [96]\n[tasks.lm]\nsamples_per_context = 1\ntokens = 4\n'
+        '[[caches]]\nlabel = "uncompressed"\nkind = "dynamic"\n'
+        '[[caches]]\nlabel = "log-2b"\npolicy = "log"\nwindow = 8\ngroup_size = 16\nbits = 2\n'
+        '[[caches]]\nlabel = "later"\npolicy = "log"\nwindow = 8\ngroup_size = 16\nbits = 4\n'
+    )
+    run, doc = tmp_path / "run", tmp_path / "frontier.md"
+    assert main(["ablate", "--config", str(cfg), "--out", str(run), "--no-progress"]) == 0
+    # the run stopped before its last cell: that cell's rows never reached results.jsonl
+    lines = (run / "results.jsonl").read_text().splitlines()
+    (run / "results.jsonl").write_text("".join(line + "\n" for line in lines if '"later"' not in line))
+    assert main(["ablate", "--config", str(cfg), "--out", str(run), "--no-progress", "--report-only",
+                 "--frontier-doc", str(doc)]) == 0  # fmt: skip
+    text = doc.read_text()
+    assert "Not measured yet (1 of the grid's 3 caches for this model" in text and ": `later`." in text

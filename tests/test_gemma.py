@@ -202,3 +202,34 @@ def test_16bit_baseline_of_a_hybrid_model_is_what_its_dynamic_cache_holds():
     tokens = cache.get_seq_length()
     # float32 holds 2x the 16-bit bytes; each sliding layer also holds its window size as an int64 tensor
     assert held_bytes(cache) - baseline_bytes(model.config, tokens, batch=2) * 2 == 5 * 8
+
+
+def test_global_bits_count_the_full_attention_layers_only():
+    """``bits_per_element_16_global``: a hybrid model's bits over its full-attention layers, the ones a
+    cache compresses (what compares with a model whose layers are all global); 16 for DynamicCache,
+    and the compressed layer's own bytes for a kvpolicy cache. Not recorded for other models."""
+    from kvpolicy.eval.caches import global_layers
+    from kvpolicy.eval.measure import _finish_bytes
+    from kvpolicy.eval.tiny import random_model
+
+    model = tiny_gemma3()
+    assert global_layers(model.config) == [5]
+    for cache in (DynamicCache(config=model.config),
+                  CompressedCache(policy="log", window=4, bits=2, group_size=16, config=model.config)):  # fmt: skip
+        with torch.no_grad():
+            teacher_forced_logits(model, _ids(40)[:1], 20, cache)  # batch 1, as the ablation runs
+        tokens = cache.get_seq_length()
+        got = {m.name: m.value for m in _finish_bytes(cache, model, tokens)}
+        one_layer_16bit = tokens * 1 * 64 * 2 * 2  # tokens x kv heads x head_dim x (K, V) x 2 bytes
+        if isinstance(cache, CompressedCache):
+            expected = 16 * cache.memory_report().layers[5].total_bytes_16bit / one_layer_16bit
+            assert 2 < expected < got["bits_per_element_16"]  # the sliding layers' windows weigh in the whole
+        else:
+            expected = 16.0
+        assert got["bits_per_element_16_global"] == pytest.approx(expected, rel=1e-12)
+    llama = random_model("llama", layers=2)
+    assert global_layers(llama.config) is None
+    cache = CompressedCache(policy="log", window=4, bits=2, group_size=16)
+    with torch.no_grad():
+        teacher_forced_logits(llama, torch.randint(0, 64, (1, 40)), 20, cache)
+    assert "bits_per_element_16_global" not in {m.name for m in _finish_bytes(cache, llama, 40)}

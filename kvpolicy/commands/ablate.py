@@ -34,6 +34,8 @@ def _build_config(args: argparse.Namespace) -> dict:
     d = load_config(args.config) if args.config else {}
     if args.model:
         d["models"] = args.model
+        if isinstance(d.get("model_caches"), dict):  # the config's restrictions of the models kept
+            d["model_caches"] = {k: v for k, v in d["model_caches"].items() if k in args.model}
     for key in ("dtype", "device", "seed", "decode"):
         if getattr(args, key) is not None:
             d[key] = getattr(args, key)

@@ -8,6 +8,9 @@ from the query are histogrammed in log2 bins (``d = 0``, ``1``, ``2-3``, ``4-7``
 bin's count by its width gives a density per distance: if spikes thin out like ``1/d`` (what a log
 window keeps), the density falls by half per bin.
 
+A hybrid model (Gemma-3) is analysed in its full-attention layers only: those are the layers a cache
+compresses, and a sliding-window layer's query sees only its window anyway.
+
 Coverage: for the data-independent policies at the same number of full-precision tokens as
 ``LogWindow(window)`` holds at that length (log, recent sliding window, sinks + recent), the share
 of the high-attention keys and of the total attention mass that falls on the tokens the policy keeps.
@@ -36,7 +39,7 @@ class AttentionAnalysis:
     ----------
     histogram : list of list of int
         ``[layer][bin]`` counts of high-attention keys; bin ``b`` holds distances in ``[2**b - 1, 2**(b+1) - 1)``
-        (``b = 0``: the query's own key).
+        (``b = 0``: the query's own key). Rows follow :attr:`layers`.
     coverage : dict
         Policy label -> ``{"topk": share of high-attention keys kept, "mass": share of attention mass kept}``.
     """
@@ -50,6 +53,12 @@ class AttentionAnalysis:
     coverage: dict[str, dict[str, float]]
     plot: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    #: indices of the analysed layers (every layer, or a hybrid model's full-attention layers)
+    layers: list[int] = field(default_factory=list)
+
+    def layer_name(self, row: int) -> str:
+        """The model's index of histogram row ``row``."""
+        return str(self.layers[row] if row < len(self.layers) else row)
 
     def bin_label(self, b: int) -> str:
         lo, hi = 2**b - 1, 2 ** (b + 1) - 2
@@ -69,7 +78,8 @@ class AttentionAnalysis:
         n = sum(totals) or 1
         layers = len(self.histogram)
         pick = sorted({0, layers // 2, layers - 1})
-        head = "| distance | " + " | ".join(["all layers", *[f"layer {i}" for i in pick]]) + " | density (per token) |"
+        head = ("| distance | " + " | ".join(["all layers", *[f"layer {self.layer_name(i)}" for i in pick]])
+                + " | density (per token) |")  # fmt: skip
         lines = [head, "|" + "---|" * (len(pick) + 3)]
         dens = self.density()
         for b in range(nbins):
@@ -86,7 +96,11 @@ class AttentionAnalysis:
         ]
         for label, v in self.coverage.items():
             cov.append(f"| `{label}` | {v['topk']:.1%} | {v['mass']:.1%} |")
-        return "\n".join(lines + cov)
+        intro = []
+        if self.layers and self.layers != list(range(len(self.layers))):
+            intro = [f"Full-attention layers {', '.join(map(str, self.layers))} (the ones a cache compresses; the "
+                     "others are sliding-window layers).", ""]  # fmt: skip
+        return "\n".join(intro + lines + cov)
 
 
 def _policies(window: int, full: int) -> dict[str, Any]:
@@ -117,6 +131,15 @@ def analyze_attention(
     """Histogram the distances of high-attention keys (see the module docstring); plot into ``out``."""
     from transformers import DynamicCache
 
+    from kvpolicy.errors import ConfigError
+    from kvpolicy.eval.caches import global_layers
+
+    layers = global_layers(model.config)
+    if layers == []:
+        raise ConfigError(
+            "analyze attention: the model has no full-attention layer (every layer is a sliding window, which "
+            "kvpolicy leaves to transformers); there is no compressed history to analyse"
+        )
     sample = LanguageModeling(samples_per_context=1, tokens=queries).samples(tokenizer, context, seed)[0]
     ids = torch.tensor([sample.ids], device=model.device)
     cache = DynamicCache(config=model.config)
@@ -132,16 +155,24 @@ def analyze_attention(
     try:
         for t in tqdm(range(context, context + queries), desc="queries", disable=not progress, leave=False):
             outs = model(ids[:, t : t + 1], cache=cache, use_cache=True, output_attentions=True)
-            atts = outs.attentions  # per layer (1, heads, 1, t + 1)
+            atts = outs.attentions  # per layer (1, heads, 1, keys): every key of a full-attention layer
+            if layers is None:
+                layers = list(range(len(atts)))
             if hist is None:
-                hist = [[0] * nbins for _ in atts]
+                hist = [[0] * nbins for _ in layers]
             length = t + 1
             full = _log_full(window, length)
             for label, policy in _policies(window, len(full)).items():
                 state = policy.new_state()
                 state.append(length)
                 kept[label] = torch.tensor(sorted(state.full_positions()), device=model.device)
-            for li, a in enumerate(atts):
+            for li, layer in enumerate(layers):
+                a = atts[layer]
+                if a.shape[-1] != length:
+                    raise RuntimeError(
+                        f"analyze attention: layer {layer} attended over {a.shape[-1]} keys at position {t}, not "
+                        f"{length}; its keys cannot be matched to positions"
+                    )
                 w = a[0, :, 0, :length].float()  # (heads, keys)
                 k = min(top_k, length)
                 top = w.topk(k, dim=-1).indices  # (heads, k)
@@ -161,7 +192,7 @@ def analyze_attention(
         model.set_attn_implementation(previous)
     coverage = {k: {"topk": cov_topk[k] / total_top, "mass": cov_mass[k] / total_mass} for k in cov_topk}
     name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
-    result = AttentionAnalysis(name, context, queries, top_k, window, hist or [], coverage)
+    result = AttentionAnalysis(name, context, queries, top_k, window, hist or [], coverage, layers=layers or [])
     if out is not None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
@@ -195,6 +226,9 @@ def plot_analysis(result: AttentionAnalysis, path: Path) -> Path:
     axes[0].set_xticklabels([result.bin_label(b) for b in range(nb)], rotation=60, fontsize=6)
     axes[0].set_xlabel("distance from the query (tokens, log2 bins)")
     axes[0].set_ylabel("layer")
+    if result.layers:
+        axes[0].set_yticks(range(len(result.layers)))
+        axes[0].set_yticklabels([str(i) for i in result.layers], fontsize=6)
     axes[0].set_title(f"share of top-{result.top_k} keys per layer", fontsize=9)
     fig.colorbar(im, ax=axes[0])
     dens = result.density()

@@ -185,7 +185,7 @@ def _check_hf_args(args: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------- bytes
-def held_bytes(cache: Any, at_16bit: bool = False) -> int:
+def held_bytes(cache: Any, at_16bit: bool = False, layers: list[int] | None = None) -> int:
     """Bytes of every tensor ``cache`` holds.
 
     kvpolicy caches answer through ``memory_report()`` (codes, scales, staging and position indices
@@ -196,13 +196,25 @@ def held_bytes(cache: Any, at_16bit: bool = False) -> int:
     ``at_16bit``: count full-precision tensors at 16 bits per element, as a 16-bit model would hold
     them (kvpolicy: ``MemoryReport.total_bytes_16bit``; other caches: every floating-point tensor
     wider than 16 bits, their residuals and their metadata alike, since those follow the model's dtype).
+    ``layers``: count only these layer indices (default: every layer).
     """
     report = getattr(cache, "memory_report", None)
     if callable(report):
-        r = report()
-        return int(r.total_bytes_16bit if at_16bit else r.total_bytes)
+        mine = [x for x in report().layers if layers is None or x.layer_idx in layers]
+        return int(sum(x.total_bytes_16bit if at_16bit else x.total_bytes for x in mine))
     seen: set[int] = set()
-    return sum(_walk(layer, seen, 0, at_16bit) for layer in getattr(cache, "layers", []))
+    return sum(_walk(layer, seen, 0, at_16bit) for i, layer in enumerate(getattr(cache, "layers", []))
+               if layers is None or i in layers)  # fmt: skip
+
+
+def global_layers(config: Any) -> list[int] | None:
+    """Indices of the full-attention layers of a hybrid model (Gemma-3: 5, 11, 17), the layers whose
+    history a cache can compress; ``None`` when every layer is full attention."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    kinds = getattr(text, "layer_types", None)
+    if not kinds or all(kind == "full_attention" for kind in kinds):
+        return None
+    return [i for i, kind in enumerate(kinds) if kind == "full_attention"]
 
 
 def _walk(obj: Any, seen: set[int], depth: int, at_16bit: bool = False) -> int:
@@ -227,16 +239,19 @@ def _walk(obj: Any, seen: set[int], depth: int, at_16bit: bool = False) -> int:
     return 0
 
 
-def baseline_bytes(config: Any, tokens: int, batch: int = 1) -> int:
+def baseline_bytes(config: Any, tokens: int, batch: int = 1, layers: list[int] | None = None) -> int:
     """Bytes a 16-bit ``DynamicCache(config=config)`` holds after ``tokens`` tokens: every token in a
     full-attention layer, the last ``sliding_window - 1`` in a sliding-window layer (what transformers
-    keeps there), so that an uncompressed hybrid model (Gemma-3) is the 16-bits-per-element anchor."""
+    keeps there), so that an uncompressed hybrid model (Gemma-3) is the 16-bits-per-element anchor.
+    ``layers``: count only these layer indices (default: every layer)."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
     window = getattr(text, "sliding_window", None)
     held = sum(
-        min(tokens, window - 1) if kind == "sliding_attention" and isinstance(window, int) else tokens for kind in kinds
+        min(tokens, window - 1) if kind == "sliding_attention" and isinstance(window, int) else tokens
+        for i, kind in enumerate(kinds)
+        if layers is None or i in layers
     )
     return int(held * batch * heads * head_dim * 2 * 2)

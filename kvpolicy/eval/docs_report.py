@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from kvpolicy.eval.runner import current_rows
+from kvpolicy.eval.runner import current_rows, read_rows, report_rows
 from kvpolicy.eval.summary import depth_table, fmt, table
 
 #: (selection, quantize label, evict label)
@@ -235,23 +235,84 @@ def _shortfalls(sizings: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+#: how the page introduces the built-in models (others by their name)
+MODEL_NOTES = {
+    "smollm2": "SmolLM2-135M-Instruct: 30 layers, 3 KV heads, head_dim 64",
+    "gemma3-270m": "Gemma-3-270M, the base model: 18 layers, 1 KV head, head_dim 256; its 15 sliding-window layers "
+    "(512 tokens) stay transformers' own and its 3 full-attention layers (5, 11, 17) are what every cache compresses, "
+    "so bits per element count those layers in the column `bits/el, global layers (16-bit FP)`",
+}
+
+
+def _title(model: str) -> str:
+    from kvpolicy.eval.frontier_report import MODEL_TITLES
+
+    return MODEL_TITLES.get(model, model)
+
+
+def _policy_orders(rows: list[dict[str, Any]], models: list[str]) -> list[str]:
+    """Sentences comparing the models' orderings: the selections at equal bytes (ΔNLL), and every
+    cache of the language-modelling table (KL)."""
+    from kvpolicy.eval.frontier_report import MODEL_SHORT, orderings, points
+
+    out = []
+    orders = {}
+    for model in models:
+        mine = [r for r in rows if r["model"] == model]
+        named = {"log": "log-2b"} | {
+            base.split("-2b")[0]: lab
+            for base in ("recent-flush-2b", "recent-sliding-2b", "sink-2b", "h2o-2b")
+            if (lab := _eq_label(mine, base)) is not None
+        }
+        values = {name: _val(mine, lab, "delta_nll") for name, lab in named.items()}
+        orders[model] = [n for n in sorted(values, key=lambda n: values[n]) if values[n] is not None], values
+    if all(len(o[0]) >= 2 for o in orders.values()):
+        text = "; ".join(f"{_title(m)} " + " < ".join(f"{n} ({v[n]:.3f})" for n in o) for m, (o, v) in orders.items())
+        same = len({tuple(o) for o, _ in orders.values()}) == 1
+        out.append(
+            "- **Selections at equal bytes (2-bit, ΔNLL, lowest first):** "
+            + text
+            + (": the same order on both models." if same else ": **the orders differ between the models**.")
+            + " One text of 64 tokens per model: read gaps under two standard errors as ties."
+        )
+    contexts = sorted({r["context"] for r in rows if r["task"] == "lm"})
+    short = (MODEL_SHORT.get(models[0], models[0]), MODEL_SHORT.get(models[1], models[1]))
+    for context in contexts:
+        first = [p for p in points(rows, context, models[0]) if "@" not in p.cache]
+        other = [p for p in points(rows, context, models[1]) if "@" not in p.cache]
+        out += ["", f"Every cache of the language-modelling table at context {context}, by KL:", ""]
+        out += orderings(first, other, short)
+    return out
+
+
 def write_results_doc(run_dir: str | Path, doc: str | Path, command: str) -> Path:
-    """Write ``doc`` (e.g. ``docs/results.md``) from ``run_dir``; plots go to ``<doc dir>/img/results``."""
+    """Write ``doc`` (e.g. ``docs/results.md``) from ``run_dir``; plots go to ``<doc dir>/img/results``.
+
+    Each section has one part per model of the run; with two models or more the page ends with their
+    orderings compared (:func:`_policy_orders`)."""
     run = Path(run_dir)
     doc = Path(doc)
-    config, rows = current_rows(run)
+    config, all_rows = current_rows(run)
     ids = set(config.get("cells", []))
     img = doc.parent / "img" / "results"
     img.mkdir(parents=True, exist_ok=True)
     pngs = {}
-    for p in sorted(run.glob("*.png")) + sorted(run.glob("attention/*/*.png")):
+    for p in sorted(run.glob("*.png")):
         shutil.copy(p, img / p.name)
         pngs[p.name] = f"img/results/{p.name}"
+    for p in sorted(run.glob("attention/*/*.png")):  # one directory per model: the name gets the model's
+        name = f"{p.stem}_{p.parent.name}{p.suffix}"
+        shutil.copy(p, img / name)
+        pngs[name] = f"img/results/{name}"
     labels = [c["label"] for c in config["caches"]]
-    done = len({r["cell"] for r in rows})
-    model = ", ".join(config["models"])
+    done = len({r["cell"] for r in all_rows})
+    failed = [r for r in report_rows(read_rows(run), ids) if r["metric"] == "error"]
+    n_failed = len({r["cell"] for r in failed})
+    models = [m for m in config["models"] if any(r["model"] == m for r in all_rows)] or list(config["models"])
+    many = len(models) > 1
     ctx = ", ".join(str(c) for c in config["contexts"])
     lm = config["tasks"].get("lm", {})
+    notes = "; ".join(f"**{m}** ({MODEL_NOTES[m]})" if m in MODEL_NOTES else f"**{m}**" for m in models)
     parts = [
         "# Results",
         "",
@@ -262,102 +323,146 @@ def write_results_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pat
         f"    {command}",
         "    ```",
         "",
-        f"    Grid: `examples/configs/results.toml` — {len(ids)} cells, {done} finished in this run directory. "
-        f"torch {config.get('torch', '?')}, transformers {config.get('transformers', '?')}.",
+        f"    Grid: `examples/configs/results.toml` — {len(ids)} cells, {done} finished in this run directory"
+        + (f", {n_failed} failed (named under their model)" if n_failed else "")
+        + f". torch {config.get('torch', '?')}, transformers {config.get('transformers', '?')}.",
         "",
-        f"Model: **{model}** (SmolLM2-135M-Instruct: 30 layers, 3 KV heads, head_dim 64; float32 on CPU, so the "
-        f"uncompressed cache holds 32-bit tensors: 0.5× of a 16-bit cache). Context {ctx} tokens of Python "
-        f"standard-library source, then {lm.get('tokens', 64)} teacher-forced tokens scored against the "
-        "uncompressed cache. Quantization: keys per channel, values per token, groups of 64, the torch backend. "
-        "Small model, one text, short continuation: read differences smaller than two standard errors as noise. "
+        f"{'Models' if many else 'Model'}: {notes}. float32 on CPU, so the uncompressed cache holds 32-bit tensors "
+        f"(0.5× of a 16-bit cache). {'The same caches and tasks on each model. ' if many else ''}Context {ctx} "
+        f"tokens of Python standard-library source, then {lm.get('tokens', 64)} teacher-forced tokens scored against "
+        "the uncompressed cache. Quantization: keys per channel, values per token, groups of 64, the torch backend. "
+        "Small models, one text, short continuation: read differences smaller than two standard errors as noise. "
         "Bits per element: `bits/el` counts every byte held as held (full-precision tensors in float32); "
         "`bits/el (16-bit FP)` counts the full-precision tensors at 16 bits, as a 16-bit model holds them, and is "
         "the figure to compare methods by (runs made before these columns existed show only bytes held).",
         "",
         "## What the paper reports and what reproduces here",
         "",
-        *[f"- {c}" for c in _claims(rows)],
-        "",
-        "Paper (LogQuant, arXiv 2503.19950), for reference — task scores on 7-8B models, which a 135M model "
+    ]
+    for model in models:
+        rows = [r for r in all_rows if r["model"] == model]
+        if many:
+            parts += [f"{_title(model)}:", ""]
+        parts += [*[f"- {c}" for c in _claims(rows)], ""]
+    parts += [
+        "Paper (LogQuant, arXiv 2503.19950), for reference — task scores on 7-8B models, which these small models "
         "on CPU cannot check:",
         "",
         PAPER_TASKS,
         "",
         PAPER_TABLE2,
         "",
+    ]
+    sections: list[list[str]] = [[] for _ in range(7)]
+    for model in models:
+        rows = [r for r in all_rows if r["model"] == model]
+        _model_sections(sections, model, rows, config, labels, pngs, run, many)
+        refused: dict[str, list[str]] = {}
+        for r in failed:
+            if r["model"] == model and r["task"] == "lm":
+                refused.setdefault(r["extra"].get("error", "")[:200], []).append(f"`{r['cache']}`")
+        if refused:
+            sections[0] += ["Refused on this model (the error their cells recorded, on every task): "
+                            + "; ".join(f"{', '.join(c)}: {m}" for m, c in refused.items()), ""]  # fmt: skip
+    heads = [
         "## Language modelling at 2 and 4 bits (same parameters as published)",
-        "",
-        table(_select(rows, "lm", eq=False), labels),
-        "",
-    ]
-    for name in pngs:
-        if name.startswith("quality_vs_bytes") and "_lm_" in name:
-            parts += [f"![quality vs bytes held]({pngs[name]})", ""]
-    anchor = config.get("equal_bytes")
-    eq_rows = [r for r in _select(rows, "lm") if r.get("equal_bytes") or r["cache"] in (anchor, "uncompressed")]
-    parts += [
-        f"## At equal bytes (every method sized to hold the bytes of `{anchor}`)",
-        "",
-        "Each method's size parameter (window, or heavy + recent) is the largest whose cache holds no more bytes "
-        "than the anchor after the last token, measured with the real cache code on a one-layer twin of the model "
-        "(`kvpolicy.eval.equal_bytes`).",
-        "",
-        table(eq_rows),
-        "",
-        *_shortfalls(config.get("sizings") or []),
+        f"## At equal bytes (every method sized to hold the bytes of `{config.get('equal_bytes')}`)",
         "## Quantize vs evict, same selection",
-        "",
-        "| selection | attn error, quantize | attn error, evict | evict / quantize | ΔNLL quantize | ΔNLL evict |",
-        "|---|---|---|---|---|---|",
+        "## Passkey retrieval",
+        "## Line completion (standard-library Python files)",
+        "## Cost",
+        "## Attention spikes by distance (`kvpolicy analyze attention`)",
     ]
-    for name, q, e in PAIRS:
-        aq, ae = _val(rows, q, "attn_error"), _val(rows, e, "attn_error")
-        dq, de = _val(rows, q, "delta_nll"), _val(rows, e, "delta_nll")
-        ratio = f"{ae / aq:.2f}×" if aq and ae else "–"
-        parts.append(f"| {name} | {fmt('attn_error', aq)} | {fmt('attn_error', ae)} | {ratio} | "
-                     f"{fmt('delta_nll', dq)} | {fmt('delta_nll', de)} |")  # fmt: skip
-    for name in pngs:
-        if name.startswith("attn_error_layers"):
-            parts += ["", f"![attention error per layer]({pngs[name]})"]
-    pk = _select(rows, "passkey")
-    if pk:
-        parts += ["", "## Passkey retrieval", "", table(pk, labels), ""]
-        d = depth_table(pk)
-        if d:
-            parts += ["Accuracy by needle depth:", "", d, ""]
-    ln = _select(rows, "lines")
-    if ln:
-        parts += ["## Line completion (standard-library Python files)", "", table(ln, labels), ""]
-    sp = _select(rows, "speed")
-    if sp:
-        parts += ["## Cost", "", "Prefill and decode times on a shared 2-core CPU (noisy; compare within a column).",
-                  ""]  # fmt: skip
-        for c in sorted({r["context"] for r in sp}):
-            parts += [f"Context {c}:", "", table([r for r in sp if r["context"] == c], labels), ""]
-        for name in pngs:
-            if name.startswith("ms_vs_context"):
-                parts += [f"![ms per token vs context]({pngs[name]})", ""]
-    spikes = sorted(run.glob("attention/*/attention_spikes.md"))
-    if spikes:
-        parts += ["## Attention spikes by distance (`kvpolicy analyze attention`)", "",
-                  "For each decoding query, layer and head, the 8 keys with the highest attention weight; their "
-                  "distance from the query in log2 bins. The density column divides by the bin width: a log window "
-                  "keeps a density falling like 1/distance.", "", spikes[0].read_text()]  # fmt: skip
-        for name in pngs:
-            if name == "attention_spikes.png":
-                parts += ["", f"![attention spikes]({pngs[name]})"]
+    intros = [
+        [],
+        ["Each method's size parameter (window, or heavy + recent) is the largest whose cache holds no more bytes "
+         "than the anchor after the last token, measured with the real cache code on a one-layer twin of the model "
+         "(`kvpolicy.eval.equal_bytes`; for a hybrid model, a twin of one of its full-attention layers).", ""],
+        [],
+        [],
+        [],
+        ["Prefill and decode times on a shared 2-core CPU (noisy; compare within a column).", ""],
+        ["For each decoding query, layer and head, the 8 keys with the highest attention weight; their distance "
+         "from the query in log2 bins. The density column divides by the bin width: a log window keeps a density "
+         "falling like 1/distance.", ""],
+    ]  # fmt: skip
+    for head, intro, body in zip(heads, intros, sections, strict=True):
+        if body:
+            parts += [head, "", *intro, *body]
+    if many:
+        parts += [f"## {_title(models[0])} and {_title(models[1])} side by side", "",
+                  *_policy_orders(all_rows, models[:2]), ""]  # fmt: skip
     sizing = config.get("sizings") or []
     if sizing:
-        parts += ["", "## Equal-bytes sizing", "", "| cache | size parameter | bytes/layer | anchor bytes/layer |",
-                  "|---|---|---|---|"]  # fmt: skip
+        parts += ["## Equal-bytes sizing", "", "| model | cache | size parameter | bytes/layer | anchor bytes/layer |",
+                  "|---|---|---|---|---|"]  # fmt: skip
         seen = set()
         for s in sizing:
-            if s["label"] not in seen:
-                seen.add(s["label"])
-                parts.append(f"| `{s['label']}` | {s['value']} | {s['bytes']} | {s['target']} |")
-    parts += ["", "Exact cache configurations (`repr`):", ""]
+            key = (s.get("model"), s["label"])
+            if key not in seen:
+                seen.add(key)
+                parts.append(f"| {s.get('model', '–')} | `{s['label']}` | {s['value']} | {s['bytes']} | "
+                             f"{s['target']} |")  # fmt: skip
+        parts.append("")
+    parts += ["Exact cache configurations (`repr`):", ""]
     parts += [f"- `{c['label']}`: `{c['repr']}`" for c in config["caches"]]
     parts += ["", HOWTO]
     text = "\n".join(parts) + "\n"
     doc.write_text(text, encoding="utf-8")
     return doc
+
+
+def _model_sections(sections: list[list[str]], model: str, rows: list[dict[str, Any]], config: dict[str, Any],
+                    labels: list[str], pngs: dict[str, str], run: Path, many: bool) -> None:  # fmt: skip
+    """Append ``model``'s part of each section of the page to ``sections`` (in the order of the page)."""
+    head = [f"### {_title(model)}", ""] if many else []
+    slug = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in model)
+    lm_rows = _select(rows, "lm", eq=False)
+    if lm_rows:
+        sections[0] += [*head, table(lm_rows, labels), ""]
+        for name in pngs:
+            if name.startswith(f"quality_vs_bytes_{slug}_lm_"):
+                sections[0] += [f"![quality vs bytes held]({pngs[name]})", ""]
+    anchor = config.get("equal_bytes")
+    eq_rows = [r for r in _select(rows, "lm") if r.get("equal_bytes") or r["cache"] in (anchor, "uncompressed")]
+    if any(r.get("equal_bytes") for r in eq_rows):
+        mine = [s for s in config.get("sizings") or [] if s.get("model", model) == model]
+        sections[1] += [*head, table(eq_rows), "", *_shortfalls(mine)]
+    pairs = []
+    for name, q, e in PAIRS:
+        aq, ae = _val(rows, q, "attn_error"), _val(rows, e, "attn_error")
+        dq, de = _val(rows, q, "delta_nll"), _val(rows, e, "delta_nll")
+        if aq is None and ae is None:
+            continue
+        ratio = f"{ae / aq:.2f}×" if aq and ae else "–"
+        pairs.append(f"| {name} | {fmt('attn_error', aq)} | {fmt('attn_error', ae)} | {ratio} | "
+                     f"{fmt('delta_nll', dq)} | {fmt('delta_nll', de)} |")  # fmt: skip
+    if pairs:
+        sections[2] += [*head, "| selection | attn error, quantize | attn error, evict | evict / quantize | "
+                        "ΔNLL quantize | ΔNLL evict |", "|---|---|---|---|---|---|", *pairs, ""]  # fmt: skip
+        for name in pngs:
+            if name.startswith(f"attn_error_layers_{slug}_"):
+                sections[2] += [f"![attention error per layer]({pngs[name]})", ""]
+    pk = _select(rows, "passkey")
+    if pk:
+        sections[3] += [*head, table(pk, labels), ""]
+        d = depth_table(pk)
+        if d:
+            sections[3] += ["Accuracy by needle depth:", "", d, ""]
+    ln = _select(rows, "lines")
+    if ln:
+        sections[4] += [*head, table(ln, labels), ""]
+    sp = _select(rows, "speed")
+    if sp:
+        sections[5] += head
+        for c in sorted({r["context"] for r in sp}):
+            sections[5] += [f"Context {c}:", "", table([r for r in sp if r["context"] == c], labels), ""]
+        for name in pngs:
+            if name.startswith(f"ms_vs_context_{slug}"):
+                sections[5] += [f"![ms per token vs context]({pngs[name]})", ""]
+    spikes = run / "attention" / "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in model)
+    if (spikes / "attention_spikes.md").is_file():
+        sections[6] += [*head, (spikes / "attention_spikes.md").read_text(), ""]
+        name = f"attention_spikes_{spikes.name}.png"
+        if name in pngs:
+            sections[6] += [f"![attention spikes]({pngs[name]})", ""]

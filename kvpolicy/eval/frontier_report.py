@@ -1,20 +1,24 @@
 """``docs/frontier.md`` from an ablation run of ``examples/configs/frontier.toml``: quality per byte.
 
-Every cache of the run is one point: bits per element (every byte held, full-precision tensors
-counted at 16 bits: ``bits_per_element_16``) against the teacher-forced next-token KL of the ``lm``
-task. A point is on the *frontier* when no other point holds as few or fewer bits with a lower KL.
-The page is generated, never edited by hand: the table, the Pareto plot and each target's verdict
-are computed from ``results.jsonl``.
+Every cache of the run is one point per model: bits per element (every byte held, full-precision
+tensors counted at 16 bits: ``bits_per_element_16``; on a hybrid model such as Gemma-3 the same over
+its full-attention layers, ``bits_per_element_16_global``, the layers a cache compresses) against
+the teacher-forced next-token KL of the ``lm`` task. A point is on the *frontier* when no other
+point holds as few or fewer bits with a lower KL. The first model of the grid carries the issues'
+targets; every further model gets its own table and plot and a comparison of its ordering of the
+shared caches with the first model's. The page is generated, never edited by hand: the tables, the
+Pareto plots and each verdict are computed from ``results.jsonl``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvpolicy.eval.plots import _pyplot, _save
-from kvpolicy.eval.runner import current_rows
+from kvpolicy.eval.runner import current_rows, read_rows, report_rows
 from kvpolicy.eval.summary import fmt
 
 #: the quality metrics of the table, in order: (task, metric)
@@ -24,6 +28,20 @@ COLUMNS = (
 )  # fmt: skip
 #: the bits column: full-precision tensors at 16 bits (the model runs in float32 on CPU)
 BITS = "bits_per_element_16"
+#: the bits of a hybrid model's full-attention layers (recorded for hybrid models only)
+GLOBAL_BITS = "bits_per_element_16_global"
+#: how the page introduces the built-in models (others by their name)
+MODEL_TITLES = {
+    "smollm2": "SmolLM2-135M-Instruct",
+    "gemma3-270m": "Gemma-3-270M",
+}
+MODEL_SHORT = {"smollm2": "SmolLM2", "gemma3-270m": "Gemma-3"}
+MODEL_NOTES = {
+    "smollm2": "30 layers, 3 KV heads, head_dim 64; every layer full attention",
+    "gemma3-270m": "the base model; 18 layers, 1 KV head, head_dim 256, QK-norm; 15 sliding-window layers (512 "
+                   "tokens) stay transformers' own and the 3 full-attention layers (5, 11, 17) are the ones every "
+                   "cache compresses",
+}  # fmt: skip
 #: caches drawn as anchors (labels of the committed config)
 ANCHORS = ("hf-quanto-2b", "hf-quanto-4b", "hf-hqq-2b", "hf-hqq-4b", "logquant", "kivi")
 #: kvpolicy's shipped presets, their bit budget and the label of their cell in the committed config
@@ -42,6 +60,8 @@ class Point:
     cache: str
     bits: float
     values: dict[tuple[str, str], tuple[float, float | None]]
+    #: the whole cache's bits per element where :attr:`bits` counts a hybrid model's global layers only
+    whole_bits: float | None = None
 
     @property
     def kl(self) -> float:
@@ -58,17 +78,32 @@ class Point:
         return self.values.get(("lm", "top1"), (float("nan"), None))[0]
 
 
-def points(rows: list[dict[str, Any]], context: int) -> list[Point]:
-    """The caches measured on ``lm`` at ``context``, sorted by bits per element."""
+def points(rows: list[dict[str, Any]], context: int, model: str | None = None) -> list[Point]:
+    """The caches measured on ``lm`` at ``context`` (of ``model``, if given), sorted by bits per element.
+
+    A hybrid model's point counts its full-attention layers (``bits_per_element_16_global``), with the
+    whole cache's figure in :attr:`Point.whole_bits`."""
     out = []
-    caches = dict.fromkeys(r["cache"] for r in rows if r["context"] == context and r["task"] == "lm")
+    mine_rows = [r for r in rows if r["context"] == context and (model is None or r["model"] == model)]
+    caches = dict.fromkeys(r["cache"] for r in mine_rows if r["task"] == "lm")
     for cache in caches:
-        mine = {(r["task"], r["metric"]): r for r in rows if r["context"] == context and r["cache"] == cache}
+        mine = {(r["task"], r["metric"]): r for r in mine_rows if r["cache"] == cache}
         if ("lm", BITS) not in mine or ("lm", "kl") not in mine:
             continue
         values = {key: (mine[key]["value"], mine[key].get("se")) for key in COLUMNS if key in mine}
-        out.append(Point(cache, mine[("lm", BITS)]["value"], values))
+        if ("lm", GLOBAL_BITS) in mine:
+            out.append(Point(cache, mine[("lm", GLOBAL_BITS)]["value"], values, mine[("lm", BITS)]["value"]))
+        else:
+            out.append(Point(cache, mine[("lm", BITS)]["value"], values))
     return sorted(out, key=lambda p: (p.bits, p.kl))
+
+
+def errors(rows: list[dict[str, Any]], context: int, model: str) -> dict[str, str]:
+    """Caches whose ``lm`` cell at ``context`` recorded an error instead of measurements: label -> message
+    (``rows``: :func:`~kvpolicy.eval.runner.report_rows`, which keep a failed cell's error row)."""
+    return {r["cache"]: r["extra"].get("error", "")
+            for r in rows if r["context"] == context and r["model"] == model and r["task"] == "lm"
+            and r["metric"] == "error"}  # fmt: skip
 
 
 def frontier(pts: list[Point]) -> list[Point]:
@@ -88,7 +123,7 @@ def best_within(pts: list[Point], bits: float, exclude: tuple[str, ...] = ()) ->
     return min(inside, key=lambda p: p.kl) if inside else None
 
 
-def plot(path: Path, pts: list[Point], context: int) -> Path:
+def plot(path: Path, pts: list[Point], context: int, title: str = "SmolLM2-135M", hybrid: bool = False) -> Path:
     """Bits per element (x) against KL (log y); the frontier joined, anchors labelled in red."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -103,9 +138,10 @@ def plot(path: Path, pts: list[Point], context: int) -> Path:
     line = [p for p in frontier(pts) if p.kl > 0]
     ax.plot([p.bits for p in line], [p.kl for p in line], color="tab:blue", alpha=0.6, label="frontier")
     ax.set_yscale("log")
-    ax.set_xlabel("bits per element (everything held; full-precision tensors at 16 bits)")
+    where = "the full-attention layers" if hybrid else "everything held"
+    ax.set_xlabel(f"bits per element ({where}; full-precision tensors at 16 bits)")
     ax.set_ylabel("next-token KL vs uncompressed (nats, log)")
-    ax.set_title(f"SmolLM2-135M · context {context} · red squares: transformers' caches and published presets",
+    ax.set_title(f"{title} · context {context} · red squares: transformers' caches and published presets",
                  fontsize=9)  # fmt: skip
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
@@ -117,7 +153,9 @@ def _table(pts: list[Point]) -> str:
     present = [key for key in COLUMNS if any(key in p.values for p in pts)]
     names = {"delta_nll": "ΔNLL (nats)", "kl": "KL (nats)", "top1": "top-1", "accuracy": "passkey",
              "identical": "greedy identical", "first_divergence": "first divergence"}  # fmt: skip
-    head = ["cache", "bits/el", *[names[m] for _, m in present]]
+    whole = any(p.whole_bits is not None for p in pts)
+    head = ["cache", "bits/el, global layers" if whole else "bits/el", *(["bits/el, whole cache"] if whole else []),
+            *[names[m] for _, m in present]]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     preset = {cell: name for name, (_, cell) in PRESET_CELLS.items()}
     for p in pts:
@@ -125,6 +163,8 @@ def _table(pts: list[Point]) -> str:
         if p.cache in preset:
             label += f" (`{preset[p.cache]}`)"
         cells = [label, f"{p.bits:.2f}"]
+        if whole:
+            cells.append("–" if p.whole_bits is None else f"{p.whole_bits:.2f}")
         for key in present:
             value, se = p.values.get(key, (None, None))
             cells.append(fmt(key[1], value, se if key[1] != "kl" else None))
@@ -165,6 +205,13 @@ def _verdicts(pts: list[Point]) -> list[str]:
         out.append(f"- Part 2, 2-bit memory at 4-bit quality: best at ≤ 3.0 bits per element `{p.cache}` "
                    f"({p.bits:.2f} bits), KL {p.kl:.3f}, top-1 {p.top1:.1%} (target KL ≤ 0.02, top-1 ≥ 95%: "
                    f"{verdict}).")  # fmt: skip
+    return out + _preset_lines(pts)
+
+
+def _preset_lines(pts: list[Point]) -> list[str]:
+    """Each shipped preset's cell: its bits against its budget, and whether a cache beats it there."""
+    by = {p.cache: p for p in pts}
+    out = []
     for name, (budget, cell) in PRESET_CELLS.items():
         mine = by.get(cell)
         if mine is None:
@@ -173,6 +220,9 @@ def _verdicts(pts: list[Point]) -> list[str]:
         within = "within" if mine.bits <= budget + 1e-9 else "**over**"
         if best is None or best.cache == cell:
             rank = f"the lowest KL measured at ≤ {budget} bits"
+        elif best.kl >= mine.kl:  # the preset is over its budget, and nothing within it does better
+            rank = (f"no cache measured at ≤ {budget} bits has a lower KL (the lowest there: `{best.cache}`, "
+                    f"{best.kl:.4f} at {best.bits:.2f} bits)")  # fmt: skip
         elif mine.kl - best.kl <= (se := max(mine.kl_se, best.kl_se)):
             # the standard error over (correlated) tokens is a lower bound: a smaller gap is no evidence
             rank = (f"`{best.cache}` measured {mine.kl - best.kl:.4f} lower ({best.kl:.4f} at {best.bits:.2f} bits), "
@@ -200,14 +250,94 @@ def _decode_sentence(rows: list[dict[str, Any]]) -> str:
     return text + ". The two paths give the same measurements up to float rounding (`tests/test_ablate_runner.py`)."
 
 
+#: one selection each at W=42, K2V2 with rotation: the policy ordering compared across models
+POLICY_CELLS = {"log": "log42-k2v2-rot", "sink": "sink42-k2v2-rot", "recent": "recent42-k2v2-rot"}
+
+
+def _spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation of two equally long lists (average ranks for ties)."""
+
+    def ranks(x: list[float]) -> list[float]:
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        out = [0.0] * len(x)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    var = math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
+    return cov / var if var else float("nan")
+
+
+def orderings(first: list[Point], other: list[Point], names: tuple[str, str]) -> list[str]:
+    """Table and sentences comparing two models' KL on the caches both measured (compressed ones)."""
+    a = {p.cache: p for p in first if p.kl > 0}
+    b = {p.cache: p for p in other if p.kl > 0}
+    shared = [c for c in b if c in a]
+    if len(shared) < 2:
+        return [f"Fewer than two compressed caches were measured on both {names[0]} and {names[1]}."]
+    shared.sort(key=lambda c: a[c].kl)
+    where = " (global layers)" if any(b[c].whole_bits is not None for c in shared) else ""
+    out = [f"| cache | {names[0]} bits/el | {names[0]} KL | {names[1]} bits/el{where} | {names[1]} KL | "
+           f"KL {names[1]} / {names[0]} |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for c in shared:
+        out.append(f"| `{c}` | {a[c].bits:.2f} | {a[c].kl:.4f} | {b[c].bits:.2f} | {b[c].kl:.4f} | "
+                   f"{b[c].kl / a[c].kl:.1f}× |")  # fmt: skip
+    pairs = [(x, y) for i, x in enumerate(shared) for y in shared[i + 1 :]]
+    flipped = [(x, y) for x, y in pairs if (a[x].kl - a[y].kl) * (b[x].kl - b[y].kl) < 0]
+
+    def clear(p: dict[str, Point], x: str, y: str) -> bool:
+        return abs(p[x].kl - p[y].kl) > max(p[x].kl_se, p[y].kl_se)
+
+    real = [(x, y) for x, y in flipped if clear(a, x, y) and clear(b, x, y)]
+    rho = _spearman([a[c].kl for c in shared], [b[c].kl for c in shared])
+    out += ["", f"- Rank correlation of KL over the {len(shared)} caches measured on both (Spearman): {rho:.2f}."]
+    if not flipped:
+        out.append(f"- {names[1]} orders every pair of them as {names[0]} does.")
+    else:
+        text = (f"- {len(flipped)} of the {len(pairs)} pairs are ordered differently; {len(real)} of them by more "
+                "than one standard error on both models")  # fmt: skip
+        shown = real[:12]
+        if shown:
+            text += ": " + "; ".join(
+                f"`{x}` {a[x].kl:.4f} < `{y}` {a[y].kl:.4f} on {names[0]}, but {b[x].kl:.4f} > {b[y].kl:.4f} on "
+                f"{names[1]}" for x, y in shown) + ("; ..." if len(real) > len(shown) else "")  # fmt: skip
+        out.append(text + ".")
+    pol = {name: cell for name, cell in POLICY_CELLS.items() if cell in a and cell in b}
+    if len(pol) >= 2:
+        order_a = sorted(pol, key=lambda n: a[pol[n]].kl)
+        order_b = sorted(pol, key=lambda n: b[pol[n]].kl)
+        same = "the same on both models" if order_a == order_b else "**different between the models**"
+        out.append(
+            f"- Policy ordering (W=42, K2V2, rotation; lowest KL first): {names[0]} "
+            + " < ".join(f"{n} ({a[pol[n]].kl:.4f})" for n in order_a)
+            + f"; {names[1]} "
+            + " < ".join(f"{n} ({b[pol[n]].kl:.4f})" for n in order_b)
+            + f": {same}."
+        )
+    return out
+
+
 def write_frontier_doc(run_dir: str | Path, doc: str | Path, command: str) -> Path:
     """Write ``doc`` (``docs/frontier.md``) from ``run_dir``; plots go to ``<doc dir>/img/frontier``."""
     run, doc = Path(run_dir), Path(doc)
     config, rows = current_rows(run)
+    failed = [r for r in report_rows(read_rows(run), set(config.get("cells", []))) if r["metric"] == "error"]
     img = doc.parent / "img" / "frontier"
     img.mkdir(parents=True, exist_ok=True)
     lm = config["tasks"].get("lm", {})
     greedy = config["tasks"].get("greedy", {})
+    models = [m for m in config.get("models", []) if any(r["model"] == m for r in rows)] or sorted(
+        {r["model"] for r in rows}
+    )
     parts = [
         "# Quality per byte: the frontier",
         "",
@@ -222,8 +352,18 @@ def write_frontier_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pa
         f"{len({r['cell'] for r in rows})} cells finished. torch {config.get('torch', '?')}, transformers "
         f"{config.get('transformers', '?')}.",
         "",
-        "Model: SmolLM2-135M-Instruct (30 layers, 3 KV heads, head_dim 64), float32 on CPU. "
-        f"`lm`: {lm.get('samples_per_context', '?')} texts of Python standard-library source (the ablation's LM "
+        f"{'Models' if len(models) > 1 else 'Model'}: "
+        + "; ".join(f"{_title(m)} ({MODEL_NOTES[m]})" if m in MODEL_NOTES else _title(m) for m in models)
+        + ". float32 on CPU. "
+        + (
+            f"{_title(models[0])} runs every cache and carries the targets; "
+            + ", ".join(_title(m) for m in models[1:])
+            + " a subset, the same caches on the same texts "
+            "(`[model_caches]` in the grid file), compared with it at the end of the page. "
+            if len(models) > 1
+            else ""
+        )
+        + f"`lm`: {lm.get('samples_per_context', '?')} texts of Python standard-library source (the ablation's LM "
         f"files; no setting was tuned on them) × {lm.get('tokens', '?')} teacher-forced tokens after the context, "
         "scored against the uncompressed cache (ΔNLL ± standard error over tokens, KL, top-1 agreement). "
         f"`greedy`: {greedy.get('samples_per_context', '?')} of those contexts continued greedily for "
@@ -245,20 +385,50 @@ def write_frontier_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pa
         "every cache's exact composition is its entry in the grid file. A preset's name follows its cell.",
         "",
     ]
-    for context in sorted({r["context"] for r in rows if r["task"] == "lm"}):
-        pts = points(rows, context)
-        png = plot(img / f"frontier_{context}.png", pts, context)
-        parts += [
-            f"## Context {context}",
-            "",
-            _table(pts),
-            "",
-            f"![bits per element vs KL at {context}](img/frontier/{png.name})",
-            "",
-            "Targets:",
-            "",
-            *_verdicts(pts),
-            "",
-        ]
+    first: dict[int, list[Point]] = {}
+    for i, model in enumerate(models):
+        for context in sorted({r["context"] for r in rows if r["task"] == "lm" and r["model"] == model}):
+            pts = points(rows, context, model)
+            hybrid = any(p.whole_bits is not None for p in pts)
+            stem = f"frontier_{context}" if i == 0 else f"frontier_{model}_{context}"
+            png = plot(img / f"{stem}.png", pts, context, _title(model), hybrid)
+            parts += [f"## {_title(model)} · context {context}", ""]
+            if hybrid:
+                parts += [
+                    "Bits per element here count the full-attention layers, the ones a cache compresses, so that "
+                    "they compare with the other model's; the whole cache's figure, which the sliding-window layers' "
+                    "full-precision windows dominate at this context, is the next column.",
+                    "",
+                ]
+            parts += [_table(pts), ""]
+            planned = [c["label"] for c in config.get("caches", [])
+                       if c["label"] in config.get("model_caches", {}).get(model, [c["label"]])]  # fmt: skip
+            measured = {p.cache for p in pts} | set(errors(failed, context, model))
+            missing = [label for label in planned if label not in measured]
+            if missing:
+                parts += [f"Not measured yet ({len(missing)} of the grid's {len(planned)} caches for this model; "
+                          "the command above runs them and skips the rest): "
+                          + ", ".join(f"`{c}`" for c in missing) + ".", ""]  # fmt: skip
+            refused = errors(failed, context, model)
+            if refused:
+                by_message: dict[str, list[str]] = {}
+                for cache, message in refused.items():
+                    by_message.setdefault(message[:200], []).append(f"`{cache}`")
+                parts += ["Refused on this model (the error their cells recorded): "
+                          + "; ".join(f"{', '.join(c)}: {m}" for m, c in by_message.items()), ""]  # fmt: skip
+            parts += [f"![bits per element vs KL at {context}](img/frontier/{png.name})", ""]
+            if i == 0:
+                first[context] = pts
+                parts += ["Targets:", "", *_verdicts(pts), ""]
+            else:
+                parts += ["Presets:", "", *_preset_lines(pts), ""]
+                if context in first:
+                    short = (MODEL_SHORT.get(models[0], models[0]), MODEL_SHORT.get(model, model))
+                    parts += [f"### {_title(model)} against {_title(models[0])} at context {context}", "",
+                              *orderings(first[context], pts, short), ""]  # fmt: skip
     doc.write_text("\n".join(parts))
     return doc
+
+
+def _title(model: str) -> str:
+    return MODEL_TITLES.get(model, model)

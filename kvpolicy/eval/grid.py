@@ -15,6 +15,12 @@ the same keys::
     [tasks.lm]                      # task name -> its parameters (kvpolicy.eval.tasks); "speed" times
     tokens = 48
 
+    [only]                          # task -> the cache labels that run it (default: every cache)
+    lm = ["uncompressed", "log/quantize/2b"]
+
+    [model_caches]                  # model -> the cache labels that run on it (default: every cache)
+    gemma3-270m = ["uncompressed", "log/quantize/2b"]
+
     [[caches]]                      # explicit caches (kinds: compressed, preset, dynamic, hf-quantized)
     kind = "hf-quantized"
     backend = "quanto"
@@ -27,11 +33,11 @@ the same keys::
     backends = ["torch"]
 
 Names are checked against the registry (plugins included) before any work starts. List-valued
-keys (``models``, ``contexts``, the ``[cross]`` lists, the ``[only]`` lists, ``size_params``) must be
-lists: a plain string such as ``bits = "2,4"`` or ``policies = "log"`` is refused with the list to
-write instead (``bits = [2, 4]``), never split into characters. Task parameters are the exception
-that the command line needs: ``depths = "0.1,0.5"`` or speed's ``contexts = "512,1024"`` are split
-at commas.
+keys (``models``, ``contexts``, the ``[cross]`` lists, the ``[only]`` and ``[model_caches]``
+lists, ``size_params``) must be lists: a plain string such as ``bits = "2,4"`` or ``policies =
+"log"`` is refused with the list to write instead (``bits = [2, 4]``), never split into characters.
+Task parameters are the exception that the command line needs: ``depths = "0.1,0.5"`` or speed's
+``contexts = "512,1024"`` are split at commas.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ MIN_CONTEXT = 8
 #: the timing pseudo-task: real prefill + ``steps`` decode steps on the LM text
 SPEED = "speed"
 _TOP_KEYS = {"models", "dtype", "device", "contexts", "seed", "replay", "decode", "equal_bytes", "online", "tasks",
-             "caches", "cross", "attention", "only"}  # fmt: skip
+             "caches", "cross", "attention", "only", "model_caches"}  # fmt: skip
 #: how a grid's decode steps attend over compressed caches (``decode``; kvpolicy.eval.cells)
 DECODE_MODES = ("fused", "materialized")
 _CROSS_KEYS = {"policies", "actions", "bits", "backends", "params"}
@@ -159,6 +165,7 @@ class Grid:
     caches: list[CacheSpec] = field(default_factory=list)
     attention: dict[str, Any] = field(default_factory=dict)
     only: dict[str, list[str]] = field(default_factory=dict)
+    model_caches: dict[str, list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -187,6 +194,12 @@ class Grid:
             missing = sorted(set(names) - {c.label for c in self.caches})
             if missing:
                 raise ConfigError(f"only.{task}: unknown cache label(s) {missing}; labels: {labels}")
+        for model, names in self.model_caches.items():
+            if model not in self.models:
+                raise ConfigError(f"model_caches: {model!r} is not a model of the grid; models: {self.models}")
+            missing = sorted(set(names) - set(labels))
+            if missing:
+                raise ConfigError(f"model_caches.{model}: unknown cache label(s) {missing}; labels: {labels}")
 
     def _check_types(self) -> None:
         """Every key has the type of its field (config files can hold anything)."""
@@ -214,6 +227,8 @@ class Grid:
         self._check_attention()
         self.only = {task: require_list(f"[only] {task}", names, str, "cache labels")
                      for task, names in require_table("only", self.only).items()}  # fmt: skip
+        self.model_caches = {model: require_list(f"[model_caches] {model}", names, str, "cache labels")
+                             for model, names in require_table("model_caches", self.model_caches).items()}  # fmt: skip
 
     def _check_attention(self) -> None:
         unknown = sorted(set(require_table("attention", self.attention)) - set(_ATTENTION_KEYS))
@@ -239,10 +254,14 @@ class Grid:
         params = self.task_objects()[task]
         return params["contexts"] if isinstance(params, dict) else self.contexts
 
-    def runs(self, task: str, label: str) -> bool:
-        """Whether cache ``label`` (or the cache it was resized from) runs on ``task`` (see ``only``)."""
-        names = self.only.get(task)
-        return names is None or label in names or label.rsplit("@", 1)[0] in names
+    def runs(self, task: str, label: str, model: str | None = None) -> bool:
+        """Whether cache ``label`` (or the cache it was resized from) runs on ``task`` (see ``only``) and,
+        given ``model``, on that model (see ``model_caches``)."""
+        base = label.rsplit("@", 1)[0]
+        for names in (self.only.get(task), None if model is None else self.model_caches.get(model)):
+            if names is not None and label not in names and base not in names:
+                return False
+        return True
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (caches with their kind, args, label and exact description)."""
@@ -434,7 +453,7 @@ def grid_from_dict(d: dict[str, Any]) -> Grid:
     if d.get("cross"):
         caches += cross_specs(d["cross"])
     kwargs = {k: d[k] for k in ("models", "dtype", "device", "contexts", "seed", "replay", "decode", "equal_bytes",
-                                "online", "tasks", "attention", "only") if k in d}  # fmt: skip
+                                "online", "tasks", "attention", "only", "model_caches") if k in d}  # fmt: skip
     return Grid(caches=caches, **kwargs)
 
 

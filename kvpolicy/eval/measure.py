@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from kvpolicy.eval.caches import baseline_bytes, held_bytes
+from kvpolicy.eval.caches import baseline_bytes, global_layers, held_bytes
 from kvpolicy.eval.metrics import last_only, next_token_kl, nll
 from kvpolicy.eval.probes import AttentionErrorProbe
 from kvpolicy.eval.tasks import Sample, Task
@@ -115,21 +115,29 @@ def _prefill(
     return ref.last_logits
 
 
-#: the metrics of the bytes a cache holds (:func:`_finish_bytes`)
-BYTES_METRICS = ("bytes_held", "ratio", "bits_per_element", "bits_per_element_16")
+#: the metrics of the bytes a cache holds (:func:`_finish_bytes`); the last only for hybrid models
+BYTES_METRICS = ("bytes_held", "ratio", "bits_per_element", "bits_per_element_16", "bits_per_element_16_global")
 
 
 def _finish_bytes(cache: Any, model: torch.nn.Module, tokens: int) -> list[Metric]:
     """Bytes held, the ratio to a 16-bit cache, and bits per element (as held, and with
-    full-precision tensors counted at 16 bits: the figure to compare across model dtypes)."""
+    full-precision tensors counted at 16 bits: the figure to compare across model dtypes). A hybrid
+    model (sliding-window and full-attention layers) also gets ``bits_per_element_16_global``: the same
+    over its full-attention layers only, the layers a cache compresses, comparable across models."""
     held = held_bytes(cache)
     base = baseline_bytes(model.config, tokens)
-    return [
+    out = [
         Metric("bytes_held", float(held), extra={"tokens": tokens}),
         Metric("ratio", base / held if held else math.inf, extra={"baseline_16bit": base}),
         Metric("bits_per_element", 16 * held / base),
         Metric("bits_per_element_16", 16 * held_bytes(cache, at_16bit=True) / base),
     ]
+    layers = global_layers(model.config)
+    if layers:
+        wide = baseline_bytes(model.config, tokens, layers=layers)
+        out.append(Metric("bits_per_element_16_global", 16 * held_bytes(cache, at_16bit=True, layers=layers) / wide,
+                          extra={"layers": layers}))  # fmt: skip
+    return out
 
 
 def _mean_se(x: torch.Tensor) -> tuple[float, float]:

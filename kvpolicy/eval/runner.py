@@ -289,11 +289,14 @@ class Runner:
         for task in tasks.values():  # the datasets the tasks read, before any model is loaded (fails fast offline)
             if isinstance(task, Task):
                 task.fetch(progress=self.progress)
-        total = len(grid.models) * self._count_cells(tasks)
+        total = sum(self._count_cells(tasks, model) for model in grid.models)
         if self.shard is not None:
             total = self.shard.size(total)
         self._make_out()
-        self._write_config()
+        # every cell the run can name before loading a model, so that a report after an interruption
+        # still covers the finished cells of the groups the run did not reach (a shard numbers its
+        # cells as it goes: its list grows group by group)
+        self._write_config(self._planned_cells(tasks) if self.shard is None else None, fresh=True)
         done = self._load_results()
         bar = tqdm(total=total, desc="cells", disable=not self.progress, dynamic_ncols=True)
         t0 = time.perf_counter()
@@ -416,7 +419,7 @@ class Runner:
                      "they are counted as failed and run again next time")  # fmt: skip
             self.errors += len(lost)
 
-    def _count_cells(self, tasks: dict[str, Any]) -> int:
+    def _count_cells(self, tasks: dict[str, Any], model: str) -> int:
         grid = self.grid
         resized: list[CacheSpec] = []
         if grid.equal_bytes:
@@ -430,14 +433,25 @@ class Runner:
             for context in contexts:
                 quality = name != SPEED and (context in grid.contexts or not uses_context(task))
                 extra = resized if quality else []
-                n += sum(grid.runs(name, s.label) for s in [*grid.caches, *extra])
+                n += sum(grid.runs(name, s.label, model) for s in [*grid.caches, *extra])
         return n
 
-    def _write_config(self, cells: list[str] | None = None) -> None:
+    def _planned_cells(self, tasks: dict[str, Any]) -> list[str]:
+        """The ids of every model's cells but the ``--equal-bytes`` copies (sizing those needs the model)."""
+        ids = []
+        for model_name in self.grid.models:
+            plain = [(s, False) for s in self.grid.caches]
+            for group in plan_groups(self.grid, model_name, tasks, lambda context, steps, plain=plain: plain):
+                ids += [cid for cid, _, _ in group.cells]
+        return ids
+
+    def _write_config(self, cells: list[str] | None = None, fresh: bool = False) -> None:
+        """Write ``config.json``: the grid, and ``cells`` added to the cells already listed there (in
+        place of them when ``fresh``)."""
         path = self.out / CONFIG
-        old = read_config(self.out) if cells is not None and path.is_file() else {}
+        old = read_config(self.out) if cells is not None and not fresh and path.is_file() else {}
         d = self.grid.to_dict()
-        d["cells"] = sorted(set(old.get("cells", [])) | set(cells or [])) if cells is not None else []
+        d["cells"] = sorted(set(old.get("cells", [])) | set(cells or []))
         d["sizings"] = self.sizings
         if self.shard is not None:
             d["shard"] = str(self.shard)
@@ -465,7 +479,7 @@ class Runner:
         memo = self.read_sizing_memo()
         specs, sizings = equal_specs(self.grid, model, context, steps, memo.setdefault(self._model_name, {}))
         memo_path.write_text(json.dumps(memo, indent=1))
-        self.sizings.extend(sizings)
+        self.sizings.extend({"model": self._model_name, **row} for row in sizings)
         return specs
 
     def run_model(self, model_name: str, tasks: dict[str, Any], done: set[str], bar: Any) -> None:

@@ -24,6 +24,7 @@ METRICS = {
     "ratio": "vs 16-bit",
     "bits_per_element": "bits/el",
     "bits_per_element_16": "bits/el (16-bit FP)",
+    "bits_per_element_16_global": "bits/el, global layers (16-bit FP)",
     "prefill_ms": "prefill ms",
     "decode_ms": "decode ms/tok",
 }
@@ -37,7 +38,7 @@ def fmt(metric: str, value: float | None, se: float | None = None) -> str:
         return f"{value / 2**20:.2f} MiB"
     if metric == "ratio":
         return f"{value:.2f}×"
-    if metric in ("bits_per_element", "bits_per_element_16"):
+    if metric.startswith("bits_per_element"):
         return f"{value:.2f}"
     if metric in ("prefill_ms", "decode_ms"):
         return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
@@ -120,16 +121,16 @@ def write_summary(out: Path, rows: list[dict[str, Any]], grid: Any, sizings: lis
                 parts += ["", f"{metric} by needle depth:", "", d]
     if sizings:
         parts += ["", "## Equal bytes", "",
-                  "| context | anchor | cache | size parameter | bytes/layer | anchor bytes/layer |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
+                  "| model | context | anchor | cache | size parameter | bytes/layer | anchor bytes/layer |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
         seen = set()
         for s in sizings:
-            key = (s["context"], s["label"])
+            key = (s.get("model"), s["context"], s["label"])
             if key in seen:
                 continue
             seen.add(key)
-            parts.append(f"| {s['context']} | `{s['anchor']}` | `{s['label']}` | {s['value']} | {s['bytes']} | "
-                         f"{s['target']} |")  # fmt: skip
+            parts.append(f"| {s.get('model', '–')} | {s['context']} | `{s['anchor']}` | `{s['label']}` | "
+                         f"{s['value']} | {s['bytes']} | {s['target']} |")  # fmt: skip
     path = out / "summary.md"
     path.write_text("\n".join(parts) + "\n", encoding="utf-8")
     return path
