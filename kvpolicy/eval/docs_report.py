@@ -235,15 +235,6 @@ def _shortfalls(sizings: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-#: how the page introduces the built-in models (others by their name)
-MODEL_NOTES = {
-    "smollm2": "SmolLM2-135M-Instruct: 30 layers, 3 KV heads, head_dim 64",
-    "gemma3-270m": "Gemma-3-270M, the base model: 18 layers, 1 KV head, head_dim 256; its 15 sliding-window layers "
-    "(512 tokens) stay transformers' own and its 3 full-attention layers (5, 11, 17) are what every cache compresses, "
-    "so bits per element count those layers in the column `bits/el, global layers (16-bit FP)`",
-}
-
-
 def _title(model: str) -> str:
     from kvpolicy.eval.frontier_report import MODEL_TITLES
 
@@ -312,7 +303,12 @@ def write_results_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pat
     many = len(models) > 1
     ctx = ", ".join(str(c) for c in config["contexts"])
     lm = config["tasks"].get("lm", {})
-    notes = "; ".join(f"**{m}** ({MODEL_NOTES[m]})" if m in MODEL_NOTES else f"**{m}**" for m in models)
+    from kvpolicy.eval.frontier_report import MODEL_NOTES
+
+    notes = "; ".join(f"**{m}** ({_title(m)}: {MODEL_NOTES[m]})" if m in MODEL_NOTES else f"**{m}**" for m in models)
+    if any(r["metric"] == "bits_per_element_16_global" for r in all_rows):
+        notes += (". On a hybrid model the column `bits/el, global layers (16-bit FP)` counts the full-attention "
+                  "layers only, the ones a cache compresses")  # fmt: skip
     parts = [
         "# Results",
         "",
@@ -416,7 +412,10 @@ def _model_sections(sections: list[list[str]], model: str, rows: list[dict[str, 
                     labels: list[str], pngs: dict[str, str], run: Path, many: bool) -> None:  # fmt: skip
     """Append ``model``'s part of each section of the page to ``sections`` (in the order of the page)."""
     head = [f"### {_title(model)}", ""] if many else []
-    slug = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in model)
+    from kvpolicy.eval.plots import _slug as plot_slug
+    from kvpolicy.eval.runner import _slug as dir_slug
+
+    slug = plot_slug(model)
     lm_rows = _select(rows, "lm", eq=False)
     if lm_rows:
         sections[0] += [*head, table(lm_rows, labels), ""]
@@ -460,7 +459,7 @@ def _model_sections(sections: list[list[str]], model: str, rows: list[dict[str, 
         for name in pngs:
             if name.startswith(f"ms_vs_context_{slug}"):
                 sections[5] += [f"![ms per token vs context]({pngs[name]})", ""]
-    spikes = run / "attention" / "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in model)
+    spikes = run / "attention" / dir_slug(model)
     if (spikes / "attention_spikes.md").is_file():
         sections[6] += [*head, (spikes / "attention_spikes.md").read_text(), ""]
         name = f"attention_spikes_{spikes.name}.png"
