@@ -25,7 +25,11 @@ Probes:
 - ``bottom-k3v4``, ``bottom-k4v2``, ``bottom-k4v4``: the bottom tier's widths, to split the error
   between keys and values;
 - ``bottom-k3v3``, ``bottom-k4v3``, ``w8-x64-bottom-k3v3`` (W = 8, W′ = 64) against the presets
-  ``kvpolicy-3.5bit`` and ``kvpolicy-4bit``: wider bottom tiers for larger budgets.
+  ``kvpolicy-3.5bit`` and ``kvpolicy-4bit``: wider bottom tiers for larger budgets;
+- ``minmax-k4v4-w4``, ``minmax-k4-codebook-v4-w4``, ``minmax-k4-codebook-v4-w8``,
+  ``minmax-token-k4-codebook-v4-w4``, ``minmax-k4-codebook-v3-w4``, ``minmax-k4v3-w4``: not the
+  preset's family; one tier of 4-bit min-max keys (per channel, or ``token``), 3- or 4-bit values
+  (min-max or codebook), log ``W`` = 4 or 8 and Hadamard, for issue 11's 4.5-bit budget.
 
 ``--scale-range`` also prints the range of the log2 scales the composition stores on the first text.
 
@@ -66,6 +70,11 @@ def composition(
     extra = {"sinks": sinks} if sinks else {}
     action = Tiered(tiers=tiers, keep=[LogWindow(window=middle)])
     return lambda: CompressedCache(policy=LogWindow(window=window), action=action, transform=Hadamard(0), **extra)
+
+
+def one_tier(window: int, **quantize: Any) -> Callable[[], CompressedCache]:
+    """Not the preset's family: log W = ``window``, one ``Quantize(**quantize)`` tier, Hadamard."""
+    return lambda: CompressedCache(policy=LogWindow(window=window), action=Quantize(**quantize), transform=Hadamard(0))
 
 
 @contextlib.contextmanager
@@ -157,6 +166,19 @@ PROBES: dict[str, tuple[Callable[[], CompressedCache], Callable[[], Any]]] = {
     "bottom-k3v3": (composition(value_bits=3), contextlib.nullcontext),
     "bottom-k4v3": (composition(key_bits=4, value_bits=3), contextlib.nullcontext),
     "w8-x64-bottom-k3v3": (composition(value_bits=3, window=8, middle=64), contextlib.nullcontext),
+    # issue 11's 4.5-bit budget: one tier of 4-bit min-max keys (rotated) with a small full-precision window
+    "minmax-k4v4-w4": (one_tier(4, bits=4), contextlib.nullcontext),
+    "minmax-k4-codebook-v4-w4": (one_tier(4, bits=4, value_scheme="codebook"), contextlib.nullcontext),
+    "minmax-k4-codebook-v4-w8": (one_tier(8, bits=4, value_scheme="codebook"), contextlib.nullcontext),
+    "minmax-token-k4-codebook-v4-w4": (
+        one_tier(4, bits=4, key_axis="token", value_scheme="codebook"),
+        contextlib.nullcontext,
+    ),
+    "minmax-k4-codebook-v3-w4": (
+        one_tier(4, key_bits=4, value_bits=3, value_scheme="codebook"),
+        contextlib.nullcontext,
+    ),
+    "minmax-k4v3-w4": (one_tier(4, key_bits=4, value_bits=3), contextlib.nullcontext),
     "kvpolicy-3.5bit": (lambda: CompressedCache.from_preset("kvpolicy-3.5bit"), contextlib.nullcontext),
     "kvpolicy-4bit": (lambda: CompressedCache.from_preset("kvpolicy-4bit"), contextlib.nullcontext),
 }

@@ -35,6 +35,21 @@ def tiny_model(family: str, attn: str = "sdpa", layers: int = 2, seed: int = 0) 
     return random_model(family, layers=layers, seed=seed, attn=attn)
 
 
+def tiny_gemma3(layer_types: list[str] | None = None) -> torch.nn.Module:
+    """Gemma-3's layout in miniature: 6 layers, 5 sliding (window 8) + 1 global (layer 5) unless
+    ``layer_types`` says otherwise, 1 kv head of head_dim 64, QK-norm; seeded weights."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(
+        vocab_size=96, hidden_size=128, intermediate_size=192, num_hidden_layers=6, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, sliding_window=8, max_position_embeddings=4096, query_pre_attn_scalar=64,
+        layer_types=layer_types,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return Gemma3ForCausalLM(cfg).eval()
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Torch on one thread for a module (restored after): tiny models run faster so, above all on a

@@ -297,6 +297,56 @@ def test_model_caches_run_each_model_on_its_own_subset_and_both_pages_cover_both
     assert "Refused on this model (the error their cells recorded, on every task): `log-4b`: ValueError" in qwen
 
 
+def test_model_contexts_run_a_model_at_its_own_contexts_only(tmp_path):
+    """``[model_contexts]`` keeps a model to some of the grid's contexts, for every task (the frontier
+    runs Gemma-3 at 2k only); the count of cells, the planned cells and the rows agree with it."""
+    logs: list[str] = []
+    d = {"models": ["tiny-llama", "tiny-qwen2"], "contexts": [40, 64],
+         "tasks": {"lm": {"samples_per_context": 1, "tokens": 4}, "passkey": {"depths": [0.5]}},
+         "caches": [{"kind": "dynamic", "label": "ref"},
+                    {"label": "log-2b", "policy": "log", "window": 8, "bits": 2, "group_size": 16}],
+         "model_contexts": {"tiny-qwen2": [64]}}  # fmt: skip
+    grid = grid_from_dict(d)
+    assert grid.runs_at("tiny-llama", 40) and grid.runs_at("tiny-qwen2", 64) and not grid.runs_at("tiny-qwen2", 40)
+    runner = Runner(grid, tmp_path, progress=False, log=logs.append)
+    assert runner.run() == 0
+    rows = _rows(tmp_path)
+    seen = {(r["model"], r["context"], r["task"]) for r in rows}
+    assert seen == {(m, c, t) for m in ("tiny-llama", "tiny-qwen2") for c in (40, 64) for t in ("lm", "passkey")
+                    if m == "tiny-llama" or c == 64}  # fmt: skip
+    # 2 caches x 2 tasks x (2 contexts + 1 context)
+    assert any("ablation: 12 cells (12 run, 0 already done), 0 failed" in line for line in logs), logs
+    assert len(json.loads((tmp_path / "config.json").read_text())["cells"]) == 12
+    from kvpolicy.eval.frontier_report import write_frontier_doc
+
+    text = write_frontier_doc(tmp_path, tmp_path / "docs" / "frontier.md", "cmd").read_text()
+    assert "tiny-qwen2 (context 64 only) a subset" in text
+    assert "## tiny-qwen2 · context 64" in text and "## tiny-qwen2 · context 40" not in text
+    assert "## tiny-llama · context 40" in text and "Not measured yet" not in text
+
+    base = {k: v for k, v in d.items() if k != "model_contexts"}
+    with pytest.raises(ConfigError, match=r"model_contexts: 'gemma' is not a model of the grid; models: "):
+        grid_from_dict({**base, "model_contexts": {"gemma": [64]}})
+    with pytest.raises(ConfigError, match=r"model_contexts.tiny-qwen2: context\(s\) \[128\] are not contexts of the "
+                                          r"grid: \[40, 64\]"):  # fmt: skip
+        grid_from_dict({**base, "model_contexts": {"tiny-qwen2": [64, 128]}})
+    with pytest.raises(ConfigError, match=r"\[model_contexts\] tiny-qwen2 must be a list"):
+        grid_from_dict({**base, "model_contexts": {"tiny-qwen2": 64}})
+    # --model drops the other models' restrictions; --context keeps a restricted model to what remains of its
+    # contexts (here none: it runs nothing)
+    cfg = tmp_path / "g.toml"
+    cfg.write_text(
+        'models = ["tiny-llama", "tiny-qwen2"]\ncontexts = [40, 64]\n[tasks.lm]\nsamples_per_context = 1\n'
+        'tokens = 4\n[model_contexts]\ntiny-qwen2 = [64]\n[[caches]]\nlabel = "ref"\nkind = "dynamic"\n'
+    )
+    assert main(["ablate", "--config", str(cfg), "--model", "tiny-llama", "--out", str(tmp_path / "a"),
+                 "--no-progress"]) == 0  # fmt: skip
+    assert {(r["model"], r["context"]) for r in _rows(tmp_path / "a")} == {("tiny-llama", 40), ("tiny-llama", 64)}
+    assert main(["ablate", "--config", str(cfg), "--context", "40", "--out", str(tmp_path / "b"),
+                 "--no-progress"]) == 0  # fmt: skip
+    assert {(r["model"], r["context"]) for r in _rows(tmp_path / "b")} == {("tiny-llama", 40)}
+
+
 def test_model_caches_name_models_and_labels_of_the_grid(tmp_path):
     base = {"models": ["tiny-llama"], "contexts": [64], "tasks": {"lm": {"samples_per_context": 1, "tokens": 4}},
             "caches": [{"kind": "dynamic", "label": "ref"}]}  # fmt: skip

@@ -180,7 +180,7 @@ def test_presets():
     cited = {"logquant": "2503.19950", "logquant-4bit": "2503.19950", "kivi": "2402.02750", "h2o": "2306.14048",
              "streamingllm": "2309.17453"}  # fmt: skip
     # compositions measured on docs/frontier.md, not published methods
-    ours = {"kvpolicy-3bit", "kvpolicy-3.5bit", "kvpolicy-4bit"}
+    ours = {"kvpolicy-3bit", "kvpolicy-3.5bit", "kvpolicy-4bit", "kvpolicy-4.5bit"}
     assert set(presets.BUILTIN_PRESETS) == set(cited) | ours
     for name, fn in presets.BUILTIN_PRESETS.items():
         if name in ours:

@@ -154,9 +154,10 @@ def test_blocks_cat_narrow_and_round_trip_through_their_saved_state():
 # ------------------------------------------------------------------ in a cache
 
 
-def test_fused_equals_materialized_with_codebook_values_and_minmax_keys(cpu_kernel):
+@pytest.mark.parametrize("value_bits", [2, 3])  # 3: the kvpolicy-4.5bit preset's composition
+def test_fused_equals_materialized_with_codebook_values_and_minmax_keys(value_bits, cpu_kernel):
     got, ref, cache = fused_and_materialized(
-        transform="hadamard", key_bits=4, value_bits=2, value_scheme="codebook", backend="cpu"
+        transform="hadamard", key_bits=4, value_bits=value_bits, value_scheme="codebook", backend="cpu"
     )
     assert set(cache.attention_paths().values()) == {"fused (cpu)"}
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)

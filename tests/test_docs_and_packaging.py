@@ -41,7 +41,10 @@ def test_cli_list(capsys):
     assert "policies: h2o, log, recent, sink" in out
     assert "actions: evict, none, quantize" in out
     assert "transforms: hadamard, none" in out
-    presets = "h2o, kivi, kvpolicy-3.5bit, kvpolicy-3bit, kvpolicy-4bit, logquant, logquant-4bit, streamingllm"
+    presets = (
+        "h2o, kivi, kvpolicy-3.5bit, kvpolicy-3bit, kvpolicy-4.5bit, kvpolicy-4bit, logquant, logquant-4bit, "
+        "streamingllm"
+    )
     assert f"presets: {presets}" in out
 
 

@@ -50,21 +50,12 @@ def test_hybrid_model_is_analysed_in_its_full_attention_layers():
     """Gemma-3's layout: the sliding layers attend over their window only, so the analysis takes the
     full-attention layers (the ones a cache compresses) and says which; it once crashed at a context
     longer than the window. A model of sliding layers only has nothing to analyse: a clear error."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from conftest import tiny_gemma3
 
     from kvpolicy.errors import ConfigError
     from kvpolicy.eval.tiny import ByteTokenizer
 
-    def gemma(layer_types=None):
-        cfg = Gemma3TextConfig(
-            vocab_size=96, hidden_size=128, intermediate_size=192, num_hidden_layers=6, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=64, sliding_window=8, max_position_embeddings=4096,
-            query_pre_attn_scalar=64, layer_types=layer_types,
-        )  # fmt: skip
-        cfg._attn_implementation = "sdpa"
-        return Gemma3ForCausalLM(cfg).eval()
-
-    model, tok = gemma(), ByteTokenizer(96)
+    model, tok = tiny_gemma3(), ByteTokenizer(96)
     res = analyze_attention(model, tok, context=60, queries=3, top_k=4, window=8)
     assert res.layers == [5] and len(res.histogram) == 1
     assert sum(res.histogram[0]) == 3 * 2 * 4  # queries x heads x top_k
@@ -72,4 +63,4 @@ def test_hybrid_model_is_analysed_in_its_full_attention_layers():
     assert sum(res.histogram[0][4:]) > 0
     assert "Full-attention layers 5" in res.markdown() and "layer 5" in res.markdown()
     with pytest.raises(ConfigError, match="no full-attention layer"):
-        analyze_attention(gemma(["sliding_attention"] * 6), tok, context=60, queries=2)
+        analyze_attention(tiny_gemma3(["sliding_attention"] * 6), tok, context=60, queries=2)

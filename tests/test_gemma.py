@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
+from conftest import tiny_gemma3
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from kvpolicy import CompressedCache
@@ -20,18 +21,6 @@ from kvpolicy.eval.metrics import teacher_forced_logits
 from kvpolicy.eval.wheels import ChecksumMismatchError, FetchError, WheelMember
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny_gemma3() -> torch.nn.Module:
-    """Gemma-3's layout in miniature: 6 layers, 5 sliding (window 8) + 1 global (layer 5), 1 kv head
-    of head_dim 64, QK-norm."""
-    cfg = Gemma3TextConfig(
-        vocab_size=96, hidden_size=128, intermediate_size=192, num_hidden_layers=6, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=64, sliding_window=8, max_position_embeddings=4096, query_pre_attn_scalar=64,
-    )  # fmt: skip
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return Gemma3ForCausalLM(cfg).eval()
 
 
 def _ids(n: int = 48) -> torch.Tensor:

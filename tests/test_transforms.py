@@ -329,3 +329,17 @@ def test_kvpolicy_presets_are_the_measured_tiered_compositions(name, bottom):
     assert (other.policy.window, other.action.keep[0].window, other.transform) == (8, 64, Hadamard(3))
     with pytest.raises(ConfigError, match=f"preset '{name}'"):
         CompressedCache.from_preset(name, middle_window=0)
+
+
+def test_kvpolicy_4_5bit_is_one_tier_of_per_channel_keys_and_codebook_values():
+    """``kvpolicy-4.5bit``: log W=4, 4-bit min-max keys per channel in groups of 64, 3-bit codebook
+    values, the rotation; the frontier cell ``log4-k4v3c`` (tests/test_frontier_report.py)."""
+    cache = CompressedCache.from_preset("kvpolicy-4.5bit")
+    assert cache.transform == Hadamard(0) and cache.policy == LogWindow(window=4)
+    a = cache.action
+    assert (a.key_width, a.value_width, a.key_method, a.value_method) == (4, 3, "minmax", "codebook")
+    assert (a.key_axis, a.key_group) == ("channel", 64)
+    other = CompressedCache.from_preset("kvpolicy-4.5bit", window=16, seed=2)
+    assert (other.policy.window, other.transform) == (16, Hadamard(2))
+    with pytest.raises(ConfigError, match=r"preset 'kvpolicy-4\.5bit'"):
+        CompressedCache.from_preset("kvpolicy-4.5bit", window=0)

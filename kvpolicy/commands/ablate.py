@@ -36,11 +36,16 @@ def _build_config(args: argparse.Namespace) -> dict:
         d["models"] = args.model
         if isinstance(d.get("model_caches"), dict):  # the config's restrictions of the models kept
             d["model_caches"] = {k: v for k, v in d["model_caches"].items() if k in args.model}
+        if isinstance(d.get("model_contexts"), dict):
+            d["model_contexts"] = {k: v for k, v in d["model_contexts"].items() if k in args.model}
     for key in ("dtype", "device", "seed", "decode"):
         if getattr(args, key) is not None:
             d[key] = getattr(args, key)
     if args.context:
         d["contexts"] = args.context
+        if isinstance(d.get("model_contexts"), dict):  # a model restricted to other contexts runs at none
+            d["model_contexts"] = {k: [c for c in v if c in args.context] if isinstance(v, list) else v
+                                   for k, v in d["model_contexts"].items()}  # fmt: skip
     if args.task:
         d["tasks"] = {}
         for t in args.task:

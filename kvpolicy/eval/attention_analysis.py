@@ -131,15 +131,9 @@ def analyze_attention(
     """Histogram the distances of high-attention keys (see the module docstring); plot into ``out``."""
     from transformers import DynamicCache
 
-    from kvpolicy.errors import ConfigError
-    from kvpolicy.eval.caches import global_layers
+    from kvpolicy.eval.caches import analysed_layers
 
-    layers = global_layers(model.config)
-    if layers == []:
-        raise ConfigError(
-            "analyze attention: the model has no full-attention layer (every layer is a sliding window, which "
-            "kvpolicy leaves to transformers); there is no compressed history to analyse"
-        )
+    layers = analysed_layers(model.config, "analyze attention")
     sample = LanguageModeling(samples_per_context=1, tokens=queries).samples(tokenizer, context, seed)[0]
     ids = torch.tensor([sample.ids], device=model.device)
     cache = DynamicCache(config=model.config)

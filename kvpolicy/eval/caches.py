@@ -217,6 +217,26 @@ def global_layers(config: Any) -> list[int] | None:
     return [i for i, kind in enumerate(kinds) if kind == "full_attention"]
 
 
+def analysed_layers(config: Any, analysis: str) -> list[int] | None:
+    """:func:`global_layers` for an analysis of compressed history (``analysis``, e.g. ``"analyze
+    attention"``): ``None`` (every layer), or a hybrid model's full-attention layers.
+
+    Raises
+    ------
+    ConfigError
+        If every layer is a sliding window: there is no compressed history to analyse.
+    """
+    from kvpolicy.errors import ConfigError
+
+    layers = global_layers(config)
+    if layers == []:
+        raise ConfigError(
+            f"{analysis}: the model has no full-attention layer (every layer is a sliding window, which kvpolicy "
+            "leaves to transformers); there is no compressed history to analyse"
+        )
+    return layers
+
+
 def _walk(obj: Any, seen: set[int], depth: int, at_16bit: bool = False) -> int:
     if depth > 6 or id(obj) in seen:
         return 0

@@ -21,6 +21,9 @@ the same keys::
     [model_caches]                  # model -> the cache labels that run on it (default: every cache)
     gemma3-270m = ["uncompressed", "log/quantize/2b"]
 
+    [model_contexts]                # model -> the contexts it runs at, every task (default: all)
+    gemma3-270m = [2048]
+
     [[caches]]                      # explicit caches (kinds: compressed, preset, dynamic, hf-quantized)
     kind = "hf-quantized"
     backend = "quanto"
@@ -33,8 +36,8 @@ the same keys::
     backends = ["torch"]
 
 Names are checked against the registry (plugins included) before any work starts. List-valued
-keys (``models``, ``contexts``, the ``[cross]`` lists, the ``[only]`` and ``[model_caches]``
-lists, ``size_params``) must be lists: a plain string such as ``bits = "2,4"`` or ``policies =
+keys (``models``, ``contexts``, the ``[cross]`` lists, the ``[only]``, ``[model_caches]`` and
+``[model_contexts]`` lists, ``size_params``) must be lists: a plain string such as ``bits = "2,4"`` or ``policies =
 "log"`` is refused with the list to write instead (``bits = [2, 4]``), never split into characters.
 Task parameters are the exception that the command line needs: ``depths = "0.1,0.5"`` or speed's
 ``contexts = "512,1024"`` are split at commas.
@@ -59,7 +62,7 @@ MIN_CONTEXT = 8
 #: the timing pseudo-task: real prefill + ``steps`` decode steps on the LM text
 SPEED = "speed"
 _TOP_KEYS = {"models", "dtype", "device", "contexts", "seed", "replay", "decode", "equal_bytes", "online", "tasks",
-             "caches", "cross", "attention", "only", "model_caches"}  # fmt: skip
+             "caches", "cross", "attention", "only", "model_caches", "model_contexts"}  # fmt: skip
 #: how a grid's decode steps attend over compressed caches (``decode``; kvpolicy.eval.cells)
 DECODE_MODES = ("fused", "materialized")
 _CROSS_KEYS = {"policies", "actions", "bits", "backends", "params"}
@@ -166,6 +169,7 @@ class Grid:
     attention: dict[str, Any] = field(default_factory=dict)
     only: dict[str, list[str]] = field(default_factory=dict)
     model_caches: dict[str, list[str]] = field(default_factory=dict)
+    model_contexts: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -200,6 +204,14 @@ class Grid:
             missing = sorted(set(names) - set(labels))
             if missing:
                 raise ConfigError(f"model_caches.{model}: unknown cache label(s) {missing}; labels: {labels}")
+        known = sorted({*self.contexts, *(c for t in self.task_objects().values() if isinstance(t, dict)
+                                          for c in t["contexts"])})  # fmt: skip
+        for model, contexts in self.model_contexts.items():
+            if model not in self.models:
+                raise ConfigError(f"model_contexts: {model!r} is not a model of the grid; models: {self.models}")
+            missing = sorted(set(contexts) - set(known))
+            if missing:
+                raise ConfigError(f"model_contexts.{model}: context(s) {missing} are not contexts of the grid: {known}")
 
     def _check_types(self) -> None:
         """Every key has the type of its field (config files can hold anything)."""
@@ -229,6 +241,9 @@ class Grid:
                      for task, names in require_table("only", self.only).items()}  # fmt: skip
         self.model_caches = {model: require_list(f"[model_caches] {model}", names, str, "cache labels")
                              for model, names in require_table("model_caches", self.model_caches).items()}  # fmt: skip
+        contexts = require_table("model_contexts", self.model_contexts)
+        self.model_contexts = {model: require_list(f"[model_contexts] {model}", values, int, "integers")
+                               for model, values in contexts.items()}  # fmt: skip
 
     def _check_attention(self) -> None:
         unknown = sorted(set(require_table("attention", self.attention)) - set(_ATTENTION_KEYS))
@@ -262,6 +277,10 @@ class Grid:
             if names is not None and label not in names and base not in names:
                 return False
         return True
+
+    def runs_at(self, model: str, context: int) -> bool:
+        """Whether ``model`` runs at ``context`` (see ``model_contexts``)."""
+        return context in self.model_contexts.get(model, [context])
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (caches with their kind, args, label and exact description)."""
@@ -452,8 +471,9 @@ def grid_from_dict(d: dict[str, Any]) -> Grid:
     caches = [spec_from_entry(e) for e in entries]
     if d.get("cross"):
         caches += cross_specs(d["cross"])
-    kwargs = {k: d[k] for k in ("models", "dtype", "device", "contexts", "seed", "replay", "decode", "equal_bytes",
-                                "online", "tasks", "attention", "only", "model_caches") if k in d}  # fmt: skip
+    keys = ("models", "dtype", "device", "contexts", "seed", "replay", "decode", "equal_bytes", "online", "tasks",
+            "attention", "only", "model_caches", "model_contexts")  # fmt: skip
+    kwargs = {k: d[k] for k in keys if k in d}
     return Grid(caches=caches, **kwargs)
 
 

@@ -116,6 +116,8 @@ def plan_groups(grid: Grid, model_name: str, tasks: dict[str, Any], sized: Sizer
     contexts = sorted({*grid.contexts, *(c for t in tasks.values() if isinstance(t, dict) for c in t["contexts"])})
     first = True
     for context in contexts:
+        if not grid.runs_at(model_name, context):
+            continue
         quality = [n for n in tasks if n != SPEED and context in grid.contexts]
         specs = sized(context, lm_tokens) if quality else [(s, False) for s in grid.caches]
         for task_name, task in tasks.items():

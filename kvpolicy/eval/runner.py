@@ -431,6 +431,9 @@ class Runner:
         for name, task in tasks.items():
             contexts = task["contexts"] if isinstance(task, dict) else grid.contexts if uses_context(task) else [0]
             for context in contexts:
+                if not (grid.runs_at(model, context) if uses_context(task)
+                        else any(grid.runs_at(model, c) for c in grid.contexts)):  # fmt: skip
+                    continue
                 quality = name != SPEED and (context in grid.contexts or not uses_context(task))
                 extra = resized if quality else []
                 n += sum(grid.runs(name, s.label, model) for s in [*grid.caches, *extra])
