@@ -297,26 +297,28 @@ def test_model_caches_run_each_model_on_its_own_subset_and_both_pages_cover_both
     assert "Refused on this model (the error their cells recorded, on every task): `log-4b`: ValueError" in qwen
 
 
-def test_model_contexts_run_a_model_at_its_own_contexts_only(tmp_path):
+def test_model_contexts_and_context_caches_restrict_what_runs_where(tmp_path):
     """``[model_contexts]`` keeps a model to some of the grid's contexts, for every task (the frontier
-    runs Gemma-3 at 2k only); the count of cells, the planned cells and the rows agree with it."""
+    runs Gemma-3 at 2k only), and ``[context_caches]`` a context to some caches (the frontier's 8k runs
+    the issue's grid, not every probe); the count of cells, the planned cells and the rows agree."""
     logs: list[str] = []
     d = {"models": ["tiny-llama", "tiny-qwen2"], "contexts": [40, 64],
          "tasks": {"lm": {"samples_per_context": 1, "tokens": 4}, "passkey": {"depths": [0.5]}},
          "caches": [{"kind": "dynamic", "label": "ref"},
                     {"label": "log-2b", "policy": "log", "window": 8, "bits": 2, "group_size": 16}],
-         "model_contexts": {"tiny-qwen2": [64]}}  # fmt: skip
+         "model_contexts": {"tiny-qwen2": [64]}, "context_caches": {"40": ["ref"]}}  # fmt: skip
     grid = grid_from_dict(d)
     assert grid.runs_at("tiny-llama", 40) and grid.runs_at("tiny-qwen2", 64) and not grid.runs_at("tiny-qwen2", 40)
     runner = Runner(grid, tmp_path, progress=False, log=logs.append)
     assert runner.run() == 0
     rows = _rows(tmp_path)
-    seen = {(r["model"], r["context"], r["task"]) for r in rows}
-    assert seen == {(m, c, t) for m in ("tiny-llama", "tiny-qwen2") for c in (40, 64) for t in ("lm", "passkey")
-                    if m == "tiny-llama" or c == 64}  # fmt: skip
-    # 2 caches x 2 tasks x (2 contexts + 1 context)
-    assert any("ablation: 12 cells (12 run, 0 already done), 0 failed" in line for line in logs), logs
-    assert len(json.loads((tmp_path / "config.json").read_text())["cells"]) == 12
+    seen = {(r["model"], r["context"], r["task"], r["cache"]) for r in rows}
+    runs = lambda m, c, k: (m == "tiny-llama" or c == 64) and (c == 64 or k == "ref")  # noqa: E731
+    assert seen == {(m, c, t, k) for m in ("tiny-llama", "tiny-qwen2") for c in (40, 64) for t in ("lm", "passkey")
+                    for k in ("ref", "log-2b") if runs(m, c, k)}  # fmt: skip
+    # 2 tasks x (1 cache at 40 + 2 at 64 for tiny-llama, 2 at 64 for tiny-qwen2)
+    assert any("ablation: 10 cells (10 run, 0 already done), 0 failed" in line for line in logs), logs
+    assert len(json.loads((tmp_path / "config.json").read_text())["cells"]) == 10
     from kvpolicy.eval.frontier_report import write_frontier_doc
 
     text = write_frontier_doc(tmp_path, tmp_path / "docs" / "frontier.md", "cmd").read_text()
@@ -332,12 +334,18 @@ def test_model_contexts_run_a_model_at_its_own_contexts_only(tmp_path):
         grid_from_dict({**base, "model_contexts": {"tiny-qwen2": [64, 128]}})
     with pytest.raises(ConfigError, match=r"\[model_contexts\] tiny-qwen2 must be a list"):
         grid_from_dict({**base, "model_contexts": {"tiny-qwen2": 64}})
+    base = {k: v for k, v in base.items() if k != "context_caches"}
+    with pytest.raises(ConfigError, match=r"context_caches: '128' is not a context of the grid: \[40, 64\]"):
+        grid_from_dict({**base, "context_caches": {"128": ["ref"]}})
+    with pytest.raises(ConfigError, match=r"context_caches.40: unknown cache label\(s\) \['nope'\]"):
+        grid_from_dict({**base, "context_caches": {"40": ["nope"]}})
     # --model drops the other models' restrictions; --context keeps a restricted model to what remains of its
-    # contexts (here none: it runs nothing)
+    # contexts (here none: it runs nothing), and drops the other contexts' restrictions
     cfg = tmp_path / "g.toml"
     cfg.write_text(
         'models = ["tiny-llama", "tiny-qwen2"]\ncontexts = [40, 64]\n[tasks.lm]\nsamples_per_context = 1\n'
-        'tokens = 4\n[model_contexts]\ntiny-qwen2 = [64]\n[[caches]]\nlabel = "ref"\nkind = "dynamic"\n'
+        'tokens = 4\n[model_contexts]\ntiny-qwen2 = [64]\n[context_caches]\n64 = ["ref"]\n[[caches]]\nlabel = "ref"\n'
+        'kind = "dynamic"\n'
     )
     assert main(["ablate", "--config", str(cfg), "--model", "tiny-llama", "--out", str(tmp_path / "a"),
                  "--no-progress"]) == 0  # fmt: skip

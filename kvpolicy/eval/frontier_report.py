@@ -414,7 +414,8 @@ def write_frontier_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pa
                 ]
             parts += [_table(pts), ""]
             planned = [c["label"] for c in config.get("caches", [])
-                       if c["label"] in config.get("model_caches", {}).get(model, [c["label"]])]  # fmt: skip
+                       if c["label"] in config.get("model_caches", {}).get(model, [c["label"]])
+                       and c["label"] in config.get("context_caches", {}).get(str(context), [c["label"]])]  # fmt: skip
             measured = {p.cache for p in pts} | set(errors(failed, context, model))
             missing = [label for label in planned if label not in measured]
             if missing:

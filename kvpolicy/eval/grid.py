@@ -24,6 +24,9 @@ the same keys::
     [model_contexts]                # model -> the contexts it runs at, every task (default: all)
     gemma3-270m = [2048]
 
+    [context_caches]                # context -> the cache labels that run at it (default: every cache)
+    8192 = ["uncompressed", "log/quantize/2b"]
+
     [[caches]]                      # explicit caches (kinds: compressed, preset, dynamic, hf-quantized)
     kind = "hf-quantized"
     backend = "quanto"
@@ -35,10 +38,11 @@ the same keys::
     bits = [2, 4]
     backends = ["torch"]
 
-Names are checked against the registry (plugins included) before any work starts. List-valued
-keys (``models``, ``contexts``, the ``[cross]`` lists, the ``[only]``, ``[model_caches]`` and
-``[model_contexts]`` lists, ``size_params``) must be lists: a plain string such as ``bits = "2,4"`` or ``policies =
-"log"`` is refused with the list to write instead (``bits = [2, 4]``), never split into characters.
+Names are checked against the registry (plugins included) before any work starts. List-valued keys
+(``models``, ``contexts``, the ``[cross]`` lists, the ``[only]``, ``[model_caches]``,
+``[model_contexts]`` and ``[context_caches]`` lists, ``size_params``) must be lists: a plain string
+such as ``bits = "2,4"`` or ``policies = "log"`` is refused with the list to write instead (``bits =
+[2, 4]``), never split into characters.
 Task parameters are the exception that the command line needs: ``depths = "0.1,0.5"`` or speed's
 ``contexts = "512,1024"`` are split at commas.
 """
@@ -62,7 +66,7 @@ MIN_CONTEXT = 8
 #: the timing pseudo-task: real prefill + ``steps`` decode steps on the LM text
 SPEED = "speed"
 _TOP_KEYS = {"models", "dtype", "device", "contexts", "seed", "replay", "decode", "equal_bytes", "online", "tasks",
-             "caches", "cross", "attention", "only", "model_caches", "model_contexts"}  # fmt: skip
+             "caches", "cross", "attention", "only", "model_caches", "model_contexts", "context_caches"}  # fmt: skip
 #: how a grid's decode steps attend over compressed caches (``decode``; kvpolicy.eval.cells)
 DECODE_MODES = ("fused", "materialized")
 _CROSS_KEYS = {"policies", "actions", "bits", "backends", "params"}
@@ -170,6 +174,7 @@ class Grid:
     only: dict[str, list[str]] = field(default_factory=dict)
     model_caches: dict[str, list[str]] = field(default_factory=dict)
     model_contexts: dict[str, list[int]] = field(default_factory=dict)
+    context_caches: dict[str, list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -212,6 +217,12 @@ class Grid:
             missing = sorted(set(contexts) - set(known))
             if missing:
                 raise ConfigError(f"model_contexts.{model}: context(s) {missing} are not contexts of the grid: {known}")
+        for context, names in self.context_caches.items():
+            if not context.isdigit() or int(context) not in known:
+                raise ConfigError(f"context_caches: {context!r} is not a context of the grid: {known}")
+            missing = sorted(set(names) - set(labels))
+            if missing:
+                raise ConfigError(f"context_caches.{context}: unknown cache label(s) {missing}; labels: {labels}")
 
     def _check_types(self) -> None:
         """Every key has the type of its field (config files can hold anything)."""
@@ -244,6 +255,9 @@ class Grid:
         contexts = require_table("model_contexts", self.model_contexts)
         self.model_contexts = {model: require_list(f"[model_contexts] {model}", values, int, "integers")
                                for model, values in contexts.items()}  # fmt: skip
+        by_context = require_table("context_caches", self.context_caches)
+        self.context_caches = {str(c): require_list(f"[context_caches] {c}", names, str, "cache labels")
+                               for c, names in by_context.items()}  # fmt: skip
 
     def _check_attention(self) -> None:
         unknown = sorted(set(require_table("attention", self.attention)) - set(_ATTENTION_KEYS))
@@ -269,14 +283,14 @@ class Grid:
         params = self.task_objects()[task]
         return params["contexts"] if isinstance(params, dict) else self.contexts
 
-    def runs(self, task: str, label: str, model: str | None = None) -> bool:
+    def runs(self, task: str, label: str, model: str | None = None, context: int | None = None) -> bool:
         """Whether cache ``label`` (or the cache it was resized from) runs on ``task`` (see ``only``) and,
-        given ``model``, on that model (see ``model_caches``)."""
+        given ``model``, on that model (see ``model_caches``) and, given ``context``, at that context (see
+        ``context_caches``)."""
         base = label.rsplit("@", 1)[0]
-        for names in (self.only.get(task), None if model is None else self.model_caches.get(model)):
-            if names is not None and label not in names and base not in names:
-                return False
-        return True
+        restrictions = (self.only.get(task), None if model is None else self.model_caches.get(model),
+                        None if context is None else self.context_caches.get(str(context)))  # fmt: skip
+        return all(names is None or label in names or base in names for names in restrictions)
 
     def runs_at(self, model: str, context: int) -> bool:
         """Whether ``model`` runs at ``context`` (see ``model_contexts``)."""
@@ -472,7 +486,7 @@ def grid_from_dict(d: dict[str, Any]) -> Grid:
     if d.get("cross"):
         caches += cross_specs(d["cross"])
     keys = ("models", "dtype", "device", "contexts", "seed", "replay", "decode", "equal_bytes", "online", "tasks",
-            "attention", "only", "model_caches", "model_contexts")  # fmt: skip
+            "attention", "only", "model_caches", "model_contexts", "context_caches")  # fmt: skip
     kwargs = {k: d[k] for k in keys if k in d}
     return Grid(caches=caches, **kwargs)
 

@@ -133,7 +133,7 @@ def plan_groups(grid: Grid, model_name: str, tasks: dict[str, Any], sized: Sizer
                 run_specs = specs
             params = task if isinstance(task, dict) else asdict(task)
             cells = [(cell_id(model_name, spec, ctx, task_name, params, grid), spec, eq)
-                     for spec, eq in run_specs if grid.runs(task_name, spec.label, model_name)]  # fmt: skip
+                     for spec, eq in run_specs if grid.runs(task_name, spec.label, model_name, ctx)]  # fmt: skip
             yield Group(model_name, ctx, task_name, task, cells)
         if context in grid.contexts:
             first = False

@@ -436,7 +436,8 @@ class Runner:
                     continue
                 quality = name != SPEED and (context in grid.contexts or not uses_context(task))
                 extra = resized if quality else []
-                n += sum(grid.runs(name, s.label, model) for s in [*grid.caches, *extra])
+                at = context if uses_context(task) else None
+                n += sum(grid.runs(name, s.label, model, at) for s in [*grid.caches, *extra])
         return n
 
     def _planned_cells(self, tasks: dict[str, Any]) -> list[str]:
