@@ -67,11 +67,14 @@ class Candidate:
 
 def space(
     attention_layers: list[int], windows: tuple[int, ...] = WINDOWS, key_groups: tuple[int, ...] = (64,),
-    tier_factors: tuple[int, ...] = TIER_FACTORS,
+    tier_factors: tuple[int, ...] = TIER_FACTORS, rotate: bool = True,
 ) -> Iterator[Candidate]:  # fmt: skip
     """Every composition searched, for a model whose full-attention layers are ``attention_layers``;
     ``key_groups``: the group sizes of the keys (per channel) tried; ``tier_factors``: a middle tier
     keeps what the log rule at each of these multiples of the window keeps (one candidate each).
+    ``rotate=False`` (a model whose keys the rotation hurts: :func:`rotation_helps`) searches without
+    the Hadamard rotation: min-max keys and values only (the codebook scheme needs the rotation), a
+    4-bit min-max middle tier with keys per token, labels ending in ``-norot``.
 
     Raises
     ------
@@ -88,15 +91,17 @@ def space(
             for kb, vb in WIDTHS:
                 # codebook keys (per token, no group, centred) at every width: centred, they lose less than
                 # min-max per channel at fewer bytes (docs/quantization.md)
-                keys = [("minmax", kg) for kg in key_groups] + ([("codebook", None)] if kb >= KEY_CODEBOOK_BITS else [])
+                codebook = rotate and kb >= KEY_CODEBOOK_BITS
+                keys = [("minmax", kg) for kg in key_groups] + ([("codebook", None)] if codebook else [])
                 for kscheme, kg in keys:
-                    for vscheme in ("minmax", "codebook"):
-                        yield from _variants(window, sinks, kb, vb, kg, kscheme, vscheme, boundary, tier_factors)
+                    for vscheme in ("minmax", "codebook") if rotate else ("minmax",):
+                        yield from _variants(window, sinks, kb, vb, kg, kscheme, vscheme, boundary, tier_factors,
+                                             rotate)  # fmt: skip
 
 
 def _variants(
     window: int, sinks: int, kb: int, vb: int, kg: int | None, kscheme: str, vscheme: str, boundary: list[int],
-    tier_factors: tuple[int, ...] = TIER_FACTORS,
+    tier_factors: tuple[int, ...] = TIER_FACTORS, rotate: bool = True,
 ) -> Iterator[Candidate]:  # fmt: skip
     quant: dict[str, Any] = {"key_bits": kb, "value_bits": vb}
     if kg is not None and kg != 64:
@@ -105,23 +110,41 @@ def _variants(
         quant.update(key_scheme="codebook", key_centre=True)
     if vscheme == "codebook":
         quant["value_scheme"] = "codebook"
-    base: dict[str, Any] = {"policy": "log", "window": window, "transform": "hadamard"}
+    base: dict[str, Any] = {"policy": "log", "window": window, "transform": "hadamard" if rotate else "none"}
     if sinks:
         base["sinks"] = sinks
     code = "c" if vscheme == "codebook" else ""
     kcode = "cm" if kscheme == "codebook" else ""
     group = f"g{kg}" if kg is not None and kg != 64 else ""
     name = f"log{window}{f'-s{sinks}' if sinks else ''}-k{kb}{kcode}{group}v{vb}{code}"
-    yield Candidate(name, {**base, **quant}, "single")
+    suffix = "" if rotate else "-norot"
+    yield Candidate(name + suffix, {**base, **quant}, "single")
     if min(kb, vb) >= HIGH_BITS:
         return
     layer_bits = {str(i): HIGH_BITS for i in boundary}
-    yield Candidate(f"{name}-b{HIGH_BITS}", {**base, **quant, "layer_bits": layer_bits}, "boundary")
-    tiers = [{"bits": HIGH_BITS, "scheme": "codebook", "key_centre": True}, quant]
+    yield Candidate(f"{name}-b{HIGH_BITS}{suffix}", {**base, **quant, "layer_bits": layer_bits}, "boundary")
+    # a middle tier's tokens leave it one at a time: per-token keys (codebook, or min-max per token)
+    middle = {"bits": HIGH_BITS, "scheme": "codebook", "key_centre": True} if rotate else \
+        {"bits": HIGH_BITS, "key_axis": "token"}  # fmt: skip
+    tiers = [middle, quant]
     for factor in dict.fromkeys(tier_factors):
         keep = [{"name": "log", "window": factor * window}]
         args = {**base, "action": "tiered", "tiers": tiers, "keep": keep}
-        yield Candidate(f"{name}-t{HIGH_BITS}x{factor * window}", args, "tiered")
+        yield Candidate(f"{name}-t{HIGH_BITS}x{factor * window}{suffix}", args, "tiered")
+
+
+def rotation_helps(model: torch.nn.Module, tokenizer: Any, context: int, seed: int = 0) -> tuple[bool, str]:
+    """Whether the Hadamard rotation lowers the attention KL of this model's 2-bit per-channel keys
+    (:func:`kvpolicy.eval.rotation_analysis.analyze_rotation`, on a calibration text, never a held-out
+    one), and the analysis's verdict."""
+    from kvpolicy.eval.rotation_analysis import analyze_rotation
+    from kvpolicy.eval.tasks import CALIBRATION_FILES
+    from kvpolicy.transforms import Hadamard
+
+    result = analyze_rotation(model, tokenizer, Hadamard(0), bits=2, context=context, seed=seed,
+                              files=CALIBRATION_FILES)  # fmt: skip
+    plain, rotated = result.mean_kl()
+    return rotated < plain, result.verdict()
 
 
 def simulated_bits(

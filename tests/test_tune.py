@@ -39,6 +39,44 @@ def test_the_search_finishes_respects_the_budget_and_writes_a_loadable_preset(tm
     assert again.count("(0 run,") == 3, again
 
 
+def test_a_model_whose_keys_rotation_hurts_is_searched_without_it():
+    """``rotate=False`` (what ``--rotation auto`` picks when ``kvpolicy analyze rotation`` finds that the
+    rotation raises the attention KL, as on Gemma-3): no rotation, hence no codebook scheme, a min-max
+    middle tier (keys per token: its tokens leave one at a time); the same policies, widths and families
+    otherwise."""
+    rotated, plain = list(space(list(range(6)))), list(space(list(range(6)), rotate=False))
+    assert all(c.args["transform"] == "hadamard" for c in rotated)
+    assert all(c.args["transform"] == "none" and c.label.endswith("-norot") for c in plain)
+    text = repr([c.args for c in plain])
+    assert "codebook" not in text and "key_centre" not in text
+    tiered = next(c for c in plain if c.family == "tiered")
+    assert tiered.args["tiers"][0] == {"bits": 4, "key_axis": "token"}
+    minmax = {c.label for c in rotated if "c" not in c.label.split("-k")[1].split("-")[0]}
+    assert {c.label.removesuffix("-norot") for c in plain} == minmax
+    for c in plain:  # each builds
+        CompressedCache(**c.args)
+
+
+def test_rotation_auto_asks_the_model_and_records_the_answer(tmp_path, capsys):
+    preset = tmp_path / "p.toml"
+    args = ["tune", *TINY, "--budget-bits", "10", "--out", str(preset), "--screen", "2", "--trials", "1",
+            "--samples", "1", "--tokens", "4", "--heldout-samples", "1", "--heldout-tokens", "4"]  # fmt: skip
+    assert main([*args, "--rotation", "none"]) == 0
+    saved = tomllib.loads(preset.read_text())
+    assert saved["cache"]["transform"] == "none" and saved["tune"]["rotation"] == "none"
+    assert saved["tune"]["rotation_reason"] == "--rotation none"
+    capsys.readouterr()
+    assert main([*args, "--rotation", "auto", "--runs", str(tmp_path / "auto")]) == 0
+    err = capsys.readouterr().err
+    verdict = err.split("rotation: ")[1].splitlines()[0]
+    assert verdict.startswith("Hadamard(seed=0) ") and "attention KL of 2-bit per-channel keys" in verdict
+    saved = tomllib.loads(preset.read_text())
+    assert saved["tune"]["rotation_reason"] == verdict
+    rotate = "lowers the mean" in verdict
+    assert saved["tune"]["rotation"] == ("hadamard" if rotate else "none")
+    assert saved["cache"]["transform"] == ("hadamard" if rotate else "none")
+
+
 def test_an_unreachable_budget_names_the_smallest_reachable_one(tmp_path, capsys):
     assert main(["tune", *TINY, "--budget-bits", "1", "--out", str(tmp_path / "p.toml")]) == 2
     err = capsys.readouterr().err

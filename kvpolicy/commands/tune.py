@@ -23,13 +23,16 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, _ = open_model(args.model, args.dtype, args.device)
+    model, tokenizer = open_model(args.model, args.dtype, args.device)
     config = model.config
+    rotate, why = args.rotation != "none", f"--rotation {args.rotation}"
+    if args.rotation == "auto":
+        rotate, why = tune.rotation_helps(model, tokenizer, args.context)
+        print(f"rotation: {why}", file=sys.stderr)
     del model
     lengths = (1, args.screen_tokens, args.tokens, args.heldout_tokens)  # the ends of the runs below
-    candidates = list(
-        tune.space(tune.attention_layers(config), tuple(args.windows), tuple(args.key_groups), tuple(args.tier_factors))
-    )
+    layers = tune.attention_layers(config)
+    candidates = list(tune.space(layers, tuple(args.windows), tuple(args.key_groups), tuple(args.tier_factors), rotate))
     for c in tqdm(candidates, desc="bytes of each composition", disable=args.no_progress):
         c.bits = tune.simulated_bits(c.args, config, args.context, lengths)
     fitting = tune.within_budget(candidates, args.budget_bits)
@@ -69,6 +72,7 @@ def _run(args: argparse.Namespace) -> int:
         "bits_per_element_heldout": round(chosen.scores["heldout"]["bits"], 4),
         "kl_calibration": chosen.scores["calibration"]["kl"],
         "kl_heldout": chosen.scores["heldout"]["kl"], "top1_heldout": chosen.scores["heldout"]["top1"],
+        "rotation": "hadamard" if rotate else "none", "rotation_reason": why,
         "command": " ".join(["kvpolicy", *sys.argv[1:]]),
     }  # fmt: skip
     args.preset.parent.mkdir(parents=True, exist_ok=True)
@@ -83,11 +87,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "tune",
         help="find the composition that fits a bits-per-element budget best (screening and calibration texts, "
         "then held-out texts)",
-        description="Search compositions (policy window, sinks, key/value widths and schemes, rotation, boundary "
-        "layers, a middle tier) under --budget-bits, screen --screen of them on a short calibration text, rank the "
-        "best --trials on calibration texts, check the "
-        "winner against the best single-tier compositions on held-out texts, and write a preset file that "
-        "CompressedCache.from_config loads. Resumable: the runs live in --runs.",
+        description="Search compositions (policy window, sinks, key/value widths and schemes, rotation when it "
+        "helps the model, boundary layers, a middle tier) under --budget-bits, screen --screen of them on a short "
+        "calibration text, rank the best --trials on calibration texts, check the winner against the best "
+        "single-tier compositions on held-out texts, and write a preset file that CompressedCache.from_config "
+        "loads. Resumable: the runs live in --runs.",
     )  # fmt: skip
     p.add_argument("--model", default="smollm2", help="smollm2 (default), gemma3-270m, tiny-llama, a path")
     p.add_argument("--budget-bits", type=positive_float, required=True, help="bits per element, everything held")
@@ -108,6 +112,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="group sizes of the keys (per channel) tried (default 64)")  # fmt: skip
     p.add_argument("--tier-factors", type=positive_int, nargs="+", default=[4],
                    help="a middle tier keeps what the log rule at FACTOR x the window keeps (default 4)")  # fmt: skip
+    p.add_argument("--rotation", choices=("auto", "hadamard", "none"), default="auto",
+                   help="search with the Hadamard rotation, without it, or (auto, the default) as `kvpolicy analyze "
+                   "rotation` finds for this model on a calibration text")  # fmt: skip
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda, cuda:N or mps")
     p.add_argument("--executor", choices=("local", "ray"), default="local", help="where the cells run")

@@ -201,8 +201,10 @@ def analyze_rotation(
     queries: int = 64,
     seed: int = 0,
     name: str | None = None,
+    files: tuple[str, ...] | None = None,
 ) -> RotationAnalysis:
-    """Measure ``transform``'s effect on ``bits``-bit per-channel keys, layer by layer (module docstring).
+    """Measure ``transform``'s effect on ``bits``-bit per-channel keys, layer by layer (module docstring),
+    on the ``lm`` task's sample ``seed`` (of ``files``, standard-library file names, when given).
 
     Raises
     ------
@@ -216,7 +218,8 @@ def analyze_rotation(
     if context < group_size:
         raise ConfigError(f"analyze rotation: context={context} holds no whole group of group_size={group_size}")
     layers = analysed_layers(model.config, "analyze rotation")
-    sample = LanguageModeling(samples_per_context=1, tokens=queries).samples(tokenizer, context, seed)[0]
+    task = LanguageModeling(samples_per_context=1, tokens=queries, **({"files": files} if files else {}))
+    sample = task.samples(tokenizer, context, seed)[0]
     ids = torch.tensor([sample.ids[: context + queries]], device=model.device)
     captured = capture(model, ids, queries, layers)
     quantized = context // group_size * group_size
