@@ -119,6 +119,11 @@ def test_verdicts_name_the_best_cache_under_each_budget_and_judge_the_presets():
         "Best at ≤ 3.0 bits per element: `a` (2.90 bits), KL 0.050, top-1 90.0% (target KL ≤ 0.02, top-1 ≥ "
         "95%: not met)" in lines
     )
+    # over budget with nothing within it (Gemma-3 at 3 bits): not called the lowest there
+    lines = "\n".join(_verdicts([_p("log4-k3cmv2c-t44x32", 3.35, 0.069, 0.91), _p("b", 3.3, 0.03, 0.94)]))
+    assert (
+        "3.35 bits (**over** its 3.0-bit budget), KL 0.0690, top-1 91.0%; no cache measured holds ≤ 3.0 bits" in lines
+    )
     # over budget with a lower KL than everything within it: no negative "lower" gap
     lines = "\n".join(_verdicts([_p("log4-k4cmv3c-t44x32", 4.3, 0.0198, 0.95), _p("b", 3.3, 0.0316, 0.94)]))
     assert ("4.30 bits (**over** its 4.0-bit budget), KL 0.0198, top-1 95.0%; no cache measured at ≤ 4.0 bits has "

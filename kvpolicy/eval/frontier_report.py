@@ -230,7 +230,9 @@ def _preset_lines(pts: list[Point]) -> list[str]:
             continue
         best = best_within(pts, budget)
         within = "within" if mine.bits <= budget + 1e-9 else "**over**"
-        if best is None or best.cache == cell:
+        if best is None:
+            rank = f"no cache measured holds ≤ {budget} bits"
+        elif best.cache == cell:
             rank = f"the lowest KL measured at ≤ {budget} bits"
         elif best.kl >= mine.kl:  # the preset is over its budget, and nothing within it does better
             rank = (f"no cache measured at ≤ {budget} bits has a lower KL (the lowest there: `{best.cache}`, "

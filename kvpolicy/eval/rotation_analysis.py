@@ -15,8 +15,9 @@ last ``queries`` positions. The keys of the first ``context`` tokens (whole grou
 exact. Per layer and basis: the keys' relative squared error, the RMS error of the scaled scores over
 the quantized keys, and the KL divergence of each query's attention distribution from the exact
 one (mean over queries and heads). The share of the queries' energy (``q_c²``) that falls on the 8
-channels whose keys span the widest range says why. Only keys are analysed: a value's error reaches
-the output weighted by attention alone, whatever the basis.
+channels whose keys span the widest range says why. Only keys are analysed: the rotation matters to
+them through the queries, measured here; a value's error reaches the model through the attention
+weights and the output projection, which this analysis does not model.
 """
 
 from __future__ import annotations
