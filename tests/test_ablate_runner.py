@@ -355,6 +355,34 @@ def test_model_contexts_and_context_caches_restrict_what_runs_where(tmp_path):
     assert {(r["model"], r["context"]) for r in _rows(tmp_path / "b")} == {("tiny-llama", 40)}
 
 
+def test_attention_error_can_be_left_out_at_some_contexts_without_changing_anything_else(tmp_path):
+    """``attention_error = [contexts]`` skips the shadow attention (a third of an 8k decode step) where it
+    is off: those rows lack ``attn_error`` and have ids of their own; the other metrics are the same as
+    with the probe, and the cells that keep it keep their ids (the frontier's 2k cells stay valid)."""
+    from kvpolicy.eval.grid import cell_id
+
+    d = {"models": ["tiny-llama"], "contexts": [40, 64], "tasks": {"lm": {"samples_per_context": 1, "tokens": 5}},
+         "caches": [{"label": "log-2b", "policy": "log", "window": 8, "bits": 2, "group_size": 16}]}  # fmt: skip
+    on, partial = grid_from_dict(d), grid_from_dict({**d, "attention_error": [64]})
+    assert [partial.attention_error_at(c) for c in (40, 64, None)] == [False, True, True]
+    params = {"samples_per_context": 1, "tokens": 5}
+    spec = on.caches[0]
+    assert cell_id("tiny-llama", spec, 64, "lm", params, on) == cell_id("tiny-llama", spec, 64, "lm", params, partial)
+    assert cell_id("tiny-llama", spec, 40, "lm", params, on) != cell_id("tiny-llama", spec, 40, "lm", params, partial)
+    assert Runner(on, tmp_path / "on", progress=False, log=lambda s: None).run() == 0
+    assert Runner(partial, tmp_path / "partial", progress=False, log=lambda s: None).run() == 0
+    got = {(r["context"], r["metric"]): r["value"] for r in _rows(tmp_path / "partial")}
+    ref = {(r["context"], r["metric"]): r["value"] for r in _rows(tmp_path / "on")}
+    assert (40, "attn_error") not in got and (64, "attn_error") in got and (40, "attn_error") in ref
+    for key, value in ref.items():
+        if key != (40, "attn_error"):
+            assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    with pytest.raises(ConfigError, match=r"attention_error: context\(s\) \[128\] are not in the grid's contexts"):
+        grid_from_dict({**d, "attention_error": [128]})
+    with pytest.raises(ConfigError, match=r"attention_error must be a list"):
+        grid_from_dict({**d, "attention_error": "yes"})
+
+
 def test_model_caches_name_models_and_labels_of_the_grid(tmp_path):
     base = {"models": ["tiny-llama"], "contexts": [64], "tasks": {"lm": {"samples_per_context": 1, "tokens": 4}},
             "caches": [{"kind": "dynamic", "label": "ref"}]}  # fmt: skip

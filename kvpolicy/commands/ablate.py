@@ -46,6 +46,8 @@ def _build_config(args: argparse.Namespace) -> dict:
         if isinstance(d.get("model_contexts"), dict):  # a model restricted to other contexts runs at none
             d["model_contexts"] = {k: [c for c in v if c in args.context] if isinstance(v, list) else v
                                    for k, v in d["model_contexts"].items()}  # fmt: skip
+        if isinstance(d.get("attention_error"), list):  # measured at the contexts kept that list it
+            d["attention_error"] = [c for c in d["attention_error"] if c in args.context]
         if isinstance(d.get("context_caches"), dict):  # the restrictions of the contexts kept
             d["context_caches"] = {k: v for k, v in d["context_caches"].items() if str(k) in map(str, args.context)}
     if args.task:

@@ -206,7 +206,15 @@ class CellGroup:
                     self.refs = [measure.reference(model, s) for s in samples]
                 replay = grid.replay and not scores
                 metrics, records = measure.quality(
-                    model, self.tok, task, samples, self.refs, make, replay=replay, progress=self.progress
+                    model,
+                    self.tok,
+                    task,
+                    samples,
+                    self.refs,
+                    make,
+                    replay=replay,
+                    progress=self.progress,
+                    attention_error=grid.attention_error_at(context),
                 )
         except Exception as exc:  # recorded, retried by the next run
             return error_result(cid, self.model_name, spec, eq, context, self.task_name,

@@ -9,6 +9,7 @@ the same keys::
     contexts = [2048]
     seed = 0
     replay = true                   # replay the uncompressed prefill (see kvpolicy.eval.measure)
+    attention_error = true          # measure attn_error (a shadow attention per step); false, or the contexts
     decode = "fused"                # or "materialized": how decode steps attend (see kvpolicy.eval.cells)
     equal_bytes = "log/quantize/2b" # anchor label, true (first compressing cache) or false
 
@@ -66,7 +67,8 @@ MIN_CONTEXT = 8
 #: the timing pseudo-task: real prefill + ``steps`` decode steps on the LM text
 SPEED = "speed"
 _TOP_KEYS = {"models", "dtype", "device", "contexts", "seed", "replay", "decode", "equal_bytes", "online", "tasks",
-             "caches", "cross", "attention", "only", "model_caches", "model_contexts", "context_caches"}  # fmt: skip
+             "caches", "cross", "attention", "only", "model_caches", "model_contexts", "context_caches",
+             "attention_error"}  # fmt: skip
 #: how a grid's decode steps attend over compressed caches (``decode``; kvpolicy.eval.cells)
 DECODE_MODES = ("fused", "materialized")
 _CROSS_KEYS = {"policies", "actions", "bits", "backends", "params"}
@@ -175,6 +177,7 @@ class Grid:
     model_caches: dict[str, list[str]] = field(default_factory=dict)
     model_contexts: dict[str, list[int]] = field(default_factory=dict)
     context_caches: dict[str, list[str]] = field(default_factory=dict)
+    attention_error: bool | list[int] = True
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -217,6 +220,11 @@ class Grid:
             missing = sorted(set(contexts) - set(known))
             if missing:
                 raise ConfigError(f"model_contexts.{model}: context(s) {missing} are not contexts of the grid: {known}")
+        if isinstance(self.attention_error, list) and not set(self.attention_error) <= set(self.contexts):
+            raise ConfigError(
+                f"attention_error: context(s) {sorted(set(self.attention_error) - set(self.contexts))} are not in "
+                f"the grid's contexts {self.contexts}; give true, false or a list of those contexts"
+            )
         for context, names in self.context_caches.items():
             if not context.isdigit() or int(context) not in known:
                 raise ConfigError(f"context_caches: {context!r} is not a context of the grid: {known}")
@@ -235,6 +243,8 @@ class Grid:
         for key in ("replay", "online"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key} must be true or false; got {key}={getattr(self, key)!r}")
+        if not isinstance(self.attention_error, bool):
+            self.attention_error = require_list("attention_error", self.attention_error, int, "contexts (integers)")
         if self.decode not in DECODE_MODES:
             raise ConfigError(f"decode must be one of {list(DECODE_MODES)}; got decode={self.decode!r}")
         if not isinstance(self.equal_bytes, (str, bool)):
@@ -291,6 +301,13 @@ class Grid:
         restrictions = (self.only.get(task), None if model is None else self.model_caches.get(model),
                         None if context is None else self.context_caches.get(str(context)))  # fmt: skip
         return all(names is None or label in names or base in names for names in restrictions)
+
+    def attention_error_at(self, context: int | None) -> bool:
+        """Whether quality cells at ``context`` measure ``attn_error`` (``attention_error``: true, false, or
+        the contexts where it is measured; a context-free task follows any context that has it)."""
+        if isinstance(self.attention_error, bool):
+            return self.attention_error
+        return bool(self.attention_error) if context is None else context in self.attention_error
 
     def runs_at(self, model: str, context: int) -> bool:
         """Whether ``model`` runs at ``context`` (see ``model_contexts``)."""
@@ -367,6 +384,8 @@ def cell_id(model: str, spec: CacheSpec, context: int | None, task: str, task_pa
                   "replay": grid.replay}  # fmt: skip
     if task == SPEED:
         key_fields["decode"] = grid.decode
+    elif not grid.attention_error_at(context):
+        key_fields["attention_error"] = False  # rows without attn_error; cells that have it keep their ids
     key = json.dumps(key_fields, sort_keys=True)
     return hashlib.sha1(key.encode()).hexdigest()[:16]
 
@@ -486,7 +505,7 @@ def grid_from_dict(d: dict[str, Any]) -> Grid:
     if d.get("cross"):
         caches += cross_specs(d["cross"])
     keys = ("models", "dtype", "device", "contexts", "seed", "replay", "decode", "equal_bytes", "online", "tasks",
-            "attention", "only", "model_caches", "model_contexts", "context_caches")  # fmt: skip
+            "attention", "only", "model_caches", "model_contexts", "context_caches", "attention_error")  # fmt: skip
     kwargs = {k: d[k] for k in keys if k in d}
     return Grid(caches=caches, **kwargs)
 
