@@ -95,7 +95,10 @@ def test_analyze_rotation_reports_every_full_attention_layer(tmp_path, capsys):
     saved = json.loads(out.read_text())
     assert saved["transform"] == "Hadamard(seed=0)" and len(saved["layers"]) == saved["layers"][-1]["layer"] + 1
     assert saved["verdict"].startswith("Hadamard(seed=0) ")
-    capsys.readouterr()
+    # the identity changes nothing, and says so
+    assert main(["analyze", "rotation", "--model", "tiny-llama", "--context", "64", "--queries", "8",
+                 "--group-size", "16", "--transform", "none"]) == 0  # fmt: skip
+    assert "NoTransform() leaves the mean attention KL of 2-bit per-channel keys at " in capsys.readouterr().out
     assert main(["analyze", "rotation", "--model", "tiny-llama", "--transform", "nope"]) != 0
     assert "unknown transform 'nope'; registered transforms: ['hadamard', 'none']" in capsys.readouterr().err
 

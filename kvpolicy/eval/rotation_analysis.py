@@ -22,6 +22,7 @@ weights and the output projection, which this analysis does not model.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +83,8 @@ class RotationAnalysis:
 
     def verdict(self) -> str:
         plain, rotated = self.mean_kl()
+        if math.isclose(plain, rotated, rel_tol=1e-9, abs_tol=1e-12):
+            return f"{self.transform} leaves the mean attention KL of {self.bits}-bit per-channel keys at {plain:.4f}."
         better = rotated < plain
         ratio = max(plain, rotated) / max(min(plain, rotated), 1e-30)
         return (
