@@ -143,8 +143,7 @@ def rotation_helps(model: torch.nn.Module, tokenizer: Any, context: int, seed: i
 
     result = analyze_rotation(model, tokenizer, Hadamard(0), bits=2, context=context, seed=seed,
                               files=CALIBRATION_FILES)  # fmt: skip
-    plain, rotated = result.mean_kl()
-    return rotated < plain, result.verdict()
+    return result.helps(), result.verdict()
 
 
 def simulated_bits(

@@ -81,11 +81,21 @@ class RotationAnalysis:
         n = len(self.layers)
         return sum(r.attention_kl[0] for r in self.layers) / n, sum(r.attention_kl[1] for r in self.layers) / n
 
+    def changes_nothing(self) -> bool:
+        """The mean attention KL is the same in both bases (the identity transform)."""
+        plain, rotated = self.mean_kl()
+        return math.isclose(plain, rotated, rel_tol=1e-9, abs_tol=1e-12)
+
+    def helps(self) -> bool:
+        """The transform lowers the mean attention KL."""
+        plain, rotated = self.mean_kl()
+        return rotated < plain and not self.changes_nothing()
+
     def verdict(self) -> str:
         plain, rotated = self.mean_kl()
-        if math.isclose(plain, rotated, rel_tol=1e-9, abs_tol=1e-12):
+        if self.changes_nothing():
             return f"{self.transform} leaves the mean attention KL of {self.bits}-bit per-channel keys at {plain:.4f}."
-        better = rotated < plain
+        better = self.helps()
         ratio = max(plain, rotated) / max(min(plain, rotated), 1e-30)
         return (
             f"{self.transform} {'lowers' if better else 'raises'} the mean attention KL of {self.bits}-bit per-channel "

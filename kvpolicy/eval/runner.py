@@ -43,8 +43,8 @@ from tqdm.auto import tqdm
 from kvpolicy.errors import ConfigError
 from kvpolicy.eval.caches import CacheSpec
 from kvpolicy.eval.cells import CellGroup, CellResult
-from kvpolicy.eval.grid import SPEED, Grid, check_model_available
-from kvpolicy.eval.plan import Group, Shard, equal_specs, plan_groups, uses_context
+from kvpolicy.eval.grid import Grid, check_model_available
+from kvpolicy.eval.plan import Group, Shard, equal_specs, plan_groups
 from kvpolicy.eval.tasks import Task
 
 RESULTS = "results.jsonl"
@@ -427,18 +427,9 @@ class Runner:
 
             anchor = anchor_of(grid.caches, None if grid.equal_bytes is True else str(grid.equal_bytes))
             resized = [s for s in grid.caches if resizable(s, anchor)]
-        n = 0
-        for name, task in tasks.items():
-            contexts = task["contexts"] if isinstance(task, dict) else grid.contexts if uses_context(task) else [0]
-            for context in contexts:
-                if not (grid.runs_at(model, context) if uses_context(task)
-                        else any(grid.runs_at(model, c) for c in grid.contexts)):  # fmt: skip
-                    continue
-                quality = name != SPEED and (context in grid.contexts or not uses_context(task))
-                extra = resized if quality else []
-                at = context if uses_context(task) else None
-                n += sum(grid.runs(name, s.label, model, at) for s in [*grid.caches, *extra])
-        return n
+        # the planner's own groups, with each quality context's caches followed by their unsized copies
+        copies = [(s, False) for s in grid.caches] + [(s, True) for s in resized]
+        return sum(len(g.cells) for g in plan_groups(grid, model, tasks, lambda context, steps: copies))
 
     def _planned_cells(self, tasks: dict[str, Any]) -> list[str]:
         """The ids of every model's cells but the ``--equal-bytes`` copies (sizing those needs the model)."""
