@@ -14,6 +14,7 @@ Usage::
 
     python scripts/quantizer_quality.py --texts calibration
     python scripts/quantizer_quality.py --texts heldout --caches g64 k128 k4v2 k2v4 k3v2 b3
+    python scripts/quantizer_quality.py --texts calibration --limit 3 --tokens 128 --caches g64 g64-mse k128 k128-mse
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ CACHES = {
     "b3-rot": ("3-bit + Hadamard rotation", dict(bits=3, transform="hadamard")),
     "b4": ("keys and values 4-bit", dict(bits=4)),
     "b4-rot": ("4-bit + Hadamard rotation", dict(bits=4, transform="hadamard")),
+    "g64-mse": ("G=64, fitted ranges", dict(group_size=64, fit="mse")),
+    "k128-mse": ("keys G=128, fitted ranges", dict(key_group_size=128, value_group_size=64, fit="mse")),
+    "k3v2-mse": ("K3V2, fitted ranges", dict(key_bits=3, value_bits=2, fit="mse")),
+    "k4v2-mse": ("K4V2, fitted ranges", dict(key_bits=4, value_bits=2, fit="mse")),
+    "rot-mse": ("2-bit + Hadamard, fitted ranges", dict(group_size=64, transform="hadamard", fit="mse")),
 }
 
 
@@ -85,8 +91,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--caches", nargs="+", choices=list(CACHES), default=list(CACHES))
+    parser.add_argument("--limit", type=int, default=None, help="the first N texts of the set only")
     args = parser.parse_args()
-    files = TEXTS[args.texts]
+    files = TEXTS[args.texts][: args.limit]
     model, texts, refs = setup(args.threads, files, args.context, args.tokens)
     print(
         f"SmolLM2-135M fp32, {args.texts} texts {list(files)}: {args.context} context + {args.tokens} "

@@ -104,6 +104,16 @@ def test_rot_variants_add_the_hadamard_transform(tmp_path):
     assert row["paths"] == "fused (torch)"
 
 
+def test_mse_variants_fit_the_ranges_with_or_without_rotation():
+    v = Variant.parse("log-2-cpu-ordered-fused-mse")
+    assert (v.fit, v.transform) == ("mse", "none") and v.build(None, 16).action.fit == "mse"
+    both = Variant.parse("log-k4v2-torch-ordered-fused-rot-mse").build(None, 16)
+    assert both.action.fit == "mse" and both.transform.name == "hadamard"
+    assert Variant.parse("log-2-cpu-ordered-fused-rot").build(None, 16).action.fit == "minmax"
+    with pytest.raises(ConfigError, match="not understood"):
+        Variant.parse("log-2-cpu-ordered-fused-mse-rot")
+
+
 def test_preset_variants_build_the_file_and_run_fused(tmp_path):
     preset = tmp_path / "p.toml"
     preset.write_text(

@@ -33,6 +33,7 @@ def test_ablate_writes_the_frontier_page(tmp_path):
         '[[caches]]\nlabel = "log42-k2v2"\npolicy = "log"\nwindow = 8\ngroup_size = 16\nbits = 2\n'
         '[[caches]]\nlabel = "log42-k2v2-rot"\npolicy = "log"\nwindow = 8\ngroup_size = 16\nbits = 2\n'
         'transform = "hadamard"\n'
+        '[[caches]]\nlabel = "log42-k2v2-mse"\npolicy = "log"\nwindow = 8\ngroup_size = 16\nbits = 2\nfit = "mse"\n'
         '[[caches]]\nlabel = "log-4b"\npolicy = "log"\nwindow = 8\ngroup_size = 16\nbits = 4\n'
     )
     doc = tmp_path / "docs" / "frontier.md"
@@ -44,10 +45,12 @@ def test_ablate_writes_the_frontier_page(tmp_path):
     for label in ("uncompressed", "log42-k2v2", "log42-k2v2-rot", "log-4b"):
         assert f"`{label}`" in text
     assert "Rotation at equal bits (log, W=42, K2V2" in text
+    assert "Fitted ranges at equal bits (`log42-k2v2` vs `log42-k2v2-mse`" in text
+    assert "`log42-k2v2-rot-mse`" not in text  # no such cell, no such line
     assert (tmp_path / "docs" / "img" / "frontier" / "frontier_96.png").stat().st_size > 1000
     # the uncompressed cache is on the frontier (nothing has a lower KL), drawn in bold with a star
     assert "**`uncompressed`** ★" in text
-    assert "Decode attention: 3 of the 3 compressed cells attended over the packed codes" in text
+    assert "Decode attention: 4 of the 4 compressed cells attended over the packed codes" in text
 
     # a materialised cell (or one measured before rows recorded paths) is counted as such
     rows = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
@@ -56,7 +59,7 @@ def test_ablate_writes_the_frontier_page(tmp_path):
             r["extra"].pop("attention_paths")
     (tmp_path / "run" / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = write_frontier_doc(tmp_path / "run", doc, "cmd").read_text()
-    assert "Decode attention: 2 of the 3 compressed cells" in text and "the other 1 rebuilt the history" in text
+    assert "Decode attention: 3 of the 4 compressed cells" in text and "the other 1 rebuilt the history" in text
 
 
 def test_each_shipped_preset_is_the_frontier_cell_the_page_names():

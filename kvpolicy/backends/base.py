@@ -24,6 +24,9 @@ META_DTYPES = ("auto", "float16", "bfloat16", "float32")
 #: ``scheme`` values of :class:`~kvpolicy.actions.quantize.Quantize`: asymmetric min-max groups, or a
 #: per-vector norm with Lloyd-Max indices (:mod:`kvpolicy.backends.codebook`)
 SCHEMES = ("minmax", "codebook")
+#: ``fit`` values of :class:`~kvpolicy.actions.quantize.Quantize`: how a min-max group's range is chosen,
+#: its extremes (``"minmax"``) or the range of least squared error (``"mse"``; same storage, same kernels)
+FITS = ("minmax", "mse")
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,10 @@ class Capabilities:
     codebook_centre : bool
         Whether codebook blocks may carry a centre (``quantize(..., centre=μ)``, read back by
         ``dequantize`` and ``attend``): what ``Quantize(key_centre=True)`` needs.
+    fits : tuple of str
+        How min-max groups may choose their range (see :data:`FITS`); a backend listing ``"mse"`` takes
+        a ``fit`` keyword in ``quantize`` (passed only when it is not ``"minmax"``). The stored block is
+        the same either way, so ``dequantize`` and ``attend`` need nothing new.
     """
 
     bits: tuple[int, ...]
@@ -74,6 +81,7 @@ class Capabilities:
     schemes: tuple[str, ...] = ("minmax",)
     codebook_bits: tuple[int, ...] = ()
     codebook_centre: bool = False
+    fits: tuple[str, ...] = ("minmax",)
 
 
 def dense_attention(
@@ -229,6 +237,10 @@ class Backend(ABC):
             ``"codebook"``: a per-vector scale and Lloyd-Max indices (``group_size`` and ``axis`` do not
             apply; :mod:`kvpolicy.backends.codebook`). Passed (as a keyword) only when it is not
             ``"minmax"``, and only to a backend whose ``capabilities.schemes`` lists it.
+        fit : str, optional
+            ``"mse"``: each min-max group's range is the one of least squared error rather than its
+            extremes (:data:`FITS`). Passed (as a keyword) only when it is not ``"minmax"``, and only
+            to a backend whose ``capabilities.fits`` lists it.
 
         Raises
         ------

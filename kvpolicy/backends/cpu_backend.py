@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from kvpolicy.backends import codebook
-from kvpolicy.backends.base import META_DTYPES, SCHEMES, Capabilities, QTensor
+from kvpolicy.backends.base import FITS, META_DTYPES, SCHEMES, Capabilities, QTensor
 from kvpolicy.backends.torch_backend import (
     META_TORCH_DTYPES,
     PackedTensor,
@@ -65,6 +65,7 @@ class CpuBackend(TorchBackend):
         schemes=SCHEMES,
         codebook_bits=codebook.CODEBOOK_BITS,
         codebook_centre=True,
+        fits=FITS,
     )
 
     def __init__(self) -> None:

@@ -25,6 +25,7 @@ import torch
 from kvpolicy.backends import codebook
 from kvpolicy.backends.base import (
     AXES,
+    FITS,
     META_DTYPES,
     SCHEMES,
     Backend,
@@ -240,8 +241,20 @@ def _ungrouped(g: torch.Tensor, axis: str, shape: tuple[int, int, int, int]) -> 
     return g.transpose(-1, -2).reshape(shape)
 
 
-def quantize_groups(g: torch.Tensor, bits: int, mdtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric min-max quantization of the last dimension of ``g``.
+#: alternating least-squares rounds of ``fit="mse"`` (docs/quantization.md, "Fitted ranges")
+MSE_ROUNDS = 4
+
+
+def quantize_groups(
+    g: torch.Tensor, bits: int, mdtype: torch.dtype, fit: str = "minmax"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric quantization of the last dimension of ``g`` on a uniform grid of ``2**bits`` points.
+
+    ``fit="minmax"``: the grid spans each group's extremes, so every element is within half a step
+    of its code. ``fit="mse"``: the grid's minimum and step are refitted for the least squared error
+    (:func:`fit_range`); extreme elements may then be clamped to the grid's ends. Each group keeps
+    whichever of the two stores the smaller squared error (computed in float32 from the stored
+    metadata), so a fitted group never holds more error than its min-max grid would.
 
     Returns
     -------
@@ -254,6 +267,65 @@ def quantize_groups(g: torch.Tensor, bits: int, mdtype: torch.dtype) -> tuple[to
     gf = g.float()
     lo = gf.amin(dim=-1)
     hi = gf.amax(dim=-1)
+    codes, scales, zeros = _encode(gf, lo, hi, qmax, mdtype)
+    if fit == "minmax":
+        return codes, scales, zeros
+    if fit != "mse":
+        raise ConfigError(f"quantize: fit must be one of {list(FITS)}; got fit={fit!r}")
+    lo_f, step_f = fit_range(gf, lo, (hi - lo) / qmax, qmax, MSE_ROUNDS)
+    codes_f, scales_f, zeros_f = _encode(gf, lo_f, lo_f + qmax * step_f, qmax, mdtype)
+    better = _squared_error(gf, codes_f, scales_f, zeros_f) < _squared_error(gf, codes, scales, zeros)
+    return (torch.where(better.unsqueeze(-1), codes_f, codes), torch.where(better, scales_f, scales),
+            torch.where(better, zeros_f, zeros))  # fmt: skip
+
+
+def fit_range(
+    gf: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, qmax: int, rounds: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Refit each group's grid ``lo + step · c`` (``c`` in ``0..qmax``) for the least squared error.
+
+    Alternating least squares (Lloyd's iteration for a uniform grid): round every element to its
+    nearest grid point, then solve the 2 × 2 least-squares problem for ``lo`` and ``step`` given
+    those codes. Neither half raises the squared error, so it falls from the start's. A group whose
+    codes are all equal, or whose refit step is not positive or finite, keeps its previous grid.
+
+    Parameters
+    ----------
+    gf : torch.Tensor
+        ``(..., n)`` float32, the groups.
+    lo, step : torch.Tensor
+        ``(...)``: the starting grid (min-max: the minimum and ``(max − min) / qmax``).
+    qmax : int
+        The top code.
+    rounds : int
+        Iterations.
+
+    Returns
+    -------
+    lo, step : torch.Tensor
+        ``(...)`` float32, the refitted grid.
+    """
+    n = gf.shape[-1]
+    sum_x = gf.sum(dim=-1)
+    for _ in range(rounds):
+        inv = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
+        c = ((gf - lo.unsqueeze(-1)) * inv.unsqueeze(-1)).round_().clamp_(0, qmax)
+        sum_c = c.sum(dim=-1)
+        den = n * (c * c).sum(dim=-1) - sum_c * sum_c
+        ok = den > 0
+        new_step = (n * (c * gf).sum(dim=-1) - sum_c * sum_x) / torch.where(ok, den, torch.ones_like(den))
+        new_lo = (sum_x - new_step * sum_c) / n
+        ok &= (new_step > 0) & torch.isfinite(new_step) & torch.isfinite(new_lo)
+        step = torch.where(ok, new_step, step)
+        lo = torch.where(ok, new_lo, lo)
+    return lo, step
+
+
+def _encode(
+    gf: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, qmax: int, mdtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes and metadata of the grid from ``lo`` to ``hi``: the minimum rounded down and the scale
+    rounded up to ``mdtype``, so the stored grid still spans ``[lo, hi]``."""
     zeros = _round_down(lo, mdtype)
     z = zeros.float()
     scales = _round_up((hi - z) / qmax, mdtype)
@@ -261,6 +333,12 @@ def quantize_groups(g: torch.Tensor, bits: int, mdtype: torch.dtype) -> tuple[to
     inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
     codes = ((gf - z.unsqueeze(-1)) * inv.unsqueeze(-1)).round_().clamp_(0, qmax).to(torch.uint8)
     return codes, scales, zeros
+
+
+def _squared_error(gf: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """Per group, ``Σ (zero + scale · code − x)²`` in float32 from the stored metadata."""
+    back = zeros.float().unsqueeze(-1) + scales.float().unsqueeze(-1) * codes.float()
+    return (back - gf).square_().sum(dim=-1)
 
 
 def dequantize_groups(q: PackedTensor) -> torch.Tensor:
@@ -283,6 +361,7 @@ class TorchBackend(Backend):
         schemes=SCHEMES,
         codebook_bits=codebook.CODEBOOK_BITS,
         codebook_centre=True,
+        fits=FITS,
     )
 
     def check(self, *, bits: int, group_size: int, axis: str, role: str = "") -> None:
@@ -297,19 +376,25 @@ class TorchBackend(Backend):
 
     def quantize(  # type: ignore[override]
         self, x: torch.Tensor, bits: int, group_size: int | None, axis: str, meta_dtype: str = "auto",
-        scheme: str = "minmax", centre: torch.Tensor | None = None,
+        scheme: str = "minmax", centre: torch.Tensor | None = None, fit: str = "minmax",
     ) -> PackedTensor | codebook.CodebookTensor:  # fmt: skip
         """:meth:`Backend.quantize`; ``meta_dtype`` selects the metadata dtype (:func:`resolve_meta_dtype`),
         ``scheme="codebook"`` stores a :class:`~kvpolicy.backends.codebook.CodebookTensor` (``group_size``
         and ``axis`` are then ignored), centred on ``centre`` ``(batch, kv_heads, 1, head_dim)`` when one
-        is given (codebook only).
+        is given (codebook only); ``fit`` chooses each min-max group's range (:func:`quantize_groups`).
 
         Raises
         ------
         MetadataOverflowError
             If finite ``x`` gives a non-finite scale or minimum in the metadata dtype.
         """
+        if fit not in FITS:
+            raise ConfigError(f"backend {self.name!r}: fit must be one of {list(FITS)}; got fit={fit!r}")
         if scheme != "minmax":
+            if fit != "minmax":
+                raise ConfigError(
+                    f"backend {self.name!r}: fit={fit!r} applies to scheme='minmax' only; got scheme={scheme!r}"
+                )
             self.check_scheme(scheme, bits)
             mdt = resolve_meta_dtype(meta_dtype, x.dtype)
             return codebook.quantize(
@@ -322,7 +407,7 @@ class TorchBackend(Backend):
         mdt = resolve_meta_dtype(meta_dtype, x.dtype)
         shape = tuple(x.shape)
         g = _grouped(x, group_size, axis)
-        codes, scales, zeros = quantize_groups(g, bits, mdt)
+        codes, scales, zeros = quantize_groups(g, bits, mdt, fit)
         metadata_check(self, x, scales, zeros)
         # contiguous storage: unpacking a transposed (per-channel) view is markedly slower on CPU
         packed = pack(codes, bits).contiguous()

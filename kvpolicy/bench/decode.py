@@ -31,7 +31,8 @@ Cache variants are named by short strings:
   ``k<key bits>v<value bits>`` (``k4v2``: ``key_bits=4, value_bits=2``); ``fused`` variants run with
   :func:`kvpolicy.fused.enable_fused` on the model, ``mat`` ones (and the baselines) with
   :func:`kvpolicy.attention.enable_scores`, so the agnostic layout's mask check can run; a trailing
-  ``-rot`` adds ``transform="hadamard"`` (``log-k4v2-cpu-ordered-fused-rot``).
+  ``-rot`` adds ``transform="hadamard"`` (``log-k4v2-cpu-ordered-fused-rot``), a trailing ``-mse``
+  ``fit="mse"`` (``log-2-cpu-ordered-fused-mse``, ``log-2-cpu-ordered-fused-rot-mse``).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class Variant:
     layout: str = "ordered"
     fused: bool = False
     transform: str = "none"
+    fit: str = "minmax"
 
     @classmethod
     def parse(cls, name: str) -> Variant:
@@ -107,7 +109,9 @@ class Variant:
             return cls(name, "preset", fused=True)
         if parts[0] == "hf" and len(parts) == 3 and parts[1] in ("quanto", "hqq") and parts[2].isdigit():
             return cls(name, "hf", backend=parts[1], bits=int(parts[2]))
-        transform = "none"
+        transform, fit = "none", "minmax"
+        if len(parts) > 5 and parts[-1] == "mse":
+            parts, fit = parts[:-1], "mse"
         if len(parts) == 6 and parts[5] == "rot":
             parts, transform = parts[:5], "hadamard"
         mixed = re.fullmatch(r"k(\d)v(\d)", parts[1]) if len(parts) == 5 else None
@@ -118,12 +122,12 @@ class Variant:
             and parts[4] in ("fused", "mat")
         ):
             bits, widths = (0, (int(mixed[1]), int(mixed[2]))) if mixed else (int(parts[1]), None)
-            return cls(name, "kv", parts[0], bits, widths, parts[2], parts[3], parts[4] == "fused", transform)
+            return cls(name, "kv", parts[0], bits, widths, parts[2], parts[3], parts[4] == "fused", transform, fit)
         raise ConfigError(
             f"cache variant {name!r} not understood; use 'dynamic', 'one-liner', 'preset:<file.toml>', "
             "'hf-<quanto|hqq>-<bits>' or "
-            "'<policy>-<bits|k<K>v<V>>-<backend>-<ordered|agnostic>-<fused|mat>[-rot]' (e.g. "
-            "log-2-torch-ordered-fused, log-k4v2-cpu-ordered-fused-rot)"
+            "'<policy>-<bits|k<K>v<V>>-<backend>-<ordered|agnostic>-<fused|mat>[-rot][-mse]' (e.g. "
+            "log-2-torch-ordered-fused, log-k4v2-cpu-ordered-fused-rot, log-2-cpu-ordered-fused-mse)"
         )
 
     def build(self, config: Any, window: int) -> Any:
@@ -151,7 +155,7 @@ class Variant:
         return CompressedCache(
             policy=self.policy, action="quantize", **widths, backend=self.backend, layout=self.layout,
             attention="auto" if self.fused else "materialized", window=window, check_finite=False,
-            transform=self.transform, **hybrid,
+            transform=self.transform, **({"fit": self.fit} if self.fit != "minmax" else {}), **hybrid,
         )  # fmt: skip
 
 
