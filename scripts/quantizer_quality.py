@@ -15,6 +15,8 @@ Usage::
     python scripts/quantizer_quality.py --texts calibration
     python scripts/quantizer_quality.py --texts heldout --caches g64 k128 k4v2 k2v4 k3v2 b3
     python scripts/quantizer_quality.py --texts calibration --limit 3 --tokens 128 --caches g64 g64-mse k128 k128-mse
+    python scripts/quantizer_quality.py --texts calibration --limit 3 --tokens 128 --caches g64-kmse g64-vmse k4v2 \
+        k4v2-kmse k4v2-vmse
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ CACHES = {
     "k3v2-mse": ("K3V2, fitted ranges", dict(key_bits=3, value_bits=2, fit="mse")),
     "k4v2-mse": ("K4V2, fitted ranges", dict(key_bits=4, value_bits=2, fit="mse")),
     "rot-mse": ("2-bit + Hadamard, fitted ranges", dict(group_size=64, transform="hadamard", fit="mse")),
+    "g64-kmse": ("G=64, fitted key ranges", dict(group_size=64, key_fit="mse")),
+    "g64-vmse": ("G=64, fitted value ranges", dict(group_size=64, value_fit="mse")),
+    "k4v2-kmse": ("K4V2, fitted key ranges", dict(key_bits=4, value_bits=2, key_fit="mse")),
+    "k4v2-vmse": ("K4V2, fitted value ranges", dict(key_bits=4, value_bits=2, value_fit="mse")),
 }
 
 

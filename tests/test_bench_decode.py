@@ -106,10 +106,12 @@ def test_rot_variants_add_the_hadamard_transform(tmp_path):
 
 def test_mse_variants_fit_the_ranges_with_or_without_rotation():
     v = Variant.parse("log-2-cpu-ordered-fused-mse")
-    assert (v.fit, v.transform) == ("mse", "none") and v.build(None, 16).action.fit == "mse"
+    fits = lambda cache: (cache.action.key_fitting, cache.action.value_fitting)  # noqa: E731
+    assert (v.fit, v.transform) == ("mse", "none") and fits(v.build(None, 16)) == ("mse", "mse")
     both = Variant.parse("log-k4v2-torch-ordered-fused-rot-mse").build(None, 16)
-    assert both.action.fit == "mse" and both.transform.name == "hadamard"
-    assert Variant.parse("log-2-cpu-ordered-fused-rot").build(None, 16).action.fit == "minmax"
+    assert fits(both) == ("mse", "mse") and both.transform.name == "hadamard"
+    assert fits(Variant.parse("log-2-cpu-ordered-fused-rot-kmse").build(None, 16)) == ("mse", "minmax")
+    assert fits(Variant.parse("log-2-cpu-ordered-fused-rot").build(None, 16)) == ("minmax", "minmax")
     with pytest.raises(ConfigError, match="not understood"):
         Variant.parse("log-2-cpu-ordered-fused-mse-rot")
 

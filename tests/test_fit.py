@@ -157,7 +157,28 @@ def test_repr_and_equality():
     assert Quantize(bits=2, fit="mse") != Quantize(bits=2)
     assert Quantize(fit="mse") == Quantize(bits=2, fit="mse")
     mixed = Quantize(key_bits=4, value_bits=3, value_scheme="codebook", fit="mse")
-    assert "fit='mse'" in repr(mixed)
+    assert repr(mixed).endswith("key_fit='mse')")  # codebook values have no range to fit
+    assert (mixed.key_fitting, mixed.value_fitting) == ("mse", "minmax")
+    assert Quantize(key_fit="mse", value_fit="mse") == Quantize(fit="mse")
+    assert repr(Quantize(key_fit="mse", value_fit="mse")) == repr(Quantize(fit="mse"))
+    assert repr(Quantize(key_fit="mse")).endswith("key_fit='mse')")
+    assert repr(Quantize(value_fit="mse")).endswith("value_fit='mse')")
+    assert Quantize(key_fit="mse") != Quantize(value_fit="mse")
+
+
+def test_key_fit_fits_the_keys_alone():
+    x = torch.randn(1, 2, 200, 64, generator=torch.Generator().manual_seed(8)) * 2
+    blocks = {}
+    for name, kw in {"plain": {}, "keys": {"key_fit": "mse"}, "both": {"fit": "mse"}}.items():
+        cache = CompressedCache(policy="recent", window=8, bits=2, backend="torch", **kw)
+        cache.update(x, x, 0)
+        cache.memory_report()  # demotion is deferred until something reads the store
+        store = cache.layers[0].store
+        blocks[name] = (store.k.q, store.v.q)
+    (pk, pv), (kk, kv), (bk, bv) = blocks["plain"], blocks["keys"], blocks["both"]
+    assert torch.equal(kv.codes, pv.codes) and torch.equal(kv.scales, pv.scales)  # values untouched
+    assert torch.equal(kk.codes, bk.codes) and torch.equal(kk.scales, bk.scales)  # keys fitted
+    assert not torch.equal(kk.scales, pk.scales) and not torch.equal(bv.scales, pv.scales)
 
 
 def test_auto_backend_serves_fitted_ranges_with_the_cpu_kernel(cpu_kernel):
@@ -169,6 +190,9 @@ def test_auto_backend_serves_fitted_ranges_with_the_cpu_kernel(cpu_kernel):
     [
         ({"fit": "lloyd"}, r"fit must be one of \['minmax', 'mse'\]; got fit='lloyd'"),
         ({"fit": "mse", "scheme": "codebook", "transform": "hadamard"}, r"fit='mse' chooses the range of min-max"),
+        ({"fit": "mse", "value_fit": "minmax"}, r"fit='mse' \(the shorthand for both\) contradicts value_fit='minmax'"),
+        ({"key_fit": "mse", "key_scheme": "codebook", "transform": "hadamard"}, r"key_fit='mse' chooses the range"),
+        ({"value_fit": "best"}, r"value_fit must be one of \['minmax', 'mse'\]; got value_fit='best'"),
     ],
 )
 def test_bad_fit_parameters_are_refused_naming_them(kw, match):
@@ -181,3 +205,5 @@ def test_backends_without_fitted_ranges_refuse_them(backend):
     pytest.importorskip("optimum.quanto" if backend == "quanto" else "hqq")
     with pytest.raises(ConfigError, match=rf"backend '{backend}' does not fit .* it supports fit in \['minmax'\]"):
         CompressedCache(policy="log", bits=2, fit="mse", backend=backend)
+    with pytest.raises(ConfigError, match=rf"backend '{backend}' does not fit min-max ranges with key_fit='mse'"):
+        CompressedCache(policy="log", bits=2, key_fit="mse", backend=backend)

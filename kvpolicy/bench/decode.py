@@ -32,7 +32,8 @@ Cache variants are named by short strings:
   :func:`kvpolicy.fused.enable_fused` on the model, ``mat`` ones (and the baselines) with
   :func:`kvpolicy.attention.enable_scores`, so the agnostic layout's mask check can run; a trailing
   ``-rot`` adds ``transform="hadamard"`` (``log-k4v2-cpu-ordered-fused-rot``), a trailing ``-mse``
-  ``fit="mse"`` (``log-2-cpu-ordered-fused-mse``, ``log-2-cpu-ordered-fused-rot-mse``).
+  ``fit="mse"`` and ``-kmse`` ``key_fit="mse"`` (``log-2-cpu-ordered-fused-mse``,
+  ``log-2-cpu-ordered-fused-rot-kmse``).
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class Variant:
     layout: str = "ordered"
     fused: bool = False
     transform: str = "none"
+    #: ``"minmax"``, ``"mse"`` (``fit="mse"``) or ``"kmse"`` (``key_fit="mse"``)
     fit: str = "minmax"
 
     @classmethod
@@ -110,8 +112,8 @@ class Variant:
         if parts[0] == "hf" and len(parts) == 3 and parts[1] in ("quanto", "hqq") and parts[2].isdigit():
             return cls(name, "hf", backend=parts[1], bits=int(parts[2]))
         transform, fit = "none", "minmax"
-        if len(parts) > 5 and parts[-1] == "mse":
-            parts, fit = parts[:-1], "mse"
+        if len(parts) > 5 and parts[-1] in ("mse", "kmse"):
+            parts, fit = parts[:-1], parts[-1]
         if len(parts) == 6 and parts[5] == "rot":
             parts, transform = parts[:5], "hadamard"
         mixed = re.fullmatch(r"k(\d)v(\d)", parts[1]) if len(parts) == 5 else None
@@ -126,7 +128,7 @@ class Variant:
         raise ConfigError(
             f"cache variant {name!r} not understood; use 'dynamic', 'one-liner', 'preset:<file.toml>', "
             "'hf-<quanto|hqq>-<bits>' or "
-            "'<policy>-<bits|k<K>v<V>>-<backend>-<ordered|agnostic>-<fused|mat>[-rot][-mse]' (e.g. "
+            "'<policy>-<bits|k<K>v<V>>-<backend>-<ordered|agnostic>-<fused|mat>[-rot][-mse|-kmse]' (e.g. "
             "log-2-torch-ordered-fused, log-k4v2-cpu-ordered-fused-rot, log-2-cpu-ordered-fused-mse)"
         )
 
@@ -155,8 +157,12 @@ class Variant:
         return CompressedCache(
             policy=self.policy, action="quantize", **widths, backend=self.backend, layout=self.layout,
             attention="auto" if self.fused else "materialized", window=window, check_finite=False,
-            transform=self.transform, **({"fit": self.fit} if self.fit != "minmax" else {}), **hybrid,
+            transform=self.transform, **_FIT_KEYWORDS[self.fit], **hybrid,
         )  # fmt: skip
+
+
+#: a variant's fit suffix -> the ``CompressedCache`` keywords it stands for
+_FIT_KEYWORDS: dict[str, dict[str, str]] = {"minmax": {}, "mse": {"fit": "mse"}, "kmse": {"key_fit": "mse"}}
 
 
 # ---------------------------------------------------------------------- models

@@ -206,12 +206,14 @@ def _verdicts(pts: list[Point], context: int = 2048) -> list[str]:
         verdict = "met" if factor >= 2.5 else "not met"
         out.append(f"- Rotation at equal bits (log, W=42, K2V2: {a.bits:.2f} vs {b.bits:.2f} bits): KL {a.kl:.3f} → "
                    f"{b.kl:.3f}, **{factor:.2f}× lower** (target ≥ 2.5×: {verdict}).")  # fmt: skip
-    for base in ("log42-k2v2", "log42-k2v2-rot"):
-        plain, fitted = by.get(base), by.get(f"{base}-mse")
+    for base, suffix, how in [(b, s, h) for b in ("log42-k2v2", "log42-k2v2-rot")
+                              for s, h in (("mse", 'fit="mse"'), ("kmse", 'key_fit="mse"'))]:  # fmt: skip
+        plain, fitted = by.get(base), by.get(f"{base}-{suffix}")
         if plain and fitted and fitted.kl > 0:
-            out.append(f'- Fitted ranges at equal bits (`{base}` vs `{base}-mse`, `fit="mse"`: {plain.bits:.2f} vs '
-                       f"{fitted.bits:.2f} bits): KL {plain.kl:.3f} → {fitted.kl:.3f}, "
-                       f"**{plain.kl / fitted.kl:.2f}× lower**.")  # fmt: skip
+            change = plain.kl / fitted.kl
+            word = f"**{change:.2f}× lower**" if change >= 1 else f"**{1 / change:.2f}× higher**"
+            out.append(f"- Fitted ranges at equal bits (`{base}` vs `{base}-{suffix}`, `{how}`: {plain.bits:.2f} vs "
+                       f"{fitted.bits:.2f} bits): KL {plain.kl:.3f} → {fitted.kl:.3f}, {word}.")  # fmt: skip
     out += [_target_line(pts, *target) for target in TARGETS.get(context, ())]
     hf4 = by.get("hf-quanto-4b")
     if hf4:
@@ -401,7 +403,8 @@ def write_frontier_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pa
         "the bits is the codebook scheme (one scale per token and head, Lloyd-Max indices, always rotated: "
         "`v2c` = 2-bit codebook values), `cm` codebook keys centred on their stream's mean (`key_centre=True`), "
         "`-s4` 4 sink tokens at full precision, `-mse` min-max groups whose range is fitted for the least squared "
-        'error (`fit="mse"`), and `-t4x64` or `-t44x32` a middle tier of 4-bit codebook keys '
+        'error (`fit="mse"`; `-kmse` the keys\' groups only, `key_fit="mse"`), and `-t4x64` or `-t44x32` a '
+        "middle tier of 4-bit codebook keys "
         'and values for the demoted tokens that the log rule at W′ = 64 or 32 keeps (`action="tiered"`); '
         "every cache's exact composition is its entry in the grid file. A preset's name follows its cell.",
         "",
