@@ -119,8 +119,11 @@ def test_fitted_ranges_hold_the_same_bytes_and_change_what_is_stored():
     fitted = CompressedCache(policy="recent", window=16, bits=2, backend="torch", fit="mse")
     plain.update(x, x, 0)
     fitted.update(x, x, 0)
-    assert fitted.memory_report().segments == plain.memory_report().segments
+    seg = fitted.memory_report().segments
+    assert seg == plain.memory_report().segments and seg["codes"] > 0
     assert repr(fitted).count("fit='mse'") == 1 and "fit=" not in repr(plain)
+    held, ref = fitted.layers[0].store, plain.layers[0].store
+    assert not torch.equal(held.k.q.scales, ref.k.q.scales) and not torch.equal(held.v.q.scales, ref.v.q.scales)
 
 
 def test_fitted_ranges_bring_a_tiny_model_closer_to_uncompressed():
