@@ -29,7 +29,7 @@ def logquant(budget: int = 128, bits: int = 2, group_size: int = 64) -> dict[str
     check_int("budget", budget, 3, "preset 'logquant'")
     return {
         "policy": LogWindow(window=budget // 3),
-        "action": Quantize(bits=bits, group_size=group_size, key_axis="token", value_axis="token"),
+        "action": Quantize(bits=bits, group_size=group_size, key_axis="token", value_axis="token", fit="minmax"),
     }
 
 
@@ -54,7 +54,7 @@ def kivi(bits: int = 2, group_size: int = 32, residual: int = 128) -> dict[str, 
 
     return {
         "policy": RecentWindow(window=residual, variant="flush", prompt="keep_tail"),
-        "action": Quantize(bits=bits, group_size=group_size, key_axis="channel", value_axis="token"),
+        "action": Quantize(bits=bits, group_size=group_size, key_axis="channel", value_axis="token", fit="minmax"),
     }
 
 
@@ -162,7 +162,7 @@ def kvpolicy_4_5bit(window: int = 4, seed: int = 0) -> dict[str, Any]:
     check_int("window", window, 1, "preset 'kvpolicy-4.5bit'")
     return {
         "policy": LogWindow(window=window),
-        "action": Quantize(key_bits=4, value_bits=3, value_scheme="codebook"),
+        "action": Quantize(key_bits=4, value_bits=3, value_scheme="codebook", key_group_size=64, key_fit="minmax"),
         "transform": Hadamard(seed=seed),
     }
 

@@ -1,9 +1,10 @@
 """``kvpolicy tune``: the composition that fits a bits-per-element budget best, found and checked.
 
 1. **Space.** Compositions built from the parts that measured well (docs/frontier.md): the log
-   policy at two windows, with and without four sink tokens; keys min-max per channel (or, from 3
-   bits, codebook per token) and values min-max or codebook at several widths; the Hadamard
-   rotation; and on top of each, the boundary layers at 4 bits, or a 4-bit codebook middle tier
+   policy at two windows, with and without four sink tokens; keys min-max per channel (min-max
+   ranges, ``key_fit="minmax"``, whatever the defaults; or, from 3 bits, codebook per token) and
+   values min-max or codebook at several widths; the Hadamard rotation; and on top of each, the
+   boundary layers at 4 bits, or a 4-bit codebook middle tier
    (:class:`~kvpolicy.actions.tiered.Tiered`, the log rule at ``tier_factors`` times the window:
    four by default).
 2. **Bytes.** Each is built and fed random keys and values of the model's shape for ``context``
@@ -104,8 +105,8 @@ def _variants(
     tier_factors: tuple[int, ...] = TIER_FACTORS, rotate: bool = True,
 ) -> Iterator[Candidate]:  # fmt: skip
     quant: dict[str, Any] = {"key_bits": kb, "value_bits": vb}
-    if kg is not None and kg != 64:
-        quant["key_group_size"] = kg
+    if kg is not None:  # min-max keys: their group size and fit, whatever the defaults
+        quant.update(key_group_size=kg, key_fit="minmax")
     if kscheme == "codebook":
         quant.update(key_scheme="codebook", key_centre=True)
     if vscheme == "codebook":

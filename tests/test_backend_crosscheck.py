@@ -232,7 +232,7 @@ def test_meta_dtype_options(name):
     allowed = {"quanto": ["auto"], "hqq": ["auto", "float32"]}[name]
     assert list(be.capabilities.meta_dtypes) == allowed
     for meta in ("auto", "float16", "bfloat16", "float32"):
-        action = Quantize(bits=2, group_size=16, meta_dtype=meta)
+        action = Quantize(bits=2, group_size=16, meta_dtype=meta, fit="minmax")
         if meta in allowed:
             action.check_backend(be)
         else:
@@ -404,7 +404,8 @@ def ids():
     return torch.randint(3, 96, (2, 56), generator=torch.Generator().manual_seed(0))
 
 
-LOG_KW = dict(policy="log", window=8, action="quantize", bits=2, group_size=32)
+# min-max on both sides: quanto and hqq choose no fitted ranges (the keys' default is fitted)
+LOG_KW = dict(policy="log", window=8, action="quantize", bits=2, group_size=32, fit="minmax")
 
 
 @pytest.fixture(scope="module")
@@ -446,7 +447,9 @@ def test_cache_logits_agree_with_torch_backend(llama, ids, full_and_torch_logits
 def test_generate_end_to_end(llama, ids, name):
     from kvpolicy import CompressedCache
 
-    cache = CompressedCache(policy="log", action="quantize", bits=2, backend=name)
+    with pytest.raises(ConfigError, match=rf"backend '{name}' does not fit .*Pass key_fit='minmax'"):
+        CompressedCache(policy="log", action="quantize", bits=2, backend=name)  # the keys' default fit
+    cache = CompressedCache(policy="log", action="quantize", bits=2, key_fit="minmax", backend=name)
     prompt = ids[:1].repeat(1, 3)[:, :140]  # more than the default window, so tokens are quantized
     out = llama.generate(prompt, attention_mask=torch.ones_like(prompt), cache=cache, max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 144)
@@ -475,11 +478,11 @@ def test_quanto_flush_matches_transformers_quantized_cache(llama, ids, residual,
     )
     ours = CompressedCache(
         policy="recent", variant="flush", window=residual, prompt="quantize", action="quantize", bits=2,
-        group_size=64, key_axis="token", value_axis="token", backend="quanto",
+        group_size=64, key_axis="token", value_axis="token", fit="minmax", backend="quanto",
     )  # fmt: skip
     torch_ours = CompressedCache(
         policy="recent", variant="flush", window=residual, prompt="quantize", action="quantize", bits=2,
-        group_size=64, key_axis="token", value_axis="token", backend="torch",
+        group_size=64, key_axis="token", value_axis="token", fit="minmax", backend="torch",
     )  # fmt: skip
     a = teacher_forced_logits(llama, ids, prompt, hf)
     b = teacher_forced_logits(llama, ids, prompt, ours)

@@ -689,3 +689,38 @@ def test_fused_decode_with_rotation_reads_rotated_codes_in_the_kernel(monkeypatc
     assert layer.fused_basis() == Hadamard() and layer.store.inner.k.q is not None  # rotated codes, read fused
     assert torch.equal(ref.sequences, got.sequences)
     assert torch.allclose(torch.stack(ref.logits), torch.stack(got.logits), rtol=1e-5, atol=1e-5)
+
+
+def test_fitted_ranges_store_the_torch_backends_blocks_and_attend_in_the_kernel(monkeypatch):
+    """``key_fit="mse"``: the triton backend stores the torch backend's fitted blocks bit for bit (the
+    fit runs as torch operations), which differ from min-max ones, and the fused decode reads them
+    through the kernel, matching the materialised torch run."""
+    from conftest import tiny_model
+
+    from kvpolicy import CompressedCache
+    from kvpolicy.fused import enable_fused
+
+    model = tiny_model("llama", layers=1).to(DEVICE)
+    ids = torch.randint(3, 96, (2, 24), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    kw = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    make = dict(policy="log", window=4, action="quantize", bits=2, group_size=8)
+    ref_cache = CompressedCache(**make, key_fit="mse", backend="torch")
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), cache=ref_cache, **kw)
+    plain = CompressedCache(**make, key_fit="minmax", backend="torch")
+    model.generate(ids, attention_mask=torch.ones_like(ids), cache=plain, **kw)
+    backend = make_backend()
+    calls = []
+    kernel_attend = backend.attend
+    monkeypatch.setattr(backend, "attend", lambda *a: calls.append(a[1].shape) or kernel_attend(*a))
+    enable_fused(model)
+    cache = CompressedCache(**make, key_fit="mse", backend=backend)
+    got = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **kw)
+    assert len(calls) >= 3 and set(cache.attention_paths().values()) == {"fused (triton)"}
+    fitted, minmax, tri = (c.layers[0].store.k.q for c in (ref_cache, plain, cache))
+    assert not torch.equal(fitted.scales, minmax.scales)  # the fit moved the keys' ranges
+    for name in ("codes", "scales", "zeros"):
+        assert torch.equal(getattr(fitted, name), getattr(tri, name)), name
+    assert torch.equal(ref.sequences, got.sequences)
+    assert torch.allclose(torch.stack(ref.logits), torch.stack(got.logits), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match=r"fit must be one of \['minmax', 'mse'\]; got fit='lloyd'"):
+        backend.quantize(torch.zeros(1, 1, 8, 8), 2, 8, "channel", fit="lloyd")

@@ -85,14 +85,14 @@ def test_non_finite_values_reaching_the_quantizer_raise(bad, where):
 
 @pytest.mark.parametrize(
     ("kwargs", "key_groups", "total"),
-    [({}, 126, 2137864), ({"key_group_size": 128}, 63, 2041096)],
+    [({}, 63, 2041096), ({"key_group_size": 128}, 63, 2041096), ({"group_size": 64}, 126, 2137864)],
 )
 def test_memory_report_ratio_at_8k_tokens_log_2bit(kwargs, key_groups, total):
     """W = 42, T = 8192, fp16, head_dim 64, 3 kv heads (SmolLM2-135M's shape), batch 1, two layers.
 
     |FP| = 2W + 1 + ((T - 3W - 1) mod W) = 85 + (8065 mod 42) = 86, so 8106 tokens are demoted.
-    Keys per channel, G = 64 (default): 126 full groups = 8064 tokens quantized, 42 staged; G = 128:
-    63 groups, the same 8064 tokens. Per kv head: FP 86*64*2*2 = 22016; K codes 8064*64/4 = 129024;
+    Keys per channel, G = 128 (default): 63 full groups = 8064 tokens quantized, 42 staged; G = 64:
+    126 groups, the same 8064 tokens. Per kv head: FP 86*64*2*2 = 22016; K codes 8064*64/4 = 129024;
     K scales+zeros groups*64*2*2 (32256 or 16128); K staging 42*64*2 = 5376; V codes 8106*64/4 =
     129696; V scales+zeros (G = 64 channels) 8106*1*2*2 = 32424 -> 350792 (G = 64) or 334664 bytes.
     Positions, int32: 86 * 4 = 344 bytes per layer at full precision, and 8106 * 4 = 32424 bytes of
@@ -170,7 +170,11 @@ def test_positions_unknown_layer():
 def test_presets():
     cache = CompressedCache.from_preset("logquant", budget=128)
     assert cache.policy == LogWindow(window=42)
-    assert cache.action == Quantize(bits=2, group_size=64, key_axis="token", value_axis="token")
+    # the paper's min-max groups, whatever the defaults
+    assert cache.action == Quantize(bits=2, group_size=64, key_axis="token", value_axis="token", fit="minmax")
+    assert cache.action.key_fitting == cache.action.value_fitting == "minmax"
+    kivi = CompressedCache.from_preset("kivi").action
+    assert (kivi.key_fitting, kivi.value_fitting, kivi.key_group, kivi.value_group) == ("minmax", "minmax", 32, 32)
     assert CompressedCache.from_preset("logquant", budget=192).policy.window == 64
     assert CompressedCache.from_preset("logquant", budget=256).policy.window == 85
     four = CompressedCache.from_preset("logquant-4bit", layout="agnostic")
@@ -191,7 +195,7 @@ def test_presets():
 
     kivi = CompressedCache.from_preset("kivi")
     assert kivi.policy == RecentWindow(window=128, variant="flush", prompt="keep_tail")
-    assert kivi.action == Quantize(bits=2, group_size=32, key_axis="channel", value_axis="token")
+    assert kivi.action == Quantize(bits=2, group_size=32, key_axis="channel", value_axis="token", fit="minmax")
     h2o = CompressedCache.from_preset("h2o", budget=100)
     assert h2o.policy == HeavyHitters(heavy=50, recent=50) and h2o.action == Evict()
     stream = CompressedCache.from_preset("streamingllm")

@@ -226,7 +226,7 @@ def test_scheme_shorthand_sets_both_kinds_and_equal_actions_compare_equal():
     mixed = Quantize(key_bits=4, value_bits=2, value_scheme="codebook", key_group_size=32)
     assert repr(mixed) == (
         "Quantize(key_bits=4, value_bits=2, key_scheme='minmax', value_scheme='codebook', key_group_size=32, "
-        "key_axis='channel', check_finite=True)"
+        "key_axis='channel', check_finite=True, key_fit='mse')"  # min-max keys are fitted by default
     )
     assert "scheme" not in repr(Quantize(bits=2))  # min-max reprs (and the cell ids built on them) unchanged
 

@@ -115,8 +115,8 @@ def test_fused_equals_materialized_with_fitted_ranges(family, backend, cpu_kerne
 
 def test_fitted_ranges_hold_the_same_bytes_and_change_what_is_stored():
     x = torch.randn(1, 2, 300, 64, generator=torch.Generator().manual_seed(6))
-    plain = CompressedCache(policy="recent", window=16, bits=2, backend="torch")
-    fitted = CompressedCache(policy="recent", window=16, bits=2, backend="torch", fit="mse")
+    plain = CompressedCache(policy="recent", window=16, bits=2, backend="torch", group_size=64, fit="minmax")
+    fitted = CompressedCache(policy="recent", window=16, bits=2, backend="torch", group_size=64, fit="mse")
     plain.update(x, x, 0)
     fitted.update(x, x, 0)
     seg = fitted.memory_report().segments
@@ -155,9 +155,12 @@ def test_saved_cache_keeps_its_fit(tmp_path):
 
 
 def test_repr_and_equality():
-    assert "fit" not in repr(Quantize(bits=2))  # results described before the parameter keep their ids
+    # min-max caches, described before the parameter existed, keep their reprs and so their result ids
+    assert "fit" not in repr(Quantize(bits=2, fit="minmax")) and "fit" not in repr(Quantize(key_fit="minmax"))
+    assert repr(Quantize(bits=2)).endswith("key_fit='mse')")  # the default fits the keys, and says so
     assert repr(Quantize(bits=2, fit="mse")).endswith("fit='mse')")
-    assert Quantize(bits=2, fit="mse") != Quantize(bits=2)
+    assert Quantize(bits=2, fit="mse") != Quantize(bits=2) != Quantize(bits=2, fit="minmax")
+    assert Quantize(bits=2) == Quantize(key_fit="mse", value_fit="minmax")
     assert Quantize(fit="mse") == Quantize(bits=2, fit="mse")
     mixed = Quantize(key_bits=4, value_bits=3, value_scheme="codebook", fit="mse")
     assert repr(mixed).endswith("key_fit='mse')")  # codebook values have no range to fit
@@ -165,20 +168,24 @@ def test_repr_and_equality():
     assert Quantize(key_fit="mse", value_fit="mse") == Quantize(fit="mse")
     assert repr(Quantize(key_fit="mse", value_fit="mse")) == repr(Quantize(fit="mse"))
     assert repr(Quantize(key_fit="mse")).endswith("key_fit='mse')")
-    assert repr(Quantize(value_fit="mse")).endswith("value_fit='mse')")
+    assert repr(Quantize(value_fit="mse", key_fit="minmax")).endswith("value_fit='mse')")
+    assert Quantize(value_fit="mse") == Quantize(fit="mse")  # the keys' default is "mse" too
     assert Quantize(key_fit="mse") != Quantize(value_fit="mse")
 
 
 def test_key_fit_fits_the_keys_alone():
     x = torch.randn(1, 2, 200, 64, generator=torch.Generator().manual_seed(8)) * 2
     blocks = {}
-    for name, kw in {"plain": {}, "keys": {"key_fit": "mse"}, "both": {"fit": "mse"}}.items():
-        cache = CompressedCache(policy="recent", window=8, bits=2, backend="torch", **kw)
+    kinds = {"plain": {"fit": "minmax"}, "keys": {"key_fit": "mse"}, "default": {}, "both": {"fit": "mse"}}
+    for name, kw in kinds.items():
+        cache = CompressedCache(policy="recent", window=8, bits=2, backend="torch", group_size=64, **kw)
         cache.update(x, x, 0)
         cache.memory_report()  # demotion is deferred until something reads the store
         store = cache.layers[0].store
         blocks[name] = (store.k.q, store.v.q)
     (pk, pv), (kk, kv), (bk, bv) = blocks["plain"], blocks["keys"], blocks["both"]
+    dk, dv = blocks["default"]  # the default: keys fitted, values min-max
+    assert torch.equal(dk.codes, kk.codes) and torch.equal(dk.scales, kk.scales) and torch.equal(dv.scales, pv.scales)
     assert torch.equal(kv.codes, pv.codes) and torch.equal(kv.scales, pv.scales)  # values untouched
     assert torch.equal(kk.codes, bk.codes) and torch.equal(kk.scales, bk.scales)  # keys fitted
     assert not torch.equal(kk.scales, pk.scales) and not torch.equal(bv.scales, pv.scales)

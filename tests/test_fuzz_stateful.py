@@ -229,12 +229,15 @@ class OracleCache(DynamicCache):
         return (keys, values) if self.view is None else self.view(layer_idx, keys, values)
 
 
-def dequantized(raw: torch.Tensor, orders: list[list[int]], bits: int, group: int, axis: str) -> torch.Tensor:
+def dequantized(
+    raw: torch.Tensor, orders: list[list[int]], bits: int, group: int, axis: str, fit: str = "minmax"
+) -> torch.Tensor:
     """``raw`` (``(batch, kv_heads, T, d)``) with its demoted positions replaced by their quantized values.
 
     ``orders``: the demotion order, one list for all heads or one per kv head. Per-token groups:
     every demoted token; per-channel groups: the first ``len // G * G`` in demotion order, in groups of
-    ``G`` consecutive demotions (the rest stay staged at full precision).
+    ``G`` consecutive demotions (the rest stay staged at full precision). ``fit``: how each group's
+    range is chosen (the keys' default is ``"mse"``, the values' ``"minmax"``).
     """
     out = raw.clone()
     for r, order in enumerate(orders):
@@ -244,7 +247,7 @@ def dequantized(raw: torch.Tensor, orders: list[list[int]], bits: int, group: in
             continue
         idx = torch.tensor(order[:n], dtype=torch.long)
         block = raw[:, heads].index_select(2, idx).contiguous()
-        out[:, heads, idx] = BACKEND.dequantize(BACKEND.quantize(block, bits, group, axis))
+        out[:, heads, idx] = BACKEND.dequantize(BACKEND.quantize(block, bits, group, axis, fit=fit))
     return out
 
 
@@ -317,6 +320,7 @@ def params_for(policy: str, action: str) -> st.SearchStrategy[dict]:
                 "group_size": st.sampled_from([16, 32, 64]),
                 "key_axis": st.sampled_from(["channel", "token"]),
                 "value_axis": st.sampled_from(["token", "channel"]),
+                "key_fit": st.sampled_from(["minmax", "mse", None]),  # None: the default ("mse")
             }
         )
     return st.tuples(pol, act).map(lambda pa: {**pa[0], **pa[1]})
@@ -398,7 +402,7 @@ class CacheMachine(RuleBasedStateMachine):
             def view(layer_idx, keys, values):
                 o = orders[layer_idx]
                 return (
-                    dequantized(keys, o, p["bits"], p["group_size"], p["key_axis"]),
+                    dequantized(keys, o, p["bits"], p["group_size"], p["key_axis"], p["key_fit"] or "mse"),
                     dequantized(values, o, p["bits"], p["group_size"], p["value_axis"]),
                 )
 

@@ -202,14 +202,15 @@ def test_agnostic_layout_on_sliding_window_layers_without_config(wrapper):
 # ---------------------------------------------------------------------- backends that cannot fuse
 @pytest.mark.parametrize("backend", ["hqq", "quanto"])
 def test_backends_without_fused_attention(backend, quanto_extension):
-    with pytest.raises(ConfigError, match=f"backend '{backend}'"):
-        CompressedCache(**KW, backend=backend, attention="fused")
+    kw = dict(KW, fit="minmax")  # quanto and hqq have no fitted ranges (the keys' default)
+    with pytest.raises(ConfigError, match=f"attention='fused' cannot serve this composition: backend '{backend}'"):
+        CompressedCache(**kw, backend=backend, attention="fused")
     model = tiny_model("llama")
     ids = _ids(1, 48)
-    ref = teacher_forced_logits(model, ids, 40, CompressedCache(**KW, backend=backend, attention="materialized"))
+    ref = teacher_forced_logits(model, ids, 40, CompressedCache(**kw, backend=backend, attention="materialized"))
     enable_fused(model)
     try:
-        cache = CompressedCache(**KW, backend=backend)
+        cache = CompressedCache(**kw, backend=backend)
         got = teacher_forced_logits(model, ids, 40, cache)
     finally:
         disable_fused(model)

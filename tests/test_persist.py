@@ -319,7 +319,7 @@ def test_unsavable_parts_write_nothing(tmp_path):
     file is written."""
     pytest.importorskip("optimum.quanto")
     model = _model()
-    cache = CompressedCache(policy="log", window=4, bits=2, group_size=16, backend="quanto")
+    cache = CompressedCache(policy="log", window=4, bits=2, group_size=16, fit="minmax", backend="quanto")
     _fill(model, cache, _ids(40), 30)
     with pytest.raises(NotImplementedError, match="backend 'quanto' cannot save"):
         cache.save(tmp_path / "q.kvc")

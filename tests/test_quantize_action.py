@@ -54,8 +54,10 @@ def test_quantize_defaults_valid():
     q = Quantize()
     assert (q.key_width, q.value_width, q.key_axis, q.value_axis, q.check_finite) == (2, 2, "channel", "token", True)
     assert q.bits is None  # not given: the kinds take the default width
-    # group sizes by axis: 64 tokens per key channel, 64 channels per value token
-    assert (q.group_size, q.key_group, q.value_group) == (None, 64, 64)
+    # group sizes by axis: 128 tokens per key channel, 64 channels per value token; keys fitted
+    assert (q.group_size, q.key_group, q.value_group) == (None, 128, 64)
+    assert (q.fit, q.key_fit, q.key_fitting, q.value_fitting) == (None, None, "mse", "minmax")
+    assert Quantize(key_axis="token").key_group == 64 and Quantize(value_axis="channel").value_group == 128
     q.check_backend(BACKEND)
     assert isinstance(q.new_store(BACKEND, 0), QuantizedStore)
 
@@ -283,11 +285,12 @@ def test_meta_dtype_validation(bad):
 
 
 def test_meta_dtype_in_repr_only_when_set():
-    """The repr names a cache in results (and its cell id): the default keeps the old repr."""
-    assert repr(Quantize()) == (
+    """The repr names a cache in results (and its cell id): min-max groups of 64, the earlier default,
+    keep the repr they had before meta_dtype (and fit) existed."""
+    assert repr(Quantize(group_size=64, fit="minmax")) == (
         "Quantize(bits=2, group_size=64, key_axis='channel', value_axis='token', check_finite=True)"
     )
-    assert repr(Quantize(meta_dtype="float32")).endswith("check_finite=True, meta_dtype='float32')")
+    assert repr(Quantize(meta_dtype="float32")).endswith("check_finite=True, meta_dtype='float32', key_fit='mse')")
     assert Quantize(meta_dtype="float32") != Quantize()
 
 
@@ -295,7 +298,8 @@ class _AutoOnlyBackend(TorchBackend):
     """A backend written before ``meta_dtype`` existed: its quantize takes no such argument."""
 
     name = "auto-only"
-    capabilities = dataclasses.replace(TorchBackend.capabilities, meta_dtypes=("auto",))
+    # nor a fit keyword: min-max only, so caches on it pass key_fit="minmax" (the keys' default is "mse")
+    capabilities = dataclasses.replace(TorchBackend.capabilities, meta_dtypes=("auto",), fits=("minmax",))
 
     def quantize(self, x, bits, group_size, axis):  # the old signature, without meta_dtype
         return super().quantize(x, bits, group_size, axis)
@@ -303,12 +307,19 @@ class _AutoOnlyBackend(TorchBackend):
 
 def test_meta_dtype_checked_against_the_backend():
     old = _AutoOnlyBackend()
-    Quantize().check_backend(old)
-    store = Quantize(bits=4, group_size=8).new_store(old, 0)  # "auto" is never passed on
+    Quantize(key_fit="minmax").check_backend(old)
+    with pytest.raises(ConfigError) as ei:  # the default fits keys, which this backend cannot
+        Quantize().check_backend(old)
+    assert str(ei.value) == (
+        "backend 'auto-only' does not fit min-max ranges with key_fit='mse' (the default for min-max keys); it "
+        "supports fit in ['minmax'] (fit='mse': backends 'torch', 'cpu' and 'triton'). Pass key_fit='minmax' to use "
+        "backend 'auto-only'"
+    )
+    store = Quantize(bits=4, group_size=8, key_fit="minmax").new_store(old, 0)  # "auto" is never passed on
     store.add(*_kv(n=8), torch.arange(8)[None])
     assert len(store) == 8
     with pytest.raises(ConfigError) as ei:
-        Quantize(meta_dtype="float32").check_backend(old)
+        Quantize(meta_dtype="float32", key_fit="minmax").check_backend(old)
     assert "'auto-only'" in str(ei.value) and "meta_dtype='float32'" in str(ei.value) and "['auto']" in str(ei.value)
     for ok in ("auto", "float16", "bfloat16", "float32"):
         Quantize(meta_dtype=ok).check_backend(BACKEND)
@@ -362,6 +373,7 @@ class _BrokenMetaBackend(TorchBackend):
     """A plugin-like backend whose metadata overflows without it noticing (no check of its own)."""
 
     name = "broken-meta"
+    capabilities = dataclasses.replace(TorchBackend.capabilities, fits=("minmax",))
 
     def quantize(self, x, bits, group_size, axis):
         q = super().quantize(x, bits, group_size, axis)
@@ -373,7 +385,7 @@ class _BrokenMetaBackend(TorchBackend):
 def test_check_finite_covers_the_metadata_of_any_backend(which):
     """check_finite=True checks what the backend stored, not only its input: finite input that comes
     back with non-finite metadata raises, naming the layer and the backend; nothing is stored."""
-    store = Quantize(bits=4, group_size=8).new_store(_BrokenMetaBackend(), 5)
+    store = Quantize(bits=4, group_size=8, fit="minmax").new_store(_BrokenMetaBackend(), 5)
     k, v = _kv(n=8)
     if which == "values":  # keys are fine: only the values' metadata is broken
         store.k.backend = BACKEND
@@ -383,7 +395,7 @@ def test_check_finite_covers_the_metadata_of_any_backend(which):
     assert msg.startswith(f"{which} of layer 5: backend 'broken-meta'") and "non-finite scales" in msg
     assert len(store) == 0 and store.k.q is None and store.k.staging is None and store.v.q is None
     # switched off, the store takes the backend's word for it
-    unchecked = Quantize(bits=4, group_size=8, check_finite=False).new_store(_BrokenMetaBackend(), 5)
+    unchecked = Quantize(bits=4, group_size=8, check_finite=False, fit="minmax").new_store(_BrokenMetaBackend(), 5)
     unchecked.add(k, v, torch.arange(8)[None])
     assert len(unchecked) == 8
 
@@ -405,7 +417,9 @@ def test_cache_routes_meta_dtype_to_the_action():
     cache = CompressedCache(policy="log", action="quantize", bits=2, meta_dtype="float32")
     assert cache.action.meta_dtype == "float32"
     with pytest.raises(ConfigError, match=r"meta_dtype='bfloat16'"):
-        CompressedCache(policy="log", action="quantize", bits=2, meta_dtype="bfloat16", backend=_AutoOnlyBackend())
+        CompressedCache(
+            policy="log", action="quantize", bits=2, meta_dtype="bfloat16", key_fit="minmax", backend=_AutoOnlyBackend()
+        )
 
 
 def test_cache_with_large_float32_keys_and_values():
@@ -446,13 +460,13 @@ def test_cache_with_large_float32_keys_and_values():
 @pytest.mark.parametrize(
     ("kwargs", "key", "value"),
     [
-        ({}, 64, 64),
+        ({}, 128, 64),
         ({"group_size": 32}, 32, 32),
-        ({"key_group_size": 128}, 128, 64),
-        ({"value_group_size": 32}, 64, 32),
+        ({"key_group_size": 64}, 64, 64),
+        ({"value_group_size": 32}, 128, 32),
         ({"group_size": 16, "key_group_size": 16}, 16, 16),
         ({"key_axis": "token", "key_group_size": 32}, 32, 64),
-        ({"value_axis": "channel", "key_group_size": 128}, 128, 64),
+        ({"value_axis": "channel", "key_group_size": 64}, 64, 128),
     ],
 )
 def test_group_sizes_resolve_per_kind(kwargs, key, value):
@@ -485,12 +499,25 @@ def test_both_per_channel_need_dividing_group_sizes():
 
 
 def test_equal_when_quantizing_alike_and_repr_names_the_sizes_in_effect():
-    assert Quantize() == Quantize(group_size=64) == Quantize(key_group_size=64, value_group_size=64)
-    assert hash(Quantize()) == hash(Quantize(key_group_size=64, value_group_size=64))
-    assert Quantize() != Quantize(key_group_size=128)
-    # the default's repr is the one results were recorded under before the kinds could differ
-    assert repr(Quantize()) == repr(Quantize(group_size=64))
-    assert repr(Quantize(key_group_size=128)) == (
+    # the default: keys per channel in groups of 128 tokens with fitted ranges, values per token in
+    # groups of 64 channels, min-max
+    assert Quantize() == Quantize(key_group_size=128) == Quantize(key_group_size=128, value_group_size=64)
+    assert Quantize() == Quantize(key_fit="mse", value_fit="minmax")
+    assert hash(Quantize()) == hash(Quantize(key_group_size=128, value_group_size=64, key_fit="mse"))
+    assert Quantize() != Quantize(group_size=64) and Quantize() != Quantize(key_fit="minmax")
+    assert (Quantize().key_group, Quantize().value_group) == (128, 64)
+    assert (Quantize().key_fitting, Quantize().value_fitting) == ("mse", "minmax")
+    assert repr(Quantize()) == (
+        "Quantize(bits=2, key_group_size=128, value_group_size=64, key_axis='channel', value_axis='token', "
+        "check_finite=True, key_fit='mse')"
+    )
+    # min-max groups of 64 (the earlier default) keep the repr results were recorded under
+    assert (
+        repr(Quantize(group_size=64, fit="minmax"))
+        == repr(Quantize(key_group_size=64, key_fit="minmax"))
+        == ("Quantize(bits=2, group_size=64, key_axis='channel', value_axis='token', check_finite=True)")
+    )
+    assert repr(Quantize(key_group_size=128, key_fit="minmax")) == (
         "Quantize(bits=2, key_group_size=128, value_group_size=64, key_axis='channel', value_axis='token', "
         "check_finite=True)"
     )
@@ -548,7 +575,7 @@ def test_kind_bits_validated(param, bad, needle):
 
 def test_mixed_bits_repr_and_equality():
     assert repr(Quantize()) == repr(Quantize(bits=2)) == repr(Quantize(key_bits=2, value_bits=2))
-    assert repr(Quantize(key_bits=4)).startswith("Quantize(key_bits=4, value_bits=2, group_size=64,")
+    assert repr(Quantize(key_bits=4)).startswith("Quantize(key_bits=4, value_bits=2, key_group_size=128,")
     assert Quantize(key_bits=4) == Quantize(key_bits=4, value_bits=2) != Quantize(bits=4)
 
 

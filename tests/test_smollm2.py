@@ -31,7 +31,12 @@ def test_demo_on_smollm2(capsys):
     assert none.prompt_tokens >= 2048
     out = capsys.readouterr().out
     assert "MemoryReport" in out and "ms/token" in out and "mean next-token KL" in out
-    assert out.count("decode attention: fused") == 3  # the compressed caches decode on the fused path
+    assert out.count("decode attention: fused") == 4  # the compressed caches decode on the fused path
+    # the row of the earlier default (min-max, groups of 64) beside the defaults' fitted 128-token key groups
+    minmax = rows["log 2-bit min-max"]
+    assert minmax.kl > 0.0 and minmax.total_bytes < four.total_bytes
+    assert "Quantize(bits=2, group_size=64, key_axis='channel', value_axis='token', check_finite=True)" in out
+    assert "key_group_size=128, value_group_size=64" in out and "key_fit='mse'" in out
     # kvpolicy's 3.5-bit preset (tiers of centred codebook codes, rotation): fewer bits than 4-bit, closer than 2-bit
     ours = rows["kvpolicy-3.5bit"]
     assert ours.kl < two.kl and ours.bits_16 < four.bits_16 and ours.total_bytes < four.total_bytes

@@ -104,7 +104,7 @@ def test_bytes_held_equal_the_formula(plan):
 
 def test_a_token_moving_down_is_requantized_from_its_middle_tier_reconstruction():
     be = TorchBackend()
-    per_token = dict(key_axis="token", group_size=16)
+    per_token = dict(key_axis="token", group_size=16, fit="minmax")  # min-max like the reference below
     action = Tiered(tiers=[Quantize(bits=4, **per_token), Quantize(bits=2, **per_token)], keep=[RecentWindow(2)])
     store = action.new_store(be, 0)
     x = torch.randn(1, 1, 5, 64)

@@ -203,7 +203,7 @@ def test_rotation_spreads_outlier_channels_and_lowers_the_2bit_error(axis):
     for name in ("none", "hadamard"):
         cache = CompressedCache(
             policy="recent", window=1, bits=2, group_size=64, key_axis=axis, value_axis=axis, transform=name,
-            backend="torch",
+            backend="torch", fit="minmax",
         )  # fmt: skip
         cache.update(x, x.clone(), 0)
         cache.update(x[:, :, :1], x[:, :, :1], 0)  # a decode step demotes the prompt

@@ -15,9 +15,14 @@ from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
 from kvpolicy.policies.base import check_int
 from kvpolicy.positions import POSITION_DTYPE
 
-#: group size by grouping axis when none is given: 64 tokens per channel, 64 channels per token;
-#: docs/quantization.md measures the alternatives (128-token key groups: fewer bytes, higher loss)
-DEFAULT_GROUP_SIZE = {"channel": 64, "token": 64}
+#: group size by grouping axis when none is given: 128 tokens per channel, 64 channels per token;
+#: docs/quantization.md measures the alternatives (with min-max key ranges, 64-token groups lose less
+#: than 128-token ones; with fitted key ranges, the default, 128-token groups lose less than min-max
+#: 64-token groups at 4 % fewer bytes)
+DEFAULT_GROUP_SIZE = {"channel": 128, "token": 64}
+#: how min-max key groups choose their range when neither ``fit`` nor ``key_fit`` is given (values:
+#: ``"minmax"``); docs/quantization.md, "Fitted ranges"
+DEFAULT_KEY_FIT = "mse"
 #: code width when neither ``bits`` nor a per-kind width is given
 DEFAULT_BITS = 2
 
@@ -48,7 +53,8 @@ class Quantize(Action):
         Elements sharing one scale and minimum, for keys and values alike (the shorthand for
         ``key_group_size`` and ``value_group_size``). ``"token"`` axis: channels of one token
         (must divide ``head_dim``); ``"channel"`` axis: tokens of one channel. ``None``: each
-        tensor kind's default by its axis, :data:`DEFAULT_GROUP_SIZE` (64 either way).
+        tensor kind's default by its axis, :data:`DEFAULT_GROUP_SIZE`: 128 tokens per channel (the
+        keys' default axis), 64 channels per token (the values').
     key_group_size, value_group_size : int, optional
         The group size of keys or values alone. Given together with a different ``group_size``
         they are a :class:`~kvpolicy.errors.ConfigError`. When both kinds are grouped per channel,
@@ -97,7 +103,8 @@ class Quantize(Action):
         noisy mean.
     fit : {"minmax", "mse"}, optional
         How each min-max group's range is chosen, for keys and values alike (the shorthand for
-        ``key_fit`` and ``value_fit``). ``"minmax"`` (default): the group's extremes, so
+        ``key_fit`` and ``value_fit``). Default: ``"mse"`` for keys, ``"minmax"`` for values
+        (:data:`DEFAULT_KEY_FIT`). ``"minmax"``: the group's extremes, so
         every element is within half a step of its code (KIVI, LogQuant, transformers' caches).
         ``"mse"``: the range of least squared error, found by a few rounds of alternating least
         squares from the min-max start; the extremes of a group may be clamped to the grid's ends,
@@ -106,11 +113,12 @@ class Quantize(Action):
         1.7–2.2× with 3- or 4-bit keys (held-out texts): the values are what lose, so fit the keys
         alone (``key_fit``; docs/quantization.md, "Fitted ranges"). Applies to min-max
         kinds (codebook kinds ignore it: given with both kinds codebook it is an error); backends
-        whose ``capabilities.fits`` list it: ``torch``, ``cpu``.
+        whose ``capabilities.fits`` list it: ``torch``, ``cpu``, ``triton`` (``quanto`` and ``hqq``
+        need ``fit="minmax"``, or ``key_fit="minmax"``, since the keys' default is ``"mse"``).
     key_fit, value_fit : {"minmax", "mse"}, optional
-        The fit of keys or values alone; contradicting ``fit`` is a ConfigError. Fit the keys only:
-        fitted values raise SmolLM2's KL 2.4× where fitted keys alone cut it 3.5× at 2 bits
-        (calibration texts; docs/quantization.md).
+        The fit of keys or values alone; contradicting ``fit`` is a ConfigError. Default: keys
+        ``"mse"``, values ``"minmax"``. Fitted values raise SmolLM2's KL 2.4× where fitted keys alone
+        cut it 3.5× at 2 bits (calibration texts; docs/quantization.md).
     """
 
     bits: int | None = None
@@ -216,7 +224,7 @@ class Quantize(Action):
         """How the keys' min-max groups choose their range (``"minmax"`` for codebook keys)."""
         if self.key_method == "codebook":
             return "minmax"
-        return self.key_fit or self.fit or "minmax"
+        return self.key_fit or self.fit or DEFAULT_KEY_FIT
 
     @property
     def value_fitting(self) -> str:
@@ -380,10 +388,13 @@ class Quantize(Action):
         for kind in ("key", "value"):
             fit = getattr(self, f"{kind}_fitting")
             if fit not in fits:
-                param = f"{kind}_fit" if getattr(self, f"{kind}_fit") is not None else "fit"
+                own = getattr(self, f"{kind}_fit")
+                param = f"{kind}_fit" if own is not None or self.fit is None else "fit"
+                default = " (the default for min-max keys)" if own is None and self.fit is None else ""
                 raise ConfigError(
-                    f"backend {backend.name!r} does not fit min-max ranges with {param}={fit!r}; it supports fit in "
-                    f"{list(fits)} (fit='mse': backends 'torch' and 'cpu')"
+                    f"backend {backend.name!r} does not fit min-max ranges with {param}={fit!r}{default}; it supports "
+                    f"fit in {list(fits)} (fit='mse': backends 'torch', 'cpu' and 'triton'). Pass "
+                    f"{param}={fits[0]!r} to use backend {backend.name!r}"
                 )
 
     def check_transform(self, transform: Any) -> None:

@@ -67,7 +67,9 @@ class Capabilities:
     fits : tuple of str
         How min-max groups may choose their range (see :data:`FITS`); a backend listing ``"mse"`` takes
         a ``fit`` keyword in ``quantize`` (passed only when it is not ``"minmax"``). The stored block is
-        the same either way, so ``dequantize`` and ``attend`` need nothing new.
+        the same either way, so ``dequantize`` and ``attend`` need nothing new. Keys are fitted by
+        default (``Quantize``'s ``key_fit="mse"``): on a backend listing only ``"minmax"`` a cache must
+        pass ``key_fit="minmax"``, which the refusal says.
     """
 
     bits: tuple[int, ...]

@@ -19,7 +19,7 @@ import dataclasses
 
 import torch
 
-from kvpolicy.backends.base import AXES, META_DTYPES, Backend, Capabilities, QTensor
+from kvpolicy.backends.base import AXES, FITS, META_DTYPES, Backend, Capabilities, QTensor
 from kvpolicy.backends.torch_backend import (
     PackedTensor,
     TorchBackend,
@@ -68,6 +68,7 @@ class TritonBackend(Backend):
         devices=("cuda", "cpu"),
         dtypes=_DTYPES,
         meta_dtypes=META_DTYPES,
+        fits=FITS,
     )
 
     def __init__(self) -> None:
@@ -126,12 +127,21 @@ class TritonBackend(Backend):
 
     # ------------------------------------------------------------------ Backend
 
-    def quantize(
-        self, x: torch.Tensor, bits: int, group_size: int, axis: str, meta_dtype: str = "auto"
-    ) -> PackedTensor:
+    def quantize(  # type: ignore[override]
+        self, x: torch.Tensor, bits: int, group_size: int, axis: str, meta_dtype: str = "auto",
+        fit: str = "minmax",
+    ) -> PackedTensor:  # fmt: skip
         """:meth:`Backend.quantize` in one kernel; ``meta_dtype`` as for the ``torch`` backend
         (:func:`~kvpolicy.backends.torch_backend.resolve_meta_dtype`), checked the same way
-        (:class:`~kvpolicy.errors.MetadataOverflowError` where finite input can overflow it)."""
+        (:class:`~kvpolicy.errors.MetadataOverflowError` where finite input can overflow it).
+
+        ``fit="mse"`` (ranges fitted for the least squared error,
+        :func:`~kvpolicy.backends.torch_backend.quantize_groups`) runs the ``torch`` backend's code, as
+        torch operations on ``x``'s device: its blocks are this backend's format bit for bit, so the
+        kernels dequantize and attend over them. The fit has no kernel of its own.
+        """
+        if fit not in FITS:
+            raise ConfigError(f"backend 'triton': fit must be one of {list(FITS)}; got fit={fit!r}")
         mdt = resolve_meta_dtype(meta_dtype, x.dtype)
         if not isinstance(group_size, int) or group_size < 1:
             raise ConfigError(f"backend 'triton': group_size must be a positive integer; got group_size={group_size!r}")
@@ -149,6 +159,8 @@ class TritonBackend(Backend):
                 f"backend 'triton': axis={axis!r} needs {dim} to be a multiple of group_size={group_size}; "
                 f"got {dim}={along}"
             )
+        if fit != "minmax":
+            return _CAT.quantize(x, bits, group_size, axis, meta_dtype, fit=fit)  # type: ignore[return-value]
         shape = (b, h, t, d)
         x = x.contiguous()
         per = 8 // bits

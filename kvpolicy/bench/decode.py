@@ -31,9 +31,10 @@ Cache variants are named by short strings:
   ``k<key bits>v<value bits>`` (``k4v2``: ``key_bits=4, value_bits=2``); ``fused`` variants run with
   :func:`kvpolicy.fused.enable_fused` on the model, ``mat`` ones (and the baselines) with
   :func:`kvpolicy.attention.enable_scores`, so the agnostic layout's mask check can run; a trailing
-  ``-rot`` adds ``transform="hadamard"`` (``log-k4v2-cpu-ordered-fused-rot``), a trailing ``-mse``
-  ``fit="mse"`` and ``-kmse`` ``key_fit="mse"`` (``log-2-cpu-ordered-fused-mse``,
-  ``log-2-cpu-ordered-fused-rot-kmse``).
+  ``-rot`` adds ``transform="hadamard"`` (``log-k4v2-cpu-ordered-fused-rot``). These variants hold
+  min-max groups of 64 (``group_size=64, fit="minmax"``, whatever the defaults), so their numbers
+  stay comparable across releases; a trailing ``-mse`` gives ``fit="mse"`` and ``-kmse``
+  ``key_fit="mse"`` (``log-2-cpu-ordered-fused-mse``, ``log-2-cpu-ordered-fused-rot-kmse``).
 """
 
 from __future__ import annotations
@@ -157,12 +158,20 @@ class Variant:
         return CompressedCache(
             policy=self.policy, action="quantize", **widths, backend=self.backend, layout=self.layout,
             attention="auto" if self.fused else "materialized", window=window, check_finite=False,
-            transform=self.transform, **_FIT_KEYWORDS[self.fit], **hybrid,
+            transform=self.transform, group_size=VARIANT_GROUP_SIZE, **_FIT_KEYWORDS[self.fit], **hybrid,
         )  # fmt: skip
 
 
-#: a variant's fit suffix -> the ``CompressedCache`` keywords it stands for
-_FIT_KEYWORDS: dict[str, dict[str, str]] = {"minmax": {}, "mse": {"fit": "mse"}, "kmse": {"key_fit": "mse"}}
+#: the group size of ``<policy>-<bits>-...`` variants, keys and values alike (the ``one-liner`` variant
+#: follows the defaults instead)
+VARIANT_GROUP_SIZE = 64
+#: a variant's fit suffix -> the ``CompressedCache`` keywords it stands for (min-max unless suffixed,
+#: whatever the default)
+_FIT_KEYWORDS: dict[str, dict[str, str]] = {
+    "minmax": {"fit": "minmax"},
+    "mse": {"fit": "mse"},
+    "kmse": {"key_fit": "mse"},
+}
 
 
 # ---------------------------------------------------------------------- models

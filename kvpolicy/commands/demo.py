@@ -22,7 +22,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``kvpolicy demo`` to ``sub``."""
-    demo = sub.add_parser("demo", help="LogQuant on SmolLM2-135M-Instruct with a long prompt (CPU, ~2 min)")
+    demo = sub.add_parser("demo", help="LogQuant on SmolLM2-135M-Instruct with a long prompt (CPU, ~4-5 min)")
     demo.add_argument(
         "--model", default="smollm2", choices=("smollm2", "gemma3-270m"),
         help="smollm2 (SmolLM2-135M-Instruct, default) or gemma3-270m (Gemma-3-270M, a base model)",

@@ -1,9 +1,10 @@
 """The demo: LogQuant on a real model (SmolLM2-135M-Instruct) with a long prompt, on CPU.
 
 The model runs kvpolicy's fused decode attention (:func:`kvpolicy.fused.enable_fused`). For each
-cache (uncompressed, log 4-bit, log 2-bit as LogQuant publishes it, and kvpolicy's own
-``kvpolicy-3.5bit`` preset: rotation, a 4-bit codebook tier for log-spaced tokens and 3-bit codebook
-keys and values below it) it answers a
+cache (uncompressed; log 4-bit; log 2-bit with min-max groups of 64, LogQuant's selection with
+KIVI's grouping; log 2-bit with the defaults, whose keys are fitted in groups of 128 tokens; and
+kvpolicy's own ``kvpolicy-3.5bit`` preset: rotation, a 4-bit codebook tier for log-spaced tokens and
+3-bit codebook keys and values below it) it answers a
 question about a Python source file (prompt >= 2k tokens), and prints the answer, the bytes the
 cache holds, the decode speed, the decode attention path and the fidelity against the uncompressed
 cache: the mean next-token KL divergence over a teacher-forced continuation of a long source file.
@@ -32,6 +33,8 @@ FIDELITY_FILE = "textwrap.py"
 CONFIGS: dict[str, dict] = {
     "none (16/32-bit)": dict(policy="log", action="none"),
     "log 4-bit": dict(policy="log", action="quantize", bits=4),
+    # the 2-bit one-liner as it was before key ranges were fitted by default
+    "log 2-bit min-max": dict(policy="log", action="quantize", bits=2, group_size=64, fit="minmax"),
     "log 2-bit": dict(policy="log", action="quantize", bits=2),
     # the best preset at or under 3.5 bits per element on docs/frontier.md
     "kvpolicy-3.5bit": dict(preset="kvpolicy-3.5bit"),

@@ -206,13 +206,15 @@ def _verdicts(pts: list[Point], context: int = 2048) -> list[str]:
         verdict = "met" if factor >= 2.5 else "not met"
         out.append(f"- Rotation at equal bits (log, W=42, K2V2: {a.bits:.2f} vs {b.bits:.2f} bits): KL {a.kl:.3f} → "
                    f"{b.kl:.3f}, **{factor:.2f}× lower** (target ≥ 2.5×: {verdict}).")  # fmt: skip
-    for base, suffix, how in [(b, s, h) for b in ("log42-k2v2", "log42-k2v2-rot")
-                              for s, h in (("mse", 'fit="mse"'), ("kmse", 'key_fit="mse"'))]:  # fmt: skip
+    fits = (("mse", 'fit="mse"'), ("kmse", 'key_fit="mse"'),
+            ("kg128-kmse", 'key_fit="mse", key_group_size=128: the defaults'))  # fmt: skip
+    for base, suffix, how in [(b, s, h) for b in ("log42-k2v2", "log42-k2v2-rot") for s, h in fits]:
         plain, fitted = by.get(base), by.get(f"{base}-{suffix}")
         if plain and fitted and fitted.kl > 0:
             change = plain.kl / fitted.kl
             word = f"**{change:.2f}× lower**" if change >= 1 else f"**{1 / change:.2f}× higher**"
-            out.append(f"- Fitted ranges at equal bits (`{base}` vs `{base}-{suffix}`, `{how}`: {plain.bits:.2f} vs "
+            equal = " at equal bits" if abs(plain.bits - fitted.bits) < 0.005 else ""
+            out.append(f"- Fitted ranges{equal} (`{base}` vs `{base}-{suffix}`, `{how}`: {plain.bits:.2f} vs "
                        f"{fitted.bits:.2f} bits): KL {plain.kl:.3f} → {fitted.kl:.3f}, {word}.")  # fmt: skip
     out += [_target_line(pts, *target) for target in TARGETS.get(context, ())]
     hf4 = by.get("hf-quanto-4b")
@@ -398,8 +400,10 @@ def write_frontier_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pa
         "key staging, the full-precision window and the rotation matrix) over tokens × layers × KV heads × (key "
         "dim + value dim), with full-precision tensors counted at 16 bits (what they hold in a 16-bit model; the "
         "model runs in float32 here). A 16-bit `DynamicCache` is 16. ★ marks the frontier: no other cache holds "
-        "as few bits with a lower KL. Names: `log42-k3v2-rot` is the log policy with W=42, 3-bit keys (per "
-        'channel, groups of 64), 2-bit values (per token, groups of 64) and `transform="hadamard"`. A `c` after '
+        "as few bits with a lower KL. Names: `log42-k3v2-rot` is the log policy with W=42, 3-bit min-max keys (per "
+        'channel, groups of 64), 2-bit min-max values (per token, groups of 64) and `transform="hadamard"` '
+        '(`-kg128` keys in groups of 128 tokens; the defaults, so the one-liner `CompressedCache(policy="log", '
+        "bits=2)`, are `log42-k2v2-kg128-kmse`). A `c` after "
         "the bits is the codebook scheme (one scale per token and head, Lloyd-Max indices, always rotated: "
         "`v2c` = 2-bit codebook values), `cm` codebook keys centred on their stream's mean (`key_centre=True`), "
         "`-s4` 4 sink tokens at full precision, `-mse` min-max groups whose range is fitted for the least squared "
