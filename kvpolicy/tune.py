@@ -126,7 +126,7 @@ def _variants(
     yield Candidate(f"{name}-b{HIGH_BITS}{suffix}", {**base, **quant, "layer_bits": layer_bits}, "boundary")
     # a middle tier's tokens leave it one at a time: per-token keys (codebook, or min-max per token)
     middle = {"bits": HIGH_BITS, "scheme": "codebook", "key_centre": True} if rotate else \
-        {"bits": HIGH_BITS, "key_axis": "token"}  # fmt: skip
+        {"bits": HIGH_BITS, "key_axis": "token", "fit": "minmax"}  # fmt: skip
     tiers = [middle, quant]
     for factor in dict.fromkeys(tier_factors):
         keep = [{"name": "log", "window": factor * window}]

@@ -73,7 +73,10 @@ def composition(
 
 
 def one_tier(window: int, **quantize: Any) -> Callable[[], CompressedCache]:
-    """Not the preset's family: log W = ``window``, one ``Quantize(**quantize)`` tier, Hadamard."""
+    """Not the preset's family: log W = ``window``, one ``Quantize(**quantize)`` tier, Hadamard. Min-max
+    keys are min-max in groups of 64, as they were probed (whatever the defaults)."""
+    if "key_scheme" not in quantize and "scheme" not in quantize:
+        quantize = {"key_fit": "minmax", "key_group_size": 64, **quantize}
     return lambda: CompressedCache(policy=LogWindow(window=window), action=Quantize(**quantize), transform=Hadamard(0))
 
 

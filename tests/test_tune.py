@@ -50,7 +50,7 @@ def test_a_model_whose_keys_rotation_hurts_is_searched_without_it():
     text = repr([c.args for c in plain])
     assert "codebook" not in text and "key_centre" not in text
     tiered = next(c for c in plain if c.family == "tiered")
-    assert tiered.args["tiers"][0] == {"bits": 4, "key_axis": "token"}
+    assert tiered.args["tiers"][0] == {"bits": 4, "key_axis": "token", "fit": "minmax"}
     minmax = {c.label for c in rotated if "c" not in c.label.split("-k")[1].split("-")[0]}
     assert {c.label.removesuffix("-norot") for c in plain} == minmax
     for c in plain:  # each builds
