@@ -18,7 +18,7 @@ from kvpolicy.positions import POSITION_DTYPE
 #: group size by grouping axis when none is given: 128 tokens per channel, 64 channels per token;
 #: docs/quantization.md measures the alternatives (with min-max key ranges, 64-token groups lose less
 #: than 128-token ones; with fitted key ranges, the default, 128-token groups lose less than min-max
-#: 64-token groups at 4 % fewer bytes)
+#: 64-token groups, and hold fewer bytes from about 4,000 tokens on)
 DEFAULT_GROUP_SIZE = {"channel": 128, "token": 64}
 #: how min-max key groups choose their range when neither ``fit`` nor ``key_fit`` is given (values:
 #: ``"minmax"``); docs/quantization.md, "Fitted ranges"
