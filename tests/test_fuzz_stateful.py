@@ -99,6 +99,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvpolicy import CompressedCache
+from kvpolicy.actions.quantize import DEFAULT_KEY_FIT
 from kvpolicy.attention import enable_scores
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import ConfigError
@@ -320,7 +321,7 @@ def params_for(policy: str, action: str) -> st.SearchStrategy[dict]:
                 "group_size": st.sampled_from([16, 32, 64]),
                 "key_axis": st.sampled_from(["channel", "token"]),
                 "value_axis": st.sampled_from(["token", "channel"]),
-                "key_fit": st.sampled_from(["minmax", "mse", None]),  # None: the default ("mse")
+                "key_fit": st.sampled_from(["minmax", "mse", None]),  # None: the default (DEFAULT_KEY_FIT)
             }
         )
     return st.tuples(pol, act).map(lambda pa: {**pa[0], **pa[1]})
@@ -402,7 +403,7 @@ class CacheMachine(RuleBasedStateMachine):
             def view(layer_idx, keys, values):
                 o = orders[layer_idx]
                 return (
-                    dequantized(keys, o, p["bits"], p["group_size"], p["key_axis"], p["key_fit"] or "mse"),
+                    dequantized(keys, o, p["bits"], p["group_size"], p["key_axis"], p["key_fit"] or DEFAULT_KEY_FIT),
                     dequantized(values, o, p["bits"], p["group_size"], p["value_axis"]),
                 )
 
