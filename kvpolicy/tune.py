@@ -1,8 +1,9 @@
 """``kvpolicy tune``: the composition that fits a bits-per-element budget best, found and checked.
 
 1. **Space.** Compositions built from the parts that measured well (docs/frontier.md): the log
-   policy at two windows, with and without four sink tokens; keys min-max per channel (min-max
-   ranges, ``key_fit="minmax"``, whatever the defaults; or, from 3 bits, codebook per token) and
+   policy at two windows, with and without four sink tokens; keys min-max per channel (with
+   min-max ranges and with fitted ones: ``key_fit`` is written into each candidate, whatever the
+   defaults) or codebook per token (centred), and
    values min-max or codebook at several widths; the Hadamard rotation; and on top of each, the
    boundary layers at 4 bits, or a 4-bit codebook middle tier
    (:class:`~kvpolicy.actions.tiered.Tiered`, the log rule at ``tier_factors`` times the window:
@@ -45,6 +46,8 @@ from kvpolicy.errors import ConfigError
 WINDOWS = (16, 42)
 #: (key_bits, value_bits) pairs searched
 WIDTHS = ((2, 2), (3, 2), (4, 2), (3, 3), (4, 3), (4, 4))
+#: the ranges of min-max keys searched (``Quantize``'s ``key_fit``: both hold the same bytes)
+KEY_FITS = ("minmax", "mse")
 #: the narrowest keys searched with the codebook scheme (per token, centred: ``key_centre=True``)
 KEY_CODEBOOK_BITS = 2
 #: what the boundary layers and a middle tier hold
@@ -68,11 +71,12 @@ class Candidate:
 
 def space(
     attention_layers: list[int], windows: tuple[int, ...] = WINDOWS, key_groups: tuple[int, ...] = (64,),
-    tier_factors: tuple[int, ...] = TIER_FACTORS, rotate: bool = True,
+    tier_factors: tuple[int, ...] = TIER_FACTORS, rotate: bool = True, key_fits: tuple[str, ...] = KEY_FITS,
 ) -> Iterator[Candidate]:  # fmt: skip
     """Every composition searched, for a model whose full-attention layers are ``attention_layers``;
-    ``key_groups``: the group sizes of the keys (per channel) tried; ``tier_factors``: a middle tier
-    keeps what the log rule at each of these multiples of the window keeps (one candidate each).
+    ``key_groups``: the group sizes of the keys (per channel) tried, each with every range fit of
+    ``key_fits`` (``"minmax"``, ``"mse"``: labels of fitted ones end in ``-kmse``); ``tier_factors``: a
+    middle tier keeps what the log rule at each of these multiples of the window keeps (one candidate each).
     ``rotate=False`` (a model whose keys the rotation hurts: :func:`rotation_helps`) searches without
     the Hadamard rotation: min-max keys and values only (the codebook scheme needs the rotation), a
     4-bit min-max middle tier with keys per token, labels ending in ``-norot``.
@@ -81,8 +85,13 @@ def space(
     ------
     ConfigError
         If a tier factor is not an integer of at least 2 (the middle tier's window must exceed the
-        policy's, or the tier keeps nothing the policy did not already).
+        policy's, or the tier keeps nothing the policy did not already), or ``key_fits`` is empty or
+        names a fit other than ``"minmax"`` and ``"mse"``.
     """
+    from kvpolicy.backends.base import FITS
+
+    if not key_fits or any(f not in FITS for f in key_fits):
+        raise ConfigError(f"tune: key fits must be a non-empty selection of {list(FITS)}; got {list(key_fits)!r}")
     for f in tier_factors:
         if not isinstance(f, int) or isinstance(f, bool) or f < 2:
             raise ConfigError(f"tune: tier factors must be integers >= 2 (W' = factor x W > W); got {f!r}")
@@ -93,20 +102,21 @@ def space(
                 # codebook keys (per token, no group, centred) at every width: centred, they lose less than
                 # min-max per channel at fewer bytes (docs/quantization.md)
                 codebook = rotate and kb >= KEY_CODEBOOK_BITS
-                keys = [("minmax", kg) for kg in key_groups] + ([("codebook", None)] if codebook else [])
-                for kscheme, kg in keys:
+                keys = [("minmax", kg, fit) for kg in key_groups for fit in dict.fromkeys(key_fits)]
+                keys += [("codebook", None, None)] if codebook else []
+                for kscheme, kg, fit in keys:
                     for vscheme in ("minmax", "codebook") if rotate else ("minmax",):
                         yield from _variants(window, sinks, kb, vb, kg, kscheme, vscheme, boundary, tier_factors,
-                                             rotate)  # fmt: skip
+                                             rotate, fit)  # fmt: skip
 
 
 def _variants(
     window: int, sinks: int, kb: int, vb: int, kg: int | None, kscheme: str, vscheme: str, boundary: list[int],
-    tier_factors: tuple[int, ...] = TIER_FACTORS, rotate: bool = True,
+    tier_factors: tuple[int, ...] = TIER_FACTORS, rotate: bool = True, fit: str | None = None,
 ) -> Iterator[Candidate]:  # fmt: skip
     quant: dict[str, Any] = {"key_bits": kb, "value_bits": vb}
     if kg is not None:  # min-max keys: their group size and fit, whatever the defaults
-        quant.update(key_group_size=kg, key_fit="minmax")
+        quant.update(key_group_size=kg, key_fit=fit or "minmax")
     if kscheme == "codebook":
         quant.update(key_scheme="codebook", key_centre=True)
     if vscheme == "codebook":
@@ -117,7 +127,8 @@ def _variants(
     code = "c" if vscheme == "codebook" else ""
     kcode = "cm" if kscheme == "codebook" else ""
     group = f"g{kg}" if kg is not None and kg != 64 else ""
-    name = f"log{window}{f'-s{sinks}' if sinks else ''}-k{kb}{kcode}{group}v{vb}{code}"
+    fitted = "-kmse" if fit == "mse" else ""
+    name = f"log{window}{f'-s{sinks}' if sinks else ''}-k{kb}{kcode}{group}v{vb}{code}{fitted}"
     suffix = "" if rotate else "-norot"
     yield Candidate(name + suffix, {**base, **quant}, "single")
     if min(kb, vb) >= HIGH_BITS:
@@ -171,6 +182,21 @@ def simulated_bits(
         if target > context or not extra:
             most = max(most, cache.memory_report().bits_per_element_16bit)
     return most
+
+
+def storage_key(args: dict[str, Any]) -> str:
+    """``args`` without the keys' range fit (``key_fit``, in tiers too): compositions with the same key
+    hold the same bytes at every length (a fitted range is stored like a min-max one), so
+    :func:`simulated_bits` runs once per key."""
+
+    def strip(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k != "key_fit"}
+        if isinstance(x, list):
+            return [strip(v) for v in x]
+        return x
+
+    return json.dumps(strip(args), sort_keys=True)
 
 
 def attention_layers(config: Any) -> list[int]:

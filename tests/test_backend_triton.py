@@ -227,10 +227,11 @@ def large(shape, magnitude: float, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("magnitude", [1e5, 1e6])
 @pytest.mark.parametrize("axis", ["channel", "token"])  # keys' default axis, values' default axis
-def test_large_float32_values_raise_with_float16_metadata(magnitude, axis):
+@pytest.mark.parametrize("fit", ["minmax", "mse"])  # the kernel, and the fit run as torch operations
+def test_large_float32_values_raise_with_float16_metadata(magnitude, axis, fit):
     x = large((1, 2, 16, 64), magnitude, seed=1)
     with pytest.raises(MetadataOverflowError) as ei:
-        BACKEND.quantize(x, 2, 16, axis)
+        BACKEND.quantize(x, 2, 16, axis, fit=fit)
     msg = str(ei.value)
     assert "backend 'triton'" in msg and "float16 metadata" in msg and "meta_dtype='float32'" in msg
     assert f"{float(x.abs().max()):.4g}" in msg

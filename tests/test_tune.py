@@ -8,7 +8,7 @@ import tomllib
 from kvpolicy import CompressedCache, Sinks, Tiered
 from kvpolicy.cli import main
 from kvpolicy.errors import ConfigError
-from kvpolicy.tune import Candidate, pick, preset_toml, simulated_bits, space, within_budget
+from kvpolicy.tune import Candidate, pick, preset_toml, simulated_bits, space, storage_key, within_budget
 
 TINY = ["--model", "tiny-llama", "--context", "128", "--windows", "4", "8", "--no-progress"]
 
@@ -110,6 +110,42 @@ def test_every_composition_of_the_space_builds():
             assert isinstance(cache.policy, Sinks)
         if c.family == "boundary":
             assert sorted(cache.layer_bits) == [0, 1, 28, 29]
+
+
+def test_min_max_keys_are_searched_with_both_range_fits_at_the_same_bytes(capsys):
+    """Every min-max key (each group size, every family) comes with min-max and with fitted ranges
+    (``-kmse``); codebook keys have no fit. A pair differs only in ``key_fit``, so it shares a storage key,
+    and it holds the same bytes: checked by feeding both on a model's shape, not assumed."""
+    cands = {c.label: c for c in space(list(range(2)), windows=(8,), key_groups=(32, 64))}
+    fitted = [c for c in cands.values() if "-kmse" in c.label]
+    assert fitted and {c.family for c in fitted} == {"single", "boundary", "tiered"}
+    for c in fitted:
+        twin = cands[c.label.replace("-kmse", "")]
+        assert storage_key(c.args) == storage_key(twin.args) and c.args != twin.args
+        bottom, twin_bottom = (
+            (c.args["tiers"][-1], twin.args["tiers"][-1]) if c.family == "tiered" else (c.args, twin.args)
+        )
+        assert bottom["key_fit"] == "mse" and twin_bottom["key_fit"] == "minmax"
+        assert "key_fit='mse'" in repr(CompressedCache(**c.args))
+    assert not any("-kmse" in label and "cm" in label.split("-k")[1] for label in cands)
+    assert len(fitted) == sum(1 for c in cands.values() if "key_fit" in str(c.args) and "-kmse" not in c.label)
+    # different storage, different key
+    assert storage_key(cands["log8-k2v2"].args) != storage_key(cands["log8-k2g32v2"].args)
+    from kvpolicy.eval.tiny import TinySpec, tiny_model
+
+    config = tiny_model(TinySpec())[0].config
+    for label in ("log8-k2g32v2-kmse", "log8-k3v2-kmse-t4x32", "log8-s4-k3v3-kmse-b4"):
+        fitted_args, minmax_args = cands[label].args, cands[label.replace("-kmse", "")].args
+        assert simulated_bits(fitted_args, config, 200, (1, 7)) == simulated_bits(minmax_args, config, 200, (1, 7))
+    only = {c.label for c in space(list(range(4)), windows=(8,), key_fits=("mse",))}
+    assert "log8-k2v2-kmse" in only and "log8-k2v2" not in only
+    with pytest.raises(
+        ConfigError, match=r"key fits must be a non-empty selection of \['minmax', 'mse'\]; got \['l2'\]"
+    ):
+        list(space(list(range(4)), key_fits=("l2",)))
+    with pytest.raises(SystemExit):
+        main(["tune", *TINY, "--budget-bits", "3", "--key-fits", "l2", "--out", "/nonexistent/p.toml"])
+    assert "argument --key-fits: invalid choice: 'l2' (choose from 'minmax', 'mse')" in capsys.readouterr().err
 
 
 def test_tier_factors_put_the_kvpolicy_3bit_composition_in_the_space(capsys):

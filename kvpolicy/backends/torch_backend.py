@@ -347,6 +347,21 @@ def dequantize_groups(q: PackedTensor) -> torch.Tensor:
     return codes.mul_(q.scales.float().unsqueeze(-1)).add_(q.zeros.float().unsqueeze(-1))
 
 
+def quantize_packed(
+    backend: Backend, x: torch.Tensor, bits: int, group_size: int, axis: str, mdt: torch.dtype, fit: str
+) -> PackedTensor:
+    """Min-max groups of ``x`` (:func:`quantize_groups`) packed into a :class:`PackedTensor`, their
+    metadata in ``mdt`` checked for overflow in the name of ``backend`` (:func:`metadata_check`): the
+    ``torch`` backend's ``quantize``, and any backend storing its format that runs this code (``triton``
+    for ``fit="mse"``)."""
+    shape = tuple(x.shape)
+    codes, scales, zeros = quantize_groups(_grouped(x, group_size, axis), bits, mdt, fit)
+    metadata_check(backend, x, scales, zeros)
+    # contiguous storage: unpacking a transposed (per-channel) view is markedly slower on CPU
+    packed = pack(codes, bits).contiguous()
+    return PackedTensor(packed, scales.contiguous(), zeros.contiguous(), bits, group_size, axis, shape, x.dtype)  # type: ignore[arg-type]
+
+
 class TorchBackend(Backend):
     """Pure-PyTorch reference backend (any device torch runs on)."""
 
@@ -404,14 +419,7 @@ class TorchBackend(Backend):
             raise ConfigError(f"backend {self.name!r}: a centre applies to scheme='codebook' only; got scheme='minmax'")
         if bits == 3:
             self.check(bits=bits, group_size=group_size, axis=axis)
-        mdt = resolve_meta_dtype(meta_dtype, x.dtype)
-        shape = tuple(x.shape)
-        g = _grouped(x, group_size, axis)
-        codes, scales, zeros = quantize_groups(g, bits, mdt, fit)
-        metadata_check(self, x, scales, zeros)
-        # contiguous storage: unpacking a transposed (per-channel) view is markedly slower on CPU
-        packed = pack(codes, bits).contiguous()
-        return PackedTensor(packed, scales.contiguous(), zeros.contiguous(), bits, group_size, axis, shape, x.dtype)  # type: ignore[arg-type]
+        return quantize_packed(self, x, bits, group_size, axis, resolve_meta_dtype(meta_dtype, x.dtype), fit)
 
     def dequantize(self, q: QTensor) -> torch.Tensor:  # type: ignore[override]
         """:meth:`Backend.dequantize`. float16 outputs are clamped to ``±65504`` first: the top of a

@@ -27,6 +27,7 @@ from kvpolicy.backends.torch_backend import (
     packed_from_state,
     packed_state,
     per_head_views,
+    quantize_packed,
     resolve_meta_dtype,
 )
 from kvpolicy.errors import ConfigError
@@ -136,9 +137,10 @@ class TritonBackend(Backend):
         (:class:`~kvpolicy.errors.MetadataOverflowError` where finite input can overflow it).
 
         ``fit="mse"`` (ranges fitted for the least squared error,
-        :func:`~kvpolicy.backends.torch_backend.quantize_groups`) runs the ``torch`` backend's code, as
-        torch operations on ``x``'s device: its blocks are this backend's format bit for bit, so the
-        kernels dequantize and attend over them. The fit has no kernel of its own.
+        :func:`~kvpolicy.backends.torch_backend.quantize_packed`) runs the ``torch`` backend's code, as
+        torch operations on ``x``'s device (its errors name ``'triton'``): its blocks are this backend's
+        format bit for bit, so the kernels dequantize and attend over them. The fit has no kernel of its
+        own.
         """
         if fit not in FITS:
             raise ConfigError(f"backend 'triton': fit must be one of {list(FITS)}; got fit={fit!r}")
@@ -160,7 +162,7 @@ class TritonBackend(Backend):
                 f"got {dim}={along}"
             )
         if fit != "minmax":
-            return _CAT.quantize(x, bits, group_size, axis, meta_dtype, fit=fit)  # type: ignore[return-value]
+            return quantize_packed(self, x, bits, group_size, axis, mdt, fit)
         shape = (b, h, t, d)
         x = x.contiguous()
         per = 8 // bits

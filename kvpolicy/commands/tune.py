@@ -32,9 +32,14 @@ def _run(args: argparse.Namespace) -> int:
     del model
     lengths = (1, args.screen_tokens, args.tokens, args.heldout_tokens)  # the ends of the runs below
     layers = tune.attention_layers(config)
-    candidates = list(tune.space(layers, tuple(args.windows), tuple(args.key_groups), tuple(args.tier_factors), rotate))
+    candidates = list(tune.space(layers, tuple(args.windows), tuple(args.key_groups), tuple(args.tier_factors), rotate,
+                                 tuple(args.key_fits)))  # fmt: skip
+    held: dict[str, float] = {}  # the bytes of each storage layout, computed once
     for c in tqdm(candidates, desc="bytes of each composition", disable=args.no_progress):
-        c.bits = tune.simulated_bits(c.args, config, args.context, lengths)
+        key = tune.storage_key(c.args)
+        if key not in held:
+            held[key] = tune.simulated_bits(c.args, config, args.context, lengths)
+        c.bits = held[key]
     fitting = tune.within_budget(candidates, args.budget_bits)
     screened = tune.pick(fitting, args.screen)
     print(f"{len(candidates)} compositions, {len(fitting)} within {args.budget_bits:g} bits per element at "
@@ -110,6 +115,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--windows", type=positive_int, nargs="+", default=[16, 42], help="log windows (default 16 42)")
     p.add_argument("--key-groups", type=positive_int, nargs="+", default=[64],
                    help="group sizes of the keys (per channel) tried (default 64)")  # fmt: skip
+    p.add_argument("--key-fits", nargs="+", choices=("minmax", "mse"), default=["minmax", "mse"],
+                   help="ranges of the min-max keys tried: min-max, fitted for the least squared error (default "
+                   "both)")  # fmt: skip
     p.add_argument("--tier-factors", type=positive_int, nargs="+", default=[4],
                    help="a middle tier keeps what the log rule at FACTOR x the window keeps (default 4)")  # fmt: skip
     p.add_argument("--rotation", choices=("auto", "hadamard", "none"), default="auto",
