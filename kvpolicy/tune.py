@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from kvpolicy.backends.base import FITS
 from kvpolicy.errors import ConfigError
 
 #: the log policy's windows searched by default
@@ -88,8 +89,6 @@ def space(
         policy's, or the tier keeps nothing the policy did not already), or ``key_fits`` is empty or
         names a fit other than ``"minmax"`` and ``"mse"``.
     """
-    from kvpolicy.backends.base import FITS
-
     if not key_fits or any(f not in FITS for f in key_fits):
         raise ConfigError(f"tune: key fits must be a non-empty selection of {list(FITS)}; got {list(key_fits)!r}")
     for f in tier_factors:
