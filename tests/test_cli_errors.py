@@ -68,6 +68,8 @@ ABLATE = ["ablate", "--model", "tiny-llama", "--baseline", "dynamic"]
         ("--seed", "-1", "integer >= 0"),
         ("--threads", "0", "integer >= 1"),
         ("--threads", "many", "integer >= 1"),
+        ("--batch", "0", "integer >= 1"),
+        ("--batch", "4.5", "integer >= 1"),
         ("--device", "gpu", "cpu, cuda, cuda:N or mps"),
     ],
 )

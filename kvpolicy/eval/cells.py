@@ -22,6 +22,11 @@ from kvpolicy.eval.caches import CacheSpec
 from kvpolicy.eval.grid import SPEED, Grid
 from kvpolicy.eval.tasks import LanguageModeling, Task
 
+#: cache kinds that treat the sequences of a batch independently, so that a grid's ``batch`` applies
+#: to them (transformers' ``QuantizedCache`` does not: hqq's groups span the batch); a policy that
+#: reads attention scores runs one sample at a time as well
+ROW_INDEPENDENT = ("compressed", "preset", "dynamic")
+
 
 @dataclass
 class CellResult:
@@ -215,6 +220,7 @@ class CellGroup:
                     replay=replay,
                     progress=self.progress,
                     attention_error=grid.attention_error_at(context),
+                    batch=grid.batch if spec.kind in ROW_INDEPENDENT and not scores else 1,
                 )
         except Exception as exc:  # recorded, retried by the next run
             return error_result(cid, self.model_name, spec, eq, context, self.task_name,

@@ -10,6 +10,7 @@ the same keys::
     seed = 0
     replay = true                   # replay the uncompressed prefill (see kvpolicy.eval.measure)
     attention_error = true          # measure attn_error (a shadow attention per step); false, or the contexts
+    batch = 1                       # teacher-forced samples decoded together (see kvpolicy.eval.measure)
     decode = "fused"                # or "materialized": how decode steps attend (see kvpolicy.eval.cells)
     equal_bytes = "log/quantize/2b" # anchor label, true (first compressing cache) or false
 
@@ -68,7 +69,7 @@ MIN_CONTEXT = 8
 SPEED = "speed"
 _TOP_KEYS = {"models", "dtype", "device", "contexts", "seed", "replay", "decode", "equal_bytes", "online", "tasks",
              "caches", "cross", "attention", "only", "model_caches", "model_contexts", "context_caches",
-             "attention_error"}  # fmt: skip
+             "attention_error", "batch"}  # fmt: skip
 #: how a grid's decode steps attend over compressed caches (``decode``; kvpolicy.eval.cells)
 DECODE_MODES = ("fused", "materialized")
 _CROSS_KEYS = {"policies", "actions", "bits", "backends", "params"}
@@ -178,6 +179,7 @@ class Grid:
     model_contexts: dict[str, list[int]] = field(default_factory=dict)
     context_caches: dict[str, list[str]] = field(default_factory=dict)
     attention_error: bool | list[int] = True
+    batch: int = 1
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -240,6 +242,10 @@ class Grid:
         self.contexts = require_list("contexts", self.contexts, int, "integers")
         if not _is_int(self.seed) or self.seed < 0:
             raise ConfigError(f"seed must be an integer >= 0; got seed={self.seed!r}")
+        if not _is_int(self.batch) or self.batch < 1:
+            raise ConfigError(
+                f"batch must be an integer >= 1 (teacher-forced samples per forward); got batch={self.batch!r}"
+            )
         for key in ("replay", "online"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key} must be true or false; got {key}={getattr(self, key)!r}")
@@ -377,7 +383,8 @@ def cell_id(model: str, spec: CacheSpec, context: int | None, task: str, task_pa
 
     ``decode`` enters the id of timing cells only: the fused and the materialised paths compute the
     same attention up to float rounding (tests/test_ablate_runner.py compares the two), so a quality cell
-    measured on either stands for both, while their timings differ.
+    measured on either stands for both, while their timings differ. ``batch`` enters no id: a batch
+    gives each sample the result it gets alone, up to float rounding (tests/test_measure_batch.py).
     """
     key_fields = {"model": model, "dtype": grid.dtype, "device": grid.device, "cache": spec.describe(),
                   "context": context, "task": task, "params": _jsonable(task_params), "seed": grid.seed,
@@ -505,7 +512,8 @@ def grid_from_dict(d: dict[str, Any]) -> Grid:
     if d.get("cross"):
         caches += cross_specs(d["cross"])
     keys = ("models", "dtype", "device", "contexts", "seed", "replay", "decode", "equal_bytes", "online", "tasks",
-            "attention", "only", "model_caches", "model_contexts", "context_caches", "attention_error")  # fmt: skip
+            "attention", "only", "model_caches", "model_contexts", "context_caches", "attention_error",
+            "batch")  # fmt: skip
     kwargs = {k: d[k] for k in keys if k in d}
     return Grid(caches=caches, **kwargs)
 

@@ -23,8 +23,8 @@ from typing import Any
 from kvpolicy.errors import ConfigError
 from kvpolicy.eval.runner import CONFIG, RESULTS, SAMPLES, done_cells, read_config, report_rows, scan_rows
 
-#: config keys that may differ between the shards of one grid
-_PER_SHARD = ("cells", "sizings", "shard", "torch", "transformers", "online")
+#: config keys that may differ between the shards of one grid (``batch`` changes float rounding only)
+_PER_SHARD = ("cells", "sizings", "shard", "torch", "transformers", "online", "batch")
 
 
 @dataclass

@@ -7,7 +7,8 @@ cache under test is repeated on the *same input* (hidden states, rotary embeddin
 
 ``||o_compressed - o_reference||_2 / ||o_reference||_2``
 
-over the attention output (after the output projection) of the query tokens, so it isolates the
+over the attention output (after the output projection) of the query tokens, per sequence of the
+batch (:meth:`AttentionErrorProbe.per_layer_rows`), so it isolates the
 distortion that the compressed keys and values of layer ``l`` cause, without the drift propagated
 from earlier layers. The shadow cache must see every token: activate the probe before the prefill.
 """
@@ -31,6 +32,10 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     if not mods:
         raise ValueError(f"no attention modules with a layer_idx found in {type(model).__name__}")
     return sorted(mods, key=lambda m: m.layer_idx)
+
+
+def _ratio(err: float, ref: float) -> float:
+    return (err / ref) ** 0.5 if ref > 0 else float("nan")
 
 
 class AttentionErrorProbe:
@@ -58,9 +63,10 @@ class AttentionErrorProbe:
         self.active = True
         self._handles: list[Any] = []
         self._inside = False
-        # per layer: sum of squared error and squared reference norms, and steps recorded
-        self._err = [0.0] * len(self.modules)
-        self._ref = [0.0] * len(self.modules)
+        # per layer: sums of squared error and of squared reference norms (per sequence of the batch:
+        # ``(batch,)`` float64 tensors once a call is recorded), and steps recorded
+        self._err: list[Any] = [0.0] * len(self.modules)
+        self._ref: list[Any] = [0.0] * len(self.modules)
         self._steps = [0] * len(self.modules)
 
     def __enter__(self) -> AttentionErrorProbe:
@@ -97,8 +103,9 @@ class AttentionErrorProbe:
         ref = ref[0] if isinstance(ref, tuple) else ref
         if self.active:
             i = self.modules.index(module)
-            self._err[i] += float((out.float() - ref.float()).pow(2).sum())
-            self._ref[i] += float(ref.float().pow(2).sum())
+            rows = tuple(range(1, out.dim()))
+            self._err[i] = self._err[i] + (out.double() - ref.double()).pow(2).sum(rows)
+            self._ref[i] = self._ref[i] + ref.double().pow(2).sum(rows)
             self._steps[i] += 1
 
     def _shadow_keys(self, layer_idx: int, q_len: int) -> int:
@@ -109,8 +116,21 @@ class AttentionErrorProbe:
         return q_len
 
     def per_layer(self) -> list[float]:
-        """Relative error of each layer over every recorded call (``nan`` where nothing was recorded)."""
-        return [(e / r) ** 0.5 if r > 0 else float("nan") for e, r in zip(self._err, self._ref, strict=True)]
+        """Relative error of each layer over every recorded call, the batch's sequences pooled (``nan``
+        where nothing was recorded)."""
+        return [_ratio(float(torch.as_tensor(e).sum()), float(torch.as_tensor(r).sum()))
+                for e, r in zip(self._err, self._ref, strict=True)]  # fmt: skip
+
+    def per_layer_rows(self, batch: int) -> list[list[float]]:
+        """:meth:`per_layer` of each of the ``batch`` sequences alone: ``batch`` lists of one value per layer."""
+        out = [[float("nan")] * len(self.modules) for _ in range(batch)]
+        for i, (e, r) in enumerate(zip(self._err, self._ref, strict=True)):
+            if isinstance(e, torch.Tensor):
+                if e.numel() != batch:
+                    raise ValueError(f"the probe recorded batches of {e.numel()} sequences; got batch={batch}")
+                for b in range(batch):
+                    out[b][i] = _ratio(float(e[b]), float(r[b]))
+        return out
 
     def reset_errors(self) -> None:
         """Forget recorded errors (the shadow cache is kept)."""
