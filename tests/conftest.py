@@ -91,6 +91,25 @@ def cpu_kernel():
     return cpu_attention.load()
 
 
+@pytest.fixture
+def stored_blocks(monkeypatch) -> list[list[tuple]]:
+    """Every block ``TorchBackend.quantize`` stores, run by run: the test appends an empty list before
+    each run, and each call then adds ``(x, group_size, axis, out)`` to the last list (``x`` the input
+    ``(B, H, n, D)``, ``out`` the stored block)."""
+    from kvpolicy.backends.torch_backend import TorchBackend
+
+    runs: list[list[tuple]] = []
+    original = TorchBackend.quantize
+
+    def record(self, x, bits, group_size, axis, *args, **kwargs):
+        out = original(self, x, bits, group_size, axis, *args, **kwargs)
+        runs[-1].append((x.detach().clone(), group_size, axis, out))
+        return out
+
+    monkeypatch.setattr(TorchBackend, "quantize", record)
+    return runs
+
+
 def fused_and_materialized(family: str = "llama", length: int = 75, **kw):
     """Teacher-forced logits of a tiny GQA model of ``family`` through the fused and the materialised
     path, across group flushes with staging non-empty (group 16, window 8, 75 tokens, batch 2): ``(fused,

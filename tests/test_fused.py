@@ -217,7 +217,7 @@ def test_torch_attend_equals_float64_attention_over_the_stored_codes(bits, key_a
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-5)
 
 
-def test_end_to_end_codes_differ_only_at_rounding_ties(monkeypatch):
+def test_end_to_end_codes_differ_only_at_rounding_ties(stored_blocks):
     """The guarantee that holds end to end (docs/performance.md, "What equal means end to end").
 
     Layer 0 produces the same output on both paths up to float rounding, so the keys and values of
@@ -228,26 +228,18 @@ def test_end_to_end_codes_differ_only_at_rounding_ties(monkeypatch):
     """
     from kvpolicy.backends.torch_backend import _grouped, unpack
 
-    blocks: dict[bool, list] = {True: [], False: []}
-    original = TorchBackend.quantize
-    run = {"fused": False}
-
-    def record(self, x, bits, group_size, axis, *args, **kwargs):
-        out = original(self, x, bits, group_size, axis, *args, **kwargs)
-        blocks[run["fused"]].append((_grouped(x.detach().float(), group_size, axis), out))
-        return out
-
-    monkeypatch.setattr(TorchBackend, "quantize", record)
     model = tiny_model("llama", layers=4)  # deep and long enough for ties to occur
     ids = _ids(2, 300, seed=4)
+    stored_blocks.append([])
     _run(model, ids, 40, False, attention="materialized")
-    run["fused"] = True
+    stored_blocks.append([])
     _, cache = _run(model, ids, 40, True)
     assert set(cache.attention_paths().values()) == {f"fused ({cache.backend.name})"}
-    assert len(blocks[True]) == len(blocks[False]) > 10
+    materialized, fused = ([(_grouped(x.float(), g, axis), out) for x, g, axis, out in run] for run in stored_blocks)
+    assert len(fused) == len(materialized) > 10
 
     code_flips = meta_flips = total = 0
-    for (ga, qa), (gb, qb) in zip(blocks[False], blocks[True], strict=True):
+    for (ga, qa), (gb, qb) in zip(materialized, fused, strict=True):
         noise = (ga - gb).abs()
         assert noise.max() <= 1e-4 * max(1.0, float(ga.abs().max()))  # the inputs: float noise apart
         za, zb, sa, sb = (t.float().unsqueeze(-1) for t in (qa.zeros, qb.zeros, qa.scales, qb.scales))

@@ -103,31 +103,15 @@ def test_matrix(family, attn, policy_name, action_name):
         assert sorted(covered.tolist()) == list(range(length))
 
 
-def _record_codes(monkeypatch) -> list[list[torch.Tensor]]:
-    """Per run (append a list before each), the codes of every block the torch backend quantizes."""
-    from kvpolicy.backends.torch_backend import TorchBackend, unpack
-
-    runs: list[list[torch.Tensor]] = []
-    original = TorchBackend.quantize
-
-    def record(self, x, bits, *args, **kwargs):
-        out = original(self, x, bits, *args, **kwargs)
-        runs[-1].append(unpack(out.codes, out.bits).int())
-        return out
-
-    monkeypatch.setattr(TorchBackend, "quantize", record)
-    return runs
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "mistral"])
 @pytest.mark.parametrize("policy_name", list(POLICIES))
 @pytest.mark.parametrize("action_name", list(ACTIONS))
-def test_eager_and_sdpa_agree(family, policy_name, action_name, monkeypatch):
+def test_eager_and_sdpa_agree(family, policy_name, action_name, stored_blocks):
     """sdpa and eager hidden states differ in the last float bits. Through an uncompressed or evicting
     cache that stays float noise; a quantizing cache can round a key or value that lies at a tie
     between two grid points differently (one code apart, which CPUs of different instruction sets
     hit at different places), and the logits after it then differ by that code's effect."""
-    runs = _record_codes(monkeypatch)
+    runs = stored_blocks
     ids = _ids(seed=5)
     out = {}
     kept = {}
@@ -141,7 +125,9 @@ def test_eager_and_sdpa_agree(family, policy_name, action_name, monkeypatch):
         # near-tie between two tokens' accumulated attention; the selections must still (nearly) coincide
         assert (kept["sdpa"] == kept["eager"]).float().mean() > 0.9
         return
-    sdpa, eager = runs
+    from kvpolicy.backends.torch_backend import unpack
+
+    sdpa, eager = ([unpack(out.codes, out.bits).int() for *_, out in run] for run in runs)
     assert len(sdpa) == len(eager) and (len(sdpa) > 0) == (action_name == "quantize")
     flips = total = 0
     for a, b in zip(sdpa, eager, strict=True):
