@@ -6,12 +6,14 @@ import itertools
 import json
 
 import pytest
+import torch
+from conftest import tiny_gemma3, tiny_model
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpolicy.errors import ConfigError
 from kvpolicy.eval.grid import cell_id, grid_from_dict
-from kvpolicy.eval.measure import BYTES_METRICS, batches
+from kvpolicy.eval.measure import BYTES_METRICS, batches, reference, references
 from kvpolicy.eval.runner import RESULTS, Runner
 from kvpolicy.eval.tasks import Sample
 
@@ -89,3 +91,66 @@ def test_batch_is_checked_and_enters_no_cell_id():
     for bad in (0, -1, 2.5, "4", True):
         with pytest.raises(ConfigError, match=r"batch must be an integer >= 1 .*got batch="):
             _grid(bad)
+
+
+@given(st.lists(st.tuples(st.integers(3, 5), st.integers(1, 2)), max_size=12), st.integers(1, 4))
+def test_batches_without_last_alone_group_every_sample_by_shape(shapes, batch):
+    samples = [_sample(n, p) for n, p in shapes]
+    groups = batches(samples, batch, last_alone=False)
+    assert [i for g in groups for i in g] == list(range(len(samples)))
+    for g in groups:
+        assert 1 <= len(g) <= batch
+        assert len({(len(samples[i].ids), samples[i].prefill) for i in g}) == 1
+    for a, b in itertools.pairwise(groups):
+        same = (len(samples[a[0]].ids), samples[a[0]].prefill) == (len(samples[b[0]].ids), samples[b[0]].prefill)
+        assert len(a) == batch or not same
+
+
+def test_batches_never_mix_kinds():
+    forced = _sample(6, 3)
+    prompt = Sample(task="greedy", sample_id="g", kind="generate", ids=[1] * 6, prefill=6, max_new_tokens=2)
+    assert batches([forced, forced, prompt, prompt, forced], 4, last_alone=False) == [[0, 1], [2, 3], [4]]
+
+
+def _texts(vocab, lengths, prefill, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [Sample(task="lm", sample_id=str(i), kind="teacher_forced", prefill=prefill,
+                   ids=torch.randint(0, vocab, (n,), generator=g).tolist()) for i, n in enumerate(lengths)]  # fmt: skip
+
+
+@pytest.mark.parametrize("which", ["llama", "gemma3-sliding"])
+def test_batched_references_equal_single_ones(which):
+    """Prefill keys, values and last logits exactly; the decode steps' logits to float rounding. Gemma's
+    sliding-window layers keep no whole prefill (no replay), so its samples decode one at a time."""
+    model = tiny_model("llama") if which == "llama" else tiny_gemma3()
+    samples = _texts(model.config.vocab_size, [30, 30, 30, 30, 24, 30], prefill=20)
+    samples.append(Sample(task="greedy", sample_id="g", kind="generate", ids=samples[0].ids[:20], prefill=20,
+                          max_new_tokens=5, against_reference=True))  # fmt: skip
+    alone = [reference(model, s) for s in samples]
+    together = references(model, samples, batch=3)
+    assert (alone[0].prefill_kv is None) == (which != "llama")
+    for a, b in zip(alone, together, strict=True):
+        assert torch.equal(a.last_logits, b.last_logits)
+        if a.prefill_kv is not None:
+            for (ka, va), (kb, vb) in zip(a.prefill_kv, b.prefill_kv, strict=True):
+                assert torch.equal(ka, kb) and torch.equal(va, vb)
+        if a.logits is None:
+            assert b.logits is None and a.tokens == b.tokens and a.tokens  # the greedy sample
+        else:
+            assert a.logits.shape == b.logits.shape == (len(a.nll), model.config.vocab_size)
+            torch.testing.assert_close(b.logits, a.logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(b.nll, a.nll, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        references(model, samples, batch=0)
+
+
+def test_batched_references_decode_together(monkeypatch):
+    """The batch is real: 4 equal texts with batch 4 take one decode call per step, not four."""
+    from kvpolicy.eval import measure
+
+    model = tiny_model("llama")
+    calls = []
+    original = measure._forward
+    monkeypatch.setattr(measure, "_forward", lambda m, ids, cache: calls.append(ids.shape) or original(m, ids, cache))
+    references(model, _texts(model.config.vocab_size, [30] * 4, prefill=20), batch=4)
+    assert calls == [(1, 20)] * 4 + [(4, 1)] * 9

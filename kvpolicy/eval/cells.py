@@ -208,7 +208,7 @@ class CellGroup:
                 samples = self.samples
                 needs_ref = grid.replay or any(s.kind == "teacher_forced" or s.against_reference for s in samples)
                 if self.refs is None and needs_ref:
-                    self.refs = [measure.reference(model, s) for s in samples]
+                    self.refs = measure.references(model, samples, grid.batch)
                 replay = grid.replay and not scores
                 metrics, records = measure.quality(
                     model,

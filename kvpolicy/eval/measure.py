@@ -88,25 +88,77 @@ def _forward(model: torch.nn.Module, ids: torch.Tensor, cache: Any) -> torch.Ten
 @torch.inference_mode()
 def reference(model: torch.nn.Module, sample: Sample) -> Reference:
     """Run ``sample`` with a ``DynamicCache`` (see :class:`Reference`)."""
+    ref, cache = _reference_prefill(model, sample)
+    if sample.kind == "teacher_forced":
+        _reference_decode(model, [sample], [ref], cache)
+    elif sample.against_reference:
+        ref.tokens = _greedy(model, ref.last_logits, cache, sample.max_new_tokens, None)
+    return ref
+
+
+@torch.inference_mode()
+def references(model: torch.nn.Module, samples: list[Sample], batch: int = 1) -> list[Reference]:
+    """:func:`reference` of each of ``samples``, with the teacher-forced decode steps of up to ``batch``
+    samples of equal length run together (:func:`batches`, the last sample included).
+
+    Each sample's prefill still runs alone, so its prefill keys and values and its last logits are
+    those of :func:`reference` exactly; the later logits equal its up to float rounding. Samples whose
+    prefill keys and values cannot be joined into one batch (sliding-window layers keep only a window)
+    decode alone.
+    """
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1; got batch={batch!r}")
     from transformers import DynamicCache
 
-    device = model.device
-    ids = torch.tensor([sample.ids], device=device)
+    out: list[Reference | None] = [None] * len(samples)
+    for group in batches(samples, batch, last_alone=False):
+        if len(group) == 1 or samples[group[0]].kind != "teacher_forced":
+            for i in group:
+                out[i] = reference(model, samples[i])
+            continue
+        rows = [_reference_prefill(model, samples[i]) for i in group]
+        refs = [ref for ref, _ in rows]
+        if any(ref.prefill_kv is None for ref in refs):
+            for i, (ref, cache) in zip(group, rows, strict=True):
+                _reference_decode(model, [samples[i]], [ref], cache)
+                out[i] = ref
+            continue
+        del rows  # their caches hold nothing beyond each reference's prefill keys and values
+        cache = DynamicCache(config=model.config)
+        for layer in range(len(refs[0].prefill_kv)):  # type: ignore[arg-type]
+            cache.update(torch.cat([r.prefill_kv[layer][0] for r in refs]),  # type: ignore[index]
+                         torch.cat([r.prefill_kv[layer][1] for r in refs]), layer)  # type: ignore[index]  # fmt: skip
+        _reference_decode(model, [samples[i] for i in group], refs, cache)
+        for i, ref in zip(group, refs, strict=True):
+            out[i] = ref
+    return out  # type: ignore[return-value]
+
+
+def _reference_prefill(model: torch.nn.Module, sample: Sample) -> tuple[Reference, Any]:
+    """The prefill of ``sample`` alone into a new ``DynamicCache``: its :class:`Reference` so far (prefill
+    keys and values, last logits) and the cache."""
+    from transformers import DynamicCache
+
+    ids = torch.tensor([sample.ids[: sample.prefill]], device=model.device)
     cache = DynamicCache(config=model.config)
-    logits = _forward(model, ids[:, : sample.prefill], cache)[:, -1].float()
+    logits = _forward(model, ids, cache)[:, -1].float()
     kv = [(layer.keys, layer.values) for layer in cache.layers]
     if any(k is None or k.dim() != 4 or k.shape[-2] != sample.prefill for k, _ in kv):
         kv = None
-    ref = Reference(kv, logits)
-    if sample.kind == "teacher_forced":
-        steps = [logits]
-        for t in range(sample.prefill, len(sample.ids) - 1):
-            steps.append(_forward(model, ids[:, t : t + 1], cache)[:, -1].float())
-        ref.logits = torch.cat(steps)
-        ref.nll = nll(ref.logits, ids[0, sample.prefill :])
-    elif sample.against_reference:
-        ref.tokens = _greedy(model, logits, cache, sample.max_new_tokens, None)
-    return ref
+    return Reference(kv, logits), cache
+
+
+def _reference_decode(model: torch.nn.Module, samples: list[Sample], refs: list[Reference], cache: Any) -> None:
+    """Teacher-force ``samples`` (equal length and prefill; row ``r`` of ``cache`` holds the prefill of
+    ``samples[r]``) and set each reference's logits ``(n, vocab)`` and per-token NLL."""
+    ids = torch.tensor([s.ids for s in samples], device=model.device)
+    steps = [torch.cat([r.last_logits for r in refs])]
+    for t in range(samples[0].prefill, ids.shape[1] - 1):
+        steps.append(_forward(model, ids[:, t : t + 1], cache)[:, -1].float())
+    logits = torch.stack(steps, dim=1)  # (rows, n, vocab)
+    for row, ref in enumerate(refs):
+        ref.logits = logits[row]
+        ref.nll = nll(ref.logits, ids[row, samples[0].prefill :])
 
 
 def _prefill(
@@ -164,19 +216,19 @@ def _mean_se(x: torch.Tensor) -> tuple[float, float]:
     return float(x.mean()), se
 
 
-def batches(samples: list[Sample], batch: int) -> list[list[int]]:
+def batches(samples: list[Sample], batch: int, last_alone: bool = True) -> list[list[int]]:
     """Indices of ``samples`` grouped for :func:`teacher_forced`: runs of consecutive samples of the
-    same length and prefill, at most ``batch`` each; the last sample always alone, so that the bytes
-    held are those of one sequence (what a batch shares, such as a rotation matrix or position
-    indices, is held once per batch)."""
+    same kind, length and prefill, at most ``batch`` each; with ``last_alone`` the last sample always
+    alone, so that the bytes held are those of one sequence (what a batch shares, such as a rotation
+    matrix or position indices, is held once per batch)."""
+    shape = lambda s: (s.kind, len(s.ids), s.prefill)  # noqa: E731
     groups: list[list[int]] = []
-    for i, s in enumerate(samples[:-1]):
-        first = samples[groups[-1][0]] if groups else None
-        if first is not None and len(groups[-1]) < batch and (len(s.ids), s.prefill) == (len(first.ids), first.prefill):
+    for i, s in enumerate(samples[:-1] if last_alone else samples):
+        if groups and len(groups[-1]) < batch and shape(s) == shape(samples[groups[-1][0]]):
             groups[-1].append(i)
         else:
             groups.append([i])
-    return [*groups, [len(samples) - 1]] if samples else groups
+    return [*groups, [len(samples) - 1]] if samples and last_alone else groups
 
 
 @torch.inference_mode()
