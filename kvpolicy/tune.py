@@ -266,11 +266,15 @@ def pick(ranked: list[Candidate], n: int, nearest: bool = True) -> list[Candidat
     return [c for c in ranked if c in picked]
 
 
-def grid(model: str, context: int, caches: list[Candidate], lm: dict[str, Any], dtype: str, device: str) -> dict:
-    """An ablation grid (:func:`kvpolicy.eval.grid.grid_from_dict`) of ``caches`` on the ``lm`` task."""
+def grid(
+    model: str, context: int, caches: list[Candidate], lm: dict[str, Any], dtype: str, device: str, batch: int = 1
+) -> dict:
+    """An ablation grid (:func:`kvpolicy.eval.grid.grid_from_dict`) of ``caches`` on the ``lm`` task, decoding
+    up to ``batch`` texts together, without the attention-error probe (the search reads KL, top-1 and
+    bytes only)."""
     return {
         "models": [model], "dtype": dtype, "device": device, "contexts": [context], "seed": 0, "replay": True,
-        "equal_bytes": False, "tasks": {"lm": lm},
+        "equal_bytes": False, "attention_error": False, "batch": batch, "tasks": {"lm": lm},
         "caches": [{"label": "uncompressed", "kind": "dynamic"}] + [{"label": c.label, **c.args} for c in caches],
     }  # fmt: skip
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import tomllib
 
@@ -37,6 +39,35 @@ def test_the_search_finishes_respects_the_budget_and_writes_a_loadable_preset(tm
     assert main(args) == 0
     again = capsys.readouterr().out
     assert again.count("(0 run,") == 3, again
+
+
+def test_batch_changes_no_score_and_the_runs_skip_the_attention_probe(tmp_path, capsys):
+    """``--batch`` decodes texts together (default 4): the chosen composition and its scores are those of
+    one text at a time, up to float rounding; no run measures ``attn_error``, which the search never reads."""
+    saved = {}
+    for batch in (1, 3):
+        preset = tmp_path / str(batch) / "preset.toml"
+        args = ["tune", *TINY, "--budget-bits", "10", "--out", str(preset), "--screen", "4", "--trials", "2",
+                "--samples", "3", "--tokens", "4", "--heldout-samples", "3", "--heldout-tokens", "4",
+                "--batch", str(batch)]  # fmt: skip
+        assert main(args) == 0
+        capsys.readouterr()
+        saved[batch] = tomllib.loads(preset.read_text())["tune"]
+        metrics = {json.loads(line)["metric"] for line in (tmp_path / str(batch) / "preset-runs" / "heldout"
+                                                           / "results.jsonl").read_text().splitlines()}  # fmt: skip
+        assert "kl" in metrics and "attn_error" not in metrics
+        for run in ("screen", "calibration", "heldout"):
+            config = json.loads((tmp_path / str(batch) / "preset-runs" / run / "config.json").read_text())
+            assert (config["batch"], config["attention_error"]) == (batch, False)
+    one, three = saved[1], saved[3]
+    assert one["label"] == three["label"]
+    for key in ("bits_per_element_calibration", "bits_per_element_heldout"):
+        assert one[key] == three[key]
+    for key in ("kl_calibration", "kl_heldout", "top1_heldout"):
+        assert three[key] == pytest.approx(one[key], rel=1e-5, abs=1e-6), key
+    with pytest.raises(SystemExit):
+        main(["tune", *TINY, "--budget-bits", "10", "--out", str(tmp_path / "p.toml"), "--batch", "0"])
+    assert "--batch" in capsys.readouterr().err
 
 
 def test_a_model_whose_keys_rotation_hurts_is_searched_without_it():
