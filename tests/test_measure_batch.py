@@ -28,6 +28,9 @@ CACHES = [
                {"key_bits": 3, "value_bits": 2, "scheme": "codebook", "key_centre": True}],
      "keep": [{"name": "log", "window": 8}]},
     {"label": "sink-k2v2-mse", "policy": "sink", "window": 6, "bits": 2, "group_size": 8, "fit": "mse"},
+    {"label": "recent-k4v2", "policy": "recent", "window": 5, "key_bits": 4, "value_bits": 2, "group_size": 16},
+    {"kind": "preset", "label": "kivi", "name": "kivi", "residual": 16, "group_size": 16},
+    {"kind": "preset", "label": "logquant", "name": "logquant"},
     # hqq's groups span the batch: its cells must run one sample at a time whatever the grid says
     {"kind": "hf-quantized", "label": "hqq-2b", "backend": "hqq", "nbits": 2, "q_group_size": 16,
      "residual_length": 4},
@@ -45,42 +48,29 @@ def _rows(out):
 
 def test_batched_cells_measure_what_single_samples_do_in_fewer_decode_calls(tmp_path):
     got = {}
-    for batch in (1, 3):
+    for batch in (1, 3, 5):
         assert Runner(_grid(batch), tmp_path / str(batch), progress=False, log=lambda s: None).run() == 0
         got[batch] = _rows(tmp_path / str(batch))
-    one, three = got[1], got[3]
-    assert one.keys() == three.keys()
+    one = got[1]
     assert {m for _, m in one} >= {"kl", "delta_nll", "top1", "attn_error", *BYTES_METRICS[:4]}
-    for key, row in one.items():
-        assert row["cell"] == three[key]["cell"]  # batch enters no cell id
-        if key[1] in BYTES_METRICS:  # the last sample runs alone: the bytes of one sequence
-            assert three[key]["value"] == row["value"], key
-        else:
-            assert three[key]["value"] == pytest.approx(row["value"], rel=1e-5, abs=1e-6), key
-    for label in ("log-k3v2-rot", "tiered-cm", "sink-k2v2-mse"):
-        # 9 decode steps x 2 layers per forward: 5 samples alone, or [0, 1, 2], [3], [4]
-        assert sum(one[(label, "kl")]["extra"]["attention_paths"].values()) == 5 * 9 * 2
-        assert sum(three[(label, "kl")]["extra"]["attention_paths"].values()) == 3 * 9 * 2
+    # 9 decode steps x 2 layers per forward: 5 samples alone, [0, 1, 2] and [3, 4], or all 5 together
+    forwards = {1: 5, 3: 2, 5: 1}
+    for batch in (3, 5):
+        rows = got[batch]
+        assert one.keys() == rows.keys()
+        for key, row in one.items():
+            assert row["cell"] == rows[key]["cell"]  # batch enters no cell id
+            if key[1] in BYTES_METRICS:  # the last sample's row alone: the bytes of one sequence, exactly
+                assert rows[key]["value"] == row["value"], (batch, key)
+            else:
+                assert rows[key]["value"] == pytest.approx(row["value"], rel=1e-5, abs=1e-6), (batch, key)
+        for label in ("log-k3v2-rot", "tiered-cm", "sink-k2v2-mse", "recent-k4v2", "kivi", "logquant"):
+            assert sum(one[(label, "kl")]["extra"]["attention_paths"].values()) == 5 * 9 * 2
+            assert sum(rows[(label, "kl")]["extra"]["attention_paths"].values()) == forwards[batch] * 9 * 2
 
 
 def _sample(n, prefill):
     return Sample(task="lm", sample_id=f"{n}-{prefill}", kind="teacher_forced", ids=[1] * n, prefill=prefill)
-
-
-@given(st.lists(st.tuples(st.integers(3, 5), st.integers(1, 2)), max_size=12), st.integers(1, 4))
-def test_batches_keep_order_and_shape_and_leave_the_last_sample_alone(shapes, batch):
-    samples = [_sample(n, p) for n, p in shapes]
-    groups = batches(samples, batch)
-    assert [i for g in groups for i in g] == list(range(len(samples)))
-    for g in groups:
-        assert 1 <= len(g) <= batch
-        assert len({(len(samples[i].ids), samples[i].prefill) for i in g}) == 1
-    if samples:
-        assert groups[-1] == [len(samples) - 1]
-    # maximal: a group is cut only by a full batch, a change of shape, or the last sample
-    for a, b in itertools.pairwise(groups[:-1]):
-        same = (len(samples[a[0]].ids), samples[a[0]].prefill) == (len(samples[b[0]].ids), samples[b[0]].prefill)
-        assert len(a) == batch or not same
 
 
 def test_batch_is_checked_and_enters_no_cell_id():
@@ -94,9 +84,9 @@ def test_batch_is_checked_and_enters_no_cell_id():
 
 
 @given(st.lists(st.tuples(st.integers(3, 5), st.integers(1, 2)), max_size=12), st.integers(1, 4))
-def test_batches_without_last_alone_group_every_sample_by_shape(shapes, batch):
+def test_batches_keep_order_and_shape_and_are_maximal(shapes, batch):
     samples = [_sample(n, p) for n, p in shapes]
-    groups = batches(samples, batch, last_alone=False)
+    groups = batches(samples, batch)
     assert [i for g in groups for i in g] == list(range(len(samples)))
     for g in groups:
         assert 1 <= len(g) <= batch
@@ -109,7 +99,7 @@ def test_batches_without_last_alone_group_every_sample_by_shape(shapes, batch):
 def test_batches_never_mix_kinds():
     forced = _sample(6, 3)
     prompt = Sample(task="greedy", sample_id="g", kind="generate", ids=[1] * 6, prefill=6, max_new_tokens=2)
-    assert batches([forced, forced, prompt, prompt, forced], 4, last_alone=False) == [[0, 1], [2, 3], [4]]
+    assert batches([forced, forced, prompt, prompt, forced], 4) == [[0, 1], [2, 3], [4]]
 
 
 def _texts(vocab, lengths, prefill, seed=0):

@@ -21,9 +21,10 @@ Caches whose policy needs attention scores (H2O) always run the prefill. Timings
 
 Batches: ``teacher_forced(..., batch=n)`` (a grid's ``batch``) decodes up to ``n`` samples of equal
 length together, each row of the batch with the reference of its own sample. A cache that treats
-the rows of a batch independently gives each sample what it gets alone, up to float rounding; the last
-sample always runs alone, and its cache gives the bytes held, which are then those of one sequence
-(a batch holds what its rows share, such as a rotation matrix or position indices, once).
+the rows of a batch independently gives each sample what it gets alone, up to float rounding. The
+bytes held are those of the last sample's row, selected alone from its batch after its last token,
+which are then those of one sequence (a batch holds what its rows share, such as a rotation matrix or
+position indices, once).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def reference(model: torch.nn.Module, sample: Sample) -> Reference:
 @torch.inference_mode()
 def references(model: torch.nn.Module, samples: list[Sample], batch: int = 1) -> list[Reference]:
     """:func:`reference` of each of ``samples``, with the teacher-forced decode steps of up to ``batch``
-    samples of equal length run together (:func:`batches`, the last sample included).
+    samples of equal length run together (:func:`batches`).
 
     Each sample's prefill still runs alone, so its prefill keys and values and its last logits are
     those of :func:`reference` exactly; the later logits equal its up to float rounding. Samples whose
@@ -111,7 +112,7 @@ def references(model: torch.nn.Module, samples: list[Sample], batch: int = 1) ->
     from transformers import DynamicCache
 
     out: list[Reference | None] = [None] * len(samples)
-    for group in batches(samples, batch, last_alone=False):
+    for group in batches(samples, batch):
         if len(group) == 1 or samples[group[0]].kind != "teacher_forced":
             for i in group:
                 out[i] = reference(model, samples[i])
@@ -216,19 +217,17 @@ def _mean_se(x: torch.Tensor) -> tuple[float, float]:
     return float(x.mean()), se
 
 
-def batches(samples: list[Sample], batch: int, last_alone: bool = True) -> list[list[int]]:
-    """Indices of ``samples`` grouped for :func:`teacher_forced`: runs of consecutive samples of the
-    same kind, length and prefill, at most ``batch`` each; with ``last_alone`` the last sample always
-    alone, so that the bytes held are those of one sequence (what a batch shares, such as a rotation
-    matrix or position indices, is held once per batch)."""
+def batches(samples: list[Sample], batch: int) -> list[list[int]]:
+    """Indices of ``samples`` grouped for :func:`teacher_forced` and :func:`references`: runs of
+    consecutive samples of the same kind, length and prefill, at most ``batch`` each."""
     shape = lambda s: (s.kind, len(s.ids), s.prefill)  # noqa: E731
     groups: list[list[int]] = []
-    for i, s in enumerate(samples[:-1] if last_alone else samples):
+    for i, s in enumerate(samples):
         if groups and len(groups[-1]) < batch and shape(s) == shape(samples[groups[-1][0]]):
             groups[-1].append(i)
         else:
             groups.append([i])
-    return [*groups, [len(samples) - 1]] if samples and last_alone else groups
+    return groups
 
 
 @torch.inference_mode()
@@ -248,8 +247,10 @@ def teacher_forced(
     skips the attention-error probe (its shadow cache repeats every attention call uncompressed: about a
     third of a decode step at 8k tokens) and its ``attn_error`` metric; nothing else changes.
 
-    ``batch``: decode up to this many samples of equal length together (:func:`batches`; the last one
-    alone, whose cache gives the bytes held). Only for caches that treat the sequences of a batch
+    ``batch``: decode up to this many samples of equal length together (:func:`batches`). The bytes held
+    are those of the last sample's row, selected alone from its batch (``batch_select_indices``) after
+    its last token: what the rows of a batch share (a rotation matrix, position indices) is held once,
+    as in a cache that ran one sequence. Only for caches that treat the sequences of a batch
     independently (kvpolicy's and ``DynamicCache``; not hqq's ``QuantizedCache``, whose groups span the
     batch): each sample then gets the metrics it gets alone, up to float rounding, in less time on CPU,
     where a decode step of 5 sequences costs about what 1.6 single ones do.
@@ -262,6 +263,7 @@ def teacher_forced(
     kls, agree, nlls = list(deltas), list(deltas), list(deltas)
     layer_err: list[list[float]] = []
     cache = None
+    group: list[int] = []
     for group in batches(samples, batch):
         ids = torch.tensor([samples[i].ids for i in group], device=device)
         prefill = samples[group[0]].prefill
@@ -297,6 +299,8 @@ def teacher_forced(
     if layer_err:
         per_layer = [statistics.fmean(v) for v in zip(*layer_err, strict=True)]
         out.append(Metric("attn_error", statistics.fmean(per_layer), n=len(per_layer), extra={"per_layer": per_layer}))
+    if cache is not None and len(group) > 1:
+        cache.batch_select_indices(torch.tensor([len(group) - 1], device=device))  # the last sample's row
     # the last token is a target only: the cache has seen every token but that one
     return out + _finish_bytes(cache, model, len(samples[-1].ids) - 1)
 
