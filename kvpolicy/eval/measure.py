@@ -126,9 +126,8 @@ def references(model: torch.nn.Module, samples: list[Sample], batch: int = 1) ->
             continue
         del rows  # their caches hold nothing beyond each reference's prefill keys and values
         cache = DynamicCache(config=model.config)
-        for layer in range(len(refs[0].prefill_kv)):  # type: ignore[arg-type]
-            cache.update(torch.cat([r.prefill_kv[layer][0] for r in refs]),  # type: ignore[index]
-                         torch.cat([r.prefill_kv[layer][1] for r in refs]), layer)  # type: ignore[index]  # fmt: skip
+        prompts = torch.tensor([samples[i].ids[: samples[i].prefill] for i in group], device=model.device)
+        _prefill_rows(model, prompts, cache, refs, None)  # replays the joined prefills, runs no forward
         _reference_decode(model, [samples[i] for i in group], refs, cache)
         for i, ref in zip(group, refs, strict=True):
             out[i] = ref
