@@ -113,7 +113,7 @@ def kvpolicy_3bit(window: int = 4, middle_window: int = 32, seed: int = 0) -> di
     keeps among the demoted ones, 3-bit keys and 2-bit values for the rest (a token moving down is
     re-quantized from its 4-bit reconstruction), and the Hadamard rotation (``seed``). Measured on
     SmolLM2-135M at 2k context on the texts of docs/frontier.md (cache ``log4-k3cmv2c-t44x32``):
-    2.97 bits, KL 0.031, top-1 92.9 % (before centred keys: ``log8-k3cv2c``, 2.89 bits, KL 0.068).
+    2.97 bits, KL 0.032, top-1 92.8 % (before centred keys: ``log8-k3cv2c``, 2.89 bits, KL 0.068).
     Not a published method: a composition of kvpolicy's parts, chosen on calibration texts and
     measured on the frontier's.
     """
@@ -125,7 +125,7 @@ def kvpolicy_3_5bit(window: int = 4, middle_window: int = 32, seed: int = 0) -> 
     3-bit codebook values in the bottom tier (log W = ``window``; centred 4-bit codebook keys and
     values for the tokens the log rule at W′ = ``middle_window`` keeps; centred 3-bit codebook keys
     and 3-bit codebook values below; Hadamard, ``seed``). Measured on SmolLM2-135M at 2k context
-    (docs/frontier.md, cache ``log4-k3cmv3c-t44x32``): 3.45 bits, KL 0.021, top-1 93.7 %. The
+    (docs/frontier.md, cache ``log4-k3cmv3c-t44x32``): 3.45 bits, KL 0.021, top-1 93.8 %. The
     previous preset, ``log16-k3v2-rot`` (3-bit min-max keys, 2-bit values, W = 16), held 3.32 bits
     for KL 0.031. Not a published method: a composition of kvpolicy's parts, chosen on calibration
     texts and measured on the frontier's.
@@ -138,7 +138,7 @@ def kvpolicy_4bit(window: int = 4, middle_window: int = 32, seed: int = 0) -> di
     4-bit keys and 3-bit values in the bottom tier (log W = ``window``; centred 4-bit codebook keys
     and values for the tokens the log rule at W′ = ``middle_window`` keeps; centred 4-bit codebook
     keys and 3-bit codebook values below; Hadamard, ``seed``). Measured on SmolLM2-135M at 2k
-    context (docs/frontier.md, cache ``log4-k4cmv3c-t44x32``): 3.93 bits, KL 0.010, top-1 95.9 %.
+    context (docs/frontier.md, cache ``log4-k4cmv3c-t44x32``): 3.93 bits, KL 0.010, top-1 95.5 %.
     The previous preset, ``log16-k3v3c`` (3-bit min-max keys, 3-bit codebook values, W = 16), held
     3.69 bits for KL 0.016. Not a published method: a composition of kvpolicy's parts, chosen on
     calibration texts and measured on the frontier's.
@@ -152,7 +152,7 @@ def kvpolicy_4_5bit(window: int = 4, seed: int = 0) -> dict[str, Any]:
     (groups of 64 tokens) and 3-bit codebook values (one scale per token and head), and the Hadamard
     rotation (``seed``). One tier: at 4 bits per-channel min-max keys beat the codebook keys of the
     tiered presets. Measured on SmolLM2-135M at 2k context (docs/frontier.md, cache ``log4-k4v3c``):
-    4.07 bits, KL 0.0075, top-1 95.9 %, against transformers' ``QuantizedCache(quanto, 4)`` at
+    4.07 bits, KL 0.0073, top-1 95.8 %, against transformers' ``QuantizedCache(quanto, 4)`` at
     5.13 bits and KL 0.019. Rotation helps SmolLM2's keys and hurts Gemma-3's: ``kvpolicy analyze
     rotation`` tells for a model. Not a published method: a composition of kvpolicy's parts, chosen
     on calibration texts (scripts/codebook_probes.py) and measured on the frontier's.

@@ -177,3 +177,13 @@ def test_the_page_lists_the_caches_of_the_grid_not_measured_yet(tmp_path):
                  "--frontier-doc", str(doc)]) == 0  # fmt: skip
     text = doc.read_text()
     assert "Not measured yet (1 of the grid's 3 caches for this model" in text and ": `later`." in text
+
+
+def test_the_plot_names_the_frontier_the_anchors_and_the_presets_only():
+    from kvpolicy.eval.frontier_report import PRESET_CELLS, plot_labels
+
+    name, (_, cell) = next(iter(PRESET_CELLS.items()))
+    pts = [_p("a", 3.0, 0.2), _p("behind", 3.2, 0.3), _p("hf-quanto-4b", 5.0, 0.5), _p(cell, 3.5, 0.4),
+           _p("b", 4.0, 0.01)]  # fmt: skip
+    # "behind" is beaten by "a" with fewer bits: a grey, unnamed dot; the preset's cell is named for the preset
+    assert plot_labels(pts) == {"a": "a", "hf-quanto-4b": "hf-quanto-4b", cell: name, "b": "b"}

@@ -124,28 +124,50 @@ def best_within(pts: list[Point], bits: float, exclude: tuple[str, ...] = ()) ->
     return min(inside, key=lambda p: p.kl) if inside else None
 
 
+def plot_labels(pts: list[Point]) -> dict[str, str]:
+    """The caches the plot names: the frontier, the anchors and the presets' cells (under the preset's name).
+
+    With a hundred caches on one axis every other name would overlap its neighbours; they stay grey dots,
+    and the table beside the plot names them."""
+    on = {p.cache for p in frontier(pts)}
+    preset = {cell: name for name, (_, cell) in PRESET_CELLS.items()}
+    named = on | set(ANCHORS) | set(preset)
+    return {p.cache: preset.get(p.cache, p.cache) for p in pts if p.cache in named}
+
+
 def plot(path: Path, pts: list[Point], context: int, title: str = "SmolLM2-135M", hybrid: bool = False) -> Path:
-    """Bits per element (x) against KL (log y); the frontier joined, anchors labelled in red."""
+    """Bits per element (x) against KL (log y): the frontier joined in blue, anchors as red squares, the
+    presets as green diamonds; only those are labelled (:func:`plot_labels`)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     on = {p.cache for p in frontier(pts)}
+    preset = {cell for _, cell in PRESET_CELLS.values()}
+    labels = plot_labels(pts)
     for p in pts:
         if not p.kl > 0:
             continue  # the uncompressed cache (KL 0) has no place on a log axis
-        anchor = p.cache in ANCHORS
-        ax.scatter([p.bits], [p.kl], marker="s" if anchor else "o", color="tab:red" if anchor else
-                   ("tab:blue" if p.cache in on else "tab:gray"), zorder=3)  # fmt: skip
-        ax.annotate(p.cache, (p.bits, p.kl), fontsize=6.5, xytext=(3, 3), textcoords="offset points")
+        if p.cache in ANCHORS:
+            style = {"marker": "s", "color": "tab:red"}
+        elif p.cache in preset:
+            style = {"marker": "D", "color": "tab:green"}
+        else:
+            style = {"marker": "o", "color": "tab:blue" if p.cache in on else "silver"}
+        ax.scatter([p.bits], [p.kl], zorder=3 if p.cache in labels else 2, s=28, **style)
+        if p.cache in labels:
+            ax.annotate(labels[p.cache], (p.bits, p.kl), fontsize=6.5, xytext=(3, 3), textcoords="offset points")
     line = [p for p in frontier(pts) if p.kl > 0]
     ax.plot([p.bits for p in line], [p.kl for p in line], color="tab:blue", alpha=0.6, label="frontier")
     ax.set_yscale("log")
     where = "the full-attention layers" if hybrid else "everything held"
     ax.set_xlabel(f"bits per element ({where}; full-precision tensors at 16 bits)")
     ax.set_ylabel("next-token KL vs uncompressed (nats, log)")
-    ax.set_title(f"{title} · context {context} · red squares: transformers' caches and published presets",
-                 fontsize=9)  # fmt: skip
+    ax.set_title(f"{title} · context {context}", fontsize=9)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    keys = [("s", "tab:red", "transformers' caches, published presets"), ("D", "tab:green", "kvpolicy's presets"),
+            ("o", "tab:blue", "on the frontier"), ("o", "silver", "other caches (named in the table)")]  # fmt: skip
+    for marker, color, text in keys:
+        ax.scatter([], [], marker=marker, color=color, s=28, label=text)
+    ax.legend(fontsize=7)
     return _save(plt, fig, path)
 
 
