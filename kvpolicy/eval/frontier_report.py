@@ -52,6 +52,8 @@ PRESET_CELLS = {
     "kvpolicy-4bit": (4.0, "log4-k4cmv3c-t44x32"),
     "kvpolicy-4.5bit": (4.5, "log4-k4v3c"),
 }
+#: the preset named for each cell of :data:`PRESET_CELLS`
+PRESET_NAMES = {cell: name for name, (_, cell) in PRESET_CELLS.items()}
 
 
 @dataclass(frozen=True)
@@ -129,10 +131,8 @@ def plot_labels(pts: list[Point]) -> dict[str, str]:
 
     With a hundred caches on one axis every other name would overlap its neighbours; they stay grey dots,
     and the table beside the plot names them."""
-    on = {p.cache for p in frontier(pts)}
-    preset = {cell: name for name, (_, cell) in PRESET_CELLS.items()}
-    named = on | set(ANCHORS) | set(preset)
-    return {p.cache: preset.get(p.cache, p.cache) for p in pts if p.cache in named}
+    named = {p.cache for p in frontier(pts)} | set(ANCHORS) | set(PRESET_NAMES)
+    return {p.cache: PRESET_NAMES.get(p.cache, p.cache) for p in pts if p.cache in named}
 
 
 def plot(path: Path, pts: list[Point], context: int, title: str = "SmolLM2-135M", hybrid: bool = False) -> Path:
@@ -140,22 +140,22 @@ def plot(path: Path, pts: list[Point], context: int, title: str = "SmolLM2-135M"
     presets as green diamonds; only those are labelled (:func:`plot_labels`)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
-    on = {p.cache for p in frontier(pts)}
-    preset = {cell for _, cell in PRESET_CELLS.values()}
+    front = frontier(pts)
+    on = {p.cache for p in front}
     labels = plot_labels(pts)
     for p in pts:
         if not p.kl > 0:
             continue  # the uncompressed cache (KL 0) has no place on a log axis
         if p.cache in ANCHORS:
             style = {"marker": "s", "color": "tab:red"}
-        elif p.cache in preset:
+        elif p.cache in PRESET_NAMES:
             style = {"marker": "D", "color": "tab:green"}
         else:
             style = {"marker": "o", "color": "tab:blue" if p.cache in on else "silver"}
         ax.scatter([p.bits], [p.kl], zorder=3 if p.cache in labels else 2, s=28, **style)
         if p.cache in labels:
             ax.annotate(labels[p.cache], (p.bits, p.kl), fontsize=6.5, xytext=(3, 3), textcoords="offset points")
-    line = [p for p in frontier(pts) if p.kl > 0]
+    line = [p for p in front if p.kl > 0]
     ax.plot([p.bits for p in line], [p.kl for p in line], color="tab:blue", alpha=0.6, label="frontier")
     ax.set_yscale("log")
     where = "the full-attention layers" if hybrid else "everything held"
@@ -180,11 +180,10 @@ def _table(pts: list[Point]) -> str:
     head = ["cache", "bits/el, global layers" if whole else "bits/el", *(["bits/el, whole cache"] if whole else []),
             *[names[m] for _, m in present]]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    preset = {cell: name for name, (_, cell) in PRESET_CELLS.items()}
     for p in pts:
         label = f"**`{p.cache}`** ★" if p.cache in on else f"`{p.cache}`"
-        if p.cache in preset:
-            label += f" (`{preset[p.cache]}`)"
+        if p.cache in PRESET_NAMES:
+            label += f" (`{PRESET_NAMES[p.cache]}`)"
         cells = [label, f"{p.bits:.2f}"]
         if whole:
             cells.append("–" if p.whole_bits is None else f"{p.whole_bits:.2f}")
