@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvpolicy import distributed, fused, handoff, registry
+from kvpolicy import distributed, fused, handoff, registry, state_check
 from kvpolicy import layer_bits as per_layer
 from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.backends import auto as auto_backend
 from kvpolicy.backends.base import Backend
-from kvpolicy.errors import ConfigError
+from kvpolicy.errors import CacheFileError, ConfigError
 from kvpolicy.memory import LayerBytes, MemoryReport
 from kvpolicy.padded import PaddedRows, left_pads
 from kvpolicy.policies.base import Policy, PolicyState
@@ -244,11 +244,13 @@ class CompressedLayer(CacheLayerMixin):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output into this fresh layer, checking that its parts agree
         (positions, counts, the policy's own state); raises ``ValueError`` naming what does not."""
-        if not state["initialized"]:
+        initialized = state.get("initialized") if isinstance(state, dict) else None
+        if not state_check.flag(initialized, "initialized"):
+            state_check.entries(state, "an empty layer", ("kind", "initialized"))
             return
-        keys, values = state["keys"], state["values"]
-        if keys.dim() != 4 or values.dim() != 4 or keys.shape[:3] != values.shape[:3]:
-            raise ValueError(f"layer {self.layer_idx}: keys {tuple(keys.shape)} and values {tuple(values.shape)}")
+        kept = LayerSegments.STATE_KEYS if self.action.compresses else LayerSegments.STATE_KEYS[:3]
+        state_check.entries(state, "layer", ("kind", "initialized", "backend", *kept))
+        keys, values = state_check.layer_tokens(state["keys"], state["values"])
         self.lazy_initialization(keys[:, :, :0], values[:, :, :0])  # checks and a fresh state and store
         self.held.load_state_dict(state)
 
@@ -555,8 +557,11 @@ class CompressedCache(Cache):
         rebuilding the history; otherwise, and for compositions the fused path does not cover
         (per-head or score-based policies, left-padded batches), the history is materialised as
         before. ``"fused"``: the same, but refuse (ConfigError / RuntimeError) instead of
-        materialising. ``"materialized"``: always materialise. :meth:`attention_paths` tells which
-        path each layer took on the latest step.
+        materialising, including a decode step the fused function declines (a mask that hides
+        some keys, ``output_attentions``...: the error names the reason and the remedy); a
+        multi-token update (a later turn's prompt) is no decode step and materialises under every
+        setting. ``"materialized"``: always materialise. :meth:`attention_paths` tells which path
+        each layer took on the latest step.
     config : transformers.PretrainedConfig, optional
         The model's config. Needed for models with sliding-window layers (Gemma 2/3, Mistral
         configs with ``sliding_window`` set): those layers are left to transformers' own sliding
@@ -627,6 +632,8 @@ class CompressedCache(Cache):
         self._layer_types: list[str] | None = None
         self._layer_kwargs: list[dict] = []
         self._config = config  # the model's, when given: save() records its identity
+        #: the number of layers of the file a loaded cache came from (None: not loaded)
+        self._saved_layers: int | None = None
         if config is not None:
             from transformers import PretrainedConfig
             from transformers.cache_utils import get_layer_types_and_kwargs
@@ -744,6 +751,12 @@ class CompressedCache(Cache):
                     f"layer_bits names layer(s) {missing}, but the model has {len(self.layers)} layers; the widths "
                     "given for them were never used"
                 )
+        if self._saved_layers is not None and layer_idx >= self._saved_layers:
+            raise CacheFileError(
+                f"this CompressedCache was loaded from a file of {self._saved_layers} layers, and the model updates "
+                f"layer {layer_idx}: the model has more layers than the one the cache was saved from (pass model= to "
+                "CompressedCache.load to check a model against the file)"
+            )
         while len(self.layers) <= layer_idx:
             self.layers.append(self._new_layer(len(self.layers)))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)

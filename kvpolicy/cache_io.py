@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from kvpolicy import persist, registry
-from kvpolicy.distributed import kv_heads_of
+from kvpolicy import distributed, persist, registry, state_check
 from kvpolicy.errors import CacheFileError, ConfigError
+from kvpolicy.segments import LayerSegments
 
 _KINDS = {"policy": "policies", "action": "actions", "backend": "backends", "transform": "transforms"}
 
@@ -45,9 +45,11 @@ _BASES = _bases()
 def save(cache: Any, path: str | Path, model: Any = None) -> int:
     """See :meth:`kvpolicy.CompressedCache.save`."""
     layers = [_layer_state(layer, i) for i, layer in enumerate(cache.layers)]
+    config = model if model is not None else cache._config
     header = {
         "composition": composition(cache),
-        "model": identity(cache, model if model is not None else cache._config),
+        "model": identity(cache, config),
+        "distributed": distributed.placement(config),
         "layer_types": cache._layer_types,
         "layer_kwargs": cache._layer_kwargs if cache._layer_types is not None else None,
     }
@@ -83,9 +85,9 @@ def _encode(value: Any, role: str, owner: Any, key: str) -> Any:
 
 
 def _decode(value: Any, role: str, where: str) -> Any:
-    if isinstance(value, dict) and "part" in value:
-        spec = value["part"]
-        return _rebuild(spec, spec.get("role", role), where)
+    if isinstance(value, dict):
+        spec = state_check.entries(value, "a nested part", ("part",))["part"]
+        return _rebuild(spec, spec.get("role", role) if isinstance(spec, dict) else role, where)
     if isinstance(value, list):
         return [_decode(v, role, where) for v in value]
     return value
@@ -93,7 +95,10 @@ def _decode(value: Any, role: str, where: str) -> Any:
 
 def _rebuild(spec: dict[str, Any], role: str, where: str) -> Any:
     """The part :func:`_part` described (nested parts first)."""
-    kind = _KINDS[role]
+    state_check.entries(spec, f"the {role}", ("name", "params"), ("role",))
+    kind = _KINDS[state_check.choice(role, "a part's role", _KINDS)]
+    if not isinstance(spec["name"], str) or not isinstance(spec["params"], dict):
+        raise ValueError(f"the {role}: a part is a name and a mapping of parameters")
     params = {key: _decode(value, role, where) for key, value in spec["params"].items()}
     try:
         cls = registry.get(kind, spec["name"])
@@ -131,10 +136,16 @@ def _model_identity(model: Any) -> dict[str, Any]:
     return {
         "architecture": arch,
         "layers": getattr(text, "num_hidden_layers", None),
-        "kv_heads": kv_heads_of(config),
+        "kv_heads": _local_heads(config),
         "head_dim": head_dim,
         "dtype": persist.dtype_name(dtype) if isinstance(dtype, torch.dtype) else None,
     }
+
+
+def _local_heads(config: Any) -> int | None:
+    """The kv heads one process holds: the model's, divided by its tensor-parallel size."""
+    heads = distributed.kv_heads_of(config)
+    return None if heads is None else heads // distributed.tp_size_of(config)
 
 
 def _layer_state(layer: Any, idx: int) -> dict[str, Any]:
@@ -154,16 +165,31 @@ def _layer_state(layer: Any, idx: int) -> dict[str, Any]:
     return out
 
 
+#: a header's entries, and those of its ``composition`` (``distributed`` is absent from older files)
+HEADER_KEYS = ("composition", "model", "layer_types", "layer_kwargs", "format", "version", "tree", "checksums")
+COMPOSITION_KEYS = ("policy", "action", "backend", "transform", "backend_auto", "layout", "attention")
+
+
 def load(cls: type, path: str | Path, device: Any = None, model: Any = None) -> Any:
     """See :meth:`kvpolicy.CompressedCache.load`."""
-    per_layer = isinstance(device, Mapping)
-    header, tree = persist.read(path, None if per_layer else device)
     where = str(path)
+    per_layer = isinstance(device, Mapping)
+    for each in device.values() if per_layer else [device]:
+        _check_device(each, where)
+    header, tree = persist.read(path, None if per_layer else device)
     try:
-        cache = _build(cls, header, where)
-        if model is not None:
-            _check_model(header.get("model") or {}, _model_identity(model), where)
+        state_check.entries(header, "header", HEADER_KEYS, ("distributed",))
+        state_check.entries(tree, "tree", ("layers",))
         layers = tree["layers"]
+        if not isinstance(layers, list):
+            raise ValueError(f"tree: layers is a {type(layers).__name__}, not a list")
+        saved = state_check.entries(header["model"], "model", ("architecture", "layers"), _IDENTITY_KEYS)
+        if saved["layers"] != len(layers):
+            raise ValueError(f"model: {saved['layers']!r:.40} layers recorded, {len(layers)} saved")
+        distributed.check_placement(header.get("distributed"), distributed.placement(model))
+        cache = _build(cls, header, len(layers), where)
+        if model is not None:
+            _check_model(saved, _model_identity(model), where)
         if per_layer:
             missing = [i for i in range(len(layers)) if i not in device]
             if missing:
@@ -173,14 +199,41 @@ def load(cls: type, path: str | Path, device: Any = None, model: Any = None) -> 
                 )
         for i, state in enumerate(layers):
             layer = cache._new_layer(i)
-            _load_layer(layer, _moved(state, device[i]) if per_layer else state, i)
+            try:
+                _load_layer(layer, _moved(state, device[i]) if per_layer else state, i, saved.get("dtype"))
+            except CacheFileError:
+                raise
+            except Exception as exc:
+                raise CacheFileError(f"{where!r}: layer {i}: {_reason(exc)}") from None
             cache.layers.append(layer)
         _share_positions(cache)
+        cache._saved_layers = len(layers)
     except CacheFileError:
         raise
-    except (ConfigError, ValueError, KeyError, TypeError, IndexError, NotImplementedError) as exc:
-        raise CacheFileError(f"{where!r} cannot be loaded: {type(exc).__name__}: {exc}") from None
+    except Exception as exc:  # anything a malformed header reaches is refused, never raised raw
+        raise CacheFileError(f"{where!r} cannot be loaded: {_reason(exc)}") from None
     return cache
+
+
+#: the optional entries of a header's ``model``
+_IDENTITY_KEYS = ("kv_heads", "head_dim", "value_head_dim", "dtype", "batch")
+
+
+def _reason(exc: BaseException) -> str:
+    """What ``exc`` says; a check's ``ValueError`` as it is, anything else with its type."""
+    text = str(exc) if type(exc) is ValueError else f"{type(exc).__name__}: {exc}"
+    return text[:2000]
+
+
+def _check_device(device: Any, where: str) -> None:
+    """Refuse a ``device`` torch does not know or cannot allocate on, before reading the file."""
+    try:
+        torch.empty(0, device=device)
+    except Exception as exc:
+        raise CacheFileError(
+            f"cannot load {where!r} onto device={device!r:.40}: {_reason(exc).splitlines()[0]} (give a device this "
+            "torch can use: 'cpu', or 'cuda' / 'cuda:N' with a GPU build, or a mapping of layer index -> device)"
+        ) from None
 
 
 def _moved(node: Any, device: Any) -> Any:
@@ -194,21 +247,46 @@ def _moved(node: Any, device: Any) -> Any:
     return node
 
 
-def _build(cls: type, header: dict[str, Any], where: str) -> Any:
-    comp = header["composition"]
+def _build(cls: type, header: dict[str, Any], layers: int, where: str) -> Any:
+    comp = state_check.entries(header["composition"], "composition", COMPOSITION_KEYS, ("layer_bits",))
     parts = {}
     for role in _KINDS:
         spec = comp[role]
-        if role == "backend" and comp.get("backend_auto"):
+        if role == "backend" and state_check.flag(comp["backend_auto"], "backend_auto"):
             parts[role] = "auto"
             continue
         parts[role] = _rebuild(spec, role, where)
-    widths = {int(i): tuple(pair) for i, pair in comp.get("layer_bits", {}).items()}
-    cache = cls(**parts, layout=comp["layout"], attention=comp["attention"], layer_bits=widths)
+    widths = comp.get("layer_bits", {})
+    if not isinstance(widths, dict):
+        raise ValueError(f"composition: layer_bits is a {type(widths).__name__}, not a mapping")
+    pairs = {
+        int(state_check.choice(i, "a layer_bits index", [str(j) for j in range(layers)])): tuple(pair)
+        for i, pair in widths.items()
+    }
+    layout = state_check.choice(comp["layout"], "layout", ("ordered", "agnostic"))
+    attention = state_check.choice(comp["attention"], "attention", ("auto", "fused", "materialized"))
+    cache = cls(**parts, layout=layout, attention=attention, layer_bits=pairs)
     types, kwargs = header.get("layer_types"), header.get("layer_kwargs")
     if types is not None:
+        if not isinstance(types, list) or len(types) != layers or not all(isinstance(t, str) for t in types):
+            raise ValueError(f"layer_types is not a list of {layers} layer type names")
+        if not isinstance(kwargs, list) or len(kwargs) != layers or not all(isinstance(k, dict) for k in kwargs):
+            raise ValueError(f"layer_kwargs is not a list of {layers} mappings")
+        _check_layer_types(types, kwargs)
         cache._layer_types, cache._layer_kwargs = list(types), list(kwargs)
     return cache
+
+
+def _check_layer_types(types: list[str], kwargs: list[dict[str, Any]]) -> None:
+    """Layer types transformers knows, with keyword arguments of its own layers (integers only)."""
+    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
+
+    known = ["full_attention", *DYNAMIC_LAYER_TYPE_MAPPING]
+    for i, (kind, extra) in enumerate(zip(types, kwargs, strict=True)):
+        state_check.choice(kind, f"layer_types[{i}]", known)
+        for key, value in extra.items():
+            state_check.choice(key, f"layer_kwargs[{i}] key", ("sliding_window", "chunk_size", "max_cache_len"))
+            state_check.integer(value, f"layer_kwargs[{i}][{key!r}]", 1)
 
 
 def _check_model(saved: dict[str, Any], model: dict[str, Any], where: str) -> None:
@@ -221,22 +299,39 @@ def _check_model(saved: dict[str, Any], model: dict[str, Any], where: str) -> No
         raise CacheFileError(f"{where!r} was saved from another model than the one given ({'; '.join(diffs)})")
 
 
-def _load_layer(layer: Any, state: dict[str, Any], idx: int) -> None:
+def _load_layer(layer: Any, state: dict[str, Any], idx: int, dtype: str | None) -> None:
+    """Restore one layer's state (checked: see :meth:`LayerSegments.load_state_dict`); its tokens must
+    be of the ``dtype`` the file's model identity records."""
     from kvpolicy.cache import CompressedLayer
 
-    kind = state["kind"]
+    kind = state_check.entries(state, "layer", ("kind",), _LAYER_KEYS)["kind"]
     if isinstance(layer, CompressedLayer) != (kind == "compressed"):
-        raise ValueError(f"layer {idx} is saved as {kind!r} but the cache's layout makes it a {type(layer).__name__}")
+        raise ValueError(
+            f"layer {idx} is saved as {kind!r:.40} but the cache's layout makes it a {type(layer).__name__}"
+        )
+    if state.get("initialized") is True and dtype is not None:
+        keys = state_check.tensor(state.get("keys"), "keys")
+        if persist.dtype_name(keys.dtype) != dtype:
+            raise ValueError(f"keys of dtype {persist.dtype_name(keys.dtype)} in a cache of {dtype}")
     if kind == "compressed":
         layer.load_state_dict(state)
         return
-    if not state["initialized"]:
+    initialized = state_check.flag(state.get("initialized"), "initialized")
+    if not initialized:
+        state_check.entries(state, "an empty layer", ("kind", "initialized"))
         return
-    keys, values = state["keys"], state["values"]
+    sliding = hasattr(layer, "cumulative_length")
+    state_check.entries(
+        state, "layer", ("kind", "initialized", "keys", "values", *(["cumulative_length"] if sliding else []))
+    )
+    keys, values = state_check.layer_tokens(state["keys"], state["values"])
     layer.lazy_initialization(keys[:, :, :0], values[:, :, :0])
     layer.keys, layer.values = keys, values
-    if "cumulative_length" in state:
-        layer.cumulative_length = int(state["cumulative_length"])
+    if sliding:
+        layer.cumulative_length = state_check.integer(state["cumulative_length"], "cumulative_length", keys.shape[2])
+
+
+_LAYER_KEYS = ("initialized", "backend", "cumulative_length", *LayerSegments.STATE_KEYS)
 
 
 def _share_positions(cache: Any) -> None:

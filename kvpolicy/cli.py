@@ -3,6 +3,11 @@
 Bad flag values stop at parse time (argparse: ``kvpolicy <command>: error: argument --flag: ...``,
 exit status 2); a :class:`~kvpolicy.errors.ConfigError` raised later, while a command checks its
 configuration, is reported the same way: one line on stderr, exit status 2, no traceback.
+
+An interruption (Ctrl-C) is one line on stderr and exit status 130, the shell's status for SIGINT.
+A command whose run directory resumes sets the parser default ``resumes`` to the name of the
+attribute holding that directory (``"out"``), and the line then says where the finished work is
+kept and that the same command resumes it.
 """
 
 from __future__ import annotations
@@ -43,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     Returns
     -------
     int
-        0 on success, 2 for a configuration error (a one-line message on stderr), or the
-        command's own status (``kvpolicy ablate``: 1 when a cell failed).
+        0 on success, 2 for a configuration error (a one-line message on stderr), 130 when
+        interrupted (Ctrl-C; a one-line message), or the command's own status (``kvpolicy ablate``:
+        1 when a cell failed).
     """
     args = build_parser().parse_args(argv)
     try:
@@ -52,6 +58,22 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"{_prog(args)}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"\n{_prog(args)}: {_interrupted(args)}", file=sys.stderr)
+        return INTERRUPTED
+
+
+#: exit status after Ctrl-C (128 + SIGINT, as shells report it)
+INTERRUPTED = 130
+
+
+def _interrupted(args: argparse.Namespace) -> str:
+    """What an interruption of the parsed command means for its outputs."""
+    where = getattr(args, "resumes", None)
+    if where is None:
+        return "interrupted"
+    return (f"interrupted; the cells finished so far are kept in {getattr(args, where)}: run the same command "
+            "again to resume")  # fmt: skip
 
 
 if __name__ == "__main__":  # pragma: no cover

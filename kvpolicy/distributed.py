@@ -131,6 +131,50 @@ def check_model(model: torch.nn.Module) -> None:
     check_config(config, getattr(model, "tp_plan", None))
 
 
+# ---------------------------------------------------------------------- where a saved cache was held
+def placement(config: Any = None) -> dict[str, int | None]:
+    """Which share of a model this process holds, as a saved cache records it.
+
+    ``rank`` and ``world_size`` are ``torch.distributed``'s (0 and 1 when it is not initialised);
+    ``tp_size`` is the tensor-parallel size of ``config`` (a model or its config), ``None`` when no
+    model is known.
+    """
+    ready = torch.distributed.is_available() and torch.distributed.is_initialized()
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if ready else (0, 1)
+    config = getattr(config, "config", config)
+    return {"rank": rank, "world_size": world, "tp_size": tp_size_of(config) if config is not None else None}
+
+
+def check_placement(saved: Any, here: dict[str, int | None]) -> None:
+    """Refuse a cache saved by another share of a model than this process holds (``ValueError``).
+
+    A cache saved under tensor parallelism holds its rank's heads only: it is refused on another
+    rank, under another world size or TP size, and outside ``torchrun``. A file that records no TP
+    size (saved without ``model=`` or ``config=``) by a process of several ranks is refused on another
+    rank too, as its heads may be a share. ``saved`` is ``None`` for files written before placements
+    were recorded (nothing to compare).
+    """
+    if saved is None:
+        return
+    from kvpolicy import state_check
+
+    state_check.entries(saved, "distributed", ("rank", "world_size", "tp_size"))
+    world = state_check.integer(saved["world_size"], "distributed world_size", 1)
+    rank = state_check.integer(saved["rank"], "distributed rank", 0, world - 1)
+    tp = None if saved["tp_size"] is None else state_check.integer(saved["tp_size"], "distributed tp_size", 1, world)
+    sharded = (tp is None and world > 1) or (tp is not None and tp > 1)
+    if sharded and (rank, world) != (here["rank"], here["world_size"]):
+        share = f"tensor-parallel size {tp}" if tp is not None else "no recorded TP size"
+        raise ValueError(
+            f"the cache was saved by rank {rank} of {world} ({share}): its kv heads are that rank's share, and this "
+            f"process is rank {here['rank']} of {here['world_size']}. Load each rank's own file on that rank"
+        )
+    if here["tp_size"] is not None and tp is not None and here["tp_size"] != tp:
+        raise ValueError(
+            f"the cache was saved under tensor-parallel size {tp}; the model given runs under {here['tp_size']}"
+        )
+
+
 # ---------------------------------------------------------------------- the TP group of a layer
 _groups: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, int] | None] = weakref.WeakKeyDictionary()
 

@@ -22,8 +22,10 @@ Every other call (prefill, other caches, layers that cannot fuse) goes to kvpoli
 score-reporting wrapper of the original implementation, which serves the hand-off (materialising
 it) and runs the original implementation unchanged. When a decode step's call carries something
 the fused computation does not model (a mask that hides some keys, logit softcapping, attention
-sinks, dropout in training, ``output_attentions``), the step goes the same way and the layer
-records why (``CompressedCache.attention_paths()``); a warning is issued once per reason.
+sinks, a position bias, dropout in training, ``output_attentions``), the fused function declines
+it: under ``CompressedCache(attention="auto")`` the step goes the same way, the layer records why
+(``CompressedCache.attention_paths()``) and a warning is issued once per reason; under
+``attention="fused"`` it raises a ``RuntimeError`` naming the reason and the remedy instead.
 
 If the model's attention is anything else (``disable_fused`` mid-generation, a layer that reuses
 another layer's keys and values), the hand-off materialises itself in position order on first use,
@@ -32,6 +34,7 @@ so the result is correct either way; only the path (``attention_paths()``) diffe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,6 +44,7 @@ from kvpolicy.attention import register_wrappers, strip_wrapper
 from kvpolicy.backends.base import dense_attention
 from kvpolicy.errors import ConfigError
 from kvpolicy.handoff import ticket_of, warn_once
+from kvpolicy.transforms.store import cast_clamped
 
 PREFIX = "kvpolicy_fused_"
 INNER = ("sdpa", "eager")
@@ -128,22 +132,67 @@ def decode_attention(
     return out.reshape(b, hq, nq, out.shape[-1])
 
 
+@dataclass(frozen=True)
+class Decline:
+    """Why the fused function declines a decode step, and what a caller can do about it.
+
+    Parameters
+    ----------
+    reason : str
+        What in the call the fused computation does not model (recorded in ``attention_paths()``).
+    remedy : str
+        How to run such a step fused, or which ``attention=`` materialises it (in the error that
+        ``CompressedCache(attention="fused")`` raises).
+    """
+
+    reason: str
+    remedy: str
+
+
+_AUTO = "or build the cache with attention='auto', which materialises the history for such steps"
+
+
 def _why_not(
     module: Any, attention_mask: torch.Tensor | None, key_len: int, dropout: float, kwargs: dict
-) -> str | None:
-    """What in this call the fused computation does not model (None: nothing)."""
+) -> Decline | None:
+    """What in this call the fused computation does not model (None: nothing).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The attention module of the call (its ``training`` flag, its ``sliding_window`` if any).
+    attention_mask : torch.Tensor or None
+        ``(batch, 1, q, keys)`` bool or additive float, as transformers passes it.
+    key_len : int
+        The number of keys the hand-off stands for.
+    dropout : float
+        The attention dropout of the call.
+    kwargs : dict
+        The call's other keywords.
+    """
     for name in ("softcap", "s_aux", "sinks", "position_bias"):
         if kwargs.get(name) is not None:
-            return f"attention argument {name!r}"
+            return Decline(
+                f"attention argument {name!r}",
+                f"this model's attention passes {name!r}, which the fused computation does not apply; {_AUTO}",
+            )
     if kwargs.get("output_attentions"):
-        return "output_attentions"
+        return Decline("output_attentions", f"the fused path computes no attention weights: call without them, {_AUTO}")
     if dropout and getattr(module, "training", False):
-        return "dropout in training"
+        return Decline("dropout in training", f"the fused path applies no dropout: call model.eval() first, {_AUTO}")
     if attention_mask is not None:
         mask = attention_mask[..., :key_len]
         visible = mask.all() if mask.dtype == torch.bool else (mask == 0).all()
         if not bool(visible):
-            return "an attention mask that hides some keys"
+            window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+            if window is not None:
+                remedy = (
+                    f"this layer attends over a sliding window ({window} tokens): build the cache with "
+                    f"config=model.config, so that transformers' own sliding layer serves it, {_AUTO}"
+                )
+            else:
+                remedy = f"the fused path attends over every held key (a mask with holes cannot be applied): {_AUTO}"
+            return Decline("an attention mask that hides some keys", remedy)
     return None
 
 
@@ -157,18 +206,25 @@ def _make(inner_name: str):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs: Any):
         ticket = ticket_of(key)
         if ticket is not None and ticket.fusable:
-            why = _why_not(module, attention_mask, key.shape[2], dropout, kwargs)
-            if why is None:
+            decline = _why_not(module, attention_mask, key.shape[2], dropout, kwargs)
+            if decline is None:
                 layer = ticket.layer()
                 scale = scaling if scaling is not None else query.shape[-1] ** -0.5
                 out = decode_attention(
                     query, layer.keys, layer.values, layer.fused_parts(), layer.backend, scale, layer.fused_basis()
                 )
                 layer.attention_path = "fused"
-                return out.to(query.dtype).transpose(1, 2).contiguous(), None
-            ticket.reason = why
+                # the attention of finite values stays within their range: a float32 result a rounding past
+                # float16's edge is clamped, not made infinite
+                return cast_clamped(out, query.dtype).transpose(1, 2).contiguous(), None
+            if ticket.strict:
+                raise RuntimeError(
+                    f"CompressedCache(attention='fused'): layer {ticket.layer().layer_idx}'s decode step cannot run "
+                    f"fused: {decline.reason}. To fix: {decline.remedy}."
+                )
+            ticket.reason = decline.reason
             warn_once(
-                f"kvpolicy fused attention: {why}; this step materialised the compressed history instead "
+                f"kvpolicy fused attention: {decline.reason}; this step materialised the compressed history instead "
                 "(see CompressedCache.attention_paths())"
             )
         # everything else: the score-reporting wrapper of the original implementation serves the hand-off

@@ -160,22 +160,36 @@ def _sha256(t: torch.Tensor) -> str:
 
 
 # ---------------------------------------------------------------------------------------- reading
+#: the deepest nesting of JSON containers a header may hold (a saved cache needs about a dozen)
+MAX_DEPTH = 64
+#: the most dimensions a stored tensor reference may declare
+MAX_DIMS = 8
+
+
 def read(path: str | Path, device: str | torch.device | None = None) -> tuple[dict[str, Any], Any]:
     """The header and the tree :func:`write` stored, tensors on ``device`` (default: CPU).
+
+    The header is untrusted: before any tensor is built it is checked to be JSON of bounded depth
+    without NaN or infinite numbers, and every tensor reference to name a stored tensor, to declare
+    a shape of non-negative sizes (an empty reference: no elements), and, for a view, strides that
+    neither repeat an element nor reach beyond the stored tensor. The distinct views of one stored
+    tensor declare at most as many bytes as it holds times the number of layers in the file (only
+    positions that several layers hold once are stored so). Nothing is allocated from a declared shape.
 
     Raises
     ------
     CacheFileError
-        The file is missing, truncated, not a saved cache, of another format version, or a tensor's
-        bytes do not match its checksum.
+        The file is missing, truncated, not a saved cache, of another format version, its header is
+        malformed, or a tensor's bytes do not match its checksum.
     """
     from safetensors import safe_open
 
     path = Path(path)
+    where = str(path)
     if not path.is_file():
-        raise CacheFileError(f"no saved cache at {str(path)!r} (not a file)")
+        raise CacheFileError(f"no saved cache at {where!r} (not a file)")
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with safe_open(where, framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
             names = list(f.keys())
             tensors = {name: f.get_tensor(name) for name in names}
@@ -183,60 +197,166 @@ def read(path: str | Path, device: str | torch.device | None = None) -> tuple[di
         raise
     except Exception as exc:  # safetensors' own errors: truncated, bad header, bad offsets
         raise CacheFileError(
-            f"{str(path)!r} is not a readable saved cache (truncated or corrupted safetensors file): "
+            f"{where!r} is not a readable saved cache (truncated or corrupted safetensors file): "
             f"{type(exc).__name__}: {exc}"
         ) from None
     if _META_KEY not in meta:
         raise CacheFileError(
-            f"{str(path)!r} is a safetensors file but not a saved kvpolicy cache (no {_META_KEY!r} metadata)"
+            f"{where!r} is a safetensors file but not a saved kvpolicy cache (no {_META_KEY!r} metadata)"
         )
-    try:
-        header = json.loads(meta[_META_KEY])
-    except json.JSONDecodeError as exc:
-        raise CacheFileError(f"{str(path)!r}: the cache's JSON header is corrupted ({exc})") from None
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise CacheFileError(f"{str(path)!r}: header format is not {FORMAT!r}")
+    header = _parse(meta[_META_KEY], where)
+    if header.get("format") != FORMAT:
+        raise CacheFileError(f"{where!r}: header format is not {FORMAT!r}")
     if header.get("version") != VERSION:
         raise CacheFileError(
-            f"{str(path)!r}: format version {header.get('version')!r} is not supported; this kvpolicy reads "
+            f"{where!r}: format version {header.get('version')!r} is not supported; this kvpolicy reads "
             f"version {VERSION} (save the cache again with the kvpolicy that will load it)"
         )
     checksums = header.get("checksums")
     if not isinstance(checksums, dict) or set(checksums) != set(tensors):
-        raise CacheFileError(f"{str(path)!r}: the tensors in the file do not match the header's list")
+        raise CacheFileError(f"{where!r}: the tensors in the file do not match the header's list")
     for name, t in tensors.items():
         if _sha256(t) != checksums[name]:
-            raise CacheFileError(f"{str(path)!r}: tensor {name!r} is corrupted (its sha256 does not match the header)")
+            raise CacheFileError(f"{where!r}: tensor {name!r} is corrupted (its sha256 does not match the header)")
+    tree = header.get("tree")
+    layers = tree.get("layers") if isinstance(tree, dict) else None
+    _check_references(tree, tensors, where, max(1, len(layers) if isinstance(layers, list) else 1))
     device = torch.device("cpu" if device is None else device)
     tensors = {name: t.to(device) for name, t in tensors.items()}
+    return header, _rebuild(tree, tensors, device)
+
+
+def _parse(text: str, where: str) -> dict[str, Any]:
+    """The JSON header, refused unless it is an object of bounded depth with finite numbers only."""
+
+    def no_constant(name: str) -> float:
+        raise ValueError(f"{name} is not a number a saved cache holds")
+
+    def finite_float(literal: str) -> float:
+        value = float(literal)
+        if not math.isfinite(value):
+            raise ValueError(f"{literal[:40]} overflows a float")
+        return value
+
     try:
-        tree = _rebuild(header.get("tree"), tensors, str(path), device)
-    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-        raise CacheFileError(f"{str(path)!r}: malformed tensor reference in the header ({exc})") from None
-    return header, tree
+        header = json.loads(text, parse_constant=no_constant, parse_float=finite_float)
+    except RecursionError:
+        raise CacheFileError(f"{where!r}: the cache's JSON header nests deeper than {MAX_DEPTH} levels") from None
+    except ValueError as exc:  # json's own errors, and the refusals above
+        raise CacheFileError(f"{where!r}: the cache's JSON header is corrupted ({exc})") from None
+    if not isinstance(header, dict):
+        raise CacheFileError(f"{where!r}: the cache's JSON header is a {type(header).__name__}, not an object")
+    stack = [(header, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise CacheFileError(f"{where!r}: the cache's JSON header nests deeper than {MAX_DEPTH} levels")
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return header
 
 
-def _rebuild(node: Any, tensors: dict[str, torch.Tensor], where: str, device: torch.device) -> Any:
+def _references(node: Any) -> list[dict[str, Any]]:
+    """Every tensor reference (a mapping with a ``"$tensor"`` key) in ``node``."""
+    out, stack = [], [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if "$tensor" in item:
+                out.append(item)
+            else:
+                stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return out
+
+
+def _ints(value: Any, what: str, where: str, lo: int) -> list[int]:
+    bad = not isinstance(value, list) or len(value) > MAX_DIMS
+    bad = bad or any(isinstance(v, bool) or not isinstance(v, int) or v < lo for v in value)
+    if bad:
+        raise CacheFileError(
+            f"{where!r}: a tensor reference's {what} {value!r:.80} is not a list of at most {MAX_DIMS} integers >= {lo}"
+        )
+    return value
+
+
+def _check_references(tree: Any, tensors: dict[str, torch.Tensor], where: str, shares: int) -> None:
+    """Refuse a tensor reference that could build anything but a view of stored bytes (see :func:`read`)."""
+    declared: dict[str, set[tuple]] = {}
+    for ref in _references(tree):
+        name = ref["$tensor"]
+        if name is None:  # an empty tensor, rebuilt from its shape and dtype
+            if set(ref) != {"$tensor", "shape", "dtype"}:
+                raise CacheFileError(f"{where!r}: an empty tensor reference has keys {sorted(ref)}")
+            shape = _ints(ref["shape"], "shape", where, 0)
+            if math.prod(shape):
+                raise CacheFileError(
+                    f"{where!r}: an empty tensor reference declares shape {shape} ({math.prod(shape)} elements)"
+                )
+            if not isinstance(ref["dtype"], str):
+                raise CacheFileError(f"{where!r}: an empty tensor reference's dtype is not a name")
+            dtype_of(ref["dtype"], "an empty tensor's dtype")
+            continue
+        if not isinstance(name, str) or name not in tensors:
+            raise CacheFileError(f"{where!r}: the header refers to tensor {name!r:.40}, which the file does not hold")
+        if set(ref) == {"$tensor"}:
+            declared.setdefault(name, set()).add(("whole",))
+            continue
+        if set(ref) != {"$tensor", "offset", "shape", "stride"}:
+            raise CacheFileError(f"{where!r}: a reference to tensor {name!r} has keys {sorted(ref)}")
+        shape = _ints(ref["shape"], "shape", where, 0)
+        stride = _ints(ref["stride"], "stride", where, 0)
+        offset = ref["offset"]
+        base = tensors[name]
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0 or len(stride) != len(shape):
+            raise CacheFileError(f"{where!r}: a view of tensor {name!r} has offset {offset!r:.40} and strides {stride}")
+        if base.dim() != 1:
+            raise CacheFileError(f"{where!r}: a view of tensor {name!r}, which is not one-dimensional")
+        if math.prod(shape):
+            _check_strides(shape, stride, name, where)
+            end = offset + sum((s - 1) * st for s, st in zip(shape, stride, strict=True)) + 1
+            if end > base.numel():
+                raise CacheFileError(f"{where!r}: a view of tensor {name!r} reaches beyond it (corrupted header)")
+        declared.setdefault(name, set()).add((offset, tuple(shape), tuple(stride)))
+    for name, views in declared.items():
+        base = tensors[name]
+        total = sum(base.numel() if view == ("whole",) else math.prod(view[1]) for view in views)
+        if total > base.numel() * shares:
+            raise CacheFileError(
+                f"{where!r}: the views of tensor {name!r} declare {total} elements, more than its {base.numel()} "
+                f"times the file's {shares} layer(s)"
+            )
+
+
+def _check_strides(shape: list[int], stride: list[int], name: str, where: str) -> None:
+    """Refuse strides under which two indices of a view read the same element (a zero stride, or overlap)."""
+    extent = 1  # elements spanned by the dimensions of smaller stride
+    for size, st in sorted(((s, st) for s, st in zip(shape, stride, strict=True) if s > 1), key=lambda p: p[1]):
+        if st < extent:
+            raise CacheFileError(
+                f"{where!r}: a view of tensor {name!r} with shape {shape} and strides {stride} reads some elements "
+                "more than once (a zero or overlapping stride)"
+            )
+        extent = st * (size - 1) + extent
+
+
+def _rebuild(node: Any, tensors: dict[str, torch.Tensor], device: torch.device) -> Any:
     if isinstance(node, dict):
         if "$tensor" in node:
-            return _tensor(node, tensors, where, device)
-        return {k: _rebuild(v, tensors, where, device) for k, v in node.items()}
+            return _tensor(node, tensors, device)
+        return {k: _rebuild(v, tensors, device) for k, v in node.items()}
     if isinstance(node, list):
-        return [_rebuild(v, tensors, where, device) for v in node]
+        return [_rebuild(v, tensors, device) for v in node]
     return node
 
 
-def _tensor(ref: dict[str, Any], tensors: dict[str, torch.Tensor], where: str, device: torch.device) -> torch.Tensor:
+def _tensor(ref: dict[str, Any], tensors: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The tensor a reference :func:`_check_references` accepted names."""
     name = ref["$tensor"]
     if name is None:
         return torch.empty(ref["shape"], dtype=dtype_of(ref["dtype"]), device=device)
-    if name not in tensors:
-        raise CacheFileError(f"{where!r}: the header refers to tensor {name!r}, which the file does not hold")
     base = tensors[name]
     if "offset" not in ref:
         return base
-    shape, stride, offset = ref["shape"], ref["stride"], ref["offset"]
-    end = offset + sum((s - 1) * st for s, st in zip(shape, stride, strict=True)) + 1 if math.prod(shape) else offset
-    if base.dim() != 1 or offset < 0 or end > base.numel():
-        raise CacheFileError(f"{where!r}: a view of tensor {name!r} reaches beyond it (corrupted header)")
-    return base.as_strided(shape, stride, offset)
+    return base.as_strided(ref["shape"], ref["stride"], ref["offset"])

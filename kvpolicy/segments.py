@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
+from kvpolicy import state_check
 from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.backends.base import Backend
 from kvpolicy.memory import LayerBytes
 from kvpolicy.policies.base import Policy, PolicyState
-from kvpolicy.positions import POSITION_DTYPE, PositionBook, check_length, storage_bytes
+from kvpolicy.positions import MAX_POSITION, POSITION_DTYPE, PositionBook, check_length, storage_bytes
 from kvpolicy.transforms import Transform
 from kvpolicy.transforms import wrap as wrap_store
 
@@ -313,29 +314,49 @@ class LayerSegments:
             )  # fmt: skip
         return out
 
+    #: the entries :meth:`state_dict` writes (the first three always, the rest when compressing)
+    STATE_KEYS = ("length", "keys", "values", "full_pos", "pending", "scored", "state", "store")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output into these started, empty segments, checking that its
-        parts agree (positions, counts, the policy's own state); ``ValueError`` names what does not."""
-        keys, values = state["keys"], state["values"]
-        self.keys, self.values, self.length = keys, values, int(state["length"])
+        """Restore :meth:`state_dict`'s output into these started, empty segments (started with the
+        saved keys' shape and dtype).
+
+        ``state`` is untrusted: every part is checked before it is kept, and ``ValueError`` names what
+        is wrong. Checked: the policy's state (:meth:`PolicyState.load_state_dict`), the store's
+        (:meth:`DemotedStore.load_state_dict` and :meth:`DemotedStore.validate`), and that the parts
+        agree: the full-precision positions are ascending and as many as the full-precision tokens;
+        every position, full-precision or demoted, is in ``[0, length)`` and held once per row; kept
+        tokens account for the whole length; the policy's length and full-precision set are the layer's.
+        """
+        keys, values = state_check.layer_tokens(state["keys"], state["values"])
+        length = state_check.integer(state["length"], "length", 0, MAX_POSITION)
+        self.keys, self.values, self.length = keys, values, length
         if not self.compressing:
-            if keys.shape[2] != self.length:
-                raise ValueError(f"layer {self.layer_idx}: {keys.shape[2]} tokens held for length {self.length}")
+            if keys.shape[2] != length:
+                raise ValueError(f"{keys.shape[2]} tokens held for length {length}")
             return
+        rows = keys.shape[1] if self.policy.per_head else 1
+        full = keys.shape[2]
+        self.full_pos = state_check.tensor(state["full_pos"], "full-precision positions", POSITION_DTYPE, (rows, full))
+        self.pending = state_check.integer(state["pending"], "pending", 0, full)
+        self.scored = state_check.flag(state["scored"], "scored")
+        if self.policy.needs_scores and not self.scored:  # save() refuses such a layer (settle raises)
+            raise ValueError(f"scored=false: policy {self.policy.name!r} saved without the scores of its last forward")
         self.state.load_state_dict(state["state"])
         self.store.load_state_dict(state["store"])
-        self.full_pos = state["full_pos"]
-        self.pending, self.scored = int(state["pending"]), bool(state["scored"])
-        rows = keys.shape[1] if self.policy.per_head else 1
-        full = self.full_pos.shape[1]
-        stored = len(self.store) if self.action.keeps_demoted else 0
+        self.store.validate(keys, values)
+        demoted = state_check.tensor(self.store.positions, "demoted positions", POSITION_DTYPE, (rows, None))
+        stored = demoted.shape[1]
+        if not self.action.keeps_demoted and stored:
+            raise ValueError(f"an evicting store holds {stored} positions")
         problems = []
-        if self.full_pos.dtype != POSITION_DTYPE or self.full_pos.shape[0] != rows or full != keys.shape[2]:
-            problems.append(f"full-precision positions {tuple(self.full_pos.shape)} for keys {tuple(keys.shape)}")
-        if self.action.keeps_demoted and full + stored != self.length:
-            problems.append(f"{full} full-precision + {stored} demoted tokens for length {self.length}")
-        if self.state.length != self.length - self.pending:
-            problems.append(f"policy length {self.state.length}, layer length {self.length} - {self.pending} pending")
+        if self.full_pos.numel() and bool((self.full_pos[:, 1:] <= self.full_pos[:, :-1]).any()):
+            problems.append("the full-precision positions are not ascending")
+        state_check.positions(torch.cat([self.full_pos, demoted], dim=1), "positions", length)
+        if self.action.keeps_demoted and full + stored != length:
+            problems.append(f"{full} full-precision + {stored} demoted tokens for length {length}")
+        if self.state.length != length - self.pending:
+            problems.append(f"policy length {self.state.length}, layer length {length} - {self.pending} pending")
         else:
             told = torch.as_tensor(self.state.full_positions(), dtype=torch.long).cpu()
             told = told if self.policy.per_head else told.reshape(1, -1)
@@ -343,7 +364,24 @@ class LayerSegments:
             if tuple(told.shape) != tuple(mine.shape) or not torch.equal(told, mine):
                 problems.append("the policy's full-precision positions differ from the layer's")
         if problems:
-            raise ValueError(f"layer {self.layer_idx}: the saved parts disagree: {'; '.join(problems)}")
+            raise ValueError(f"the saved parts disagree: {'; '.join(problems)}")
+
+
+def awaits_first_block(store: Any) -> bool:
+    """Whether a stream inside ``store`` still takes a statistic from the first block it receives (a
+    centred codebook stream, ``key_centre=True``, holding nothing yet): how the first demotion is
+    batched then changes what is stored, so :class:`LayerSegments` demotes it in one piece and at the
+    time it always did (the call after a multi-token append), never split or in chunks."""
+    todo = [store]
+    while todo:
+        obj = todo.pop()
+        if hasattr(obj, "centre") and hasattr(obj, "q"):  # a QuantizedStream
+            if obj.centre and obj.q is None:
+                return True
+            continue
+        todo.extend(getattr(obj, "middles", ()))
+        todo.extend(child for name in ("inner", "bottom", "k", "v") if (child := getattr(obj, name, None)) is not None)
+    return False
 
 
 def take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

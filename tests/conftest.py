@@ -15,11 +15,17 @@ os.environ.setdefault("KVPOLICY_DISABLE_PLUGIN_AUTOLOAD", "1")
 
 # Hypothesis profiles. Tests that set their own ``max_examples`` keep it; the profile sizes the rest,
 # above all the stateful fuzzing of tests/test_fuzz_stateful.py (one run per combination):
-# "ci" (default) a few short runs, well under a minute for that file on 2 cores;
-# "deep" many long ones, for local runs: ``pytest --hypothesis-profile=deep`` (or HYPOTHESIS_PROFILE=deep).
+# "ci" (default) a few short runs, well under a minute for that file on 2 cores. Deterministic: the
+# examples are derived from each test (``derandomize``) and no example database is read or written, so
+# every run of the suite, here or on a fresh clone, draws the same examples and gives the same outcome.
+# "deep" many long ones with fresh random examples each run, saved to the local .hypothesis database,
+# for exploration: ``pytest --hypothesis-profile=deep`` (or HYPOTHESIS_PROFILE=deep). A failure it
+# finds goes on the test as an explicit ``@example``, which every profile then runs.
 # No deadline: model steps vary with the load of the machine.
-settings.register_profile("ci", max_examples=3, stateful_step_count=10, deadline=None)
-settings.register_profile("deep", max_examples=200, stateful_step_count=50, deadline=None)
+settings.register_profile(
+    "ci", max_examples=3, stateful_step_count=10, deadline=None, derandomize=True, database=None, print_blob=True
+)
+settings.register_profile("deep", max_examples=200, stateful_step_count=50, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 FAMILIES = ("llama", "qwen2", "phi3", "mistral")

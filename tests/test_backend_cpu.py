@@ -128,13 +128,14 @@ def test_attend_reads_wide_metadata(meta_dtype, kb, vb):
     torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("fit", ["minmax", "mse"])
 @pytest.mark.parametrize("axis", ["channel", "token"])
-def test_large_values_with_default_metadata_raise(axis):
+def test_large_values_with_default_metadata_raise(axis, fit):
     """The cpu backend quantizes like torch: float32 beyond float16's range raises, never stores inf."""
     from kvpolicy.errors import MetadataOverflowError
 
     with pytest.raises(MetadataOverflowError, match=r"backend 'cpu'.*float16 metadata.*meta_dtype='float32'"):
-        backend().quantize(torch.randn(1, 2, 32, 64) * 1e5, 2, 32, axis)
+        backend().quantize(torch.randn(1, 2, 32, 64) * 1e5, 2, 32, axis, fit=fit)
 
 
 def test_two_segments_merge_to_the_whole():

@@ -533,10 +533,11 @@ def check_bound_meta(x: torch.Tensor, bits: int, g: int, axis: str, meta_dtype: 
 @pytest.mark.parametrize("magnitude", [1e5, 1e6])
 @pytest.mark.parametrize("axis", ["channel", "token"])  # keys' default axis, values' default axis
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_large_values_raise_with_default_float16_metadata(magnitude, axis, dtype):
+@pytest.mark.parametrize("fit", ["minmax", "mse"])
+def test_large_values_raise_with_default_float16_metadata(magnitude, axis, dtype, fit):
     x = large((1, 2, 16, 64), magnitude, seed=int(magnitude) % 97, dtype=dtype)
     with pytest.raises(MetadataOverflowError) as ei:
-        BACKEND.quantize(x, 2, 16, axis)
+        BACKEND.quantize(x, 2, 16, axis, fit=fit)
     msg = str(ei.value)
     assert "backend 'torch'" in msg and str(dtype).removeprefix("torch.") in msg
     assert "float16 metadata" in msg and "65504" in msg

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,10 @@ import torch
 import kvpolicy.bench.decode
 import kvpolicy.eval.models
 import kvpolicy.eval.runner
+from kvpolicy import registry
+from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.cli import main
+from kvpolicy.hookspecs import hookimpl
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 
@@ -111,6 +115,91 @@ def test_ablate_docs_that_is_a_directory(tmp_path, capsys):
     assert "argument --docs:" in line and "existing directory" in line
 
 
+@pytest.fixture
+def unwritable(tmp_path):
+    """A directory where creating a file really fails: a read-only one (when the permission bits bind
+    this user), else ``/sys`` (which refuses new files even to root); skipped where neither works."""
+    locked = tmp_path / "read-only"
+    locked.mkdir()
+    locked.chmod(0o555)
+    candidates = [locked, Path("/sys")]
+    try:
+        for directory in candidates:
+            try:
+                (directory / "probe").touch()
+            except OSError:
+                yield directory
+                return
+            (directory / "probe").unlink()
+        pytest.skip("no directory here refuses new files to this user")
+    finally:
+        locked.chmod(0o755)
+
+
+TUNE = ["tune", "--budget-bits", "3", "--model", "tiny-llama"]
+
+#: every output flag of every command: (arguments before it, the flag, the name written under the directory)
+OUTPUT_FLAGS = [
+    ([*ABLATE, "--out", "{ok}/run"], "--out", "run"),
+    ([*ABLATE, "--out", "{ok}/run"], "--docs", "results.md"),
+    ([*ABLATE, "--out", "{ok}/run"], "--frontier-doc", "frontier.md"),
+    ([*TUNE, "--runs", "{ok}/runs"], "--out", "preset.toml"),
+    ([*TUNE, "--out", "{ok}/preset.toml"], "--runs", "runs"),
+    (["analyze", "attention", "--model", "tiny-llama"], "--out", "attention"),
+    (["analyze", "rotation", "--model", "tiny-llama"], "--json", "rotation.json"),
+    (["bench", "decode", "--model", "tiny-llama"], "--out", "bench"),
+]
+
+
+@pytest.mark.parametrize(("before", "flag", "name"), OUTPUT_FLAGS, ids=lambda v: v if isinstance(v, str) else None)
+def test_every_output_flag_is_checked_before_any_work(tmp_path, unwritable, capsys, before, flag, name):
+    target = unwritable / name
+    argv = [a.replace("{ok}", str(tmp_path)) for a in before]
+    line = _fail([*argv, flag, str(target)], capsys)
+    assert f"argument {flag}:" in line and str(target) in line
+    assert "cannot" in line or "not writable" in line
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [([*ABLATE, "--out", "{ok}/run", "--docs"], "--docs"), ([*TUNE, "--out"], "--out"),
+     (["analyze", "rotation", "--json"], "--json")],
+)  # fmt: skip
+def test_an_existing_file_that_cannot_be_written_is_refused(tmp_path, a_file, capsys, monkeypatch, argv, flag):
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(a_file) else real_access(p, mode))
+    line = _fail([*(a.replace("{ok}", str(tmp_path)) for a in argv), str(a_file)], capsys)
+    assert f"argument {flag}:" in line and str(a_file) in line and "a file this user cannot write to" in line
+    assert a_file.read_text() == "x"
+
+
+def test_the_default_runs_directory_of_tune_is_checked(tmp_path, capsys):
+    (tmp_path / "preset-runs").write_text("not a directory")
+    line = _fail([*TUNE, "--out", str(tmp_path / "preset.toml")], capsys)
+    assert "--runs (default: next to --out)" in line and str(tmp_path / "preset-runs") in line
+    assert "existing file, not a directory" in line
+
+
+@pytest.mark.parametrize(("flag", "images"), [("--docs", "img/results"), ("--frontier-doc", "img/frontier")])
+def test_the_images_directory_of_a_page_is_checked(tmp_path, capsys, flag, images):
+    (tmp_path / "docs" / images).parent.mkdir(parents=True)
+    (tmp_path / "docs" / images).write_text("not a directory")
+    line = _fail([*ABLATE, "--out", str(tmp_path / "run"), flag, str(tmp_path / "docs" / "page.md")], capsys)
+    assert f"{flag} " in line and "images directory" in line and str(tmp_path / "docs" / images) in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_write_check_leaves_nothing_behind(tmp_path):
+    from kvpolicy.commands._types import out_dir, out_file
+
+    (tmp_path / "page.md").write_text("kept")
+    assert out_dir(str(tmp_path / "new" / "run")) == tmp_path / "new" / "run"
+    assert out_file(str(tmp_path / "page.md")) == tmp_path / "page.md"
+    assert out_dir(str(tmp_path)) == tmp_path
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["page.md"]
+    assert (tmp_path / "page.md").read_text() == "kept"
+
+
 @pytest.mark.parametrize(
     ("flag", "value", "allowed"),
     [
@@ -150,6 +239,49 @@ def test_bench_decode_bad_flag_values(tmp_path, capsys, flag, value, allowed):
 def test_bench_backends_bad_flag_values(capsys, flag, value, allowed):
     line = _fail(["bench", "backends", flag, value], capsys)
     assert f"argument {flag}:" in line and repr(value) in line and allowed in line
+
+
+@pytest.mark.parametrize(
+    ("extra", "dim"),
+    [([], "tokens of --shape 1,8,4096,128 (tokens=4096"), (["--axis", "token", "--shape", "1,1,8,96"], "head_dim")],
+)
+def test_bench_backends_group_size_that_does_not_split_the_shape(capsys, extra, dim):
+    line = _fail(["bench", "backends", "--group-size", "7", *extra], capsys)
+    assert line.startswith("kvpolicy bench backends: error: --group-size 7 does not divide the ")
+    assert dim in line and "use a divisor of" in line
+
+
+class _Refuses(TorchBackend):
+    """A backend whose library refuses, when quantizing, what its capabilities accept."""
+
+    name = "test-refuses"
+
+    def quantize(self, x, bits, group_size, axis, **kwargs):
+        raise ValueError(f"Group size ({group_size}) must be a divisor of (128)\nmore detail")
+
+
+class _RefusingPlugin:
+    @hookimpl
+    def kvpolicy_register_backends(self):
+        return {"test-refuses": _Refuses}
+
+
+def test_bench_backends_reports_a_backend_that_refuses_when_quantizing(capsys):
+    plugin = _RefusingPlugin()
+    registry.register(plugin, name="test-refusing-backend")
+    try:
+        status = main(["bench", "backends", "--shape", "1,1,16,64", "--group-size", "16", "--repeats", "1",
+                       "--backends", "torch,test-refuses"])  # fmt: skip
+    finally:
+        registry.unregister(plugin)
+    captured = capsys.readouterr()
+    assert status == 0 and "Traceback" not in captured.err
+    rows = [line.split()[0] for line in captured.out.splitlines()[2:] if not line.startswith("skipped")]
+    assert rows == ["clone", "torch"]
+    assert (
+        "skipped test-refuses: backend 'test-refuses' refused bits=2 group_size=16 axis='channel' on shape "
+        "(1, 1, 16, 64) torch.float16: ValueError: Group size (16) must be a divisor of (128)\n"
+    ) in captured.out
 
 
 @pytest.mark.parametrize(

@@ -310,6 +310,46 @@ def test_non_finite_and_overflowing_inputs_raise():
     assert wide.layers[0].store.inner.k.q.scales.dtype == torch.float32
 
 
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_float16_vectors_whose_scale_passes_65504_are_refused(bits, backend, cpu_kernel):
+    """A float16 vector of equal coordinates near 65504 scales by ``a / c`` (``c`` the centroid nearest 1:
+    0.756 at 3 bits, 0.942 at 4), past float16's range: refused, not stored as an infinite scale, by the
+    module's function and by both backends; bfloat16 or float32 metadata stores it."""
+    from kvpolicy.backends.cpu_backend import CpuBackend
+
+    x = torch.randn(1, 2, 4, 64, generator=torch.Generator().manual_seed(21)).to(torch.float16)
+    x[0, 1, 2] = 65504.0
+    be = TorchBackend() if backend == "torch" else CpuBackend()
+    with pytest.raises(MetadataOverflowError, match=r"^backend 'torch': quantizing finite float16 values .*6\.55e\+04"):
+        codebook.quantize(x, bits, torch.float16)
+    with pytest.raises(
+        MetadataOverflowError, match=rf"^backend '{backend}': .*meta_dtype='float32' or meta_dtype='bfloat16'"
+    ):
+        be.quantize(x, bits, None, "token", scheme="codebook")
+    for meta in ("bfloat16", "float32"):
+        q = be.quantize(x, bits, None, "token", scheme="codebook", meta_dtype=meta)
+        back = be.dequantize(q).float()
+        assert bool(torch.isfinite(q.scales).all()) and float(back[0, 1, 2].min()) > 0.5 * 65504
+
+
+def test_float16_vectors_whose_scale_fits_are_kept():
+    """At 2 bits the centroid nearest 1 is 1.510: the same vector scales to 43,360 and is stored."""
+    x = torch.full((1, 1, 2, 64), 65504.0, dtype=torch.float16)
+    q = codebook.quantize(x, 2, torch.float16)
+    assert bool(torch.isfinite(q.scales).all()) and float(q.scales.float().max()) == pytest.approx(43360, rel=1e-3)
+
+
+def test_a_float16_centre_that_doubles_the_offset_is_refused():
+    """Vectors minus a centre can reach twice float16's range: their scale is checked with float16
+    input too."""
+    x = torch.full((1, 1, 2, 64), 40000.0, dtype=torch.float16)
+    x[..., ::2] = -40000.0
+    centre = torch.full((1, 1, 1, 64), -60000.0, dtype=torch.float16)
+    with pytest.raises(MetadataOverflowError, match=r"non-finite scales in float16 metadata"):
+        codebook.quantize(x, 3, torch.float16, centre=centre)
+
+
 # ------------------------------------------------------------------ centred blocks (key_centre)
 
 

@@ -1,5 +1,6 @@
-"""The ``cpu`` backend's compiled-kernel cache: private directories, the sha256 record checked before every
-load, and a bounded wait for another build's lock file.
+"""The ``cpu`` backend's compiled-kernel cache: private directories (and safe directories above them), the
+sha256 record checked before every load on the very bytes imported, and a bounded wait for another build's
+lock file.
 
 Compiling takes tens of seconds, so these tests replace the compiler step (``compile_extension``) with a
 copy of the kernel the session fixture built: everything around it (directories, records, the lock,
@@ -48,9 +49,14 @@ class Kernel:
         self.name = cpu_attention.extension_name(cpu_attention.SOURCE.read_text())
         self.library = cpu_attention.library_path(self.name)
         self.builds = 0
-        #: (path, sha256 at the moment of import) of every import
-        self.imported: list[tuple[Path, str]] = []
+        #: sha256 of what each import read, at the moment of import
+        self.imported: list[str] = []
+        #: the path each import was given
+        self.import_paths: list[Path] = []
+        #: called just before each import, after the hash (a test's swap goes here)
+        self.before_import = lambda: None
         real_import = cpu_attention._import_module
+        monkeypatch.setattr(cpu_attention, "loaded_from", cpu_attention.loaded_from)
 
         def compile_extension(name: str, source: str, staging: Path) -> Path:
             self.builds += 1
@@ -60,7 +66,9 @@ class Kernel:
             return built
 
         def spy(name: str, library: Path):
-            self.imported.append((library, sha256(library)))
+            self.before_import()
+            self.import_paths.append(library)
+            self.imported.append(sha256(library))
             return real_import(name, library)
 
         monkeypatch.setattr(cpu_attention, "compile_extension", compile_extension)
@@ -82,13 +90,15 @@ class Kernel:
 
 @pytest.fixture
 def kernel(monkeypatch, tmp_path, cpu_kernel) -> Kernel:
-    return Kernel(monkeypatch, tmp_path, Path(cpu_kernel.__file__))
+    assert callable(cpu_kernel.attend) and cpu_attention.loaded_from is not None
+    return Kernel(monkeypatch, tmp_path, cpu_attention.loaded_from)
 
 
 def test_build_creates_private_directories_and_records_the_object(kernel):
     module = kernel.load()
     assert kernel.builds == 1 and callable(module.attend)
-    assert kernel.imported == [(kernel.library, kernel.good_sha)]
+    assert kernel.imported == [kernel.good_sha] and kernel.import_paths != [kernel.library]
+    assert cpu_attention.loaded_from == kernel.library and mode(kernel.library) == 0o600
     for directory in (kernel.cache, kernel.cache / "extensions", kernel.library.parent):
         assert mode(directory) == 0o700, directory
     assert kernel.record.is_relative_to(kernel.state) and not kernel.record.is_relative_to(kernel.cache)
@@ -107,7 +117,7 @@ def test_unrecorded_object_is_rebuilt_never_loaded(kernel):
     kernel.load()
     assert not (kernel.library.parent / ".staging-killed").exists()
     assert kernel.builds == 1
-    assert kernel.imported == [(kernel.library, kernel.good_sha)]
+    assert kernel.imported == [kernel.good_sha]
     assert sha256(kernel.library) == kernel.good_sha
 
 
@@ -118,7 +128,7 @@ def test_changed_object_is_rebuilt_with_a_warning(kernel):
     with pytest.warns(RuntimeWarning, match="does not match the sha256 recorded"):
         kernel.load()
     assert kernel.builds == 2
-    assert all(digest == kernel.good_sha for _, digest in kernel.imported)
+    assert kernel.imported == [kernel.good_sha] * 2
     assert sha256(kernel.library) == kernel.good_sha
 
 
@@ -160,7 +170,10 @@ def test_cache_directory_owned_by_another_user_is_refused(kernel, monkeypatch):
         owner = me
     with pytest.raises(ConfigError, match=f"owned by uid {owner}, not by you") as info:
         kernel.load()
-    assert str(kernel.cache if me != 0 else kernel.library.parent) in str(info.value)
+    # as root the build directory is someone else's; otherwise the first directory found owned by the
+    # real user (the cache's parent, checked before the cache) is not "ours" any more
+    expected = [kernel.library.parent] if me == 0 else [kernel.cache, *kernel.cache.parents]
+    assert any(f"refusing to use {d} " in str(info.value) or f" {d} on the way" in str(info.value) for d in expected)
     assert kernel.builds == 0 and kernel.imported == []
 
 
@@ -216,7 +229,7 @@ def test_waiter_loads_what_the_lock_holder_built(kernel, monkeypatch):
         kernel.load()
     finally:
         timer.join()
-    assert kernel.builds == 0 and kernel.imported == [(kernel.library, kernel.good_sha)]
+    assert kernel.builds == 0 and kernel.imported == [kernel.good_sha]
 
 
 def test_lock_is_released_when_the_build_fails(kernel, monkeypatch):
@@ -240,3 +253,138 @@ def test_lock_timeout_must_be_seconds(monkeypatch, value):
     assert cpu_attention.lock_timeout() == 2.5
     monkeypatch.delenv(cpu_attention.LOCK_TIMEOUT_ENV)
     assert cpu_attention.lock_timeout() == cpu_attention.DEFAULT_LOCK_TIMEOUT
+
+
+# ------------------------------------------------------------------ what is hashed is what is imported
+@pytest.mark.parametrize("via", ["memfd", "private copy"])
+def test_object_swapped_between_hash_and_import_is_never_imported(kernel, monkeypatch, via):
+    """The swap happens after the object was read and hashed, just before the import: what is imported
+    is still the verified bytes (a sealed memory file, or a private copy), never the planted object."""
+    if via == "memfd" and not cpu_attention._memfd_available():
+        pytest.skip("no memfd_create / /proc here")
+    if via == "private copy":
+        monkeypatch.setattr(cpu_attention, "_memfd_available", lambda: False)
+    kernel.load()
+    planted = kernel.good.read_bytes() + b"planted"
+    build_dir = kernel.library.parent
+
+    def swap() -> None:
+        if via == "memfd":  # the reported attack: the whole build directory replaced by another
+            build_dir.rename(build_dir.with_name(build_dir.name + "-moved"))
+            build_dir.mkdir(mode=0o700)
+            kernel.library.write_bytes(planted)
+        else:  # the copy lives in the build directory: swap the object itself
+            swapped = build_dir / "swapped.so"
+            swapped.write_bytes(planted)
+            os.replace(swapped, kernel.library)
+
+    kernel.before_import = swap
+    module = kernel.load()
+    assert callable(module.attend)
+    assert sha256(kernel.library) == hashlib.sha256(planted).hexdigest()  # the swap did happen
+    assert kernel.imported == [kernel.good_sha, kernel.good_sha] and kernel.builds == 1
+    assert kernel.library not in kernel.import_paths
+    if via == "private copy":
+        assert kernel.import_paths[-1].parent.parent == build_dir
+        assert not kernel.import_paths[-1].exists()  # the copy is removed after the import
+    assert not list(build_dir.glob(".load-*"))
+
+
+def test_symbolic_link_at_the_object_path_is_never_followed(kernel):
+    """A link to an object with the right digest is not loaded either: the object is opened without
+    following links. The build replaces the link; import_verified refuses it outright."""
+    kernel.load()
+    elsewhere = kernel.cache / "elsewhere.so"
+    shutil.copyfile(kernel.good, elsewhere)
+    kernel.library.unlink()
+    kernel.library.symlink_to(elsewhere)
+    with pytest.raises(ConfigError, match=r"refusing to read .* it is a symbolic link"):
+        cpu_attention.import_verified(kernel.name, kernel.library, kernel.record)
+    with pytest.warns(RuntimeWarning, match="symbolic link"):
+        kernel.load()
+    assert kernel.builds == 2 and not kernel.library.is_symlink()
+    assert kernel.imported == [kernel.good_sha] * 2
+
+
+def test_fifo_at_the_object_path_is_refused_at_once(kernel):
+    kernel.load()
+    kernel.library.unlink()
+    os.mkfifo(kernel.library)
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=r"it is a FIFO; only a regular file is used"):
+        cpu_attention.import_verified(kernel.name, kernel.library, kernel.record)
+    assert time.monotonic() - t0 < 5  # not waiting for a writer
+    with pytest.warns(RuntimeWarning, match="FIFO"):
+        kernel.load()
+    assert kernel.builds == 2 and kernel.library.is_file()
+
+
+def test_object_writable_by_others_is_not_imported(kernel):
+    kernel.load()
+    kernel.library.chmod(0o666)
+    with pytest.raises(ConfigError, match=r"mode 0o666 lets its group or others write to it"):
+        cpu_attention.import_verified(kernel.name, kernel.library, kernel.record)
+    with pytest.warns(RuntimeWarning, match="0o666"):
+        kernel.load()
+    assert kernel.builds == 2 and mode(kernel.library) == 0o600
+
+
+# ------------------------------------------------------------------ the directories above the cache
+def _use(monkeypatch, kernel: Kernel, cache: Path, state: Path | None = None) -> None:
+    monkeypatch.setenv("KVPOLICY_CACHE_DIR", str(cache))
+    if state is not None:
+        monkeypatch.setenv("KVPOLICY_STATE_DIR", str(state))
+    kernel.cache = cache
+    kernel.library = cpu_attention.library_path(kernel.name)
+
+
+@pytest.mark.parametrize("perm", [0o775, 0o777, 0o757])
+def test_writable_directory_above_the_cache_is_refused(kernel, monkeypatch, tmp_path, perm):
+    team = tmp_path / "team"
+    team.mkdir()
+    team.chmod(perm)
+    _use(monkeypatch, kernel, team / "me" / "kvpolicy")
+    with pytest.raises(ConfigError, match="on the way to it has mode") as info:
+        kernel.load()
+    message = str(info.value)
+    assert f"refusing to use {kernel.cache} " in message and f"{team} on the way to it has mode {perm:#o}" in message
+    assert "sticky" in message and kernel.builds == 0 and kernel.imported == []
+
+
+def test_writable_directory_above_the_state_directory_is_refused(kernel, monkeypatch, tmp_path):
+    team = tmp_path / "team"
+    team.mkdir()
+    team.chmod(0o770)
+    _use(monkeypatch, kernel, tmp_path / "cache", team / "state")
+    with pytest.raises(ConfigError, match=f"{team} on the way to it has mode 0o770"):
+        kernel.load()
+    assert kernel.imported == []
+
+
+def test_sticky_directory_above_the_cache_is_allowed(kernel, monkeypatch, tmp_path):
+    """Like /tmp: others may add entries there but not rename or remove ours."""
+    shared = tmp_path / "shared-tmp"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    _use(monkeypatch, kernel, shared / "kvpolicy")
+    kernel.load()
+    assert kernel.builds == 1 and kernel.imported == [kernel.good_sha]
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to give files away")
+def test_directory_or_link_above_the_cache_owned_by_another_user_is_refused(kernel, monkeypatch, tmp_path):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, 65534, 65534)
+    _use(monkeypatch, kernel, theirs / "kvpolicy")
+    with pytest.raises(ConfigError, match=r"theirs on the way to it is owned by uid 65534 \(only root or you"):
+        kernel.load()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    os.lchown(link, 65534, 65534)
+    _use(monkeypatch, kernel, link / "kvpolicy")
+    with pytest.raises(ConfigError, match=r"link on the way to it is a symbolic link owned by uid 65534"):
+        kernel.load()
+    assert kernel.builds == 0 and kernel.imported == []

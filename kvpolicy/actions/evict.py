@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from kvpolicy import state_check
 from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.backends.base import Backend
 from kvpolicy.positions import POSITION_DTYPE
@@ -52,8 +53,9 @@ class EvictedStore(DemotedStore):
         return {"positions": self.positions, "evicted": self.evicted}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.positions = state["positions"]
-        self.evicted = int(state["evicted"])
+        state_check.entries(state, "evicted store", ("positions", "evicted"))
+        self.positions = state_check.tensor(state["positions"], "evicted store positions", POSITION_DTYPE, (None, 0))
+        self.evicted = state_check.integer(state["evicted"], "evicted")
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         return None

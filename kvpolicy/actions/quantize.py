@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from kvpolicy import state_check
 from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.backends.base import AXES, FITS, META_DTYPES, SCHEMES, Backend, QTensor, check_metadata, widen_remedy
 from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
@@ -554,15 +555,62 @@ class QuantizedStream:
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state_check.entries(state, "stream", ("bits", "group_size", "axis", "q", "staging"), ("scheme",))
         saved = (state["bits"], state["group_size"], state["axis"], state.get("scheme", DEFAULT_SCHEME))
         mine = (self.bits, self.group_size, self.axis, self.scheme)
-        if saved != mine:
+        if saved != mine or any(type(a) is not type(b) for a, b in zip(saved, mine, strict=True)):
             raise ValueError(
-                f"a stream saved with (bits, group_size, axis, scheme)={saved} cannot load into one configured with "
-                f"{mine}"
+                f"a stream saved with (bits, group_size, axis, scheme)={saved!r:.80} cannot load into one configured "
+                f"with {mine}"
             )
-        self.q = None if state["q"] is None else self.backend.load_block(state["q"])
-        self.staging = state["staging"]
+        block = state["q"]
+        self.q = None if block is None else self.backend.load_block(state_check.entries(block, "block", block))
+        self.staging = None if state["staging"] is None else state_check.tensor(state["staging"], "staging")
+
+    def validate(self, like: torch.Tensor) -> None:
+        """Raise ``ValueError`` unless the restored block and staging buffer fit a layer whose
+        full-precision tensors are shaped like ``like`` (``(batch, kv_heads, n, head_dim)``): the same
+        batch, heads, head dim and dtype, metadata of the dtypes and layout this stream's own
+        quantization gives, finite metadata, and a staging buffer holding less than one group."""
+        b, h, _, d = like.shape
+        if self.q is not None:
+            q = self.q
+            reference = self._reference_block(like)
+            if type(q) is not type(reference) or q.bits != reference.bits:
+                raise ValueError(f"block: a {type(q).__name__} of {q.bits} bits where this stream holds {reference}")
+            if (q.shape[0], q.shape[1], q.shape[3]) != (b, h, d) or q.dtype != like.dtype:
+                raise ValueError(
+                    f"block of shape {tuple(q.shape)} and dtype {q.dtype} in a layer of {(b, h, '*', d)} {like.dtype}"
+                )
+            mine, theirs = reference.tensors(), q.tensors()
+            if set(mine) != set(theirs) or any(mine[r].dtype != theirs[r].dtype for r in mine):
+                got = {r: str(t.dtype) for r, t in theirs.items()}
+                want = {r: str(t.dtype) for r, t in mine.items()}
+                raise ValueError(f"block tensors {got}; this stream's quantization gives {want}")
+            for role, t in theirs.items():
+                state_check.finite(t, f"block {role}")
+        if self.staging is not None:
+            most = 1 if self.axis == "token" else self.group_size
+            state_check.tensor(self.staging, "staging", like.dtype, (b, h, None, d))
+            if self.axis == "token" or self.staging.shape[2] >= most:
+                raise ValueError(
+                    f"staging holds {self.staging.shape[2]} tokens; a {self.axis}-grouped stream stages fewer than "
+                    f"{most if self.axis == 'channel' else 1}"
+                )
+
+    def _reference_block(self, like: torch.Tensor) -> QTensor:
+        """What quantizing one group of zeros shaped like ``like`` gives (the block type, bits and metadata dtypes)."""
+        b, h, _, d = like.shape
+        zeros = like.new_zeros((b, h, self.group_size if self.axis == "channel" else 1, d))
+        held, self.q = self.q, None
+        try:
+            return self._quantize(zeros)
+        finally:
+            self.q = held
+
+    @property
+    def num_staged(self) -> int:
+        return 0 if self.staging is None else self.staging.shape[2]
 
 
 class QuantizedStore(DemotedStore):
@@ -676,6 +724,17 @@ class QuantizedStore(DemotedStore):
         return {"keys": self.k.state_dict(), "values": self.v.state_dict(), "positions": self.positions}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state_check.entries(state, "store", ("keys", "values", "positions"))
         self.k.load_state_dict(state["keys"])
         self.v.load_state_dict(state["values"])
-        self.positions = state["positions"]
+        self.positions = state_check.tensor(state["positions"], "store positions", POSITION_DTYPE, (None, None))
+
+    def validate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        for name, stream, like in (("keys", self.k, keys), ("values", self.v, values)):
+            try:
+                stream.validate(like)
+            except ValueError as exc:
+                raise ValueError(f"the {name} stream: {exc}") from None
+            held = stream.num_quantized + stream.num_staged
+            if held != len(self):
+                raise ValueError(f"the {name} stream holds {held} tokens for {len(self)} positions")

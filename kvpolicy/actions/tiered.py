@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kvpolicy import state_check
 from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.actions.quantize import Quantize, QuantizedStore
 from kvpolicy.backends.base import Backend, QTensor
@@ -295,15 +296,38 @@ class TieredStore(DemotedStore):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if len(state["middles"]) != len(self.middles):
-            saved, mine = len(state["middles"]) + 1, len(self.middles) + 1
-            raise ValueError(f"a store saved with {saved} tiers cannot load into one with {mine}")
-        for tier, saved in zip(self.middles, state["middles"], strict=True):
+        state_check.entries(state, "tiered store", ("middles", "bottom", "keep"))
+        for name, want in (("middles", len(self.middles)), ("keep", len(self.states))):
+            if not isinstance(state[name], list) or len(state[name]) != want:
+                got = len(state[name]) if isinstance(state[name], list) else type(state[name]).__name__
+                raise ValueError(f"tiered store: {name} holds {got} entries; this action has {want}")
+        for i, (tier, saved) in enumerate(zip(self.middles, state["middles"], strict=True)):
+            state_check.entries(saved, f"tier {i}", ("store", "arrival"))
             tier.inner.load_state_dict(saved["store"])
-            tier.arrival = saved["arrival"]
+            tier.arrival = state_check.tensor(saved["arrival"], f"tier {i} arrivals", POSITION_DTYPE, (None,))
         self.bottom.load_state_dict(state["bottom"])
         for keeper, saved in zip(self.states, state["keep"], strict=True):
             keeper.load_state_dict(saved)
+
+    def validate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Each tier fits the layer, a middle tier stages nothing and holds exactly the arrivals its
+        keep policy keeps, and every tier's positions have the same rows."""
+        for i, (tier, keeper) in enumerate(zip(self.middles, self.states, strict=True)):
+            try:
+                tier.inner.validate(keys, values)
+            except ValueError as exc:
+                raise ValueError(f"tier {i}: {exc}") from None
+            if tier.inner.k.staging is not None or tier.inner.v.staging is not None:
+                raise ValueError(f"tier {i} stages tokens; only the last tier does")
+            kept = torch.as_tensor(keeper.full_positions(), dtype=POSITION_DTYPE)
+            if not torch.equal(tier.arrival.cpu(), kept):
+                raise ValueError(f"tier {i} holds arrivals other than those its keep policy keeps")
+        try:
+            self.bottom.validate(keys, values)
+        except ValueError as exc:
+            raise ValueError(f"the last tier: {exc}") from None
+        if len({p.shape[0] for p in self.tier_positions()}) != 1:
+            raise ValueError("the tiers' positions have different numbers of rows")
 
     def __len__(self) -> int:
         return sum(len(t.inner) for t in self.middles) + len(self.bottom)

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpolicy import state_check
 from kvpolicy.backends.base import QTensor, check_metadata, metadata_may_overflow, widen_remedy
 from kvpolicy.errors import ConfigError
 
@@ -169,6 +170,19 @@ class CodebookTensor(QTensor):
         )  # fmt: skip
 
 
+def scales_may_overflow(dtype: torch.dtype, mdtype: torch.dtype) -> bool:
+    """Whether finite vectors of ``dtype`` can give scales (or a centre) beyond the range of ``mdtype``.
+
+    Always with float16 metadata: a scale ``‖x − μ‖ / ‖C[codes]‖`` can exceed the largest coordinate
+    (a vector of equal coordinates ``a`` scales by ``a / |c|``, ``c`` the centroid nearest 1: 0.7560 at
+    3 bits, 0.9424 at 4), and ``x − μ`` can double it, so float16 vectors near ±65504 overflow float16
+    scales. Otherwise where :func:`~kvpolicy.backends.base.metadata_may_overflow` says so: with
+    bfloat16 or float32 metadata only vectors within a small factor of float32's maximum overflow
+    (their norm overflows float32 itself), which are left to ``Quantize(check_finite=True)``.
+    """
+    return mdtype == torch.float16 or metadata_may_overflow(dtype, mdtype)
+
+
 def quantize(x: torch.Tensor, bits: int, mdtype: torch.dtype, backend: str = "torch",
              remedy: Callable[[torch.dtype], str] | None = None,
              centre: torch.Tensor | None = None) -> CodebookTensor:  # fmt: skip
@@ -195,7 +209,8 @@ def quantize(x: torch.Tensor, bits: int, mdtype: torch.dtype, backend: str = "to
     Raises
     ------
     MetadataOverflowError
-        If a finite vector's scale does not fit ``mdtype``.
+        If a finite vector's scale, or the centre, does not fit ``mdtype``; checked wherever it can
+        (:func:`scales_may_overflow`: always with float16 metadata, float16 input included).
     """
     from kvpolicy.backends.torch_backend import pack
 
@@ -218,7 +233,7 @@ def quantize(x: torch.Tensor, bits: int, mdtype: torch.dtype, backend: str = "to
     codes = torch.bucketize(u, edges, right=True).to(torch.uint8)
     recon_norm = torch.linalg.vector_norm(table[codes.long()], dim=-1)
     scales = (norm / recon_norm).to(mdtype)  # recon_norm > 0: no centroid is 0 at an even level count
-    if metadata_may_overflow(x.dtype, mdtype):
+    if scales_may_overflow(x.dtype, mdtype):
         why = remedy(mdtype) if remedy is not None else widen_remedy(mdtype, ("float32",))
         meta = {"scales": scales} if centre is None else {"scales": scales, "centre": centre}
         check_metadata(backend, x, meta, why)
@@ -303,15 +318,15 @@ def state(q: CodebookTensor) -> dict:
 
 def from_state(saved: dict) -> CodebookTensor:
     """The block :func:`state` described, its tensor shapes checked."""
-    layout = saved.get("layout")
-    if layout not in LAYOUTS:
-        raise ValueError(f"block layout {layout!r} is not one of {list(LAYOUTS)}")
-    bits = int(saved["bits"])
-    b, h, n, d = (int(x) for x in saved["shape"])
-    dtype = getattr(torch, saved["dtype"])
-    if bits not in CODEBOOK_BITS or not isinstance(dtype, torch.dtype):
-        raise ValueError(f"bad codebook block description (bits={bits}, dtype={saved['dtype']!r})")
-    codes, scales = saved["codes"], saved["scales"]
+    state_check.entries(saved, "codebook block", ("layout", "codes", "scales", "bits", "shape", "dtype"), ("centre",))
+    layout = state_check.choice(saved["layout"], "block layout", LAYOUTS)
+    bits = state_check.choice(saved["bits"], "codebook block bits", CODEBOOK_BITS)
+    b, h, n, d = state_check.shape4(saved["shape"], "a block's shape")
+    dtype = state_check.float_dtype(saved["dtype"], "a block's dtype")
+    if d * bits % 8:
+        raise ValueError(f"a codebook block of head_dim {d} at {bits} bits does not fill whole bytes")
+    codes = state_check.tensor(saved["codes"], "block codes")
+    scales = state_check.tensor(saved["scales"], "block scales")
     if tuple(codes.shape) != (b, h, n, d * bits // 8) or tuple(scales.shape) != (b, h, n):
         raise ValueError(
             f"codebook block tensors have shapes codes {tuple(codes.shape)}, scales {tuple(scales.shape)}; a block "
@@ -319,6 +334,8 @@ def from_state(saved: dict) -> CodebookTensor:
         )
     if codes.dtype != torch.uint8:
         raise ValueError(f"block codes must be uint8; got {codes.dtype}")
+    if layout == "codebook-v1" and "centre" in saved:
+        raise ValueError("a codebook-v1 block has no centre (codebook-v2 blocks do)")
     centre = saved.get("centre") if layout == "codebook-v2" else None
     if layout == "codebook-v2" and (not isinstance(centre, torch.Tensor) or tuple(centre.shape) != (b, h, 1, d)):
         got = tuple(centre.shape) if isinstance(centre, torch.Tensor) else type(centre).__name__

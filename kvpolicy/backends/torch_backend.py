@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpolicy import state_check
 from kvpolicy.backends import codebook
 from kvpolicy.backends.base import (
     AXES,
@@ -122,15 +123,24 @@ def packed_state(q: QTensor) -> dict:
 
 def packed_from_state(state: dict) -> PackedTensor:
     """The :class:`PackedTensor` :func:`packed_state` described, its tensor shapes checked."""
-    if state.get("layout") != "packed-v1":
-        raise ValueError(f"block layout {state.get('layout')!r} is not 'packed-v1'")
-    bits, group, axis = int(state["bits"]), int(state["group_size"]), state["axis"]
-    b, h, n, d = (int(x) for x in state["shape"])
-    dtype = getattr(torch, state["dtype"])
-    if axis not in AXES or not isinstance(dtype, torch.dtype) or bits < 1 or group < 1:
-        raise ValueError(f"bad block description (bits={bits}, group_size={group}, axis={axis!r})")
+    state_check.entries(
+        state, "packed block", ("layout", "codes", "scales", "zeros", "bits", "group_size", "axis", "shape", "dtype")
+    )
+    if state["layout"] != "packed-v1":
+        raise ValueError(f"block layout {state['layout']!r:.40} is not 'packed-v1'")
+    bits = state_check.choice(state["bits"], "block bits", (1, 2, 3, 4, 8))
+    group = state_check.integer(state["group_size"], "block group_size", 1)
+    if group * bits % 8:
+        raise ValueError(f"a block of {bits}-bit codes in groups of {group} does not fill whole bytes")
+    axis = state_check.choice(state["axis"], "block axis", AXES)
+    b, h, n, d = state_check.shape4(state["shape"], "a block's shape")
+    dtype = state_check.float_dtype(state["dtype"], "a block's dtype")
+    if (d if axis == "token" else n) % group:
+        raise ValueError(f"a {axis}-grouped block of shape {(b, h, n, d)} does not split into groups of {group}")
     lead = (b, h, n, d // group) if axis == "token" else (b, h, n // group, d)
-    codes, scales, zeros = state["codes"], state["scales"], state["zeros"]
+    codes = state_check.tensor(state["codes"], "block codes")
+    scales = state_check.tensor(state["scales"], "block scales", tuple(META_TORCH_DTYPES.values()))
+    zeros = state_check.tensor(state["zeros"], "block zeros", scales.dtype)
     expected = (*lead, group * bits // 8)
     if tuple(codes.shape) != expected or tuple(scales.shape) != lead or tuple(zeros.shape) != lead:
         raise ValueError(
@@ -170,12 +180,32 @@ def resolve_meta_dtype(option: str, dtype: torch.dtype) -> torch.dtype:
     return META_TORCH_DTYPES[option]
 
 
-def metadata_check(backend: Backend, x: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
-    """:func:`~kvpolicy.backends.base.check_metadata` of a freshly quantized ``PackedTensor``'s
-    metadata, run only where finite ``x`` can overflow it (no cost, no synchronisation otherwise)."""
+def metadata_check(backend: Backend | str, x: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+    """:func:`~kvpolicy.backends.base.check_metadata` of freshly quantized min-max metadata, run only
+    where finite ``x`` can overflow it (:func:`~kvpolicy.backends.base.metadata_may_overflow`; no cost,
+    no synchronisation otherwise).
+
+    Parameters
+    ----------
+    backend : Backend or str
+        The backend the error names; its ``capabilities.meta_dtypes`` are the remedies offered (a name
+        alone: every ``meta_dtype`` of :data:`~kvpolicy.backends.base.META_DTYPES`).
+    x : torch.Tensor
+        The input just quantized, any shape.
+    scales, zeros : torch.Tensor
+        Its groups' scales and minimums, in the metadata dtype.
+
+    Raises
+    ------
+    MetadataOverflowError
+        If finite ``x`` gave a non-finite scale or minimum.
+    """
     if metadata_may_overflow(x.dtype, scales.dtype):
-        remedy = widen_remedy(scales.dtype, backend.capabilities.meta_dtypes)
-        check_metadata(backend.name, x, {"scales": scales, "zeros": zeros}, remedy)
+        if isinstance(backend, str):
+            name, offered = backend, META_DTYPES
+        else:
+            name, offered = backend.name, backend.capabilities.meta_dtypes
+        check_metadata(name, x, {"scales": scales, "zeros": zeros}, widen_remedy(scales.dtype, offered))
 
 
 def _round_down(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -246,7 +276,7 @@ MSE_ROUNDS = 4
 
 
 def quantize_groups(
-    g: torch.Tensor, bits: int, mdtype: torch.dtype, fit: str = "minmax"
+    g: torch.Tensor, bits: int, mdtype: torch.dtype, fit: str = "minmax", *, backend: Backend | str = "torch"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric quantization of the last dimension of ``g`` on a uniform grid of ``2**bits`` points.
 
@@ -256,22 +286,61 @@ def quantize_groups(
     whichever of the two stores the smaller squared error (computed in float32 from the stored
     metadata), so a fitted group never holds more error than its min-max grid would.
 
+    Metadata range: a group whose min-max grid does not fit ``mdtype`` (its minimum, rounded down, below
+    ``-finfo(mdtype).max``, or its scale ``(max - min) / (2**bits - 1)``, rounded up, above
+    ``finfo(mdtype).max``; e.g. float32 groups reaching about ±65504 with float16 metadata) is refused
+    with :class:`~kvpolicy.errors.MetadataOverflowError`, whichever ``fit``, rather than returned as
+    ``inf`` metadata: the check the built-in backends' ``quantize`` runs (:func:`metadata_check`). It
+    runs where finite input can overflow ``mdtype`` (``mdtype`` holds smaller magnitudes than
+    ``g.dtype``: one reduction over the metadata and one host synchronisation); elsewhere the metadata
+    holds every group (float16 input: ``(max - min) / 3 <= 43669``) except groups within a factor of
+    about 2 of float32's maximum (``max - min`` overflows float32 itself), which are left to the caller
+    (a cache's ``Quantize(check_finite=True)`` checks them). Non-finite ``g`` is not refused: its
+    groups come back with non-finite metadata.
+
+    Parameters
+    ----------
+    g : torch.Tensor
+        ``(..., n)`` floating point: groups of ``n`` elements on the last dimension.
+    bits : int
+        Code width, 2 to 8.
+    mdtype : torch.dtype
+        The floating-point dtype scales and minimums are stored in.
+    fit : {"minmax", "mse"}
+        How each group's range is chosen (:data:`~kvpolicy.backends.base.FITS`).
+    backend : Backend or str
+        The backend an overflow error names (and whose ``meta_dtypes`` its remedy offers).
+
     Returns
     -------
     codes : torch.Tensor
         ``uint8`` codes in ``[0, 2**bits - 1]``, same shape as ``g``.
     scales, zeros : torch.Tensor
         ``g.shape[:-1]`` in ``mdtype``.
+
+    Raises
+    ------
+    ConfigError
+        If ``bits``, ``mdtype`` or ``fit`` is not one allowed.
+    MetadataOverflowError
+        If finite ``g`` has a group whose min-max grid does not fit ``mdtype`` (see above).
     """
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
+        raise ConfigError(f"quantize_groups: bits must be an integer from 2 to 8 (uint8 codes); got bits={bits!r}")
+    if not isinstance(mdtype, torch.dtype) or not mdtype.is_floating_point:
+        raise ConfigError(f"quantize_groups: mdtype must be a floating-point torch.dtype; got mdtype={mdtype!r}")
+    if fit not in FITS:
+        raise ConfigError(f"quantize_groups: fit must be one of {list(FITS)}; got fit={fit!r}")
     qmax = (1 << bits) - 1
     gf = g.float()
     lo = gf.amin(dim=-1)
     hi = gf.amax(dim=-1)
     codes, scales, zeros = _encode(gf, lo, hi, qmax, mdtype)
+    # the min-max grid is refused or kept before any fitting: a fitted grid is chosen only where its
+    # (finite) error is below the min-max grid's, so what passes here comes back finite either way
+    metadata_check(backend, g, scales, zeros)
     if fit == "minmax":
         return codes, scales, zeros
-    if fit != "mse":
-        raise ConfigError(f"quantize: fit must be one of {list(FITS)}; got fit={fit!r}")
     lo_f, step_f = fit_range(gf, lo, (hi - lo) / qmax, qmax, MSE_ROUNDS)
     codes_f, scales_f, zeros_f = _encode(gf, lo_f, lo_f + qmax * step_f, qmax, mdtype)
     better = _squared_error(gf, codes_f, scales_f, zeros_f) < _squared_error(gf, codes, scales, zeros)
@@ -351,12 +420,11 @@ def quantize_packed(
     backend: Backend, x: torch.Tensor, bits: int, group_size: int, axis: str, mdt: torch.dtype, fit: str
 ) -> PackedTensor:
     """Min-max groups of ``x`` (:func:`quantize_groups`) packed into a :class:`PackedTensor`, their
-    metadata in ``mdt`` checked for overflow in the name of ``backend`` (:func:`metadata_check`): the
-    ``torch`` backend's ``quantize``, and any backend storing its format that runs this code (``triton``
-    for ``fit="mse"``)."""
+    metadata in ``mdt`` checked for overflow in the name of ``backend`` (by :func:`quantize_groups`): the
+    ``torch`` backend's ``quantize``, and any backend storing its format that runs this code (``cpu``;
+    ``triton`` for ``fit="mse"``)."""
     shape = tuple(x.shape)
-    codes, scales, zeros = quantize_groups(_grouped(x, group_size, axis), bits, mdt, fit)
-    metadata_check(backend, x, scales, zeros)
+    codes, scales, zeros = quantize_groups(_grouped(x, group_size, axis), bits, mdt, fit, backend=backend)
     # contiguous storage: unpacking a transposed (per-channel) view is markedly slower on CPU
     packed = pack(codes, bits).contiguous()
     return PackedTensor(packed, scales.contiguous(), zeros.contiguous(), bits, group_size, axis, shape, x.dtype)  # type: ignore[arg-type]

@@ -69,9 +69,30 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
     return timed
 
 
-def _available(names: list[str], x: torch.Tensor, args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
-    """Backends that can run this configuration, and why each other one is skipped."""
-    ready, skipped = {}, {}
+def _check_grouping(args: argparse.Namespace) -> None:
+    """Refuse a ``--group-size`` that does not split the grouped dimension of ``--shape`` into whole groups.
+
+    No backend can quantize such a tensor (``axis="token"`` groups the ``head_dim`` channels of each
+    token, ``axis="channel"`` the tokens of each channel), so the run stops before any backend is built.
+    """
+    tokens, head_dim = args.shape[2], args.shape[3]
+    dim, size = ("head_dim", head_dim) if args.axis == "token" else ("tokens", tokens)
+    if size % args.group_size:
+        divisors = [g for g in (128, 64, 32, 16, 8, 4) if size % g == 0]
+        hint = f"a divisor of {size} such as {divisors[0]}" if divisors else f"a divisor of {size}"
+        shape = ",".join(str(d) for d in args.shape)
+        raise ConfigError(
+            f"--group-size {args.group_size} does not divide the {dim} of --shape {shape} ({dim}={size}; --axis "
+            f"{args.axis} groups the {dim} {'of each token' if args.axis == 'token' else 'of each channel'}); "
+            f"use {hint}, or another --shape"
+        )
+
+
+def _available(names: list[str], x: torch.Tensor, args: argparse.Namespace) -> tuple[dict, dict, dict[str, str]]:
+    """Backends that can run this configuration with their first blocks of ``x``, and why each other one is
+    skipped: refused by its capabilities, or by its library when quantizing (a refusal a backend's
+    capabilities do not describe is reported the same way, with the library's message)."""
+    ready, blocks, skipped = {}, {}, {}
     for name in names:
         try:
             be = registry.get("backends", name)()
@@ -80,18 +101,27 @@ def _available(names: list[str], x: torch.Tensor, args: argparse.Namespace) -> t
         except ConfigError as exc:  # includes a missing optional package
             skipped[name] = str(exc)
             continue
+        try:
+            blocks[name] = be.quantize(x, args.bits, args.group_size, args.axis)
+        except (ValueError, RuntimeError, NotImplementedError) as exc:
+            text = str(exc).strip().splitlines()
+            skipped[name] = (
+                f"backend {name!r} refused bits={args.bits} group_size={args.group_size} axis={args.axis!r} on "
+                f"shape {tuple(x.shape)} {x.dtype}: {type(exc).__name__}: {text[0] if text else ''}"
+            )
+            continue
         ready[name] = be
-    return ready, skipped
+    return ready, blocks, skipped
 
 
 def run(args: argparse.Namespace) -> int:
     shape = args.shape
+    _check_grouping(args)
     device = torch.device(args.device)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=_DTYPES[args.dtype])
     names = [n for n in args.backends.split(",") if n] or registry.names("backends")
-    backends, skipped = _available(names, x, args)
+    backends, blocks, skipped = _available(names, x, args)
     timed = _timer(device)
-    blocks = {name: be.quantize(x, args.bits, args.group_size, args.axis) for name, be in backends.items()}
     for name, be in backends.items():  # warm-up: lazy compilation, caches, allocator
         be.dequantize(blocks[name])
     times: dict[str, list[float]] = {"clone": []}

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from kvpolicy.commands._types import (
+    check_output,
     device_name,
     int_list,
     non_negative_int,
@@ -95,16 +96,17 @@ def _run(args: argparse.Namespace) -> int:
 
     executor = make_executor(args.executor, args.address, args.cpus_per_cell, args.gpus_per_cell, args.threads)
     grid = grid_from_dict(_build_config(args))
+    _check_pages(args)
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     runner = Runner(grid, args.out, progress=not args.no_progress, executor=executor, shard=args.shard)
-    if args.report_only:
+    if args.report_only:  # reads OUT and rewrites only its report, so it may run beside a run in progress
         runner.report()
         failed = 0
     else:
-        failed = runner.run()
+        failed = runner.run()  # holds OUT's lock while it writes (kvpolicy.eval.lock)
     _write_docs(args)
     return 1 if failed else 0
 
@@ -122,10 +124,22 @@ def _merge(args: argparse.Namespace) -> int:
         raise ConfigError(f"--merge combines finished shard directories; it cannot be used with {', '.join(others)}")
     from kvpolicy.eval.merge import merge_runs, write_report
 
-    merge_runs(args.out, args.merge)
+    _check_pages(args)
+    merge_runs(args.out, args.merge)  # holds --out's lock while it reads and writes it (kvpolicy.eval.lock)
     write_report(args.out)
     _write_docs(args)
     return 0
+
+
+def _check_pages(args: argparse.Namespace) -> None:
+    """Refuse, before any work, a ``--docs`` or ``--frontier-doc`` page whose images directory cannot be
+    written (the pages themselves are checked when the flags are parsed)."""
+    from kvpolicy.eval import docs_report, frontier_report
+
+    for flag, page, images in (("--docs", args.docs, docs_report.IMAGE_DIR),
+                               ("--frontier-doc", args.frontier_doc, frontier_report.IMAGE_DIR)):  # fmt: skip
+        if page is not None:
+            check_output(f"{flag} {str(page)!r}: its images directory", page.parent / images, "directory")
 
 
 def _write_docs(args: argparse.Namespace) -> None:
@@ -213,4 +227,4 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="instead of running, merge these shard run directories into --out (same grid required; "
                    "each cell once) and write its report")  # fmt: skip
     p.add_argument("--command-line", help=argparse.SUPPRESS)
-    p.set_defaults(func=_run)
+    p.set_defaults(func=_run, resumes="out")  # kvpolicy.cli: an interrupted run resumes from OUT

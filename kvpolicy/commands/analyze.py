@@ -8,7 +8,7 @@ import dataclasses
 import os
 from typing import Any
 
-from kvpolicy.commands._types import available_device, non_negative_int, out_dir, positive_int
+from kvpolicy.commands._types import available_device, non_negative_int, out_dir, out_file, positive_int
 
 
 def _open(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -38,7 +38,6 @@ def _attention(args: argparse.Namespace) -> int:
 
 def _rotation(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from kvpolicy import registry
     from kvpolicy.eval.rotation_analysis import analyze_rotation
@@ -53,8 +52,8 @@ def _rotation(args: argparse.Namespace) -> int:
     )  # fmt: skip
     print(result.markdown())
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result.to_dict(), indent=1))
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result.to_dict(), indent=1))
     return 0
 
 
@@ -98,5 +97,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--bits", type=int, choices=(2, 3, 4, 8), default=2, help="key bits (default: 2)")
     r.add_argument("--group-size", type=positive_int, default=64, help="tokens per key group (default: 64)")
     r.add_argument("--queries", type=positive_int, default=64, help="queries after the context (default: 64)")
-    r.add_argument("--json", help="also write the result to this JSON file")
+    r.add_argument("--json", type=out_file, help="also write the result to this JSON file")
     r.set_defaults(func=_rotation)

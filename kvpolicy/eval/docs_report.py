@@ -15,6 +15,9 @@ from typing import Any
 from kvpolicy.eval.runner import current_rows, read_rows, report_rows
 from kvpolicy.eval.summary import depth_table, fmt, table
 
+#: where the page's plots go, relative to the page's directory (the links in the page use it as written)
+IMAGE_DIR = "img/results"
+
 #: (selection, quantize label, evict label)
 PAIRS = (
     ("log (W=42)", "log-2b", "log-evict"),
@@ -285,16 +288,16 @@ def write_results_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pat
     doc = Path(doc)
     config, all_rows = current_rows(run)
     ids = set(config.get("cells", []))
-    img = doc.parent / "img" / "results"
+    img = doc.parent / IMAGE_DIR
     img.mkdir(parents=True, exist_ok=True)
     pngs = {}
     for p in sorted(run.glob("*.png")):
         shutil.copy(p, img / p.name)
-        pngs[p.name] = f"img/results/{p.name}"
+        pngs[p.name] = f"{IMAGE_DIR}/{p.name}"
     for p in sorted(run.glob("attention/*/*.png")):  # one directory per model: the name gets the model's
         name = f"{p.stem}_{p.parent.name}{p.suffix}"
         shutil.copy(p, img / name)
-        pngs[name] = f"img/results/{name}"
+        pngs[name] = f"{IMAGE_DIR}/{name}"
     labels = [c["label"] for c in config["caches"]]
     done = len({r["cell"] for r in all_rows})
     failed = [r for r in report_rows(read_rows(run), ids) if r["metric"] == "error"]

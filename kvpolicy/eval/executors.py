@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ from kvpolicy.eval.caches import CacheSpec
 from kvpolicy.eval.cells import error_result
 from kvpolicy.eval.grid import Grid
 from kvpolicy.eval.plan import Group
+from kvpolicy.eval.runner import write_whole
 from kvpolicy.eval.workers import Fatal, Worker
 
 if TYPE_CHECKING:
@@ -37,6 +39,9 @@ if TYPE_CHECKING:
 
 #: ``--executor`` values
 EXECUTORS = ("local", "ray")
+
+#: seconds a cluster address gets to accept a TCP connection before the run is refused
+CONNECT_TIMEOUT_S = 5.0
 
 
 def import_ray() -> Any:
@@ -187,7 +192,38 @@ class RayExecutor:
         if self.gpus_per_cell is not None and device.type != "cuda":
             raise ConfigError(f"--gpus-per-cell {self.gpus_per_cell:g} applies to grids on cuda; device "
                               f"{grid.device!r} has its cells ask for --cpus-per-cell CPUs only")  # fmt: skip
-        import_ray()
+        self.check_address()
+
+    def check_address(self) -> None:
+        """Refuse, within seconds, a cluster address where nothing accepts connections.
+
+        ``ray.init`` would retry such an address for many minutes before giving up. The address of
+        ``--address`` (or of ``RAY_ADDRESS`` when ``--address`` is absent or ``auto``), when it is
+        ``HOST:PORT`` or ``ray://HOST:PORT``, gets one TCP connection attempt of at most
+        :data:`CONNECT_TIMEOUT_S` seconds. Nothing is probed when Ray is already initialised in this
+        process, or when Ray finds the cluster itself (``auto``, ``local``, no address).
+
+        Raises
+        ------
+        ConfigError
+            ``ray`` is not installed, or nothing answers at the address (the message names the flag or
+            variable, the address and the system's reason).
+        """
+        ray = import_ray()
+        if ray.is_initialized():
+            return
+        source, address = "--address", self.address
+        if address in (None, "auto") and os.environ.get("RAY_ADDRESS"):
+            source, address = "RAY_ADDRESS", os.environ["RAY_ADDRESS"]
+        endpoint = _endpoint(address) if address else None
+        if endpoint is None:
+            return
+        problem = _unreachable(*endpoint)
+        if problem:
+            raise ConfigError(
+                f"--executor ray: {source} {address!r}: no Ray cluster reachable at {endpoint[0]}:{endpoint[1]} "
+                f"({problem}); start one there (`ray start --head` prints its address) or give another {source}"
+            )
 
     def run(self, runner: Runner, tasks: dict[str, Any], done: set[str], bar: Any) -> None:
         """Run ``runner``'s pending cells on Ray workers, recording each result as it arrives.
@@ -282,7 +318,7 @@ class RayExecutor:
 
         models = runner.grid.models
         pool.run([_Job("plan", m, (m, memo.get(m, {}))) for m in models], done, failed)
-        (runner.out / "sizing.json").write_text(json.dumps(memo, indent=1))
+        write_whole(runner.out / "sizing.json", json.dumps(memo, indent=1))
         for m in models:  # in grid order, as the in-process runner lists them
             runner.sizings.extend(sizings[m])
         return {m: plans[m] for m in models}
@@ -335,6 +371,32 @@ class RayExecutor:
             runner.errors += missed
             runner.log(f"warning: every Ray worker died; {missed} cell(s) not run, counted as failed (they run "
                        "next time)")  # fmt: skip
+
+
+def _endpoint(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a ``HOST:PORT`` or ``ray://HOST:PORT`` address (IPv6 hosts in brackets), else
+    ``None`` (``auto``, ``local``, another scheme, no port: left to Ray)."""
+    inner = address[len("ray://") :] if address.startswith("ray://") else address
+    if "://" in inner:
+        return None
+    host, sep, port = inner.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host, int(port)
+
+
+def _unreachable(host: str, port: int) -> str | None:
+    """Why a TCP connection to ``host:port`` fails within :data:`CONNECT_TIMEOUT_S` seconds, or ``None``."""
+    try:
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
+            return None
+    except socket.gaierror as exc:
+        return f"host {host!r} not found: {exc.strerror}"
+    except TimeoutError:
+        return f"no answer within {CONNECT_TIMEOUT_S:g} s"
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
 
 
 @dataclass(frozen=True)

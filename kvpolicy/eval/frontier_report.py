@@ -21,6 +21,9 @@ from kvpolicy.eval.plots import _pyplot, _save
 from kvpolicy.eval.runner import current_rows, read_rows, report_rows
 from kvpolicy.eval.summary import fmt
 
+#: where the page's plots go, relative to the page's directory (the links in the page use it as written)
+IMAGE_DIR = "img/frontier"
+
 #: the quality metrics of the table, in order: (task, metric)
 COLUMNS = (
     ("lm", "delta_nll"), ("lm", "kl"), ("lm", "top1"), ("passkey", "accuracy"), ("greedy", "identical"),
@@ -376,7 +379,7 @@ def write_frontier_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pa
     run, doc = Path(run_dir), Path(doc)
     config, rows = current_rows(run)
     failed = [r for r in report_rows(read_rows(run), set(config.get("cells", []))) if r["metric"] == "error"]
-    img = doc.parent / "img" / "frontier"
+    img = doc.parent / IMAGE_DIR
     img.mkdir(parents=True, exist_ok=True)
     lm = config["tasks"].get("lm", {})
     greedy = config["tasks"].get("greedy", {})
@@ -466,7 +469,7 @@ def write_frontier_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pa
                     by_message.setdefault(message[:200], []).append(f"`{cache}`")
                 parts += ["Refused on this model (the error their cells recorded): "
                           + "; ".join(f"{', '.join(c)}: {m}" for m, c in by_message.items()), ""]  # fmt: skip
-            parts += [f"![bits per element vs KL at {context}](img/frontier/{png.name})", ""]
+            parts += [f"![bits per element vs KL at {context}]({IMAGE_DIR}/{png.name})", ""]
             if i == 0:
                 first[context] = pts
                 parts += ["Targets:", "", *_verdicts(pts, context), ""]

@@ -16,12 +16,23 @@ import json
 import os
 import shutil
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvpolicy.errors import ConfigError
-from kvpolicy.eval.runner import CONFIG, RESULTS, SAMPLES, done_cells, read_config, report_rows, scan_rows
+from kvpolicy.eval.lock import hold_run_dir
+from kvpolicy.eval.runner import (
+    CONFIG,
+    RESULTS,
+    SAMPLES,
+    done_cells,
+    read_config,
+    report_rows,
+    scan_rows,
+    write_whole,
+)
 
 #: config keys that may differ between the shards of one grid (``batch`` changes float rounding only)
 _PER_SHARD = ("cells", "sizings", "shard", "torch", "transformers", "online", "batch")
@@ -172,8 +183,20 @@ def merge_runs(out: Path, shards: list[Path], log: Callable[[str], None] = print
     Raises
     ------
     ConfigError
-        A source holds no run, or the sources are runs of different grids.
+        A source holds no run, the sources are runs of different grids, or another process holds
+        ``out`` (:mod:`kvpolicy.eval.lock`).
     """
+    with ExitStack() as held:
+        # a run already in out is one of the sources: out is held from before it is read; a new out
+        # is held from when it is created, once the sources have been checked
+        later = None if out.is_dir() else held
+        if later is None:
+            held.enter_context(hold_run_dir(out))
+        return _merge_into(out, shards, log, later)
+
+
+def _merge_into(out: Path, shards: list[Path], log: Callable[[str], None], hold: ExitStack | None) -> dict[str, Any]:
+    """:func:`merge_runs` with ``out`` held already, or held through ``hold`` once it is created."""
     paths = list(dict.fromkeys(p.resolve() for p in shards))
     if (out / CONFIG).is_file() and out.resolve() not in paths:
         paths.append(out.resolve())
@@ -198,11 +221,13 @@ def merge_runs(out: Path, shards: list[Path], log: Callable[[str], None] = print
     except OSError as exc:
         raise ConfigError(f"run directory {str(out)!r} cannot be created ({exc.strerror}); choose another "
                           "--out") from None  # fmt: skip
+    if hold is not None:
+        hold.enter_context(hold_run_dir(out))
     _write_lines(out / RESULTS, rows)
     _write_lines(out / SAMPLES, samples)
-    (out / CONFIG).write_text(json.dumps(config, indent=2, default=repr))
+    write_whole(out / CONFIG, json.dumps(config, indent=2, default=repr))
     if memo:
-        (out / "sizing.json").write_text(json.dumps(memo, indent=1))
+        write_whole(out / "sizing.json", json.dumps(memo, indent=1))
     for source in sources:
         _copy_attention(source.path, out)
     done = sum(c in s.done for c, s in chosen.items())

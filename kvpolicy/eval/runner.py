@@ -7,6 +7,7 @@ Output (evaluation.md §4)::
     OUT/samples.jsonl   per-sample generations and scores of the generation tasks
     OUT/summary.md      tables (regenerated at the end of every run)
     OUT/*.png           quality vs bytes held; ms/token vs context
+    OUT/.kvpolicy.lock  held by the run writing OUT (:mod:`kvpolicy.eval.lock`)
 
 A cell is model × cache × context × task. Cells whose id (a hash of everything that determines the
 result) already has its rows in ``results.jsonl`` are skipped, so an interrupted run resumes where
@@ -23,9 +24,11 @@ Cells run in this process by default, or elsewhere through an executor
 Damaged run directories: a last line of ``results.jsonl`` (or ``samples.jsonl``) cut by an
 interruption is dropped before the run appends (its cell runs again); other lines that are not
 result rows are skipped with a one-line warning (the cells they belonged to run again).
-``config.json`` is rewritten by every run; only ``--report-only`` needs it, and an unreadable one
-is then a :class:`~kvpolicy.errors.ConfigError` that says how to recover. The ``sizing.json`` memo
-of ``--equal-bytes`` is recomputed when unreadable.
+``config.json`` and ``sizing.json`` are replaced whole (:func:`write_whole`), so an interruption
+leaves the old file or the new one. ``config.json`` is rewritten by every run; only
+``--report-only`` needs it, and an unreadable one is then a :class:`~kvpolicy.errors.ConfigError`
+that says how to recover. The ``sizing.json`` memo of ``--equal-bytes`` is recomputed when
+unreadable. The commands that write a run directory hold its lock (:mod:`kvpolicy.eval.lock`).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from kvpolicy.errors import ConfigError
 from kvpolicy.eval.caches import CacheSpec
 from kvpolicy.eval.cells import CellGroup, CellResult
 from kvpolicy.eval.grid import Grid, check_model_available
+from kvpolicy.eval.lock import hold_run_dir
 from kvpolicy.eval.plan import Group, Shard, equal_specs, plan_groups
 from kvpolicy.eval.tasks import Task
 
@@ -207,6 +211,24 @@ def repair_tail(path: Path) -> int:
     return len(data) - start
 
 
+def write_whole(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` in one step: an interruption leaves the old file or the new one.
+
+    The text goes to ``<name>.tmp`` beside it first, then :func:`os.replace` puts it in place.
+
+    Raises
+    ------
+    ConfigError
+        The file cannot be written (the message names it and the system's reason).
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise ConfigError(f"{path} cannot be written ({exc.strerror}); choose another --out") from None
+
+
 def read_config(out: Path) -> dict[str, Any]:
     """``out/config.json`` as written by :class:`Runner`.
 
@@ -277,7 +299,11 @@ class Runner:
 
     # ------------------------------------------------------------------ entry
     def run(self) -> int:
-        """Run every pending cell; returns the number of cells that raised."""
+        """Run every pending cell; returns the number of cells that raised.
+
+        ``OUT``'s lock is held from when the checks have passed until the report is written: a
+        :class:`~kvpolicy.errors.ConfigError` names the process when another one holds it.
+        """
         grid = self.grid
         if self.executor is None:
             for name in grid.models:  # fail fast on names before any work
@@ -293,6 +319,12 @@ class Runner:
         if self.shard is not None:
             total = self.shard.size(total)
         self._make_out()
+        with hold_run_dir(self.out):  # one run at a time writes OUT; a second is refused here, before any cell
+            self._run_cells_of(tasks, total)
+        return self.errors
+
+    def _run_cells_of(self, tasks: dict[str, Any], total: int) -> None:
+        """:meth:`run` once the checks are done and ``OUT`` is held: every pending cell, then the report."""
         # every cell the run can name before loading a model, so that a report after an interruption
         # still covers the finished cells of the groups the run did not reach (a shard numbers its
         # cells as it goes: its list grows group by group)
@@ -302,7 +334,7 @@ class Runner:
         t0 = time.perf_counter()
         try:
             if self.executor is None:
-                for model_name in grid.models:
+                for model_name in self.grid.models:
                     self.run_model(model_name, tasks, done, bar)
             else:
                 self.executor.run(self, tasks, done, bar)
@@ -312,7 +344,6 @@ class Runner:
         self.log(f"ablation: {total} cells ({self.ran} run, {self.skipped} already done), {self.errors} failed, "
                  f"{time.perf_counter() - t0:.0f} s -> {self.out}")  # fmt: skip
         self.report()
-        return self.errors
 
     def report(self) -> None:
         """Write summary.md and the plots from the rows of the current grid."""
@@ -457,10 +488,7 @@ class Runner:
             d["transformers"] = transformers.__version__
         except ImportError:  # pragma: no cover
             pass
-        try:
-            path.write_text(json.dumps(d, indent=2, default=repr))
-        except OSError as exc:
-            raise ConfigError(f"{path} cannot be written ({exc.strerror}); choose another --out") from None
+        write_whole(path, json.dumps(d, indent=2, default=repr))
 
     def _specs_for(self, model: Any, context: int, steps: int) -> list[tuple[CacheSpec, bool]]:
         """The grid's caches, plus their equal-bytes copies at ``context``."""
@@ -473,7 +501,7 @@ class Runner:
         memo_path = self.out / "sizing.json"
         memo = self.read_sizing_memo()
         specs, sizings = equal_specs(self.grid, model, context, steps, memo.setdefault(self._model_name, {}))
-        memo_path.write_text(json.dumps(memo, indent=1))
+        write_whole(memo_path, json.dumps(memo, indent=1))
         self.sizings.extend({"model": self._model_name, **row} for row in sizings)
         return specs
 

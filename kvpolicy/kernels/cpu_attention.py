@@ -16,15 +16,21 @@ missing, or a failing build, raises :class:`~kvpolicy.errors.ConfigError`.
 Loading compiled code runs it, so nothing is loaded that this user did not build:
 
 - every directory from the cache root down to the build directory is created with mode ``0o700``
-  and must be owned by the current user and not writable by group or others, else
-  :class:`~kvpolicy.errors.ConfigError` (:func:`kvpolicy.paths.private_dir`);
+  and must be owned by the current user and not writable by group or others, and every directory
+  above the cache root must be owned by root or the current user and not writable by group or
+  others unless it is sticky (like ``/tmp``), else :class:`~kvpolicy.errors.ConfigError`
+  (:func:`kvpolicy.paths.private_dir`);
 - the build runs in a fresh private staging directory, in a child process (torch's ``load_inline``
   imports what it built, and this process must not import anything unverified); the object's
   sha256 is then recorded under the user's *state* directory (``$KVPOLICY_STATE_DIR``, else
   ``~/.local/state/kvpolicy``; ``0o700`` directories, ``0o600`` file), apart from the cache, so the
   record is not in the reach of whoever could write the cache directory;
-- before every load the object is hashed and compared with that record; a missing record or a
-  mismatch rebuilds, and the import itself is only ever done on an object that was just verified.
+- before every load the object is opened once (not through a symbolic link) and checked on that
+  descriptor (a regular file, owned by the current user, not writable by group or others); its
+  bytes are read from it, hashed and compared with that record, and those very bytes are imported:
+  from a sealed anonymous memory file (``memfd_create``, through ``/proc/self/fd``) on Linux, else
+  from a private copy in a fresh ``0o700`` directory. A missing record or a mismatch rebuilds; a
+  file swapped in at the object's path after the hash is never the one imported.
 
 Builds are serialised by a lock file ``build.lock`` in the build directory; a process waits for it
 at most ``$KVPOLICY_BUILD_LOCK_TIMEOUT`` seconds (default 300) and then raises, naming the file (a
@@ -34,6 +40,7 @@ build killed hard leaves it behind).
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
 import importlib.util
 import json
 import math
@@ -54,8 +61,9 @@ from typing import Any
 
 import torch
 
+from kvpolicy import paths
 from kvpolicy.errors import ConfigError
-from kvpolicy.paths import cache_dir, check_private, private_dir, state_dir
+from kvpolicy.paths import cache_dir, private_dir, state_dir
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 #: ``-march=native``: the build is for this machine's CPU (AVX2 / AVX-512 where present: ~20 % faster
@@ -71,6 +79,8 @@ LOCK_NAME = "build.lock"
 _STAGING_PREFIX = ".staging-"
 _LOCK_POLL_SECONDS = 0.1
 _WHAT = "the cpu backend's compiled kernel"
+#: the largest compiled object read (the kernel is about 1 MB)
+MAX_LIBRARY_BYTES = 256 << 20
 #: run in a child process: build with torch (which imports the result there, not here); on failure
 #: print the error alone (torch's carries the compiler's output), without the traceback
 _BUILD_SCRIPT = """
@@ -86,6 +96,9 @@ _lock = threading.Lock()
 _module: Any = None
 #: seconds the last build (or load of an existing build) took in this process; None before
 build_seconds: float | None = None
+#: the object in the kernel cache the loaded module's bytes were read and verified from (the module
+#: itself is imported from those bytes, so its ``__file__`` names a descriptor or a removed copy)
+loaded_from: Path | None = None
 
 
 def cpu_identity() -> str:
@@ -123,9 +136,10 @@ def library_path(name: str) -> Path:
 def record_path(library: Path) -> Path:
     """Where the sha256 of ``library`` is recorded: ``<state dir>/kernels/<name>-<hash of its path>.sha256``.
 
-    One record per path, so two cache directories (``$KVPOLICY_CACHE_DIR``) each have their own.
+    One record per path, so two cache directories (``$KVPOLICY_CACHE_DIR``) each have their own. The
+    directory is resolved, not the object (what is at the object's path does not change the key).
     """
-    key = hashlib.sha256(str(Path(library).resolve()).encode()).hexdigest()[:16]
+    key = hashlib.sha256(str(Path(library).parent.resolve() / Path(library).name).encode()).hexdigest()[:16]
     return state_dir() / "kernels" / f"{Path(library).stem}-{key}.sha256"
 
 
@@ -150,12 +164,18 @@ def lock_timeout() -> float:
 
 
 def sha256_file(path: Path) -> str:
-    """The hex sha256 of the file ``path``."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    """The hex sha256 of the private file ``path``, read from one checked open (:func:`kvpolicy.paths.open_checked`).
+
+    Raises
+    ------
+    ConfigError
+        If ``path`` is a symbolic link, not a regular file, owned by another user or writable by others.
+    """
+    fd = paths.open_checked(path, _WHAT, max_size=MAX_LIBRARY_BYTES)
+    try:
+        return paths.sha256_fd(fd, MAX_LIBRARY_BYTES)
+    finally:
+        os.close(fd)
 
 
 def read_record(record: Path) -> str | None:
@@ -164,12 +184,13 @@ def read_record(record: Path) -> str | None:
     Raises
     ------
     ConfigError
-        If the record exists but is owned by another user or writable by group or others.
+        If the record exists but is a symbolic link or not a regular file, or is owned by another user
+        or writable by group or others.
     """
-    if not record.is_file():
+    text = paths.read_private_text(record, _WHAT + " (its sha256 record)")
+    if text is None:
         return None
-    check_private(record, _WHAT + " (its sha256 record)")
-    fields = record.read_text(errors="replace").split()
+    fields = text.split()
     digest = fields[0].lower() if fields else ""
     if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
         return None
@@ -181,29 +202,28 @@ def write_record(record: Path, digest: str, library: Path) -> None:
 
     The file reads like ``sha256sum`` output (``<hex>  <path>``), so ``sha256sum -c`` can check it.
     """
-    private_dir(record.parent, state_dir(), _WHAT + " (its sha256 records)")
-    fd, tmp = tempfile.mkstemp(prefix=f".{record.name}.", dir=record.parent)  # created 0o600
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(f"{digest}  {library}\n")
-        os.replace(tmp, record)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    paths.write_private_text(record, f"{digest}  {library}\n", state_dir(), _WHAT + " (its sha256 records)")
 
 
 def is_verified(library: Path, record: Path, warn: bool = True) -> bool:
     """True if ``library`` exists and its sha256 is the one recorded when this user built it.
 
-    A mismatch (the object changed since it was built) returns False like a missing record, and warns
-    if ``warn``.
+    A mismatch (the object changed since it was built), or an object that cannot be used as it is (a
+    symbolic link, not a regular file, writable by group or others), returns False like a missing
+    record, and warns if ``warn``: the kernel is then built again, replacing it. This only decides
+    whether to build; :func:`import_verified` checks again on the bytes it imports.
     """
-    if not library.is_file():
-        return False
     expected = read_record(record)
     if expected is None:
         return False
-    actual = sha256_file(library)
+    try:
+        actual = sha256_file(library)
+    except FileNotFoundError:
+        return False
+    except ConfigError as exc:
+        if warn:
+            warnings.warn(f"{exc}; not loading it, building the kernel again", RuntimeWarning, stacklevel=3)
+        return False
     if actual != expected:
         if warn:
             warnings.warn(
@@ -217,26 +237,89 @@ def is_verified(library: Path, record: Path, warn: bool = True) -> bool:
 
 
 def import_verified(name: str, library: Path, record: Path) -> Any:
-    """Hash ``library``, compare with ``record`` and only then import it as the module ``name``.
+    """Read ``library`` once, compare its sha256 with ``record`` and import those very bytes as ``name``.
+
+    ``library`` is opened once without following a symbolic link and checked on the descriptor
+    (:func:`kvpolicy.paths.open_checked`: a regular file, owned by the current user, not writable by
+    group or others); its bytes are read from that descriptor, hashed, and imported from a sealed
+    anonymous memory file (Linux) or a private copy (:func:`_import_bytes`), never from ``library``
+    again.
 
     Raises
     ------
     ConfigError
-        If there is no record or the sha256 differs (nothing is loaded then).
+        If ``library`` fails those checks, there is no record or the sha256 differs (nothing is loaded
+        then).
     """
     expected = read_record(record)
-    actual = sha256_file(library)
+    fd = paths.open_checked(library, _WHAT, max_size=MAX_LIBRARY_BYTES)
+    try:
+        data = paths.read_fd(fd, MAX_LIBRARY_BYTES)
+    finally:
+        os.close(fd)
+    actual = hashlib.sha256(data).hexdigest()
     if expected is None or actual != expected:
         raise ConfigError(
             f"refusing to load {library}: its sha256 {actual} does not match the one recorded when it was built "
             f"({expected or 'no record'} in {record}); delete {library.parent} to build it again"
         )
-    return _import_module(name, library)
+    return _import_bytes(name, data, library.parent)
+
+
+def _memfd_available() -> bool:
+    """Whether verified bytes can be imported from an anonymous memory file (Linux with ``/proc``)."""
+    return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
+
+
+def _import_bytes(name: str, data: bytes, build_dir: Path) -> Any:
+    """Import the extension module ``name`` from exactly ``data``.
+
+    On Linux the bytes go into an anonymous memory file (``memfd_create``), sealed against any
+    change, and are imported through ``/proc/self/fd/<n>``: no path anybody could swap. Elsewhere they
+    are written to ``<name>.so`` in a fresh ``0o700`` directory inside ``build_dir`` (a private
+    directory), removed after the import.
+    """
+    fd = _memfd(name, data) if _memfd_available() else None
+    if fd is not None:
+        try:
+            return _import_module(name, Path(f"/proc/self/fd/{fd}"))
+        finally:
+            os.close(fd)
+    with paths.staging_dir(build_dir) as stage:
+        copy = stage / f"{name}{LIB_EXT}"
+        with os.fdopen(os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL, paths.PRIVATE_FILE_MODE), "wb") as fh:
+            fh.write(data)
+        return _import_module(name, copy)
+
+
+def _memfd(name: str, data: bytes) -> int | None:
+    """An anonymous memory file holding ``data``, sealed against writes where the platform allows;
+    ``None`` if one cannot be made (e.g. a sandbox forbids ``memfd_create``)."""
+    import fcntl
+
+    sealing = getattr(os, "MFD_ALLOW_SEALING", 0)
+    try:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | sealing)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(os.dup(fd), "wb") as fh:
+            fh.write(data)
+        seals = 0
+        for seal in ("F_SEAL_WRITE", "F_SEAL_GROW", "F_SEAL_SHRINK", "F_SEAL_SEAL"):
+            seals |= getattr(fcntl, seal, 0)
+        if sealing and seals and hasattr(fcntl, "F_ADD_SEALS"):
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _import_module(name: str, library: Path) -> Any:
     """Import the extension module ``name`` from the file ``library`` (as torch's ``load`` does)."""
-    spec = importlib.util.spec_from_file_location(name, library)
+    loader = importlib.machinery.ExtensionFileLoader(name, str(library))
+    spec = importlib.util.spec_from_file_location(name, library, loader=loader)
     if spec is None or spec.loader is None:
         raise ConfigError(f"{library} cannot be imported as the Python extension module {name!r}")
     module = importlib.util.module_from_spec(spec)
@@ -361,6 +444,7 @@ def build(name: str, source: str, library: Path, record: Path) -> None:
     staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=library.parent))  # created 0o700
     try:
         built = compile_extension(name, source, staging)
+        built.chmod(paths.PRIVATE_FILE_MODE)  # the compiler honours the umask: 0o664 with umask 002
         write_record(record, sha256_file(built), library)
         os.replace(built, library)
     finally:
@@ -374,11 +458,12 @@ def load() -> Any:
     ------
     ConfigError
         If a directory of the kernel cache (or of its sha256 records) is owned by another user or
-        writable by group or others; if another build's lock file stays longer than
+        writable by group or others, or a directory above them fails
+        :func:`kvpolicy.paths.check_ancestors`; if another build's lock file stays longer than
         ``$KVPOLICY_BUILD_LOCK_TIMEOUT`` seconds; if there is no C++ compiler or no ``ninja``, or the build
         fails (the message carries the compiler's error and what to install).
     """
-    global _module, build_seconds
+    global _module, build_seconds, loaded_from
     with _lock:
         if _module is not None:
             return _module
@@ -400,7 +485,7 @@ def load() -> Any:
                     build(name, source, library, record)
         module = import_verified(name, library, record)
         build_seconds = time.perf_counter() - t0
-        _module = module
+        _module, loaded_from = module, library
         return module
 
 

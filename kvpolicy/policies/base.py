@@ -26,12 +26,18 @@ from kvpolicy.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
+#: the longest length a restored state may claim (positions are held as int32: :mod:`kvpolicy.positions`)
+_MAX_LENGTH = 2**31 - 1
+
 
 class PolicyState(ABC):
     """Per-layer selection state."""
 
     #: number of positions appended so far (the logical length ``T``)
     length: int = 0
+    #: attributes set from the policy's parameters (and the head count) that appends never change:
+    #: :meth:`load_state_dict` compares a saved state's values with them and never restores them
+    fixed: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def append(self, n: int) -> list[int] | torch.Tensor:
@@ -88,17 +94,43 @@ class PolicyState(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned into a fresh state from ``policy.new_state``.
 
-        Only attributes the fresh state has are set; any other name is an error (a file of another
-        policy or version), as is a value that is not plain data.
+        A saved state is untrusted input. Only attributes the fresh state has are set; any other name
+        is an error (a file of another policy or version). The attributes named in :attr:`fixed`
+        come from the policy's parameters: a saved value must equal the fresh one and is never
+        restored. Every other value must be of the fresh value's kind (an int for an int, a tensor of
+        the same dtype and leading sizes for a tensor, ...). :meth:`validate` then checks the whole.
         """
         own = vars(self)
+        if not isinstance(state, dict):
+            raise ValueError(f"{type(self).__name__}: a saved state is a mapping; got a {type(state).__name__}")
         unknown = sorted(set(state) - set(own))
         if unknown:
             raise ValueError(f"{type(self).__name__} has no attribute(s) {unknown} to restore; it has {sorted(own)}")
         for name, value in state.items():
-            if isinstance(own[name], Policy) or not _plain(value):
-                raise ValueError(f"{type(self).__name__}.{name}: cannot restore a {type(value).__name__} here")
+            current = own[name]
+            if name in self.fixed:
+                if type(value) is not type(current) or value != current:
+                    raise ValueError(
+                        f"{type(self).__name__}.{name}: the saved state says {value!r:.40}, but the policy's "
+                        f"parameters give {current!r:.40} (a state of another policy)"
+                    )
+                continue
+            if isinstance(current, Policy) or not _plain(value) or not _same_kind(value, current):
+                raise ValueError(
+                    f"{type(self).__name__}.{name}: cannot restore {_kind(value)} where it holds {_kind(current)}"
+                )
             setattr(self, name, value)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` unless the restored attributes form a state this policy's own appends
+        could reach (called by :meth:`load_state_dict`). The default checks ``length``; a state with
+        more attributes checks them too (in range, consistent with each other and with ``length``),
+        so that a saved file can never make :meth:`append` loop, index out of range or hold more than
+        the policy's budget."""
+        length = self.length
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= _MAX_LENGTH:
+            raise ValueError(f"{type(self).__name__}.length={length!r:.40} is not a length in [0, {_MAX_LENGTH}]")
 
     def observe(self, scores: torch.Tensor, positions: torch.Tensor) -> None:  # noqa: B027 - optional hook
         """Receive attention scores (only called when the policy ``needs_scores``).
@@ -145,6 +177,36 @@ def _plain(value: object) -> bool:
     import torch
 
     return isinstance(value, torch.Tensor)
+
+
+def _same_kind(value: object, current: object) -> bool:
+    """Whether a saved ``value`` may replace ``current`` (see :meth:`PolicyState.load_state_dict`)."""
+    import torch
+
+    if current is None:
+        return True  # an attribute that starts empty (e.g. scores not seen yet) takes any plain value
+    if isinstance(current, bool) or isinstance(value, bool):
+        return type(value) is type(current)
+    if isinstance(current, float):
+        return isinstance(value, (int, float))
+    if isinstance(current, (int, str)):
+        return type(value) is type(current)
+    if isinstance(current, (list, tuple)):
+        return isinstance(value, (list, tuple))
+    if isinstance(current, torch.Tensor):
+        return (
+            isinstance(value, torch.Tensor) and value.dtype == current.dtype and value.dim() == current.dim()
+            and tuple(value.shape[:-1]) == tuple(current.shape[:-1])
+        )  # fmt: skip
+    return False
+
+
+def _kind(value: object) -> str:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
 
 
 def check_int(name: str, value: object, minimum: int, owner: str) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpolicy import state_check
 from kvpolicy.errors import ConfigError
 from kvpolicy.policies.base import Policy, PolicyState, check_int
 
@@ -53,6 +54,8 @@ class HeavyHitters(Policy):
 
 class HeavyHittersState(PolicyState):
     """Per-head positions ``pos`` (``(heads, n)``, sorted) and accumulated scores ``acc``."""
+
+    fixed = ("heavy", "recent", "num_heads")
 
     def __init__(self, heavy: int, recent: int, num_heads: int) -> None:
         self.heavy = heavy
@@ -107,3 +110,23 @@ class HeavyHittersState(PolicyState):
 
     def full_positions(self) -> torch.Tensor:
         return self.pos.clone()
+
+    def validate(self) -> None:
+        """``pos`` holds ``min(length, heavy + recent)`` distinct ascending positions in ``[0, length)`` per
+        head, the newest ``recent`` among them; ``acc`` and the pending scores are finite and non-negative."""
+        super().validate()
+        held = min(self.length, self.heavy + self.recent)
+        state_check.tensor(self.pos, "HeavyHittersState.pos", torch.long, (self.num_heads, held))
+        state_check.tensor(self.acc, "HeavyHittersState.acc", torch.float32, (self.num_heads, held))
+        state_check.positions(self.pos, "HeavyHittersState.pos", self.length)
+        if held and bool((self.pos[:, 1:] <= self.pos[:, :-1]).any()):
+            raise ValueError("HeavyHittersState.pos is not ascending in every head")
+        newest = min(held, self.recent)
+        if newest and not torch.equal(
+            self.pos[:, held - newest :], torch.arange(self.length - newest, self.length).expand(self.num_heads, -1)
+        ):
+            raise ValueError(f"HeavyHittersState.pos does not end with the newest {newest} positions in every head")
+        for name in ("acc", "_pending"):
+            scores = state_check.finite(getattr(self, name), f"HeavyHittersState.{name}")
+            if bool((scores < 0).any()):
+                raise ValueError(f"HeavyHittersState.{name} holds negative attention mass")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from kvpolicy.policies.base import Policy, PolicyState, check_int
@@ -38,6 +39,8 @@ class LogWindow(Policy):
 class LogWindowState(PolicyState):
     """Incremental state of :class:`LogWindow` (the ordered list ``R``)."""
 
+    fixed = ("window",)
+
     def __init__(self, window: int) -> None:
         self.window = window
         self.length = 0
@@ -60,6 +63,29 @@ class LogWindowState(PolicyState):
 
     def full_positions(self) -> list[int]:
         return list(self._full)
+
+    def validate(self) -> None:
+        """``R`` must hold as many positions as ``FP(length)`` does, ascending and in range, ending with
+        the newest ``min(length, W + 1)`` positions (which ``FP`` always holds); otherwise the
+        thinning in :meth:`append` could never trigger."""
+        super().validate()
+        full, t, w = self._full, self.length, self.window
+        if not all(isinstance(p, int) and not isinstance(p, bool) for p in full):
+            raise ValueError("LogWindowState._full: positions must be integers")
+        expected = self.full_count_after(0)
+        if len(full) != expected:
+            raise ValueError(
+                f"LogWindowState: {len(full)} full-precision positions at length {t}; LogWindow({w}) holds {expected}"
+            )
+        newest = min(t, w + 1)
+        if (
+            any(b <= a for a, b in itertools.pairwise(full))
+            or (full and full[0] < 0)
+            or full[len(full) - newest :] != list(range(t - newest, t))
+        ):
+            raise ValueError(
+                f"LogWindowState._full is not ascending in [0, {t}) ending with the newest {newest} positions"
+            )
 
     def full_count_after(self, n: int) -> int:
         t, w = self.length + n, self.window

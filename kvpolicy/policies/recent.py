@@ -96,6 +96,7 @@ class SlidingWindowState(PolicyState):
     """Incremental state of :class:`RecentWindow` with ``variant="sliding"``: ``FP = [max(0, T - R), T)``."""
 
     variant = "sliding"
+    fixed = ("window",)
 
     def __init__(self, window: int) -> None:
         self.window = window
@@ -118,6 +119,7 @@ class FlushWindowState(PolicyState):
     """Incremental state of :class:`RecentWindow` with ``variant="flush"``: ``FP = [lo, T)``."""
 
     variant = "flush"
+    fixed = ("window", "prompt")
 
     def __init__(self, window: int, prompt: str) -> None:
         self.window = window
@@ -147,3 +149,15 @@ class FlushWindowState(PolicyState):
 
     def full_positions(self) -> list[int]:
         return list(range(self._lo, self.length))
+
+    def validate(self) -> None:
+        """``FP = [_lo, length)`` holds at most ``window`` positions (or a prompt's remainder), and a state
+        has seen its prompt exactly when it has seen any token."""
+        super().validate()
+        lo = self._lo
+        if isinstance(lo, bool) or not isinstance(lo, int) or not 0 <= lo <= self.length:
+            raise ValueError(f"FlushWindowState._lo={lo!r:.40} is not in [0, length={self.length}]")
+        if self.length - lo > self.window:
+            raise ValueError(f"FlushWindowState: FP = [{lo}, {self.length}) holds more than window={self.window}")
+        if self._prompted != (self.length > 0):
+            raise ValueError(f"FlushWindowState._prompted={self._prompted!r} at length {self.length}")

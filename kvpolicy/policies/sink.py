@@ -43,6 +43,8 @@ class SinkWindow(Policy):
 class SinkWindowState(PolicyState):
     """Incremental state of :class:`SinkWindow`; the recent part is ``[max(S, T - R), T)``."""
 
+    fixed = ("sinks", "window")
+
     def __init__(self, sinks: int, window: int) -> None:
         self.sinks = sinks
         self.window = window

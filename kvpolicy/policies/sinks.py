@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvpolicy import state_check
 from kvpolicy.errors import ConfigError
 from kvpolicy.policies.base import Policy, PolicyState, check_int
 
@@ -135,10 +136,22 @@ class SinksState(PolicyState):
         return {"length": self.length, "sinks": self.sinks, **inner}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if int(state["sinks"]) != self.sinks:
-            raise ValueError(f"a Sinks state saved with sinks={state['sinks']} cannot load into sinks={self.sinks}")
-        unknown = sorted(set(state) - {"length", "sinks"} - {k for k in state if k.startswith("inner.")})
-        if unknown:
-            raise ValueError(f"SinksState has no attribute(s) {unknown} to restore")
-        self.length = int(state["length"])
-        self.inner.load_state_dict({k[len("inner.") :]: v for k, v in state.items() if k.startswith("inner.")})
+        """The wrapped state's entries (under ``inner.``) restored into it; ``sinks`` must be this policy's."""
+        if not isinstance(state, dict):
+            raise ValueError(f"SinksState: a saved state is a mapping; got a {type(state).__name__}")
+        inner = {k[len("inner.") :]: v for k, v in state.items() if isinstance(k, str) and k.startswith("inner.")}
+        state_check.entries(
+            {k: v for k, v in state.items() if not k.startswith("inner.")}, "SinksState", ("length", "sinks")
+        )
+        if type(state["sinks"]) is not int or state["sinks"] != self.sinks:
+            raise ValueError(
+                f"a Sinks state saved with sinks={state['sinks']!r:.40} cannot load into sinks={self.sinks}"
+            )
+        self.length = state["length"]
+        self.validate()
+        self.inner.load_state_dict(inner)
+        if self.inner.length != max(self.length - self.sinks, 0):
+            raise ValueError(
+                f"SinksState: the wrapped state's length {self.inner.length} is not length {self.length} - sinks "
+                f"{self.sinks}"
+            )

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from kvpolicy.errors import ConfigError
-from kvpolicy.policies.base import check_int
 from kvpolicy.transforms.base import Transform
 
 #: the smallest Hadamard block served (a head_dim must be a multiple of it)
 MIN_BLOCK = 8
+#: the largest seed: ``torch.Generator.manual_seed`` takes ``0 <= seed < 2**64``
+MAX_SEED = 2**64 - 1
 
 
 def block_size(head_dim: int) -> int:
@@ -66,7 +67,7 @@ class Hadamard(Transform):
     ----------
     seed : int
         Draws the random signs (a CPU ``torch.Generator``: the same seed gives the same rotation in
-        every process and on every device).
+        every process and on every device); ``0 <= seed <= 2**64 - 1`` (:data:`MAX_SEED`).
     """
 
     seed: int = 0
@@ -74,7 +75,12 @@ class Hadamard(Transform):
     name = "hadamard"
 
     def __post_init__(self) -> None:
-        check_int("seed", self.seed, 0, "Hadamard")
+        seed = self.seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+            raise ConfigError(
+                f"Hadamard: seed must be an integer in [0, 2**64 - 1] (the seeds a torch.Generator takes); "
+                f"got seed={seed!r}"
+            )
         # built on first use per (head_dim, device); not a dataclass field (not a parameter)
         object.__setattr__(self, "_matrices", {})
 

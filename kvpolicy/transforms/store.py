@@ -7,8 +7,43 @@ from typing import Any
 
 import torch
 
+from kvpolicy import state_check
 from kvpolicy.actions.base import Action, DemotedStore
+from kvpolicy.errors import MetadataOverflowError, NonFiniteError
 from kvpolicy.transforms.base import Transform
+
+#: model dtypes whose range a rotated coordinate can exceed, and the dtype their rotated tokens are
+#: held in instead. A coordinate mixes every channel of its block, so it can reach ``√B`` times the
+#: block's largest magnitude (float16: finite keys of 30000 in a block of 64 can give 240000).
+#: bfloat16 has float32's range and keeps its own dtype.
+HELD_DTYPE = {torch.float16: torch.float32}
+
+
+def cast_clamped(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype``, finite values beyond ``dtype``'s range clamped to its largest finite value.
+
+    For a reconstruction computed wider than the model's dtype (an un-rotation in float32): the
+    original tokens were finite in ``dtype``, so a value just beyond its range is quantization error
+    past the edge, and clamping moves it towards the original. NaN and ±Inf stay as they are.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        Any shape, floating point.
+    dtype : torch.dtype
+        The floating-point dtype to return.
+
+    Returns
+    -------
+    torch.Tensor
+        ``x``'s shape, in ``dtype`` (``x`` itself when it is in ``dtype`` already).
+    """
+    if x.dtype == dtype:
+        return x
+    top = torch.finfo(dtype).max
+    if torch.finfo(x.dtype).max > top:
+        x = torch.where(torch.isinf(x), x, x.clamp(-top, top))
+    return x.to(dtype)
 
 
 def wrap(store: DemotedStore, transform: Transform, action: Action) -> DemotedStore:
@@ -22,10 +57,13 @@ def wrap(store: DemotedStore, transform: Transform, action: Action) -> DemotedSt
 class TransformedStore(DemotedStore):
     """Forwards demoted tokens to the action's store in the transform's basis.
 
-    ``add`` stores ``forward(keys)`` and ``forward(values)``; ``keys()``/``values()`` come back
-    through ``inverse`` (the materialised path). ``attention_parts()`` (the fused path) stays in the
-    transformed basis, which :attr:`basis` names: the reader rotates its query with ``forward`` and
-    maps the attention output back with ``inverse`` (:func:`kvpolicy.fused.decode_attention`).
+    ``add`` stores ``forward(keys)`` and ``forward(values)``, handed to the action in
+    :data:`HELD_DTYPE` where the model's dtype could not hold them (float16 tokens: float32, whose
+    ``meta_dtype="auto"`` metadata is float16 on the torch, cpu and triton backends, as for float16
+    input); ``keys()``/``values()`` come back through ``inverse`` in the model's dtype (the
+    materialised path). ``attention_parts()`` (the fused path) stays in the transformed basis, which
+    :attr:`basis` names: the reader rotates its query with ``forward`` and maps the attention output
+    back with ``inverse`` (:func:`kvpolicy.fused.decode_attention`).
     Everything else (bytes, batch operations, the action's own inspection methods) is the inner
     store's.
     """
@@ -35,6 +73,7 @@ class TransformedStore(DemotedStore):
         self.transform = transform
         self._dims: tuple[int, int] | None = None  # (key head_dim, value head_dim), from the first add
         self._device: torch.device | None = None
+        self._dtype: torch.dtype | None = None  # the model's dtype, from the first add
 
     @property
     def basis(self) -> Transform:  # type: ignore[override]
@@ -49,15 +88,53 @@ class TransformedStore(DemotedStore):
         self.inner.positions = value
 
     def add(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        self.inner.add(self.transform.forward(keys), self.transform.forward(values), positions)
+        """Rotate ``keys`` and ``values`` ``(batch, kv_heads, n, head_dim)`` and store them.
+
+        Raises
+        ------
+        NonFiniteError
+            If finite tokens leave the rotation non-finite (beyond the range of float32, or of
+            bfloat16): the message names the rotation, not the input.
+        MetadataOverflowError
+            If the action's metadata dtype cannot hold the rotated tokens' groups (its message names
+            the remedy, and the rotation).
+        """
+        wide = HELD_DTYPE.get(keys.dtype, keys.dtype)
+        rotated = self.transform.forward(keys.to(wide)), self.transform.forward(values.to(wide))
+        try:
+            self.inner.add(*rotated, positions)
+        except MetadataOverflowError as exc:
+            raise MetadataOverflowError(
+                f"{exc} (These were {_name(keys.dtype)} tokens rotated by {self.transform!r}, held in "
+                f"{_name(wide)}: a rotated coordinate mixes every channel of its block, so its magnitude can "
+                "exceed the largest of the tokens' own.)"
+            ) from None
+        except NonFiniteError:
+            if not (bool(torch.isfinite(keys).all()) and bool(torch.isfinite(values).all())):
+                raise  # the input itself was not finite: the action's message is right
+            for what, original, out in (("keys", keys, rotated[0]), ("values", values, rotated[1])):
+                if not bool(torch.isfinite(out).all()):
+                    amax = float(original.detach().abs().amax())
+                    raise NonFiniteError(
+                        f"{self.transform!r} turned finite {_name(original.dtype)} {what} (largest |value| {amax:.4g}) "
+                        f"into non-finite ones: a rotated coordinate mixes every channel of its block and exceeded "
+                        f"the range of {_name(out.dtype)} ({torch.finfo(out.dtype).max:.4g}). Scale the model's "
+                        "activations down, or use transform='none' for this model."
+                    ) from None
+            raise
         if self._dims is None:
             self._dims, self._device = (keys.shape[-1], values.shape[-1]), keys.device
+        self._dtype = keys.dtype
 
     def keys(self) -> torch.Tensor:
-        return self.transform.inverse(self.inner.keys())
+        return self._back(self.inner.keys())
 
     def values(self) -> torch.Tensor:
-        return self.transform.inverse(self.inner.values())
+        return self._back(self.inner.values())
+
+    def _back(self, y: torch.Tensor) -> torch.Tensor:
+        """``inverse(y)`` in the model's dtype; ``y`` ``(batch, kv_heads, n, head_dim)`` rotated."""
+        return cast_clamped(self.transform.inverse(y), y.dtype if self._dtype is None else self._dtype)
 
     def attention_parts(self) -> tuple[Any, Any]:
         """The inner store's parts, in the transformed basis (see :attr:`basis`)."""
@@ -80,13 +157,37 @@ class TransformedStore(DemotedStore):
 
     def state_dict(self) -> dict[str, Any]:
         """The inner store's state (the transform itself is rebuilt from the cache's composition)."""
-        return {"inner": self.inner.state_dict(), "dims": None if self._dims is None else list(self._dims)}
+        return {
+            "inner": self.inner.state_dict(), "dims": None if self._dims is None else list(self._dims),
+            "dtype": None if self._dtype is None else _name(self._dtype),
+        }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; a state saved without ``"dtype"`` held its tokens in the model's
+        dtype, and reads back in the dtype the inner store holds."""
+        state_check.entries(state, "transformed store", ("inner", "dims"), ("dtype",))
+        dtype = state.get("dtype")
+        if dtype is not None and (not isinstance(dtype, str) or dtype not in _DTYPES):
+            raise ValueError(f"a transformed store's dtype must be one of {sorted(_DTYPES)}; got dtype={dtype!r:.40}")
         self.inner.load_state_dict(state["inner"])
-        if state["dims"] is not None:
-            self._dims = (int(state["dims"][0]), int(state["dims"][1]))
+        dims = state["dims"]
+        if dims is not None:
+            if not isinstance(dims, list) or len(dims) != 2:
+                raise ValueError(f"transformed store: dims {dims!r:.40} is not [key head_dim, value head_dim]")
+            self._dims = (state_check.integer(dims[0], "dims[0]", 1), state_check.integer(dims[1], "dims[1]", 1))
             self._device = self.inner.positions.device
+        self._dtype = None if dtype is None else _DTYPES[dtype]
+
+    def validate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The inner store's checks (its tokens in the dtype they are held in), and head dims and a
+        model dtype recorded exactly when tokens are held, equal to the layer's."""
+        if self._dtype is not None and self._dtype != keys.dtype:
+            raise ValueError(f"transformed store: tokens of dtype {self._dtype} in a {keys.dtype} layer")
+        held = keys.dtype if self._dtype is None else HELD_DTYPE.get(keys.dtype, keys.dtype)
+        self.inner.validate(keys[:, :, :0].to(held), values[:, :, :0].to(held))
+        expected = (keys.shape[-1], values.shape[-1]) if len(self.inner) else None
+        if self._dims != expected:
+            raise ValueError(f"transformed store: head dims {self._dims} recorded, expected {expected}")
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -96,3 +197,11 @@ class TransformedStore(DemotedStore):
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+#: the model dtypes a transformed store records, by name
+_DTYPES = {name: getattr(torch, name) for name in ("float16", "bfloat16", "float32", "float64")}
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -101,6 +101,8 @@ def votes(scores: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
 class SnapKVState(PolicyState):
     """Per-head prompt selection ``kept`` (``(heads, k)``, sorted) and the generated range ``[lo, length)``."""
 
+    fixed = ("num_heads",)
+
     def __init__(self, policy: SnapKV, num_heads: int) -> None:
         self.policy = policy
         self.num_heads = num_heads
