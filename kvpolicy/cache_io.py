@@ -204,7 +204,9 @@ def load(cls: type, path: str | Path, device: Any = None, model: Any = None) -> 
             except CacheFileError:
                 raise
             except Exception as exc:
-                raise CacheFileError(f"{where!r}: layer {i}: {_reason(exc)}") from None
+                reason = _reason(exc)  # a compressed layer's own checks name the layer already
+                reason = reason if reason.startswith(f"layer {i}: ") else f"layer {i}: {reason}"
+                raise CacheFileError(f"{where!r}: {reason}") from None
             cache.layers.append(layer)
         _share_positions(cache)
         cache._saved_layers = len(layers)

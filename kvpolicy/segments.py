@@ -319,7 +319,15 @@ class LayerSegments:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output into these started, empty segments (started with the
-        saved keys' shape and dtype).
+        saved keys' shape and dtype); a ``ValueError`` names the layer and what is wrong (see
+        :meth:`_restore`)."""
+        try:
+            self._restore(state)
+        except ValueError as exc:
+            raise ValueError(f"layer {self.layer_idx}: {exc}") from None
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        """What :meth:`load_state_dict` does.
 
         ``state`` is untrusted: every part is checked before it is kept, and ``ValueError`` names what
         is wrong. Checked: the policy's state (:meth:`PolicyState.load_state_dict`), the store's
