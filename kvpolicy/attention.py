@@ -180,6 +180,36 @@ def strip_wrapper(model: torch.nn.Module, prefix: str, names: tuple[str, ...]) -
         model.set_attn_implementation(current[len(prefix) :])
 
 
+#: the attribute of a model that holds the handle of its :func:`watch_forward` hook
+HOOK_ATTR = "_kvpolicy_release_hook"
+
+
+def _release_after_forward(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    """Forward hook: the cache this forward updated may demote what its layers' attention has read
+    (``CompressedCache.release_forward``); any other cache, or none, is left alone."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is None:
+        cache = getattr(output, "past_key_values", None)
+    release = getattr(cache, "release_forward", None)
+    if callable(release):
+        release()
+
+
+def watch_forward(model: torch.nn.Module) -> None:
+    """Install (once) the forward hook that lets a :class:`~kvpolicy.cache.CompressedCache` demote its
+    last layer's prompt when the model's forward returns, rather than at the first decode step."""
+    if getattr(model, HOOK_ATTR, None) is None:
+        setattr(model, HOOK_ATTR, model.register_forward_hook(_release_after_forward, with_kwargs=True))
+
+
+def unwatch_forward(model: torch.nn.Module) -> None:
+    """Remove :func:`watch_forward`'s hook once ``model`` runs none of kvpolicy's implementations."""
+    handle = getattr(model, HOOK_ATTR, None)
+    if handle is not None and not model.config._attn_implementation.startswith(PREFIX):
+        handle.remove()
+        setattr(model, HOOK_ATTR, None)
+
+
 def register() -> None:
     """Register ``kvpolicy_sdpa`` and ``kvpolicy_eager`` with transformers (idempotent)."""
     register_wrappers(PREFIX, WRAPPED, _wrap)
@@ -192,6 +222,7 @@ def enable_scores(model: torch.nn.Module) -> None:
     """
     current = model.config._attn_implementation
     if current.startswith(PREFIX):
+        watch_forward(model)
         return
     if current not in WRAPPED:
         raise ConfigError(
@@ -200,9 +231,11 @@ def enable_scores(model: torch.nn.Module) -> None:
         )
     register()
     model.set_attn_implementation(f"{PREFIX}{current}")
+    watch_forward(model)
 
 
 def disable_scores(model: torch.nn.Module) -> None:
     """Undo :func:`enable_scores`. A model switched to fused attention (which includes the scores) is
     left as it is: :func:`kvpolicy.fused.disable_fused` undoes that."""
     strip_wrapper(model, PREFIX, WRAPPED)
+    unwatch_forward(model)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -63,9 +64,11 @@ class CompressedLayer(CacheLayerMixin):
       ``(held_after, length + 1 - held_after)`` for a single-token one;
     - a single-token update (decode) demotes before returning, so the query at position ``T - 1``
       attends over ``FP(T)`` (plus the compressed rest); a multi-token update (prefill, a second
-      turn) returns every held token with the new ones at full precision and demotes at the start
-      of the next call, so prefill attention always sees the uncompressed prompt, and score-based
-      policies get the prefill's attention before choosing.
+      turn) returns every held token with the new ones at full precision, so prefill attention
+      always sees the uncompressed prompt, and score-based policies get the prefill's attention
+      before choosing. It is demoted once that attention has run: :meth:`release`, which the cache
+      calls when the model updates a later layer of the same forward (keeping the last tokens a
+      ``crop`` could remove, see :meth:`LayerSegments.release`), else at the start of the next call.
     """
 
     is_sliding = False
@@ -113,6 +116,8 @@ class CompressedLayer(CacheLayerMixin):
         self.rows_length = 0  # a padded batch's logical length (pads included)
         #: where a shared policy's demoted positions are held once for the cache's layers (None: own copy)
         self.book: PositionBook | None = None
+        #: the ticket of the latest hand-off (None: plain tensors were returned), see :meth:`release`
+        self._handed: weakref.ref[handoff.Ticket] | None = None
 
     # ------------------------------------------------------------------ what held owns, read through
     @property
@@ -294,18 +299,43 @@ class CompressedLayer(CacheLayerMixin):
             self.attention_path = "handed out, not attended"  # set by whoever consumes it
         fusable = n == 1 and held and self.unfusable is None and not grad
         agnostic = self.layout == "agnostic" and held and not grad
+        self._handed = None
         if self.internal or not (fusable or agnostic or scores):
             return self.attention_view("ordered")
         ticket = handoff.Ticket(
             self, fusable=fusable, scores=scores, layout=self.layout if agnostic else "ordered",
             strict=self.attention == "fused",
         )  # fmt: skip
+        self._handed = weakref.ref(ticket)
         b, h, _, d = self.keys.shape
         count = self.length if held else self.keys.shape[2]
         return handoff.hand_out(
             ticket, torch.Size((b, h, count, d)), torch.Size((b, h, count, self.values.shape[-1])),
             self.keys.dtype, self.keys.device,
         )  # fmt: skip
+
+    def release(self) -> int:
+        """The model has moved past this layer's attention: demote what the latest multi-token update
+        may demote now (:meth:`LayerSegments.release`). Nothing happens while the hand-off of that
+        update is still alive (a shared-KV layer reads it later in the forward): the next call demotes.
+
+        Returns
+        -------
+        int
+            Tokens the policy was told of.
+        """
+        if self.held is None or self.rows is not None or not self.held.pending:
+            return 0
+        if self._handed is not None and self._handed() is not None:
+            return 0
+        return self.held.release()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the reference to the latest hand-off (a weak reference; it never outlives
+        the forward that consumed it)."""
+        state = self.__dict__.copy()
+        state["_handed"] = None
+        return state
 
     # ------------------------------------------------------------------ kvpolicy.fused
     def fused_parts(self) -> Any:
@@ -629,6 +659,7 @@ class CompressedCache(Cache):
                 )
         super().__init__(layers=[])
         self._book = PositionBook()  # the demoted positions of shared policies, held once for all layers
+        self._unreleased: list[int] = []  # layers whose multi-token update of this forward awaits release
         self._layer_types: list[str] | None = None
         self._layer_kwargs: list[dict] = []
         self._config = config  # the model's, when given: save() records its identity
@@ -759,7 +790,37 @@ class CompressedCache(Cache):
             )
         while len(self.layers) <= layer_idx:
             self.layers.append(self._new_layer(len(self.layers)))
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        self._release_before(layer_idx)
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        layer = self.layers[layer_idx]
+        multi = key_states.shape[-2] > 1 and isinstance(layer, CompressedLayer) and layer.held is not None
+        if multi and layer.held.pending:
+            self._unreleased.append(layer_idx)
+        return out
+
+    def _release_before(self, layer_idx: int) -> None:
+        """Demote the multi-token updates of the layers before ``layer_idx`` in this forward: their
+        attention has run (:meth:`CompressedLayer.release`)."""
+        if not self._unreleased:
+            return
+        waiting = []
+        for i in self._unreleased:
+            if i < layer_idx:
+                self.layers[i].release()
+            else:
+                waiting.append(i)
+        self._unreleased = waiting if layer_idx > 0 else []
+
+    def release_forward(self) -> None:
+        """The model's forward has returned: every layer's attention has read its multi-token update,
+        so demote what each may demote now (:meth:`CompressedLayer.release`; the last tokens a ``crop``
+        could remove stay at full precision). :func:`kvpolicy.fused.enable_fused` and
+        :func:`kvpolicy.attention.enable_scores` install a forward hook that calls this, so that the last
+        layer's prompt is not left to the first decode step; without it that step demotes it. Calling it
+        at any other time changes nothing that the next call would not do."""
+        pending, self._unreleased = self._unreleased, []
+        for i in pending:
+            self.layers[i].release()
 
     def positions(self, layer_idx: int) -> dict[str, torch.Tensor]:
         """``{"full": ..., "compressed": ..., "staged_keys": ...}`` for one layer (see

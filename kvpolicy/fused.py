@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from kvpolicy.attention import register as register_scores
-from kvpolicy.attention import register_wrappers, strip_wrapper
+from kvpolicy.attention import register_wrappers, strip_wrapper, unwatch_forward, watch_forward
 from kvpolicy.backends.base import dense_attention
 from kvpolicy.errors import ConfigError
 from kvpolicy.handoff import ticket_of, warn_once
@@ -245,10 +245,13 @@ def enable_fused(model: torch.nn.Module) -> None:
 
     Outputs of every cache other than :class:`~kvpolicy.cache.CompressedCache` are unchanged (the
     original implementation runs); score-based policies still get their scores (this function
-    includes :func:`kvpolicy.attention.enable_scores`).
+    includes :func:`kvpolicy.attention.enable_scores`). It also installs a forward hook through which a
+    compressed cache demotes its last layer's prompt when the forward returns
+    (``CompressedCache.release_forward``), not at the first decode step.
     """
     current = model.config._attn_implementation
     if current.startswith(PREFIX):
+        watch_forward(model)
         return
     base = current[len(_SCORES_PREFIX) :] if current.startswith(_SCORES_PREFIX) else current
     if base not in INNER:
@@ -257,9 +260,11 @@ def enable_fused(model: torch.nn.Module) -> None:
         )
     register()
     model.set_attn_implementation(f"{PREFIX}{base}")
+    watch_forward(model)
 
 
 def disable_fused(model: torch.nn.Module) -> None:
     """Undo :func:`enable_fused` (back to the original implementation). Caches in use stay correct: their
     next decode steps materialise the history (``attention_paths()`` says so)."""
     strip_wrapper(model, PREFIX, INNER)
+    unwatch_forward(model)

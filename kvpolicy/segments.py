@@ -11,6 +11,7 @@ with bare tensors.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,14 @@ from kvpolicy.transforms import wrap as wrap_store
 
 #: the segments of a memory report, in order
 SEGMENTS = ("full_precision", "codes", "scales", "zeros", "staging", "positions")
+#: tokens at the end of a multi-token append that :meth:`LayerSegments.release` keeps undemoted (and
+#: unknown to the policy) for a policy that needs no scores: the tokens a ``crop`` could still remove
+#: (assisted decoding's rollback of rejected drafts; its verification forwards are shorter)
+CROP_WINDOW = 64
+#: demotions move tokens into the store in chunks of at most this many tokens, so the temporaries of
+#: a demotion (gathered copies, fitting, rotation, tier moves) stay within a small multiple of one
+#: chunk's full-precision keys and values, however long the prompt
+DEMOTE_CHUNK = 512
 
 
 class LayerSegments:
@@ -122,8 +131,10 @@ class LayerSegments:
 
         Deferred demotions of the previous multi-token append are applied first (they index the
         segment as it was). A single token (decode) is demoted for at once, so the next read sees
-        ``FP(T)``; a multi-token append (prefill) stays whole until the next call, so its attention
-        sees the uncompressed prompt and score-based policies get its scores before choosing.
+        ``FP(T)``; a multi-token append (prefill) stays whole until attention has read it, so its
+        attention sees the uncompressed prompt and score-based policies get its scores before choosing:
+        :meth:`release` demotes it then (the cache calls it once the model has moved past this layer),
+        else the next call does.
         """
         n = key_states.shape[-2]
         if self.compressing:
@@ -162,15 +173,77 @@ class LayerSegments:
                 self.failed = f"{type(exc).__name__}: {exc}"
                 raise
 
-    def _demote(self, n: int) -> None:
-        """Tell the policy of ``n`` new tokens and move the tokens it demotes into the store."""
-        assert self.state is not None and self.store is not None and self.full_pos is not None
-        demoted = self.state.append(n)
+    def release(self) -> int:
+        """Attention has read the latest multi-token append: demote what may be demoted now.
+
+        A policy that needs scores must have received them (else nothing happens here, and the next
+        call raises); it is then told of the whole append. A policy whose appends split
+        (``Policy.splits_appends``) is told of all but the last ``min(pending, CROP_WINDOW)`` tokens,
+        which stay pending so that ``crop`` can still remove them. Any other policy keeps the whole
+        append pending until the next call. The demotions are those the next call would apply.
+
+        Returns
+        -------
+        int
+            Tokens the policy was told of (0: nothing released).
+        """
+        if not self.compressing or not self.pending or self.failed is not None:
+            return 0
+        if awaits_first_block(self.store):
+            self._set_first_centres()
+            if awaits_first_block(self.store):
+                return 0  # the next call demotes the whole append at once, as the store's first block
+        if self.policy.needs_scores:
+            if not self.scored:
+                return 0
+            keep = 0
+        elif self.policy.splits_appends:
+            keep = min(self.pending, CROP_WINDOW)
+        else:
+            return 0
+        n = self.pending - keep
+        if n <= 0:
+            return 0
+        self.pending = keep
+        try:
+            self._demote(n)
+        except Exception as exc:
+            self.failed = f"{type(exc).__name__}: {exc}"
+            raise
+        return n
+
+    def _set_first_centres(self) -> None:
+        """Give the store's centred streams that hold nothing yet the centre the next call's unsplit
+        demotion of the whole pending append would give them: that demotion is run once into a fresh
+        copy of the store (a copy of the policy's state choosing), whose first-block centres are then
+        set on this store. The demotion itself can then be split and chunked and still store what it
+        always did. Streams that copy leaves empty keep waiting for their first block."""
+        if self.policy.needs_scores and not self.scored:
+            return
+        pos = self._positions(copy.deepcopy(self.state).append(self.pending))
+        if pos.shape[1] == 0:
+            return
+        probe = wrap_store(self.action.new_store(self.backend, self.layer_idx), self.transform, self.action)
+        probe.positions = self.store.positions[:, :0]
+        idx = torch.searchsorted(self.full_pos, pos)
+        probe.add(take(self.keys, idx), take(self.values, idx), pos)
+        for mine, theirs in zip(_streams(self.store), _streams(probe), strict=True):
+            if mine.centre and mine.q is None and theirs.first_centre is not None:
+                mine.first_centre = theirs.first_centre
+
+    def _positions(self, demoted: list[int] | torch.Tensor) -> torch.Tensor:
+        """What ``PolicyState.append`` returned, as ``(rows, k)`` int32 positions on the layer's device."""
         device = self.keys.device
         if isinstance(demoted, torch.Tensor):
-            pos = demoted.to(device, POSITION_DTYPE)
-        else:
-            pos = torch.tensor(demoted, dtype=POSITION_DTYPE, device=device).view(1, -1)
+            return demoted.to(device, POSITION_DTYPE)
+        return torch.tensor(demoted, dtype=POSITION_DTYPE, device=device).view(1, -1)
+
+    def _demote(self, n: int) -> None:
+        """Tell the policy of ``n`` new tokens and move the tokens it demotes into the store, in chunks
+        of at most :data:`DEMOTE_CHUNK` tokens."""
+        assert self.state is not None and self.store is not None and self.full_pos is not None
+        pos = self._positions(self.state.append(n))
+        device = self.keys.device
         k = pos.shape[1]
         if k == 0:
             return
@@ -180,7 +253,10 @@ class LayerSegments:
         keep.scatter_(1, idx, False)
         keep_idx = torch.arange(full, device=device).expand(rows, full)[keep].view(rows, full - k)
         self.moves += 1
-        self.store.add(take(self.keys, idx), take(self.values, idx), pos)
+        chunk = k if awaits_first_block(self.store) else DEMOTE_CHUNK
+        for lo in range(0, k, chunk):
+            part = idx[:, lo : lo + chunk]
+            self.store.add(take(self.keys, part), take(self.values, part), pos[:, lo : lo + chunk])
         if self.book is not None and rows == 1:
             self.store.positions = self.book.intern(self.store.positions)
         self.keys = take(self.keys, keep_idx)
@@ -375,21 +451,25 @@ class LayerSegments:
             raise ValueError(f"the saved parts disagree: {'; '.join(problems)}")
 
 
-def awaits_first_block(store: Any) -> bool:
-    """Whether a stream inside ``store`` still takes a statistic from the first block it receives (a
-    centred codebook stream, ``key_centre=True``, holding nothing yet): how the first demotion is
-    batched then changes what is stored, so :class:`LayerSegments` demotes it in one piece and at the
-    time it always did (the call after a multi-token append), never split or in chunks."""
-    todo = [store]
+def _streams(store: Any) -> list[Any]:
+    """The quantized streams inside ``store`` (through transforms and tiers), in a fixed order."""
+    out, todo = [], [store]
     while todo:
-        obj = todo.pop()
+        obj = todo.pop(0)
         if hasattr(obj, "centre") and hasattr(obj, "q"):  # a QuantizedStream
-            if obj.centre and obj.q is None:
-                return True
+            out.append(obj)
             continue
         todo.extend(getattr(obj, "middles", ()))
         todo.extend(child for name in ("inner", "bottom", "k", "v") if (child := getattr(obj, name, None)) is not None)
-    return False
+    return out
+
+
+def awaits_first_block(store: Any) -> bool:
+    """Whether a stream inside ``store`` still takes a statistic from the first block it receives (a
+    centred codebook stream, ``key_centre=True``, holding nothing and given no centre yet): how the
+    first demotion is batched would then change what is stored, so :class:`LayerSegments` demotes it in
+    one piece and at the time it always did (the call after a multi-token append)."""
+    return any(s.centre and s.q is None and s.first_centre is None for s in _streams(store))
 
 
 def take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -268,7 +268,10 @@ def check_policy(
       restored with ``load_state_dict`` at a random point answers exactly as the original;
     - with ``chunking="any"``: give the same full-precision sets at every chunk boundary, whatever
       the chunking of the appends (the prompt included); ``"after_prompt"``: the same, once the
-      first append (the prompt) is done. Only for policies that do not use scores.
+      first append (the prompt) is done. Only for policies that do not use scores;
+    - if the policy declares ``splits_appends`` (``Policy.splits_appends``): demote, for every append of
+      ``n`` tokens split into appends of ``k`` and ``n - k``, the positions the single append demotes, in
+      the same order (the cache then demotes a prompt in parts, see ``kvpolicy.segments.CROP_WINDOW``).
 
     Parameters
     ----------
@@ -322,6 +325,8 @@ def check_policy(
             f"{policy!r}: a state saved and restored (state_dict/load_state_dict) after forward {cut} of plan "
             f"{plan} answers differently"
         )
+        if getattr(policy, "splits_appends", False):
+            _check_split_appends(policy, plan, heads, seed, steps)
         if chunking is not None:
             singles = [plan[0], *[1] * (sum(plan) - plan[0])] if chunking == "after_prompt" else [1] * sum(plan)
             reference = {s.length: s.full for s in run_policy(policy, singles, heads, seed)}
@@ -333,6 +338,24 @@ def check_policy(
                     )
 
     contract()
+
+
+def _check_split_appends(policy: Policy, plan: list[int], heads: int, seed: int, steps: list[Step]) -> None:
+    """``splits_appends``: each append of ``plan`` split in two (at a point drawn from ``seed``) demotes,
+    concatenated, what the unsplit append demotes, and leaves the same full-precision set."""
+    assert not policy.needs_scores, f"{policy!r}: splits_appends is for policies that do not use scores"
+    split: list[int] = []
+    for i, n in enumerate(plan):
+        k = (seed + 7 * i) % (n + 1)
+        split += [k, n - k]
+    parts = run_policy(policy, split, heads, seed)
+    for i, whole in enumerate(steps):
+        a, b = parts[2 * i], parts[2 * i + 1]
+        joined = tuple(x + y for x, y in zip(a.demoted, b.demoted, strict=True))
+        assert joined == whole.demoted and b.full == whole.full, (
+            f"{policy!r} declares splits_appends, but append({whole.n}) after T={whole.length - whole.n} demotes "
+            f"{whole.demoted}, and append({a.n}) then append({b.n}) demote {a.demoted} then {b.demoted}"
+        )
 
 
 # --------------------------------------------------------------------------------------------------

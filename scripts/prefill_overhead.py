@@ -1,9 +1,10 @@
 """What compression adds to a real prefill: DynamicCache against the one-liner on SmolLM2-135M.
 
-The one-liner (``CompressedCache(policy="log", action="quantize", bits=2)``, default backend) attends
-over the uncompressed prompt during prefill and quantizes it at the start of the next call, so the
-cost of compression shows in the prefill plus the first decode step; the second step is the steady
-state. Interleaved rounds, medians.
+The one-liner (``CompressedCache(policy="log", action="quantize", bits=2)``, default backend) and the
+``kvpolicy-3bit`` preset attend over the uncompressed prompt during prefill and demote each layer's
+prompt once its attention has run (the last 64 tokens of each layer, which a ``crop`` could still
+remove, at the first decode step), so the cost of compression shows in the prefill plus the first
+decode step; the second step is the steady state. Interleaved rounds, medians.
 
 Usage::
 
@@ -26,6 +27,7 @@ from kvpolicy.fused import enable_fused
 CACHES = {
     "DynamicCache": DynamicCache,
     "one-liner (log, 2-bit)": lambda: CompressedCache(policy="log", action="quantize", bits=2),
+    "kvpolicy-3bit": lambda: CompressedCache.from_preset("kvpolicy-3bit"),
 }
 
 

@@ -393,3 +393,24 @@ def test_build_failures_raise_config_error(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_attention, "CFLAGS", ("-O3", "--no-such-compiler-option"))  # g++ stops at once
     with pytest.raises(ConfigError, match="could not build its C\\+\\+ kernel"):
         backend()
+
+
+@pytest.mark.parametrize(("k_scheme", "v_scheme"), CODEBOOK_PAIRS)
+@pytest.mark.parametrize("bits", [2, 4])
+def test_scores_far_below_the_maximum_weigh_nothing(k_scheme, v_scheme, bits):
+    """Scores more than 87 below the running maximum (where float32's exp underflows) weigh exactly
+    nothing, and the result is still the softmax of the reference: one token per group dominates."""
+    gen = torch.Generator().manual_seed(bits)
+    be = backend()
+    b, h, n, d = 1, 2, 256, 64
+    keys_x = torch.randn(b, h, n, d, generator=gen)
+    keys_x[:, :, 77] = 6.0  # far along the query's direction
+    keys = _block(be, keys_x, k_scheme, "key", bits, 64, "float16")
+    values = _block(be, torch.randn(b, h, n, d, generator=gen), v_scheme, "value", bits, 32, "float16")
+    query = torch.full((b, h, 3, d), 4.0)
+    out, lse = be.attend(query, keys, values, 1.0)
+    _assert_matches_reference(query, keys, values, 1.0, out, lse)
+    ref_scores = torch.matmul(query.double(), exact(keys).transpose(-1, -2))
+    gap = ref_scores.amax(-1, keepdim=True) - ref_scores
+    assert (gap > 100).float().mean() > 0.9  # most tokens sit below float32's exp range
+    torch.testing.assert_close(out.double(), exact(values)[:, :, 77:78].expand_as(out), rtol=0, atol=1e-4)

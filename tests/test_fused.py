@@ -270,28 +270,34 @@ def test_torch_attend_equals_float64_attention_over_the_stored_codes(bits, key_a
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-5)
 
 
-def test_end_to_end_codes_differ_only_at_rounding_ties(stored_blocks):
-    """The guarantee that holds end to end (docs/performance.md, "What equal means end to end").
+@pytest.mark.parametrize("fit", ["minmax", None])  # None: the defaults (fitted keys, min-max values)
+def test_end_to_end_codes_differ_only_at_rounding_ties(stored_blocks, fit):
+    """The guarantee that holds end to end (docs/scale-out.md, "Where quantized runs differ").
 
     Layer 0 produces the same output on both paths up to float rounding, so the keys and values of
     later layers differ by that noise between the fused and the materialised run. The stored blocks
     must then be equal except at rounding ties: a code differs only by one, for an input within
     float noise of the midpoint between two grid points; a 16-bit scale or minimum differs only by
     one unit in the last place (its float32 value straddled a float16 rounding boundary).
+
+    A fitted range (``fit="mse"``, the keys' default) rounds every element of its group at each round
+    of the fit, so a tie there moves the group's fitted range by more than the noise: such a group must
+    be a fitted one in one of the runs, and they are rare; the other groups keep the whole guarantee.
     """
-    from kvpolicy.backends.torch_backend import _grouped, unpack
+    from kvpolicy.backends.torch_backend import _grouped, quantize_groups, unpack
 
     model = tiny_model("llama", layers=4)  # deep and long enough for ties to occur
     ids = _ids(2, 300, seed=4)
     stored_blocks.append([])
-    _run(model, ids, 40, False, attention="materialized")
+    kw = {} if fit is None else {"fit": fit}
+    _run(model, ids, 40, False, attention="materialized", **kw)
     stored_blocks.append([])
-    _, cache = _run(model, ids, 40, True)
+    _, cache = _run(model, ids, 40, True, **kw)
     assert set(cache.attention_paths().values()) == {f"fused ({cache.backend.name})"}
     materialized, fused = ([(_grouped(x.float(), g, axis), out) for x, g, axis, out in run] for run in stored_blocks)
     assert len(fused) == len(materialized) > 10
 
-    code_flips = meta_flips = total = 0
+    code_flips = meta_flips = total = refits = groups = 0
     for (ga, qa), (gb, qb) in zip(materialized, fused, strict=True):
         noise = (ga - gb).abs()
         assert noise.max() <= 1e-4 * max(1.0, float(ga.abs().max()))  # the inputs: float noise apart
@@ -300,11 +306,20 @@ def test_end_to_end_codes_differ_only_at_rounding_ties(stored_blocks):
         # one float16 step a value straddling a rounding boundary can take)
         step = lambda m: (torch.nextafter(m, m.new_tensor(float("inf"))) - m).float().unsqueeze(-1)  # noqa: E731
         group_noise = noise.amax(dim=-1, keepdim=True)
-        assert ((za - zb).abs() <= group_noise + step(qa.zeros)).all()
-        assert ((sa - sb).abs() <= group_noise + step(qa.scales)).all()
-        meta_flips += int((qa.scales != qb.scales).sum() + (qa.zeros != qb.zeros).sum())
+        near = ((za - zb).abs() <= group_noise + step(qa.zeros)) & ((sa - sb).abs() <= group_noise + step(qa.scales))
+        groups += near.numel()
+        if not near.all():
+            assert fit is None, "a min-max group's metadata moved by more than its input's noise"
+            # a refit that went the other way at a tie: a group fitted (not its min-max grid) in one run
+            minmax = [quantize_groups(g, qa.bits, qa.scales.dtype, "minmax")[1:] for g in (ga, gb)]
+            fitted = torch.zeros_like(near)
+            for (s_mm, z_mm), q in zip(minmax, (qa, qb), strict=True):
+                fitted |= ((q.scales != s_mm) | (q.zeros != z_mm)).unsqueeze(-1)
+            assert fitted[~near].all()
+            refits += int((~near).sum())
+        meta_flips += int(((qa.scales != qb.scales) | (qa.zeros != qb.zeros)).unsqueeze(-1)[near].sum())
         ca, cb = unpack(qa.codes, qa.bits).int(), unpack(qb.codes, qb.bits).int()
-        flipped = ca != cb
+        flipped = (ca != cb) & near  # codes are compared on grids within the noise of each other
         total += ca.numel()
         code_flips += int(flipped.sum())
         if flipped.any():
@@ -313,7 +328,8 @@ def test_end_to_end_codes_differ_only_at_rounding_ties(stored_blocks):
             # how far the two runs' perturbations (input, minimum, scale) can move it, in grid steps
             reach = (noise + (za - zb).abs() + ((1 << qa.bits) - 1) * (sa - sb).abs()) / sa
             assert ((t - t.floor() - 0.5).abs() <= reach + 1e-5)[flipped].all()  # at a midpoint: a tie
-    assert 0 < code_flips + meta_flips < 1e-3 * total, (code_flips, meta_flips, total)  # > 0: the checks ran
+    assert 0 < code_flips + meta_flips + refits < 1e-3 * total, (code_flips, meta_flips, refits, total)  # > 0: ran
+    assert refits <= 1e-2 * groups, (refits, groups)
 
 
 # ------------------------------------------------------------------ steps the fused function declines

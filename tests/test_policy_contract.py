@@ -36,6 +36,8 @@ class WindowState(PolicyState):
             self.full = sorted([demoted[0], *self.full])
         if self.defect == "lies-about-demoted" and len(demoted) > 0:
             demoted = demoted[1:]
+        if self.defect == "reversed" and n > 1:
+            demoted = demoted[::-1]  # the same positions, in another order after a multi-token append
         if self.defect == "random":
             self.w += next(_counter) % 2  # the global counter makes two runs differ
         return demoted
@@ -64,6 +66,13 @@ class Window(Policy):
         return WindowState(self.w, self.defect)
 
 
+@dataclass(frozen=True)
+class SplitWindow(Window):
+    """The window, declaring that its appends split (``Policy.splits_appends``)."""
+
+    splits_appends = True
+
+
 def bound(policy, length, prompt):
     return policy.w
 
@@ -87,6 +96,19 @@ def test_a_correct_policy_passes():
 def test_each_defect_is_caught(defect, chunking):
     with pytest.raises(AssertionError):
         check_policy(st.builds(Window, w=st.integers(1, 6), defect=st.just(defect)), max_full=bound, chunking=chunking)
+
+
+def test_a_policy_whose_appends_split_passes_the_split_check():
+    check_policy(st.builds(SplitWindow, w=st.integers(1, 6)), max_full=bound)
+
+
+@pytest.mark.parametrize("defect", ["chunk-variant", "reversed"])
+def test_a_false_splits_appends_claim_is_caught(defect):
+    """Without any chunking claim: declaring ``splits_appends`` alone makes the check split every append."""
+    loose = lambda policy, length, prompt: policy.w + 1  # noqa: E731  (chunk-variant keeps one more)
+    check_policy(st.builds(Window, w=st.integers(1, 6), defect=st.just(defect)), max_full=loose)  # no claim: passes
+    with pytest.raises(AssertionError, match="declares splits_appends"):
+        check_policy(st.builds(SplitWindow, w=st.integers(1, 6), defect=st.just(defect)), max_full=loose)
 
 
 @pytest.mark.parametrize("answer", ["one-row", "list-of-rows"])

@@ -467,6 +467,12 @@ class QuantizedStream:
         self.meta_dtype = meta_dtype
         self.q: QTensor | None = None
         self.staging: torch.Tensor | None = None
+        #: ``centre``: the float32 centre ``(batch, kv_heads, 1, head_dim)`` the first block is quantized
+        #: around; ``None`` until the first block is committed (it is then that block's mean), unless set
+        #: before it arrives (:meth:`kvpolicy.segments.LayerSegments.release` sets the mean of the first
+        #: block an unsplit demotion would have made)
+        self.first_centre: torch.Tensor | None = None
+        self._proposed_centre: torch.Tensor | None = None
 
     def append(self, x: torch.Tensor) -> None:
         """Append ``x``: ``(batch, kv_heads, n, head_dim)``."""
@@ -492,6 +498,8 @@ class QuantizedStream:
     def commit(self, block: QTensor | None, staging: torch.Tensor | None) -> None:
         """Store what :meth:`prepare` returned."""
         if block is not None:
+            if self.q is None and self.centre and self.first_centre is None:
+                self.first_centre = self._proposed_centre
             self.q = block if self.q is None else self.backend.cat([self.q, block])
         self.staging = staging
 
@@ -508,7 +516,10 @@ class QuantizedStream:
             # the first block's mean, then that block's stored centre for every later block: a stream
             # holds one centre, so its blocks concatenate
             held = getattr(self.q, "centre", None)
-            extra["centre"] = held if held is not None else x.float().mean(dim=2, keepdim=True)
+            if held is None:
+                held = self.first_centre if self.first_centre is not None else x.float().mean(dim=2, keepdim=True)
+                self._proposed_centre = held
+            extra["centre"] = held
         return self.backend.quantize(x, self.bits, self.group_size, self.axis, **extra)  # type: ignore[arg-type, call-arg]
 
     def read(self) -> torch.Tensor:

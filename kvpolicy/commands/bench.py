@@ -6,7 +6,7 @@ import argparse
 import importlib
 
 #: benchmark modules under kvpolicy.bench; each defines ``HELP``, ``add_arguments(parser)`` and ``run(args) -> int``
-BENCHMARKS: tuple[str, ...] = ("decode", "backends")
+BENCHMARKS: tuple[str, ...] = ("decode", "backends", "memory")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -13,10 +13,13 @@
 //
 // One work item = one (batch, head, token split). It walks the tiles of its split: one key group of GK
 // tokens for min-max keys, `tile` tokens for codebook keys (the last tile may be shorter). Scores of the
-// tile: min-max keys (q*s)·codes + q·z channel by channel across the tile's tokens; codebook keys
-// s_t * (q·C[codes_t]), eight tokens at a time with AVX2 and FMA (dot8), else token by token. An online
-// softmax, then the values of the tile: min-max values accumulate (p*s)·codes with p·z kept per value
-// group; codebook values (p*s_t)·C[codes_t], the row one group and no zero term. Codes are decoded in
+// tile: min-max keys (q*s)·codes + q·z, with AVX2 and FMA at 2 and 4 bits in registers (key_block: the
+// tokens of eight bytes of every channel's row, summed over all channels before one store), else channel by
+// channel across the tile's tokens; codebook keys s_t * (q·C[codes_t]), eight tokens at a time with AVX2 and
+// FMA (dot8), else token by token. An online softmax (exp eight at a time with AVX2: exp_shifted_sum), then
+// the values of the tile: min-max values accumulate (p*s)·codes with p·z kept per value group (with AVX2 at 2
+// and 4 bits in registers, value_block: eight bytes of each token's group over all the tile's tokens);
+// codebook values (p*s_t)·C[codes_t], the row one group and no zero term. Codes are decoded in
 // planar order (see expand): centred (code - MID) for min-max, looked up in C for the codebook; nothing is
 // dequantized into memory.
 // Partial results of the splits of one (batch, head) are merged through their log-sum-exp.
@@ -185,6 +188,123 @@ inline void dot8(const float* __restrict a, const float* __restrict x, int64_t l
 }
 #endif
 
+// p[t] = exp(p[t] - m) for t < len, m >= every p[t] (the running maximum of an online softmax); returns the
+// sum of the results. With AVX2 and FMA eight at a time: exp(x) = 2^n * P(r), n = round(x / ln 2), r = x - n ln 2
+// (ln 2 in two parts), P the degree-7 polynomial of Cephes' expf (about 1 ulp on the reduced range); x below
+// -87.3 (where float32's exp underflows) gives 0, NaN stays NaN. The rest, and builds without AVX2, std::exp.
+inline float exp_shifted_sum(float* __restrict p, int64_t len, float m) {
+  int64_t t = 0;
+  float sum = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 vm = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.33654f), log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f), one = _mm256_set1_ps(1.f);
+  __m256 acc = _mm256_setzero_ps();
+  for (; t + 8 <= len; t += 8) {
+    const __m256 x0 = _mm256_sub_ps(_mm256_loadu_ps(p + t), vm);
+    const __m256 under = _mm256_cmp_ps(x0, lo, _CMP_LT_OQ);
+    const __m256 x = _mm256_max_ps(lo, x0);  // NaN (second operand) stays NaN
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, log2e, _mm256_set1_ps(0.5f)));
+    const __m256 r = _mm256_fnmadd_ps(n, c2, _mm256_fnmadd_ps(n, c1, x));
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, one));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    y = _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+    _mm256_storeu_ps(p + t, y);
+    acc = _mm256_add_ps(acc, y);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, acc);
+  for (int u = 0; u < 8; ++u) sum += lanes[u];
+#endif
+  for (; t < len; ++t) {
+    p[t] = std::exp(p[t] - m);
+    sum += p[t];
+  }
+  return sum;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The eight bytes at p, widened to 32-bit lanes (one byte per lane)
+inline __m256i eight_bytes(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Plane k of eight_bytes: the codes at bits BITS * k of each byte, centred (code - MID) as float32
+template <int BITS>
+inline __m256 centred_plane(__m256i bytes, int k) {
+  const __m256i code = _mm256_and_si256(_mm256_srl_epi32(bytes, _mm_cvtsi32_si128(BITS * k)),
+                                        _mm256_set1_epi32((1 << BITS) - 1));
+  return _mm256_sub_ps(_mm256_cvtepi32_ps(code), _mm256_set1_ps(Decode<kMinMax, BITS>::MID));
+}
+
+// Min-max key scores in registers (2 and 4 bits): the NQ queries' scores of the 8 * PER tokens whose codes lie at
+// bytes [j0, j0 + 8) of every channel's row, summed over all D channels before one store. acc[i][k] is plane k
+// (tokens PER * j + k, j in [j0, j0 + 8)), added to sc[i * T + k * krow + j0] (which holds the bias): the planar
+// order of expand, so the rest of run_item reads the scores as it does from the channel-by-channel loop.
+template <int BITS, int NQ>
+inline void key_block(const uint8_t* __restrict rows, int64_t krow, int64_t D, int64_t j0, const float* __restrict qs,
+                      int64_t D_stride, float* __restrict sc, int64_t T) {
+  constexpr int PER = 8 / BITS;
+  __m256 acc[NQ][PER];
+  for (int i = 0; i < NQ; ++i)
+    for (int k = 0; k < PER; ++k) acc[i][k] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256i b = eight_bytes(rows + d * krow + j0);
+    for (int k = 0; k < PER; ++k) {
+      const __m256 c = centred_plane<BITS>(b, k);
+      for (int i = 0; i < NQ; ++i) acc[i][k] = _mm256_fmadd_ps(_mm256_broadcast_ss(qs + i * D_stride + d), c, acc[i][k]);
+    }
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int k = 0; k < PER; ++k) {
+      float* dst = sc + i * T + k * krow + j0;
+      _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_loadu_ps(dst), acc[i][k]));
+    }
+}
+
+// Min-max values in registers (2 and 4 bits): for the NQ queries, acc[i][k] += sum over the len tokens of
+// w[i * T + t] * (code - MID), plane k of the codes at bytes [0, 8) of each token's group (codes + t * tstride),
+// then added to out[i * DV + k * vgb] (the planar order of expand within the group).
+template <int BITS, int NQ>
+inline void value_block(const uint8_t* __restrict codes, int64_t tstride, int64_t len, const float* __restrict w,
+                        int64_t T, float* __restrict out, int64_t DV, int64_t vgb) {
+  constexpr int PER = 8 / BITS;
+  __m256 acc[NQ][PER];
+  for (int i = 0; i < NQ; ++i)
+    for (int k = 0; k < PER; ++k) acc[i][k] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const __m256i b = eight_bytes(codes + t * tstride);
+    for (int k = 0; k < PER; ++k) {
+      const __m256 c = centred_plane<BITS>(b, k);
+      for (int i = 0; i < NQ; ++i) acc[i][k] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + i * T + t), c, acc[i][k]);
+    }
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int k = 0; k < PER; ++k) {
+      float* dst = out + i * DV + k * vgb;
+      _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_loadu_ps(dst), acc[i][k]));
+    }
+}
+
+// key_block over a whole key group: every 8-byte column block, the queries three (4 bits) or two (2 bits) at a
+// time, so that the accumulators stay within the 16 vector registers
+template <int BITS>
+inline void key_group_scores(const uint8_t* rows, int64_t krow, int64_t D, const float* qs, int64_t nq, float* sc,
+                             int64_t T) {
+  constexpr int NB = BITS == 4 ? 3 : 2;
+  for (int64_t j0 = 0; j0 < krow; j0 += 8) {
+    int64_t i = 0;
+    for (; i + NB <= nq; i += NB) key_block<BITS, NB>(rows, krow, D, j0, qs + i * D, D, sc + i * T, T);
+    for (; i < nq; ++i) key_block<BITS, 1>(rows, krow, D, j0, qs + i * D, D, sc + i * T, T);
+  }
+}
+#endif
+
 template <typename T>
 inline void to_float(const T* __restrict src, int64_t count, float* __restrict dst) {
   for (int64_t i = 0; i < count; ++i) dst[i] = static_cast<float>(src[i]);
@@ -245,7 +365,7 @@ void run_item(const float* q, const Packed& K, const Packed& V, const Shape& s, 
   std::vector<float> qs(nq * D), sc(nq * T), cf(std::max({T, D, GV})), c8(KS == kCodebook ? 8 * D : 0);
   // metadata of a tile: keys' scales and minimums (min-max: per channel; codebook: scales per token), values'
   std::vector<float> sd(std::max(D, T)), zd(D), sv(T * J), zv(T * J);
-  std::vector<float> m(nq, kNegInf), l(nq, 0.f), acc(nq * DV, 0.f), zacc(nq * J, 0.f);
+  std::vector<float> m(nq, kNegInf), l(nq, 0.f), acc(nq * DV, 0.f), zacc(nq * J, 0.f), wv(nq * T);
   if constexpr (KS == kCodebook) {  // the query in the planar order of a key row, once
     for (int64_t i = 0; i < nq; ++i)
       for (int64_t e = 0; e < D; ++e) qs[i * D + planar<KB>(e, krow)] = q[i * D + e];
@@ -266,10 +386,15 @@ void run_item(const float* q, const Packed& K, const Packed& V, const Shape& s, 
         std::fill(sc.begin() + i * T, sc.begin() + (i + 1) * T, bias);
       }
       const uint8_t* row = kc + tile * D * krow;
-      for (int64_t d = 0; d < D; ++d) {
-        expand<KB>(row + d * krow, krow, cf.data(), kdec);
-        for (int64_t i = 0; i < nq; ++i) axpy(&sc[i * T], cf.data(), qs[i * D + d], static_cast<int>(T));
-      }
+#if defined(__AVX2__) && defined(__FMA__)
+      if (KB != 3 && krow % 8 == 0) {
+        if constexpr (KB != 3) key_group_scores<KB>(row, krow, D, qs.data(), nq, sc.data(), T);
+      } else
+#endif
+        for (int64_t d = 0; d < D; ++d) {
+          expand<KB>(row + d * krow, krow, cf.data(), kdec);
+          for (int64_t i = 0; i < nq; ++i) axpy(&sc[i * T], cf.data(), qs[i * D + d], static_cast<int>(T));
+        }
     } else {  // scores s_t * (q · C[codes_t]): eight tokens at a time, then the rest token by token
       ks.read(tok0, len, sd.data());
       int64_t t = 0;
@@ -301,17 +426,37 @@ void run_item(const float* q, const Packed& K, const Packed& V, const Shape& s, 
         for (int64_t j = 0; j < J; ++j) zacc[i * J + j] *= corr;
         l[i] *= corr;
       }
-      float sum = 0.f;
-      for (int64_t t = 0; t < len; ++t) {
-        si[t] = std::exp(si[t] - mn);
-        sum += si[t];
-      }
-      l[i] += sum;
+      l[i] += exp_shifted_sum(si, len, mn);
       m[i] = mn;
     }
     // values of the tile: acc += (p * s) * decoded codes; min-max values also zacc += p * z
     vs.read(tok0 * J, len * J, sv.data());
     if constexpr (VS == kMinMax) vz.read(tok0 * J, len * J, zv.data());
+#if defined(__AVX2__) && defined(__FMA__)
+    if constexpr (VS == kMinMax && VB != 3) {
+      if (vgb % 8 == 0) {  // per value group: the weights p * s of its tokens, then the codes in registers
+        constexpr int NB = VB == 4 ? 3 : 2;
+        for (int64_t j = 0; j < J; ++j) {
+          for (int64_t i = 0; i < nq; ++i) {
+            for (int64_t t = 0; t < len; ++t) {
+              const float p = sc[i * T + (KS == kMinMax ? planar<KB>(t, krow) : t)];
+              const float s_v = sv[t * J + j];
+              wv[i * T + t] = p * s_v;
+              zacc[i * J + j] += p * (zv[t * J + j] + s_v * Decode<VS, VB>::MID);
+            }
+          }
+          const uint8_t* g = vc + (tok0 * J + j) * vgb;
+          for (int64_t j0 = 0; j0 < vgb; j0 += 8) {
+            float* o = acc.data() + j * GV + j0;
+            int64_t i = 0;
+            for (; i + NB <= nq; i += NB) value_block<VB, NB>(g + j0, J * vgb, len, wv.data() + i * T, T, o + i * DV, DV, vgb);
+            for (; i < nq; ++i) value_block<VB, 1>(g + j0, J * vgb, len, wv.data() + i * T, T, o + i * DV, DV, vgb);
+          }
+        }
+        continue;
+      }
+    }
+#endif
     for (int64_t t = 0; t < len; ++t) {
       const int64_t tok = tok0 + t;
       const int64_t pt = KS == kMinMax ? planar<KB>(t, krow) : t;  // min-max scores are in planar token order

@@ -158,6 +158,12 @@ class Policy(ABC):
     per_head: ClassVar[bool] = False
     #: True if the policy needs attention scores (H2O-like): see ``kvpolicy.attention``
     needs_scores: ClassVar[bool] = False
+    #: True if telling the state of ``a`` then ``b`` new tokens demotes exactly what telling it of
+    #: ``a + b`` at once does, in the same order (a selection that depends only on the length). A layer
+    #: then demotes a long multi-token update as soon as attention has read it, keeping only the last
+    #: tokens a ``crop`` could still remove (see ``kvpolicy.segments.CROP_WINDOW``); other policies that
+    #: need no scores keep the whole update until the layer's next call.
+    splits_appends: ClassVar[bool] = False
     #: with ``needs_scores``: report only the attention of the last ``score_queries`` query positions
     #: of each forward (``None``: all of them). SnapKV's observation window sets it; a subclass may
     #: define it as a property of its parameters. The count is the same for every head.

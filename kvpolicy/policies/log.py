@@ -28,6 +28,7 @@ class LogWindow(Policy):
     window: int = 42
 
     name = "log"
+    splits_appends = True  # LogWindowState.append steps through the same thinnings whatever the split
 
     def __post_init__(self) -> None:
         check_int("window", self.window, 1, "LogWindow")

@@ -76,6 +76,11 @@ class RecentWindow(Policy):
 
     name = "recent"
 
+    @property  # type: ignore[override]
+    def splits_appends(self) -> bool:
+        """``sliding`` depends on the length only; ``flush`` treats its first append as the prompt."""
+        return self.variant == "sliding"
+
     def __post_init__(self) -> None:
         check_int("window", self.window, 1, "RecentWindow")
         check_choice("variant", self.variant, VARIANTS, "RecentWindow")

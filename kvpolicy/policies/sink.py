@@ -31,6 +31,7 @@ class SinkWindow(Policy):
     window: int = 1020
 
     name = "sink"
+    splits_appends = True  # FP(T) depends on T only
 
     def __post_init__(self) -> None:
         check_int("sinks", self.sinks, 0, "SinkWindow")

@@ -58,6 +58,10 @@ class Sinks(Policy):
     def score_queries(self) -> int | None:
         return self.policy.score_queries
 
+    @property  # type: ignore[override]
+    def splits_appends(self) -> bool:
+        return self.policy.splits_appends
+
     def new_state(self, num_heads: int = 1) -> SinksState:
         return SinksState(self.policy.new_state(num_heads), self.sinks, self.policy.per_head, num_heads)
 

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Every check that needs a GPU, in one run (about 8 minutes on one GPU):
+#   1. the Triton kernels compiled and cross-checked against the torch backend (gpu_check_triton.sh);
+#   2. the memory benchmark, the peak read by torch.cuda.max_memory_allocated (kvpolicy bench memory);
+#   3. decode attention at 32k and 128k tokens on a random layer shaped like an 8B model's (head_dim 128,
+#      8 kv heads, 32 query heads), against DynamicCache and dequantize-then-attend (long_decode_check.py);
+#   4. a model split across cuda:0 and cpu with a CompressedCache (device_map_check.py).
+#
+# Usage (from anywhere; needs the project installed: pip install -e ".[test,triton]"):
+#   bash scripts/gpu_checks.sh              # on a CUDA machine: compiled kernels, full sizes
+#   bash scripts/gpu_checks.sh --cpu        # without a GPU: the same checks at reduced sizes, the Triton
+#                                           # kernels under Triton's interpreter (TRITON_INTERPRET=1), the
+#                                           # memory benchmark reading the resident set (a few minutes)
+# Output: one section per check on stdout, results under $OUT (default gpu-checks/); exit status non-zero
+# as soon as a check fails.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
+OUT="${OUT:-gpu-checks}"
+MODE=cuda
+if [ "${1:-}" = "--cpu" ]; then
+  MODE=cpu
+elif [ -n "${1:-}" ]; then
+  echo "gpu_checks.sh: unknown argument '${1}'; use no argument (CUDA) or --cpu (reduced sizes on CPU)" >&2
+  exit 2
+fi
+mkdir -p "$OUT"
+
+if [ "$MODE" = cuda ]; then
+  if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu_checks.sh: no CUDA device visible; run 'bash scripts/gpu_checks.sh --cpu' for the reduced CPU run" >&2
+    exit 2
+  fi
+  echo "== 1. Triton kernels, compiled, against torch"
+  bash scripts/gpu_check_triton.sh
+  echo "== 2. memory benchmark (torch.cuda.max_memory_allocated)"
+  "$PY" -m kvpolicy.cli bench memory --device cuda --model smollm2 --lengths 8k 32k --steps 6 \
+    --caches dynamic hf-quanto-2 one-liner preset:kvpolicy-3bit --out "$OUT/memory"
+  echo "== 3. decode at 32k and 128k, 8B-shaped layer"
+  "$PY" scripts/long_decode_check.py --device cuda --lengths 32768 131072 --dtype bf16 --steps 10
+  echo "== 4. device map (cuda:0 + cpu)"
+  "$PY" scripts/device_map_check.py
+else
+  export TRITON_INTERPRET=1
+  echo "== 1. Triton kernels under the interpreter, against torch (reduced)"
+  "$PY" -m pytest -q -p no:randomly -p no:cacheprovider tests/test_backend_triton.py \
+    -k "quantize_dequantize_match_torch or attend_matches_reference or fused_decode_path_uses_the_kernel"
+  echo "== 2. memory benchmark (resident set, tiny Llama)"
+  "$PY" -m kvpolicy.cli bench memory --device cpu --model tiny-llama --lengths 256 --steps 2 --threads 1 \
+    --caches dynamic hf-quanto-2 one-liner --out "$OUT/memory"
+  echo "== 3. decode, reduced layer shape"
+  "$PY" scripts/long_decode_check.py --device cpu --lengths 512 1024 --heads 4 --kv-heads 2 --head-dim 64 \
+    --dtype fp32 --steps 2
+  echo "== 4. device map (both halves on cpu)"
+  "$PY" scripts/device_map_check.py --first-device cpu
+fi
+echo "gpu_checks.sh: all checks passed ($MODE)"
