@@ -306,7 +306,8 @@ class CompressedLayer(CacheLayerMixin):
             self, fusable=fusable, scores=scores, layout=self.layout if agnostic else "ordered",
             strict=self.attention == "fused",
         )  # fmt: skip
-        self._handed = weakref.ref(ticket)
+        if n > 1:  # only a multi-token update is released later (decode steps demote in update)
+            self._handed = weakref.ref(ticket)
         b, h, _, d = self.keys.shape
         count = self.length if held else self.keys.shape[2]
         return handoff.hand_out(
@@ -818,9 +819,7 @@ class CompressedCache(Cache):
         :func:`kvpolicy.attention.enable_scores` install a forward hook that calls this, so that the last
         layer's prompt is not left to the first decode step; without it that step demotes it. Calling it
         at any other time changes nothing that the next call would not do."""
-        pending, self._unreleased = self._unreleased, []
-        for i in pending:
-            self.layers[i].release()
+        self._release_before(len(self.layers))
 
     def positions(self, layer_idx: int) -> dict[str, torch.Tensor]:
         """``{"full": ..., "compressed": ..., "staged_keys": ...}`` for one layer (see
