@@ -34,7 +34,7 @@ def main() -> None:
     targets = ids[:, args.context :]
     configs = {
         "uncompressed": dict(action="none"),
-        # min-max groups of 64 either way (the comparison docs/quantization.md quotes)
+        # min-max groups of 64 either way (the comparison docs/explanation/quantization.md quotes)
         "keys per channel": dict(bits=args.bits, key_axis="channel", value_axis="token", group_size=64, fit="minmax"),
         "keys per token": dict(bits=args.bits, key_axis="token", value_axis="token", group_size=64, fit="minmax"),
     }

@@ -35,6 +35,7 @@ _EXPORTS = {
     "Sinks": "kvpolicy.policies.sinks",
     "Tiered": "kvpolicy.actions.tiered",
     "boundary": "kvpolicy.layer_bits",
+    "estimate": "kvpolicy.estimation",
     "HeavyHitters": "kvpolicy.policies.h2o",
     "Quantize": "kvpolicy.actions.quantize",
     "TorchBackend": "kvpolicy.backends.torch_backend",
@@ -62,6 +63,7 @@ __all__ = [
     "TorchBackend",
     "__version__",
     "boundary",
+    "estimate",
 ]
 
 if TYPE_CHECKING:
@@ -72,6 +74,7 @@ if TYPE_CHECKING:
     from kvpolicy.backends.torch_backend import TorchBackend
     from kvpolicy.cache import CompressedCache, CompressedLayer
     from kvpolicy.errors import ConfigError, MetadataOverflowError, MissingDependencyError, NonFiniteError
+    from kvpolicy.estimation import estimate
     from kvpolicy.layer_bits import boundary
     from kvpolicy.memory import MemoryReport
     from kvpolicy.policies.h2o import HeavyHitters
@@ -91,4 +94,5 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    """The public API only (:data:`__all__`): not the module's own imports (``importlib``, ``Any``...)."""
+    return sorted(set(__all__) | set(_EXPORTS))

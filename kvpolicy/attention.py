@@ -186,13 +186,18 @@ HOOK_ATTR = "_kvpolicy_release_hook"
 
 def _release_after_forward(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     """Forward hook: the cache this forward updated may demote what its layers' attention has read
-    (``CompressedCache.release_forward``); any other cache, or none, is left alone."""
+    (``CompressedCache.release_forward``), and checks that it was built for this model
+    (``CompressedCache.check_model_config``: a warning, once, when it was not); any other cache, or
+    none, is left alone."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if cache is None:
         cache = getattr(output, "past_key_values", None)
     release = getattr(cache, "release_forward", None)
     if callable(release):
         release()
+    check = getattr(cache, "check_model_config", None)
+    if callable(check):
+        check(getattr(module, "config", None), type(module).__name__)
 
 
 def watch_forward(model: torch.nn.Module) -> None:

@@ -9,6 +9,7 @@ compressed tiers), each with the logical positions of its tokens.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -118,6 +119,9 @@ class CompressedLayer(CacheLayerMixin):
         self.book: PositionBook | None = None
         #: the ticket of the latest hand-off (None: plain tensors were returned), see :meth:`release`
         self._handed: weakref.ref[handoff.Ticket] | None = None
+        #: the defaults replaced for this backend and head dim (:meth:`Action.serving`), as an ordered set
+        #: shared with the cache's other layers (``repr(cache)`` shows it)
+        self.adapted: dict[str, None] = {}
 
     # ------------------------------------------------------------------ what held owns, read through
     @property
@@ -184,8 +188,11 @@ class CompressedLayer(CacheLayerMixin):
         caps = self.backend.capabilities
         if self.auto and (key_states.device.type not in caps.devices or key_states.dtype not in caps.dtypes):
             self.backend = auto_backend.choose(self.action, key_states.device.type, key_states.dtype)
-            if self.attention != "materialized":
-                self.unfusable = _unfusable(self.policy, self.action, self.backend)
+        if self.action.compresses:
+            self.action, notes = self.action.serving(self.backend, key_states.shape[-1], value_states.shape[-1])
+            self.adapted.update(dict.fromkeys(notes))
+        if self.attention != "materialized":
+            self.unfusable = _unfusable(self.policy, self.action, self.backend)
         self.device = key_states.device
         self.dtype = key_states.dtype
         held = LayerSegments(self.policy, self.action, self.backend, self.transform, self.layer_idx, self.book)
@@ -265,6 +272,7 @@ class CompressedLayer(CacheLayerMixin):
             self.transform,
         )  # fmt: skip
         layer.internal = True
+        layer.adapted = self.adapted
         return layer
 
     # ------------------------------------------------------------------ the hand-off to attention
@@ -647,8 +655,13 @@ class CompressedCache(Cache):
         # backend="auto": the fastest backend that serves every layer's widths
         if self._auto and self.action.compresses and not all(auto_backend.serves(self.backend, a) for a in actions):
             self.backend = registry.get("backends", "torch")()
+        #: the defaults replaced because they cannot serve the backend or a head dim (an ordered set of
+        #: notes, filled further by each layer's first update), see :meth:`Action.serving`
+        self.adapted: dict[str, None] = {}
         if self.action.compresses:
-            for each in actions:
+            self.action = self._served(self.action, config)
+            self._layer_actions = {i: self._served(a, config) for i, a in self._layer_actions.items()}
+            for each in [self.action, *self._layer_actions.values()]:
                 each.check_backend(self.backend)
                 each.check_transform(self.transform)
         if attention == "fused":
@@ -664,6 +677,7 @@ class CompressedCache(Cache):
         self._layer_types: list[str] | None = None
         self._layer_kwargs: list[dict] = []
         self._config = config  # the model's, when given: save() records its identity
+        self._model_warned = False  # check_model_config warned already
         #: the number of layers of the file a loaded cache came from (None: not loaded)
         self._saved_layers: int | None = None
         if config is not None:
@@ -701,10 +715,22 @@ class CompressedCache(Cache):
                 self.attention, self._auto, self.transform,
             )  # fmt: skip
             layer.book = self._book
+            layer.adapted = self.adapted
             return layer
         from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
 
         return DYNAMIC_LAYER_TYPE_MAPPING[kind](**self._layer_kwargs[layer_idx])
+
+    def _served(self, action: Action, config: Any) -> Action:
+        """``action`` with the defaults the backend cannot serve replaced (recorded in :attr:`adapted`); with
+        a config, the notes its head dim will cause are recorded now too (each layer replaces those at its
+        first update, from the head dims of its own tensors)."""
+        action, notes = action.serving(self.backend)
+        self.adapted.update(dict.fromkeys(notes))
+        head_dim = _head_dim(config)
+        if head_dim is not None:
+            self.adapted.update(dict.fromkeys(action.serving(self.backend, head_dim, head_dim)[1]))
+        return action
 
     # transformers' state updates of non-attention layers (linear attention, state space, sparse indexers)
     def get_conv_state(self, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
@@ -738,9 +764,51 @@ class CompressedCache(Cache):
             )
 
     @classmethod
+    def for_model(cls, model: Any, preset: str | None = None, **kwargs: Any) -> CompressedCache:
+        """A cache built for ``model``: its config decides which layers are compressed and their head dims.
+
+        Sliding-window and other non-full-attention layers (Gemma 2/3, hybrid models) are left to
+        transformers' own layers, and defaults that cannot serve the model's head dim are replaced
+        (``repr`` shows them as ``adapted=[...]``). The same as ``CompressedCache(config=model.config,
+        ...)`` or ``from_preset(preset, config=model.config, ...)``, after checking that the model is one
+        kvpolicy can compress.
+
+        Parameters
+        ----------
+        model : transformers.PreTrainedModel
+            The model the cache will serve (only its ``config`` is read).
+        preset : str, optional
+            A preset name (:meth:`from_preset`, e.g. ``"kvpolicy-3bit"``), a preset file's name or path
+            (:meth:`from_config`), or ``None`` for ``CompressedCache(**kwargs)``.
+        **kwargs
+            Keywords of :class:`CompressedCache` (or the preset's overrides); not ``config``.
+
+        Raises
+        ------
+        ConfigError
+            If ``model`` has no transformers config, declares no attention layer, or has layers of a type
+            transformers has no cache layer for (the error names the model class); or for bad keywords.
+        """
+        from kvpolicy.model_check import check_model
+
+        if "config" in kwargs:
+            raise ConfigError(
+                "for_model reads config from the model; drop config= (or build CompressedCache(config=...))"
+            )
+        config = check_model(model)
+        if preset is None:
+            return cls(config=config, **kwargs)
+        if preset in registry.names("presets"):
+            return cls.from_preset(preset, config=config, **kwargs)
+        return cls.from_config(preset, config=config, **kwargs)
+
+    @classmethod
     def from_config(cls, path: str | Path, **overrides: Any) -> CompressedCache:
         """A cache from a preset file: the ``[cache]`` table of a TOML file (what ``kvpolicy tune``
         writes) as keywords, ``overrides`` (e.g. ``config=model.config``) on top.
+
+        ``path`` is a file's path, or the name of a preset file shipped with kvpolicy
+        (:func:`kvpolicy.preset_files.names`: ``"smollm2-3bit"``, ``"smollm2-8k-2.5bit"``).
 
         Raises
         ------
@@ -749,7 +817,9 @@ class CompressedCache(Cache):
         """
         import tomllib
 
-        p = Path(path)
+        from kvpolicy import preset_files
+
+        p = preset_files.resolve(path)
         try:
             data = tomllib.loads(p.read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
@@ -820,6 +890,26 @@ class CompressedCache(Cache):
         layer's prompt is not left to the first decode step; without it that step demotes it. Calling it
         at any other time changes nothing that the next call would not do."""
         self._release_before(len(self.layers))
+
+    def check_model_config(self, config: Any, model_name: str = "model") -> None:
+        """Warn, once per cache, when the model it serves has sliding-window or other non-full-attention
+        layers and the cache was built without ``config=``: it then keeps and compresses those layers'
+        whole history, holding far more bytes than transformers' sliding layers would (the model's
+        sliding mask still limits what attention reads). Called after each forward by the hook that
+        :func:`~kvpolicy.fused.enable_fused` and :func:`~kvpolicy.attention.enable_scores` install; a
+        cache cannot see the model otherwise, so build it with :meth:`for_model`."""
+        if self._config is not None or self._model_warned or not is_hybrid(config):
+            return
+        self._model_warned = True
+        text = config.get_text_config(decoder=True)
+        kinds = sorted({k for k in text.layer_types if k != "full_attention"})
+        warnings.warn(
+            f"CompressedCache: this {model_name} has {kinds} layers, and the cache was built without config=, so "
+            "it keeps and compresses their whole history (transformers' own sliding layers keep only the window: "
+            "fewer bytes). Build it "
+            "with CompressedCache.for_model(model, ...) or pass config=model.config",
+            stacklevel=2,
+        )
 
     def positions(self, layer_idx: int) -> dict[str, torch.Tensor]:
         """``{"full": ..., "compressed": ..., "staged_keys": ...}`` for one layer (see
@@ -898,10 +988,11 @@ class CompressedCache(Cache):
 
     def __repr__(self) -> str:
         widths = f", layer_bits={self.layer_bits!r}" if self.layer_bits else ""
+        adapted = f", adapted={list(self.adapted)!r}" if self.adapted else ""
         return (
             f"CompressedCache(policy={self.policy!r}, action={self.action!r}, "
             f"backend={self.backend!r}, layout={self.layout!r}, attention={self.attention!r}{_transform_repr(self)}"
-            f"{widths})"
+            f"{widths}{adapted})"
         )
 
 
@@ -929,6 +1020,21 @@ _PARTS = (
     ("policy", "policies", Policy), ("action", "actions", Action), ("backend", "backends", Backend),
     ("transform", "transforms", Transform),
 )  # fmt: skip
+
+
+def _head_dim(config: Any) -> int | None:
+    """The attention head dim a model config declares (``head_dim``, else hidden size over heads; None
+    without a config or when it declares neither)."""
+    if config is None or not hasattr(config, "get_text_config"):
+        return None
+    text = config.get_text_config(decoder=True)
+    dim = getattr(text, "head_dim", None)
+    if isinstance(dim, int) and dim > 0:
+        return dim
+    hidden, heads = getattr(text, "hidden_size", None), getattr(text, "num_attention_heads", None)
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
+        return hidden // heads
+    return None
 
 
 def _num_layers(config: Any) -> int | None:
@@ -998,5 +1104,9 @@ def _compose(specs: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
         built[role] = spec
     if pool:
         accepted = {role: sorted(_param_names(obj)) for role, obj in built.items()}
-        raise ConfigError(f"unknown keyword(s) {sorted(pool)} for this composition; accepted: {accepted}")
+        known = sorted({name for names in accepted.values() for name in names})
+        close = {k: difflib.get_close_matches(k, known, n=1) for k in sorted(pool)}
+        hint = ", ".join(f"{m[0]!r} for {k!r}" for k, m in close.items() if m)
+        raise ConfigError(f"unknown keyword(s) {sorted(pool)} for this composition; accepted: {accepted}"
+                          + (f"; did you mean {hint}?" if hint else ""))  # fmt: skip
     return built

@@ -19,13 +19,30 @@ import sys
 from kvpolicy.errors import ConfigError
 
 #: subcommand modules under kvpolicy.commands, in help order
-COMMANDS = ("demo", "list", "plugins", "ablate", "tune", "analyze", "bench")
+COMMANDS = ("demo", "list", "plugins", "ablate", "tune", "analyze", "bench", "estimate")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``kvpolicy`` parser with every subcommand of :data:`COMMANDS` registered."""
-    parser = argparse.ArgumentParser(prog="kvpolicy", description="Pluggable KV-cache compression for transformers.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    """The ``kvpolicy`` parser with every subcommand of :data:`COMMANDS` registered.
+
+    Every parser is a :class:`~kvpolicy.commands._parser.Parser`: defaults shown in ``--help``, and a
+    misspelt choice answered with ``did you mean``. The conventions of every subcommand: list flags take
+    space-separated values and may be repeated (``--bits 2 4``), dtypes are torch's names (``float32``,
+    ``bfloat16``, ``float16``), ``--out`` is always a directory, and a flag that writes one file is named
+    for what it writes (``--json``, ``--preset-file``, ``--docs``).
+    """
+    from kvpolicy import __version__
+    from kvpolicy.commands._parser import Parser
+
+    parser = Parser(
+        prog="kvpolicy",
+        description="Pluggable KV-cache compression for transformers. List flags take space-separated values "
+        "and may be repeated (--bits 2 4 == --bits 2 --bits 4); dtypes are torch's names (float32, bfloat16, "
+        "float16); --out is always a directory.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvpolicy {__version__}",
+                        help="print the version and exit")  # fmt: skip
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="one of: " + ", ".join(COMMANDS))
     for name in COMMANDS:
         importlib.import_module(f"kvpolicy.commands.{name}").register(sub)
     return parser

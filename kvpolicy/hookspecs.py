@@ -3,7 +3,7 @@ and presets.
 
 The built-in parts register through these same hooks (:mod:`kvpolicy.builtins`); third-party
 distributions implement them in the module an entry point of the group ``kvpolicy`` names
-(loaded by :mod:`kvpolicy.registry`; see docs/plugins.md).
+(loaded by :mod:`kvpolicy.registry`; see docs/how-to/write-a-plugin.md).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ chunk at full precision at a time.
 itself (scoring, a custom loop) and returns the output of the last chunk.
 
 Each chunk is one multi-token update per layer: once its attention has run, the layer demotes it as
-any prompt (see ``docs/architecture.md``, *When tokens are demoted*; :func:`chunked_prefill` releases
+any prompt (see ``docs/explanation/architecture.md``, *When tokens are demoted*; :func:`chunked_prefill` releases
 every layer after each chunk's forward, with or without the forward hook of ``enable_fused``), and the next
 chunk attends over the earlier ones as a decode step would, compressed outside the policy's full-precision set. So:
 

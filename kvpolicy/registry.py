@@ -26,6 +26,7 @@ distribution and every problem found; everything else keeps working.
 
 from __future__ import annotations
 
+import difflib
 import os
 import reprlib
 import warnings
@@ -417,5 +418,11 @@ def get(kind: str, name: str) -> Any:
         raise Conflict(kind, name, tuple(tables.conflicts[kind][name])).error()
     table = tables.parts[kind]
     if not isinstance(name, str) or name not in table:
-        raise ConfigError(f"unknown {_SINGULAR[kind]} {name!r}; registered {kind}: {names(kind)}")
+        raise ConfigError(f"unknown {_SINGULAR[kind]} {name!r}; registered {kind}: {names(kind)}{_guess(name, kind)}")
     return table[name][0]
+
+
+def _guess(name: object, kind: str) -> str:
+    """``"; did you mean 'log'?"`` for the registered name of ``kind`` closest to ``name``, or ``""``."""
+    close = difflib.get_close_matches(name, names(kind), n=1) if isinstance(name, str) else []
+    return f"; did you mean {close[0]!r}?" if close else ""

@@ -99,7 +99,7 @@ def space(
         for sinks in (0, 4):
             for kb, vb in WIDTHS:
                 # codebook keys (per token, no group, centred) at every width: centred, they lose less than
-                # min-max per channel at fewer bytes (docs/quantization.md)
+                # min-max per channel at fewer bytes (docs/explanation/quantization.md)
                 codebook = rotate and kb >= KEY_CODEBOOK_BITS
                 keys = [("minmax", kg, fit) for kg in key_groups for fit in dict.fromkeys(key_fits)]
                 keys += [("codebook", None, None)] if codebook else []

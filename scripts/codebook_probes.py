@@ -1,4 +1,4 @@
-"""Variants of the ``kvpolicy-3bit`` composition on the calibration texts (docs/quantization.md).
+"""Variants of the ``kvpolicy-3bit`` composition on the calibration texts (docs/explanation/quantization.md).
 
 Each probe is the preset's composition (log W = 4, a middle tier of centred 4-bit codebook keys and
 values kept by the log rule at W′ = 32, 3-bit centred keys and 2-bit values below, Hadamard) with one

@@ -8,7 +8,7 @@ on ``cuda:0``, layers 2-3, the final norm and the head on ``cpu``. For a few com
   on CPU);
 - teacher-forced logits match the same model run entirely on CPU with the same composition (within
   float tolerance: the CUDA layers compute in another order, and a value at a rounding boundary can
-  take the other code, see docs/scale-out.md);
+  take the other code, see docs/explanation/scale-out.md);
 - the memory report counts every layer, and ``save`` / ``load(device={layer: device})`` round-trips
   the split cache with identical continuation logits.
 

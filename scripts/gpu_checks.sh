@@ -37,7 +37,7 @@ if [ "$MODE" = cuda ]; then
   "$PY" -m kvpolicy.cli bench memory --device cuda --model smollm2 --lengths 8k 32k --steps 6 \
     --caches dynamic hf-quanto-2 one-liner preset:kvpolicy-3bit --out "$OUT/memory"
   echo "== 3. decode at 32k and 128k, 8B-shaped layer"
-  "$PY" scripts/long_decode_check.py --device cuda --lengths 32768 131072 --dtype bf16 --steps 10
+  "$PY" scripts/long_decode_check.py --device cuda --lengths 32768 131072 --dtype bfloat16 --steps 10
   echo "== 4. device map (cuda:0 + cpu)"
   "$PY" scripts/device_map_check.py
 else
@@ -50,7 +50,7 @@ else
     --caches dynamic hf-quanto-2 one-liner --out "$OUT/memory"
   echo "== 3. decode, reduced layer shape"
   "$PY" scripts/long_decode_check.py --device cpu --lengths 512 1024 --heads 4 --kv-heads 2 --head-dim 64 \
-    --dtype fp32 --steps 2
+    --dtype float32 --steps 2
   echo "== 4. device map (both halves on cpu)"
   "$PY" scripts/device_map_check.py --first-device cpu
 fi

@@ -60,7 +60,7 @@ def _timed(fn, steps: int, device: str) -> tuple[torch.Tensor, float, int]:
 
 @torch.inference_mode()
 def check(args: argparse.Namespace, length: int) -> bool:
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dtype = getattr(torch, args.dtype)
     g = torch.Generator(device=args.device).manual_seed(length)
     shape = (1, args.kv_heads, length, args.head_dim)
     keys = torch.randn(shape, generator=g, device=args.device, dtype=dtype)
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="bf16")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args(argv)
     if args.heads % args.kv_heads:

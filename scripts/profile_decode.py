@@ -6,7 +6,7 @@ CPU time. Used for the bf16 explanation in docs/performance.md.
 
 Usage::
 
-    python scripts/profile_decode.py --dtype bf16 --length 8192 --threads 1
+    python scripts/profile_decode.py --dtype bfloat16 --length 8192 --threads 1
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ CACHES = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--length", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)

@@ -1,4 +1,4 @@
-"""Reconstruction error of SmolLM2-135M's rotated keys and values by quantizer (docs/quantization.md).
+"""Reconstruction error of SmolLM2-135M's rotated keys and values by quantizer (docs/explanation/quantization.md).
 
 One prefill of ``--context`` tokens of a calibration text (files the frontier does not use) with
 ``DynamicCache``; every layer's keys and values are rotated (``Hadamard(0)``, what

@@ -8,7 +8,7 @@ held after the last token; ``bits16`` counts the full-precision window and the k
 bits (what they cost in a 16-bit model).
 
 Settings are compared on ``--texts calibration`` (files no other measurement uses); the
-numbers in docs/quantization.md are from ``--texts heldout`` (the ablation's LM files).
+numbers in docs/explanation/quantization.md are from ``--texts heldout`` (the ablation's LM files).
 
 Usage::
 

@@ -56,6 +56,20 @@ def tiny_gemma3(layer_types: list[str] | None = None) -> torch.nn.Module:
     return Gemma3ForCausalLM(cfg).eval()
 
 
+def tiny_qwen3_next_config():
+    """A hybrid config in miniature: Qwen3-Next with a linear-attention layer, then a full-attention one
+    (1 kv head of head_dim 32)."""
+    from transformers import Qwen3NextConfig
+
+    cfg = Qwen3NextConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, layer_types=["linear_attention", "full_attention"], num_experts=2,
+        num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_value_heads=2,
+        linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16,
+    )  # fmt: skip
+    return cfg
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Torch on one thread for a module (restored after): tiny models run faster so, above all on a

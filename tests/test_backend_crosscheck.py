@@ -267,7 +267,7 @@ def library_tensors(name: str, q) -> list[torch.Tensor]:
 
 
 def expected_bytes(name: str, x: torch.Tensor, bits: int, g: int, axis: str) -> int:
-    """Storage from the documented formats (see docs/backends.md)."""
+    """Storage from the documented formats (see docs/explanation/backends.md)."""
     n_groups = x.numel() // g
     if name == "quanto":
         # packed along the first axis of the grouped view: (n_groups, G) per token, (G, n_groups) per channel
@@ -448,11 +448,18 @@ def test_generate_end_to_end(llama, ids, name):
     from kvpolicy import CompressedCache
 
     with pytest.raises(ConfigError, match=rf"backend '{name}' does not fit .*Pass key_fit='minmax'"):
-        CompressedCache(policy="log", action="quantize", bits=2, backend=name)  # the keys' default fit
+        CompressedCache(policy="log", action="quantize", bits=2, key_fit="mse", backend=name)  # asked for
+    # the keys' default fit is one this backend lacks: the default becomes min-max, and repr says so
+    default = CompressedCache(policy="log", action="quantize", bits=2, backend=name)
+    assert "adapted=[\"key_fit='minmax'" in repr(default)
     cache = CompressedCache(policy="log", action="quantize", bits=2, key_fit="minmax", backend=name)
     prompt = ids[:1].repeat(1, 3)[:, :140]  # more than the default window, so tokens are quantized
-    out = llama.generate(prompt, attention_mask=torch.ones_like(prompt), cache=cache, max_new_tokens=4, do_sample=False)
-    assert out.shape == (1, 144)
+    outs = [
+        llama.generate(prompt, attention_mask=torch.ones_like(prompt), cache=c, max_new_tokens=4, do_sample=False)
+        for c in (cache, default)
+    ]
+    assert outs[0].shape == (1, 144)
+    assert torch.equal(outs[0], outs[1])
     assert cache.positions(0)["compressed"].numel() > 0
 
 
@@ -501,14 +508,14 @@ def test_quanto_single_group_block_has_one_scale():
 
 
 # --------------------------------------------------------------------------------------------------
-# docs/backends.md
+# docs/explanation/backends.md
 # --------------------------------------------------------------------------------------------------
 
 
 def test_docs_capability_table_matches_the_code():
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "backends.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "explanation" / "backends.md").read_text()
     table = text.split("<!-- capabilities -->\n", 1)[1].split("<!-- /capabilities -->", 1)[0]
     rows = {}
     for line in table.strip().splitlines()[2:]:

@@ -284,7 +284,7 @@ def test_attend_reads_wide_metadata(meta_dtype):
 
 
 def test_codes_agreement_measured():
-    """A larger sample: the measured code mismatches against torch (documented in docs/backends.md)."""
+    """A larger sample: the measured code mismatches against torch (documented in docs/explanation/backends.md)."""
     gen = torch.Generator().manual_seed(0)
     total = {"codes": 0, "elements": 0}
     for dtype in DTYPES:

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.usefixtures("quanto_extension")
 
 
 def test_bench_backends_prints_a_row_per_backend(capsys):
-    assert main(["bench", "backends", "--shape", "1,2,16,64", "--group-size", "16", "--repeats", "2"]) == 0
+    assert main(["bench", "backends", "--shape", "1", "2", "16", "64", "--group-size", "16", "--repeats", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = {line.split()[0]: line.split()[1:] for line in lines[2:] if not line.startswith("skipped")}
     skipped = {line.split()[1].rstrip(":") for line in lines if line.startswith("skipped")}
@@ -26,7 +26,8 @@ def test_bench_backends_prints_a_row_per_backend(capsys):
 
 
 def test_bench_backends_says_why_a_backend_is_skipped(capsys):
-    assert main(["bench", "backends", "--shape", "1,1,8,64", "--bits", "3", "--group-size", "8", "--repeats", "1"]) == 0
+    argv = ["bench", "backends", "--shape", "1", "1", "8", "64", "--bits", "3", "--group-size", "8", "--repeats", "1"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
     assert "skipped quanto: backend 'quanto' does not support bits=3; it supports bits in [2, 4]" in out
     assert "\ntorch " in out  # torch packs 3-bit codes (eight per three bytes)
@@ -35,7 +36,7 @@ def test_bench_backends_says_why_a_backend_is_skipped(capsys):
 
 def test_bench_backends_rejects_bad_shape(capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["bench", "backends", "--shape", "1,2,3"])
+        main(["bench", "backends", "--shape", "1", "2", "3"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "argument --shape: must be four positive integers batch,kv_heads,tokens,head_dim; got '1,2,3'" in err
+    assert "argument --shape: must be four integers batch kv_heads tokens head_dim (e.g. 1 8 4096 128); got 3" in err

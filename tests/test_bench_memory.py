@@ -98,7 +98,7 @@ def test_a_worker_failure_is_reported_not_raised(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--model", "no-such-dir"], "local model directory with a config.json; got 'no-such-dir'"),
+        (["--model", "./no-such-dir"], "model path './no-such-dir' does not exist"),
         (["--lengths", "0"], "token count >= 1"),
         (["--caches", "fast"], "not understood"),
         (["--steps", "0"], "integer >= 1"),

@@ -75,14 +75,10 @@ def test_config_that_leaves_no_layer_compressed_warns():
 def test_hybrid_model_without_config_names_the_remedy():
     """A model with linear-attention layers asks the cache for their state: without config= there are
     no such layers, and the message says what to pass (transformers itself raised an IndexError)."""
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    from conftest import tiny_qwen3_next_config
+    from transformers import Qwen3NextForCausalLM
 
-    cfg = Qwen3NextConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, layer_types=["linear_attention", "full_attention"], num_experts=2,
-        num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_value_heads=2,
-        linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16,
-    )  # fmt: skip
+    cfg = tiny_qwen3_next_config()
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = Qwen3NextForCausalLM(cfg).eval()

@@ -64,11 +64,12 @@ ABLATE = ["ablate", "--model", "tiny-llama", "--baseline", "dynamic"]
 @pytest.mark.parametrize(
     ("flag", "value", "allowed"),
     [
-        ("--context", "64,abc", "integers >= 8"),
-        ("--context", "4", "integers >= 8"),
-        ("--context", "", "integers >= 8"),
-        ("--bits", "two", "integers >= 1"),
-        ("--bits", "2,0", "integers >= 1"),
+        ("--context", "64,abc", "is comma-separated; --context takes its values separated by spaces: --context 64 abc"),
+        ("--context", "abc", "context length >= 8"),
+        ("--context", "4", "context length >= 8"),
+        ("--context", "", "context length >= 8"),
+        ("--bits", "two", "integer >= 1"),
+        ("--bits", "2,0", "is comma-separated; --bits takes its values separated by spaces: --bits 2 0"),
         ("--seed", "-1", "integer >= 0"),
         ("--threads", "0", "integer >= 1"),
         ("--threads", "many", "integer >= 1"),
@@ -143,8 +144,8 @@ OUTPUT_FLAGS = [
     ([*ABLATE, "--out", "{ok}/run"], "--out", "run"),
     ([*ABLATE, "--out", "{ok}/run"], "--docs", "results.md"),
     ([*ABLATE, "--out", "{ok}/run"], "--frontier-doc", "frontier.md"),
-    ([*TUNE, "--runs", "{ok}/runs"], "--out", "preset.toml"),
-    ([*TUNE, "--out", "{ok}/preset.toml"], "--runs", "runs"),
+    ([*TUNE, "--out", "{ok}/runs"], "--preset-file", "preset.toml"),
+    ([*TUNE, "--preset-file", "{ok}/preset.toml"], "--out", "runs"),
     (["analyze", "attention", "--model", "tiny-llama"], "--out", "attention"),
     (["analyze", "rotation", "--model", "tiny-llama"], "--json", "rotation.json"),
     (["bench", "decode", "--model", "tiny-llama"], "--out", "bench"),
@@ -162,7 +163,7 @@ def test_every_output_flag_is_checked_before_any_work(tmp_path, unwritable, caps
 
 @pytest.mark.parametrize(
     ("argv", "flag"),
-    [([*ABLATE, "--out", "{ok}/run", "--docs"], "--docs"), ([*TUNE, "--out"], "--out"),
+    [([*ABLATE, "--out", "{ok}/run", "--docs"], "--docs"), ([*TUNE, "--preset-file"], "--preset-file"),
      (["analyze", "rotation", "--json"], "--json")],
 )  # fmt: skip
 def test_an_existing_file_that_cannot_be_written_is_refused(tmp_path, a_file, capsys, monkeypatch, argv, flag):
@@ -175,8 +176,8 @@ def test_an_existing_file_that_cannot_be_written_is_refused(tmp_path, a_file, ca
 
 def test_the_default_runs_directory_of_tune_is_checked(tmp_path, capsys):
     (tmp_path / "preset-runs").write_text("not a directory")
-    line = _fail([*TUNE, "--out", str(tmp_path / "preset.toml")], capsys)
-    assert "--runs (default: next to --out)" in line and str(tmp_path / "preset-runs") in line
+    line = _fail([*TUNE, "--preset-file", str(tmp_path / "preset.toml")], capsys)
+    assert "--out (default: next to --preset-file)" in line and str(tmp_path / "preset-runs") in line
     assert "existing file, not a directory" in line
 
 
@@ -229,8 +230,8 @@ def test_bench_decode_bad_flag_values(tmp_path, capsys, flag, value, allowed):
 @pytest.mark.parametrize(
     ("flag", "value", "allowed"),
     [
-        ("--shape", "1,2,3", "four positive integers"),
-        ("--shape", "1,2,0,64", "four positive integers"),
+        ("--shape", "1,2,3", "is comma-separated; --shape takes its values separated by spaces: --shape 1 2 3"),
+        ("--shape", "0", "integer >= 1"),
         ("--bits", "0", "integer >= 1"),
         ("--group-size", "-64", "integer >= 1"),
         ("--repeats", "0", "integer >= 1"),
@@ -243,7 +244,8 @@ def test_bench_backends_bad_flag_values(capsys, flag, value, allowed):
 
 @pytest.mark.parametrize(
     ("extra", "dim"),
-    [([], "tokens of --shape 1,8,4096,128 (tokens=4096"), (["--axis", "token", "--shape", "1,1,8,96"], "head_dim")],
+    [([], "tokens of --shape 1 8 4096 128 (tokens=4096"),
+     (["--axis", "token", "--shape", "1", "1", "8", "96"], "head_dim")],
 )
 def test_bench_backends_group_size_that_does_not_split_the_shape(capsys, extra, dim):
     line = _fail(["bench", "backends", "--group-size", "7", *extra], capsys)
@@ -270,8 +272,8 @@ def test_bench_backends_reports_a_backend_that_refuses_when_quantizing(capsys):
     plugin = _RefusingPlugin()
     registry.register(plugin, name="test-refusing-backend")
     try:
-        status = main(["bench", "backends", "--shape", "1,1,16,64", "--group-size", "16", "--repeats", "1",
-                       "--backends", "torch,test-refuses"])  # fmt: skip
+        status = main(["bench", "backends", "--shape", "1", "1", "16", "64", "--group-size", "16", "--repeats", "1",
+                       "--backends", "torch", "test-refuses"])  # fmt: skip
     finally:
         registry.unregister(plugin)
     captured = capsys.readouterr()

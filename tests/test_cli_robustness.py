@@ -179,7 +179,7 @@ def test_other_commands_say_they_were_interrupted(capsys, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(kvpolicy.bench.backends, "_available", interrupted)
-    status, _, err = _run(["bench", "backends", "--shape", "1,1,8,64", "--group-size", "8"], capsys)
+    status, _, err = _run(["bench", "backends", "--shape", "1", "1", "8", "64", "--group-size", "8"], capsys)
     assert status == 130 and _one_line(err) == "kvpolicy bench backends: interrupted"
 
 
@@ -189,7 +189,7 @@ def test_an_interrupted_tune_names_its_run_directories(tmp_path, capsys, monkeyp
 
     monkeypatch.setattr(kvpolicy.eval.runner, "open_model", interrupted)
     status, _, err = _run(["tune", "--budget-bits", "3", "--model", "tiny-llama",
-                           "--out", str(tmp_path / "p.toml")], capsys)  # fmt: skip
+                           "--preset-file", str(tmp_path / "p.toml")], capsys)  # fmt: skip
     assert status == 130 and _one_line(err) == _interrupted_line(tmp_path / "p-runs", "tune")
 
 
@@ -247,10 +247,10 @@ def test_tune_and_merge_refuse_a_held_directory_and_report_only_reads_it(held, t
         raise AssertionError("a model was loaded before the held directory was refused")
 
     monkeypatch.setattr(kvpolicy.eval.runner, "open_model", refuse)
-    status, _, err = _run(["tune", "--budget-bits", "3", "--model", "tiny-llama", "--out", str(tmp_path / "p.toml"),
-                           "--runs", str(out)], capsys)  # fmt: skip
+    status, _, err = _run(["tune", "--budget-bits", "3", "--model", "tiny-llama", "--preset-file",
+                           str(tmp_path / "p.toml"), "--out", str(out)], capsys)  # fmt: skip
     assert status == 2
-    _refused(_one_line(err), out, pid, "--runs")
+    _refused(_one_line(err), out, pid, "--out")
     monkeypatch.undo()
 
     shard = tmp_path / "shard"
@@ -310,7 +310,7 @@ def test_ray_address_from_the_environment_is_probed_too(tmp_path, capsys, monkey
 
     monkeypatch.setattr(kvpolicy.eval.runner, "open_model", refuse)
     for argv in (["ablate", *GRID, "--out", str(tmp_path / "run"), "--executor", "ray", "--address", "auto"],
-                 ["tune", "--budget-bits", "3", "--model", "tiny-llama", "--out", str(tmp_path / "p.toml"),
+                 ["tune", "--budget-bits", "3", "--model", "tiny-llama", "--preset-file", str(tmp_path / "p.toml"),
                   "--executor", "ray"]):  # fmt: skip
         status, _, err = _run(argv, capsys)
         line = _one_line(err)

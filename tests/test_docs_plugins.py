@@ -1,4 +1,4 @@
-"""docs/plugins.md's example plugin is built from the page and works: installed into a temporary
+"""docs/how-to/write-a-plugin.md's example plugin is built from the page and works: installed into a temporary
 folder (pip, offline, no build isolation), its own test passes, and a fresh interpreter finds its
 policy by name through the entry point."""
 
@@ -15,7 +15,7 @@ FILES = ("pyproject.toml", "kvpolicy_stride.py", "test_stride.py")
 
 
 def _blocks() -> dict[str, str]:
-    text = (ROOT / "docs" / "plugins.md").read_text()
+    text = (ROOT / "docs" / "how-to" / "write-a-plugin.md").read_text()
     return dict(re.findall(r"<!-- file: (\S+) -->\n```\w*\n(.*?)\n```", text, re.S))
 
 

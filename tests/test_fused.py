@@ -272,7 +272,7 @@ def test_torch_attend_equals_float64_attention_over_the_stored_codes(bits, key_a
 
 @pytest.mark.parametrize("fit", ["minmax", None])  # None: the defaults (fitted keys, min-max values)
 def test_end_to_end_codes_differ_only_at_rounding_ties(stored_blocks, fit):
-    """The guarantee that holds end to end (docs/scale-out.md, "Where quantized runs differ").
+    """The guarantee that holds end to end (docs/explanation/scale-out.md, "Where quantized runs differ").
 
     Layer 0 produces the same output on both paths up to float rounding, so the keys and values of
     later layers differ by that noise between the fused and the materialised run. The stored blocks

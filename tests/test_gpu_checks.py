@@ -24,7 +24,7 @@ def _long_decode():
 
 
 SMALL = ["--device", "cpu", "--lengths", "300", "--heads", "4", "--kv-heads", "2", "--head-dim", "64",
-         "--dtype", "fp32", "--steps", "1"]  # fmt: skip
+         "--dtype", "float32", "--steps", "1"]  # fmt: skip
 
 
 def test_long_decode_check_agrees_and_reports(capsys):

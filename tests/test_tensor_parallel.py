@@ -3,7 +3,7 @@
 One ``torchrun --standalone --nproc_per_node 2`` launch of tests/tp_worker.py (gloo, CPU) runs every
 policy x action on a tiny 4-kv-head Llama, tensor-parallel and single-process (each rank computes the
 reference itself from the same saved weights), and writes a JSON summary; the tests below assert the
-guarantees on it (docs/scale-out.md states them). About 30 s on 2 CPU cores.
+guarantees on it (docs/explanation/scale-out.md states them). About 30 s on 2 CPU cores.
 """
 
 from __future__ import annotations

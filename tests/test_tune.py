@@ -17,7 +17,7 @@ TINY = ["--model", "tiny-llama", "--context", "128", "--windows", "4", "8", "--n
 
 def test_the_search_finishes_respects_the_budget_and_writes_a_loadable_preset(tmp_path, capsys):
     preset = tmp_path / "preset.toml"
-    args = ["tune", *TINY, "--budget-bits", "10", "--out", str(preset), "--screen", "6", "--trials", "4",
+    args = ["tune", *TINY, "--budget-bits", "10", "--preset-file", str(preset), "--screen", "6", "--trials", "4",
             "--samples", "1", "--tokens", "4", "--heldout-samples", "1", "--heldout-tokens", "4"]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
@@ -47,7 +47,7 @@ def test_batch_changes_no_score_and_the_runs_skip_the_attention_probe(tmp_path, 
     saved = {}
     for batch in (1, 3):
         preset = tmp_path / str(batch) / "preset.toml"
-        args = ["tune", *TINY, "--budget-bits", "10", "--out", str(preset), "--screen", "4", "--trials", "2",
+        args = ["tune", *TINY, "--budget-bits", "10", "--preset-file", str(preset), "--screen", "4", "--trials", "2",
                 "--samples", "3", "--tokens", "4", "--heldout-samples", "3", "--heldout-tokens", "4",
                 "--batch", str(batch)]  # fmt: skip
         assert main(args) == 0
@@ -66,7 +66,7 @@ def test_batch_changes_no_score_and_the_runs_skip_the_attention_probe(tmp_path, 
     for key in ("kl_calibration", "kl_heldout", "top1_heldout"):
         assert three[key] == pytest.approx(one[key], rel=1e-5, abs=1e-6), key
     with pytest.raises(SystemExit):
-        main(["tune", *TINY, "--budget-bits", "10", "--out", str(tmp_path / "p.toml"), "--batch", "0"])
+        main(["tune", *TINY, "--budget-bits", "10", "--preset-file", str(tmp_path / "p.toml"), "--batch", "0"])
     assert "--batch" in capsys.readouterr().err
 
 
@@ -90,14 +90,14 @@ def test_a_model_whose_keys_rotation_hurts_is_searched_without_it():
 
 def test_rotation_auto_asks_the_model_and_records_the_answer(tmp_path, capsys):
     preset = tmp_path / "p.toml"
-    args = ["tune", *TINY, "--budget-bits", "10", "--out", str(preset), "--screen", "2", "--trials", "1",
+    args = ["tune", *TINY, "--budget-bits", "10", "--preset-file", str(preset), "--screen", "2", "--trials", "1",
             "--samples", "1", "--tokens", "4", "--heldout-samples", "1", "--heldout-tokens", "4"]  # fmt: skip
     assert main([*args, "--rotation", "none"]) == 0
     saved = tomllib.loads(preset.read_text())
     assert saved["cache"]["transform"] == "none" and saved["tune"]["rotation"] == "none"
     assert saved["tune"]["rotation_reason"] == "--rotation none"
     capsys.readouterr()
-    assert main([*args, "--rotation", "auto", "--runs", str(tmp_path / "auto")]) == 0
+    assert main([*args, "--rotation", "auto", "--out", str(tmp_path / "auto")]) == 0
     err = capsys.readouterr().err
     verdict = err.split("rotation: ")[1].splitlines()[0]
     assert verdict.startswith("Hadamard(seed=0) ") and "attention KL of 2-bit per-channel keys" in verdict
@@ -109,7 +109,7 @@ def test_rotation_auto_asks_the_model_and_records_the_answer(tmp_path, capsys):
 
 
 def test_an_unreachable_budget_names_the_smallest_reachable_one(tmp_path, capsys):
-    assert main(["tune", *TINY, "--budget-bits", "1", "--out", str(tmp_path / "p.toml")]) == 2
+    assert main(["tune", *TINY, "--budget-bits", "1", "--preset-file", str(tmp_path / "p.toml")]) == 2
     err = capsys.readouterr().err
     assert "kvpolicy tune: error: --budget-bits 1: no composition of the search fits; the smallest holds" in err
     smallest = float(err.split("the smallest holds ")[1].split()[0])
@@ -175,7 +175,7 @@ def test_min_max_keys_are_searched_with_both_range_fits_at_the_same_bytes(capsys
     ):
         list(space(list(range(4)), key_fits=("l2",)))
     with pytest.raises(SystemExit):
-        main(["tune", *TINY, "--budget-bits", "3", "--key-fits", "l2", "--out", "/nonexistent/p.toml"])
+        main(["tune", *TINY, "--budget-bits", "3", "--key-fits", "l2", "--preset-file", "/nonexistent/p.toml"])
     assert "argument --key-fits: invalid choice: 'l2' (choose from 'minmax', 'mse')" in capsys.readouterr().err
 
 
@@ -190,7 +190,8 @@ def test_tier_factors_put_the_kvpolicy_3bit_composition_in_the_space(capsys):
     assert "log4-k3cmv2c-t4x16" in default and not any(label.endswith("x32") for label in default)
     with pytest.raises(ConfigError, match=r"tier factors must be integers >= 2 .*got 1"):
         list(space(list(range(4)), tier_factors=(1,)))
-    assert main(["tune", *TINY, "--budget-bits", "3", "--tier-factors", "1", "--out", "/nonexistent/p.toml"]) == 2
+    argv = ["tune", *TINY, "--budget-bits", "3", "--tier-factors", "1", "--preset-file", "/nonexistent/p.toml"]
+    assert main(argv) == 2
     assert "tier factors must be integers >= 2" in capsys.readouterr().err
 
 
@@ -217,24 +218,24 @@ def test_bad_preset_files_are_refused(tmp_path, text, match):
 def test_the_shipped_preset_loads_as_the_tuned_composition():
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "presets" / "smollm2-3bit.toml"
+    path = Path(__file__).resolve().parents[1] / "kvpolicy" / "preset_files" / "smollm2-3bit.toml"
     saved = tomllib.loads(path.read_text())
     assert saved["tune"]["budget_bits"] == 3.0 and saved["tune"]["bits_per_element_heldout"] <= 3.0
     cache = CompressedCache.from_config(path)
     assert isinstance(cache.action, Tiered) and [t.value_method for t in cache.action.tiers] == ["codebook"] * 2
-    # the search over the current space finds the shipped kvpolicy-3bit preset itself (docs/tune.md)
+    # the search over the current space finds the shipped kvpolicy-3bit preset itself (docs/how-to/tune.md)
     assert repr(cache) == repr(CompressedCache.from_preset("kvpolicy-3bit"))
 
 
 def test_the_8k_preset_holds_at_most_2_5_bits_at_8k_and_centres_its_keys():
-    """examples/presets/smollm2-8k-2.5bit.toml: what its header claims about bytes, checked on a
+    """The shipped preset file smollm2-8k-2.5bit: what its header claims about bytes, checked on a
     model of SmolLM2's shape (30 layers, 3 KV heads of 64) fed 8k tokens and 128 more."""
     from pathlib import Path
 
     from transformers import LlamaConfig
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "presets" / "smollm2-8k-2.5bit.toml"
-    cache = CompressedCache.from_config(path)
+    path = Path(__file__).resolve().parents[1] / "kvpolicy" / "preset_files" / "smollm2-8k-2.5bit.toml"
+    cache = CompressedCache.from_config("smollm2-8k-2.5bit")
     assert isinstance(cache.action, Tiered)
     assert [(t.key_width, t.key_centre) for t in cache.action.tiers] == [(3, True), (2, True)]
     config = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576,

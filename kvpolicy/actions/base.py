@@ -116,6 +116,31 @@ class Action(ABC):
         stored (checked on a layer's first update); ``multiple`` is the backend's group granularity,
         ``role`` ``"key"`` or ``"value"`` (``None``: both) the tensor kind. Optional hook."""
 
+    def serving(
+        self, backend: Backend, key_dim: int | None = None, value_dim: int | None = None
+    ) -> tuple[Action, tuple[str, ...]]:
+        """This action with each *default* that ``backend`` or the head dims cannot serve replaced by one
+        that can, and a note per replacement (shown in ``repr(cache)`` as ``adapted=[...]``).
+
+        Parameters given explicitly are never replaced: a value that cannot serve stays, and the
+        ``check_*`` hooks refuse it. The base action has no such defaults.
+
+        Parameters
+        ----------
+        backend : Backend
+            The backend that will store the demoted tokens.
+        key_dim, value_dim : int, optional
+            The head dims of keys and values (``None``: not known yet).
+
+        Returns
+        -------
+        action : Action
+            ``self``, or a copy with the replaced defaults set explicitly.
+        notes : tuple of str
+            One line per replacement, naming the parameter, its new value and why.
+        """
+        return self, ()
+
     @abstractmethod
     def new_store(self, backend: Backend, layer_idx: int) -> DemotedStore:
         """A fresh store for one layer."""

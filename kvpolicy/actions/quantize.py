@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,12 +18,12 @@ from kvpolicy.policies.base import check_int
 from kvpolicy.positions import POSITION_DTYPE
 
 #: group size by grouping axis when none is given: 128 tokens per channel, 64 channels per token;
-#: docs/quantization.md measures the alternatives (with min-max key ranges, 64-token groups lose less
+#: docs/explanation/quantization.md measures the alternatives (with min-max key ranges, 64-token groups lose less
 #: than 128-token ones; with fitted key ranges, the default, 128-token groups lose less than min-max
 #: 64-token groups, and hold fewer bytes from about 4,000 tokens on)
 DEFAULT_GROUP_SIZE = {"channel": 128, "token": 64}
 #: how min-max key groups choose their range when neither ``fit`` nor ``key_fit`` is given (values:
-#: ``"minmax"``); docs/quantization.md, "Fitted ranges"
+#: ``"minmax"``); docs/explanation/quantization.md, "Fitted ranges"
 DEFAULT_KEY_FIT = "mse"
 #: code width when neither ``bits`` nor a per-kind width is given
 DEFAULT_BITS = 2
@@ -55,13 +56,15 @@ class Quantize(Action):
         ``key_group_size`` and ``value_group_size``). ``"token"`` axis: channels of one token
         (must divide ``head_dim``); ``"channel"`` axis: tokens of one channel. ``None``: each
         tensor kind's default by its axis, :data:`DEFAULT_GROUP_SIZE`: 128 tokens per channel (the
-        keys' default axis), 64 channels per token (the values').
+        keys' default axis), 64 channels per token (the values'). A default per-token group that does
+        not divide the head dim becomes the largest one below it that does (:meth:`serving`; the
+        cache's ``repr`` shows it); a group size given explicitly is never changed.
     key_group_size, value_group_size : int, optional
         The group size of keys or values alone. Given together with a different ``group_size``
         they are a :class:`~kvpolicy.errors.ConfigError`. When both kinds are grouped per channel,
         one size must divide the other (tokens are read back in whole groups of both).
     key_bits, value_bits : int, optional
-        The code width of keys or values alone (keys usually need more: see docs/quantization.md).
+        The code width of keys or values alone (keys usually need more: see docs/explanation/quantization.md).
         Given together with a different ``bits`` they are a :class:`~kvpolicy.errors.ConfigError`;
         a pair the backend lacks is refused with the pairs it has.
     key_axis, value_axis : {"channel", "token"}
@@ -97,7 +100,7 @@ class Quantize(Action):
         and shared by every later key, so the codebook spends its cells on how keys differ rather
         than on the offset they share. Costs ``head_dim`` metadata values per row, head and layer;
         the fused path reads it at no extra pass (:mod:`kvpolicy.backends.codebook`). Measured in
-        docs/quantization.md. Needs ``key_scheme="codebook"`` and a backend whose capabilities list
+        docs/explanation/quantization.md. Needs ``key_scheme="codebook"`` and a backend whose capabilities list
         ``codebook_centre`` (``torch``, ``cpu``). Any centre is exact (it is stored and added back);
         how much it helps depends on how well the first block stands for later keys: a left-padded
         row's mean includes its padding tokens' keys, and a first demotion of a few tokens gives a
@@ -112,14 +115,15 @@ class Quantize(Action):
         and a group keeps its min-max grid where that stores less error. Same bytes, same kernels.
         Fitting both kinds cuts SmolLM2-135M's next-token KL 1.9× with 2-bit keys and raises it
         1.7–2.2× with 3- or 4-bit keys (held-out texts): the values are what lose, so fit the keys
-        alone (``key_fit``; docs/quantization.md, "Fitted ranges"). Applies to min-max
+        alone (``key_fit``; docs/explanation/quantization.md, "Fitted ranges"). Applies to min-max
         kinds (codebook kinds ignore it: given with both kinds codebook it is an error); backends
-        whose ``capabilities.fits`` list it: ``torch``, ``cpu``, ``triton`` (``quanto`` and ``hqq``
-        need ``fit="minmax"``, or ``key_fit="minmax"``, since the keys' default is ``"mse"``).
+        whose ``capabilities.fits`` list it: ``torch``, ``cpu``, ``triton``. On a backend without it
+        (``quanto``, ``hqq``) the keys' default becomes ``"minmax"`` (:meth:`serving`; the cache's ``repr``
+        shows it), while ``"mse"`` given explicitly is refused.
     key_fit, value_fit : {"minmax", "mse"}, optional
         The fit of keys or values alone; contradicting ``fit`` is a ConfigError. Default: keys
         ``"mse"``, values ``"minmax"``. Fitted values raise SmolLM2's KL 2.4× where fitted keys alone
-        cut it 3.5× at 2 bits (calibration texts; docs/quantization.md).
+        cut it 3.5× at 2 bits (calibration texts; docs/explanation/quantization.md).
     """
 
     bits: int | None = None
@@ -397,6 +401,43 @@ class Quantize(Action):
                     f"fit in {list(fits)} (fit='mse': backends 'torch', 'cpu' and 'triton'). Pass "
                     f"{param}={fits[0]!r} to use backend {backend.name!r}"
                 )
+
+    def serving(
+        self, backend: Backend, key_dim: int | None = None, value_dim: int | None = None
+    ) -> tuple[Quantize, tuple[str, ...]]:
+        """Replace the defaults ``backend`` or the head dims cannot serve (see :meth:`Action.serving`).
+
+        - The keys' default fit (:data:`DEFAULT_KEY_FIT`, ``"mse"``) on a backend whose
+          ``capabilities.fits`` lack it (``quanto``, ``hqq``): ``key_fit="minmax"``.
+        - A per-token kind's default group size (64 channels for values) that does not divide its
+          head dim: the largest divisor of the head dim below it that is a multiple of the backend's
+          ``group_size_multiple`` (head_dim 48: 48, 80: 40, 96: 48), when one exists.
+        """
+        changes: dict[str, Any] = {}
+        notes: list[str] = []
+        fits = getattr(backend.capabilities, "fits", ("minmax",))
+        if (self.key_method == "minmax" and self.key_fit is None and self.fit is None
+                and DEFAULT_KEY_FIT not in fits):  # fmt: skip
+            changes["key_fit"] = "minmax"
+            notes.append(
+                f"key_fit='minmax' (backend {backend.name!r} does not fit ranges with the default {DEFAULT_KEY_FIT!r})"
+            )
+        mult = backend.capabilities.group_size_multiple
+        for kind, dim in (("key", key_dim), ("value", value_dim)):
+            group = getattr(self, f"{kind}_group")
+            defaulted = getattr(self, f"{kind}_group_size") is None and self.group_size is None
+            if (dim is None or not defaulted or getattr(self, f"{kind}_method") != "minmax"
+                    or getattr(self, f"{kind}_axis") != "token" or dim % group == 0):  # fmt: skip
+                continue
+            fitting = [g for g in range(mult, min(group, dim) + 1, mult) if dim % g == 0]
+            if fitting:
+                changes[f"{kind}_group_size"] = fitting[-1]
+                notes.append(
+                    f"{kind}_group_size={fitting[-1]} (the default {group} does not divide the {kind} head_dim {dim})"
+                )
+        if not changes:
+            return self, ()
+        return dataclasses.replace(self, **changes), tuple(notes)
 
     def check_transform(self, transform: Any) -> None:
         """A codebook kind needs rotated data: refuse the identity transform (see the class docstring)."""

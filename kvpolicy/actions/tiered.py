@@ -8,7 +8,7 @@ move down, and each sits in exactly one tier.
 
 A token moving down is **re-quantized from its reconstruction** in the tier it leaves (it was never
 held at full precision after its demotion). The alternative, quantizing each token to both tiers at
-demotion, holds a second copy of every middle-tier token; docs/quantization.md ("Precision tiers")
+demotion, holds a second copy of every middle-tier token; docs/explanation/quantization.md ("Precision tiers")
 measures the difference in reconstruction error and finds it small, so the re-quantizing store is
 the one built.
 
@@ -19,6 +19,7 @@ be any :class:`~kvpolicy.actions.quantize.Quantize` (keys per channel by default
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -132,6 +133,16 @@ class Tiered(Action):
     def check_backend(self, backend: Backend) -> None:
         for tier in self.tiers:
             tier.check_backend(backend)
+
+    def serving(
+        self, backend: Backend, key_dim: int | None = None, value_dim: int | None = None
+    ) -> tuple[Tiered, tuple[str, ...]]:
+        """Each tier's :meth:`Quantize.serving`; the notes name the tier (``tiers[1].key_fit=...``)."""
+        served = [tier.serving(backend, key_dim, value_dim) for tier in self.tiers]
+        notes = tuple(f"tiers[{i}].{note}" for i, (_, ns) in enumerate(served) for note in ns)
+        if not notes:
+            return self, ()
+        return dataclasses.replace(self, tiers=tuple(tier for tier, _ in served)), notes
 
     def check_transform(self, transform: Any) -> None:
         for tier in self.tiers:

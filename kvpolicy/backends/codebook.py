@@ -24,7 +24,7 @@ A block may also hold a *centre* ``μ`` (one vector per batch row and head, in t
 subtracted before quantizing and added back: ``x̂ = μ + s · C[codes]``. Keys share a large offset
 that RoPE turns only slowly (their outlier channels), which otherwise costs the codebook its
 resolution; a stream centres every block on the mean of its first block (``Quantize(key_centre=True)``,
-see docs/quantization.md). Attention reads a centred block at no extra pass: a key centre adds
+see docs/explanation/quantization.md). Attention reads a centred block at no extra pass: a key centre adds
 ``q · μ`` to every score of the block, which leaves the block's softmax unchanged and shifts its
 log-sum-exp; a value centre adds ``μ`` to the block's output (its probabilities sum to one).
 

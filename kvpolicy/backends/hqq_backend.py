@@ -4,7 +4,7 @@ HQQ starts from min-max asymmetric parameters and then runs its proximal optimis
 each group's zero-point to reduce an ``l_p`` (``p = 0.7``) reconstruction error; codes are
 ``clamp(round(x / s + z), 0, 2**bits - 1)`` on the final grid and dequantization is
 ``(code - z) * s``. The grid therefore need not cover the group's extremes: elements outside it
-are clamped, so HQQ's error is bounded by the distance to its own grid (see docs/backends.md),
+are clamped, so HQQ's error is bounded by the distance to its own grid (see docs/explanation/backends.md),
 not by the min-max ``s / 2``. Groups whose range is at most ``1e-4`` get ``s = 1``, and ``1 / s``
 is clamped to ``2e4``.
 

@@ -271,7 +271,7 @@ def _ungrouped(g: torch.Tensor, axis: str, shape: tuple[int, int, int, int]) -> 
     return g.transpose(-1, -2).reshape(shape)
 
 
-#: alternating least-squares rounds of ``fit="mse"`` (docs/quantization.md, "Fitted ranges")
+#: alternating least-squares rounds of ``fit="mse"`` (docs/explanation/quantization.md, "Fitted ranges")
 MSE_ROUNDS = 4
 
 

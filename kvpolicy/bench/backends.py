@@ -26,32 +26,36 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``kvpolicy bench backends``; each value is checked at parse time."""
-    from kvpolicy.commands._types import available_device, positive_int
+    from kvpolicy.commands._parser import add_list
+    from kvpolicy.commands._types import DTYPES, available_device, dtype_name, list_item, positive_int
 
-    parser.add_argument("--shape", type=_shape, default="1,8,4096,128",
-                        help="batch,kv_heads,tokens,head_dim (default 1,8,4096,128)")  # fmt: skip
-    parser.add_argument("--bits", type=positive_int, default=2, help="code width (default 2)")
-    parser.add_argument("--group-size", type=positive_int, default=64, help="elements per group (default 64)")
-    parser.add_argument(
-        "--axis", choices=("channel", "token"), default="channel", help="grouping axis (default channel)"
-    )
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float16", help="input dtype (default float16)")
-    parser.add_argument("--device", type=available_device, default="cpu", help="torch device (default cpu)")
-    parser.add_argument(
-        "--repeats", type=positive_int, default=7, help="interleaved repetitions; the median is shown (default 7)"
-    )
-    parser.add_argument("--backends", default="", help="comma-separated backend names (default: every registered one)")
+    parser.add_argument("--shape", nargs="+", type=list_item(positive_int, "--shape"), action=_Shape,
+                        default=(1, 8, 4096, 128), metavar="N",
+                        help="the benchmark tensor: four integers batch kv_heads tokens head_dim")  # fmt: skip
+    parser.add_argument("--bits", type=positive_int, default=2, help="code width")
+    parser.add_argument("--group-size", type=positive_int, default=64, help="elements per group")
+    parser.add_argument("--axis", choices=("channel", "token"), default="channel", help="grouping axis")
+    parser.add_argument("--dtype", type=dtype_name, choices=DTYPES, default="float16", help="input dtype")
+    parser.add_argument("--device", type=available_device, default="cpu", help="torch device: cpu, cuda, cuda:N")
+    parser.add_argument("--repeats", type=positive_int, default=7, help="interleaved repetitions; the median is shown")
+    add_list(parser, "--backends", metavar="BACKEND", help="backends to time (default: every registered one)")
 
 
-def _shape(text: str) -> tuple[int, int, int, int]:
-    """``"1,8,4096,128"`` -> ``(1, 8, 4096, 128)``: four integers >= 1."""
-    try:
-        dims = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        dims = ()
-    if len(dims) != 4 or min(dims) < 1:
-        raise argparse.ArgumentTypeError(f"must be four positive integers batch,kv_heads,tokens,head_dim; got {text!r}")
-    return dims  # type: ignore[return-value]
+class _Shape(argparse.Action):
+    """``--shape B H T D``: exactly four integers, stored as a tuple."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: list[int],
+        option_string: str | None = None,
+    ) -> None:
+        if len(values) != 4:
+            raise argparse.ArgumentError(
+                self, f"must be four integers batch kv_heads tokens head_dim (e.g. 1 8 4096 128); got {len(values)}"
+            )
+        setattr(namespace, self.dest, tuple(values))
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
@@ -80,7 +84,7 @@ def _check_grouping(args: argparse.Namespace) -> None:
     if size % args.group_size:
         divisors = [g for g in (128, 64, 32, 16, 8, 4) if size % g == 0]
         hint = f"a divisor of {size} such as {divisors[0]}" if divisors else f"a divisor of {size}"
-        shape = ",".join(str(d) for d in args.shape)
+        shape = " ".join(str(d) for d in args.shape)
         raise ConfigError(
             f"--group-size {args.group_size} does not divide the {dim} of --shape {shape} ({dim}={size}; --axis "
             f"{args.axis} groups the {dim} {'of each token' if args.axis == 'token' else 'of each channel'}); "
@@ -119,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     _check_grouping(args)
     device = torch.device(args.device)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=_DTYPES[args.dtype])
-    names = [n for n in args.backends.split(",") if n] or registry.names("backends")
+    names = args.backends or registry.names("backends")
     backends, blocks, skipped = _available(names, x, args)
     timed = _timer(device)
     for name, be in backends.items():  # warm-up: lazy compilation, caches, allocator

@@ -69,8 +69,10 @@ DEFAULT_VARIANTS = (
     "log-4-torch-ordered-fused",
     "recent-2-torch-ordered-fused",
 )
+#: the built-in model names (``--model`` also takes anything ``kvpolicy ablate --model`` does)
 MODELS = ("smollm2", "gemma3-270m", "tiny-llama")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: ``--dtype`` values (torch's names) -> dtypes
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # ---------------------------------------------------------------------- variants
@@ -187,12 +189,33 @@ def tiny_llama(dtype: torch.dtype) -> torch.nn.Module:
     return LlamaForCausalLM(cfg).to(dtype).eval()
 
 
-def load(model: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
-    if model != "tiny-llama":
-        from kvpolicy.eval.models import load_model
+def load(model: str, dtype: torch.dtype, device: str, online: bool = False) -> torch.nn.Module:
+    """The model ``--model`` names, in eval mode on ``device``.
 
-        return load_model(model, dtype=dtype, device=device)[0]
-    return tiny_llama(dtype).to(device)
+    ``tiny-llama`` is this benchmark's own :func:`tiny_llama`; a local model directory is loaded without a
+    tokenizer (the prompts are random token ids); any other name as ``kvpolicy ablate --model`` resolves it
+    (:func:`kvpolicy.eval.runner.open_model`: ``smollm2``, ``gemma3-270m``, ``tiny-<family>[-layers]``,
+    a ``.gguf`` file, a hub id, fetched only when ``online``).
+
+    Raises
+    ------
+    ConfigError
+        The model cannot be found or loaded (one line saying why).
+    """
+    if model == "tiny-llama":
+        return tiny_llama(dtype).to(device)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        from transformers import AutoModelForCausalLM
+
+        try:
+            loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigError(f"model {model!r} could not be loaded: {exc}") from exc
+        return loaded.to(device).eval()
+    from kvpolicy.eval.runner import open_model
+
+    return open_model(model, str(dtype).removeprefix("torch."), device, online)[0].eval()
 
 
 # ---------------------------------------------------------------------- measurement
@@ -374,30 +397,10 @@ def table(rows: list[Row]) -> str:
 
 
 def plot(rows: list[Row], path: Path, title: str) -> None:
-    import matplotlib
+    """Decode ms/token and MiB held against context length (:mod:`kvpolicy.bench.sweep_plot`)."""
+    from kvpolicy.bench.sweep_plot import plot as sweep_plot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    batch = rows[0].batch
-    sel = [r for r in rows if r.batch == batch]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name in dict.fromkeys(r.variant for r in sel):
-        pts = sorted((r.length, r.decode_ms, r.bytes_held) for r in sel if r.variant == name)
-        style = "-" if name == "dynamic" else ("--" if name.startswith("hf-") else "-.")
-        a.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=name)
-        b.plot([p[0] for p in pts], [p[2] / 2**20 for p in pts], style, marker="o", label=name)
-    for ax, label in ((a, "decode ms / token"), (b, "MiB held")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    b.set_yscale("log")
-    a.legend(fontsize=7)
-    fig.suptitle(f"{title} (batch {batch})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    sweep_plot(rows, path, title)
 
 
 # ---------------------------------------------------------------------- CLI
@@ -424,17 +427,19 @@ def _variant(text: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``kvpolicy bench decode``; each value is checked at parse time."""
-    from kvpolicy.commands._types import available_device, non_negative_int, out_dir, positive_float, positive_int
+    from kvpolicy.commands._parser import add_list
+    from kvpolicy.commands._types import non_negative_int, out_dir, positive_float, positive_int
 
-    parser.add_argument("--mode", choices=("latency", "capacity"), default="latency")
-    parser.add_argument("--model", choices=MODELS, default="smollm2")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
-    parser.add_argument("--device", type=available_device, default="cpu", help="cpu, cuda, cuda:N or mps")
-    parser.add_argument("--lengths", type=_length, nargs="+", default=[1024, 2048, 4096, 8192, 16384],
-                        help="context lengths (e.g. 1k 8k 16384)")  # fmt: skip
-    parser.add_argument("--batch", type=positive_int, nargs="+", default=[1])
-    parser.add_argument("--caches", type=_variant, nargs="+", default=list(DEFAULT_VARIANTS),
-                        help="cache variants (module doc)")  # fmt: skip
+    parser.add_argument("--mode", choices=("latency", "capacity"), default="latency",
+                        help="latency: ms/token and bytes per length and batch; capacity: the largest batch within "
+                        "--budget-gib (see the description)")  # fmt: skip
+    model_options(parser)
+    add_list(parser, "--lengths", _length, default=[1024, 2048, 4096, 8192, 16384], metavar="TOKENS",
+             help="latency mode: context lengths (e.g. 1k 8k 16384)")  # fmt: skip
+    add_list(parser, "--batch", positive_int, default=[1], metavar="N", help="latency mode: batch sizes")
+    add_list(parser, "--caches", _variant, default=list(DEFAULT_VARIANTS), metavar="CACHE",
+             help="cache variants: dynamic, one-liner, preset:<file.toml|name>, hf-<quanto|hqq>-<bits>, "
+             "<policy>-<bits|kKvV>-<backend>-<ordered|agnostic>-<fused|mat>[-rot][-mse|-kmse]")  # fmt: skip
     parser.add_argument("--fill", choices=("model", "synthetic"), default="model",
                         help="latency mode: prefill with the model (timed), or fill caches with random keys/values "
                         "by Cache.update (no prefill time; for long contexts on slow machines)")  # fmt: skip
@@ -442,21 +447,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=positive_int, default=4, help="decode steps per variant per round")
     parser.add_argument("--reps", type=positive_int, default=5, help="timed rounds (median)")
     parser.add_argument("--warmup", type=non_negative_int, default=1, help="untimed rounds first")
-    parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads")
-    parser.add_argument("--budget-gib", type=positive_float, default=1.0, help="capacity mode: cache budget")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="torch CPU threads (default: torch's choice)")  # fmt: skip
+    parser.add_argument("--budget-gib", type=positive_float, default=1.0, help="capacity mode: cache budget in GiB")
     parser.add_argument("--context", type=_length, default=8192, help="capacity mode: tokens per sequence")
-    parser.add_argument("--max-batch", type=positive_int, default=None, help="capacity mode: cap the confirmed batch")
-    parser.add_argument("--out", type=out_dir, default=Path("bench-decode"), help="directory for JSON and PNG")
+    parser.add_argument("--max-batch", type=positive_int, default=None,
+                        help="capacity mode: cap the confirmed batch (default: no cap)")  # fmt: skip
+    parser.add_argument("--out", type=out_dir, default=Path("bench-decode"), metavar="DIR",
+                        help="directory for decode.json and decode.png (capacity.json in capacity mode)")  # fmt: skip
+
+
+def model_options(parser: argparse.ArgumentParser) -> None:
+    """``--model``, ``--dtype``, ``--device`` and ``--online``, shared with ``kvpolicy bench memory``."""
+    from kvpolicy.commands._types import DTYPES as NAMES
+    from kvpolicy.commands._types import available_device, dtype_name, model_name
+
+    parser.add_argument("--model", type=model_name, default="smollm2",
+                        help=f"{', '.join(MODELS)} (this benchmark's 4-layer random Llama), any model kvpolicy "
+                        "ablate --model takes (tiny-<family>[-LAYERS], a .gguf file, a hub id), or a local model "
+                        "directory (no tokenizer needed: the prompts are random token ids)")  # fmt: skip
+    parser.add_argument("--dtype", type=dtype_name, choices=NAMES, default="float32", help="model dtype")
+    parser.add_argument("--device", type=available_device, default="cpu", help="cpu, cuda, cuda:N or mps")
+    parser.add_argument("--online", action="store_true", help="allow downloading a hub model")
+
+
+def check_model(args: argparse.Namespace) -> None:
+    """Before any work: stay offline unless ``--online``, and refuse a model that cannot be found here."""
+    import os
+
+    from kvpolicy.eval.grid import check_model_available
+
+    if not args.online:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missing model fails in seconds, not after retries
+    if args.model != "tiny-llama":
+        check_model_available(args.model, args.online)
 
 
 def run(args: argparse.Namespace) -> int:
+    check_model(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     variants = [Variant.parse(name) for name in args.caches]
     for v in variants:  # construct once: an unavailable backend fails before any model runs
         if v.kind in ("kv", "one-liner", "preset"):
             v.build(None, args.window)
-    model = load(args.model, DTYPES[args.dtype], args.device)
+    model = load(args.model, DTYPES[args.dtype], args.device, args.online)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = dict(model=args.model, dtype=args.dtype, device=args.device, threads=torch.get_num_threads(),
                 torch=torch.__version__, machine=platform.processor() or platform.machine())  # fmt: skip

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from kvpolicy.bench.decode import DTYPES, MODELS, Variant, _length, _variant, load
+from kvpolicy.bench.decode import DTYPES, Variant, _length, _variant, check_model, load, model_options
 from kvpolicy.errors import ConfigError
 
 HELP = "peak memory above the loaded model, bytes held, prefill and decode-step times: one process per cache"
@@ -202,14 +202,10 @@ class Row:
     ttft_x_dynamic: float = float("nan")
 
 
-def _load_model(model: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
-    """A model by name (``kvpolicy bench decode``'s ``--model`` choices) or a local model directory
-    (loaded without a tokenizer: the prompts are random token ids)."""
-    if model in MODELS:
-        return load(model, dtype, device)
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+def _load_model(model: str, dtype: torch.dtype, device: str, online: bool = False) -> torch.nn.Module:
+    """The model ``--model`` names, as ``kvpolicy bench decode`` resolves it (:func:`kvpolicy.bench.decode.load`:
+    a local model directory is loaded without a tokenizer, the prompts being random token ids)."""
+    return load(model, dtype, device, online)
 
 
 def _sync(device: str) -> None:
@@ -226,7 +222,8 @@ def measure(spec: dict[str, Any]) -> Row:
     spec : dict
         ``model``, ``dtype`` (a key of ``DTYPES``), ``device``, ``threads`` (int or None), ``length``,
         ``variant`` (a cache variant name), ``window``, ``steps`` (decode steps, >= 1), ``seed``, and
-        optionally ``chunk`` (tokens per prefill chunk; 0 or absent: one forward).
+        optionally ``chunk`` (tokens per prefill chunk; 0 or absent: one forward) and ``online`` (a hub
+        model may be fetched).
 
     Returns
     -------
@@ -243,7 +240,7 @@ def measure(spec: dict[str, Any]) -> Row:
         torch.set_num_threads(int(spec["threads"]))
     device, name, length = spec["device"], spec["variant"], int(spec["length"])
     variant = None if name == "none" else Variant.parse(name)
-    model = _load_model(spec["model"], DTYPES[spec["dtype"]], device)
+    model = _load_model(spec["model"], DTYPES[spec["dtype"]], device, bool(spec.get("online")))
     if variant is not None and variant.fused:
         enable_fused(model)
     elif variant is not None:
@@ -348,38 +345,29 @@ def _cache(text: str) -> str:
     return text if text == "none" else _variant(text)
 
 
-def _model(text: str) -> str:
-    """A ``--model`` choice or a local model directory holding ``config.json``."""
-    if text in MODELS or (Path(text).is_dir() and (Path(text) / "config.json").is_file()):
-        return text
-    raise argparse.ArgumentTypeError(
-        f"must be one of {', '.join(MODELS)} or a local model directory with a config.json; got {text!r}"
-    )
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``kvpolicy bench memory``; each value is checked at parse time."""
-    from kvpolicy.commands._types import available_device, non_negative_int, out_dir, positive_int
+    from kvpolicy.commands._parser import add_list
+    from kvpolicy.commands._types import non_negative_int, out_dir, positive_int
 
-    models = ", ".join(MODELS)
-    parser.add_argument("--model", type=_model, default="smollm2",
-                        help=f"{models} or a local model directory (random prompts: no tokenizer needed)")  # fmt: skip
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
-    parser.add_argument("--device", type=available_device, default="cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument("--lengths", type=_length, nargs="+", default=[8192, 16384],
-                        help="prompt lengths (e.g. 8k 16384)")  # fmt: skip
-    parser.add_argument("--caches", type=_cache, nargs="+", default=list(DEFAULT_VARIANTS),
-                        help="cache variants (those of bench decode, plus 'none': no cache)")  # fmt: skip
+    model_options(parser)
+    add_list(parser, "--lengths", _length, default=[8192, 16384], metavar="TOKENS",
+             help="prompt lengths (e.g. 8k 16384)")  # fmt: skip
+    add_list(parser, "--caches", _cache, default=list(DEFAULT_VARIANTS), metavar="CACHE",
+             help="cache variants (those of kvpolicy bench decode, plus none: no cache)")  # fmt: skip
     parser.add_argument("--steps", type=positive_int, default=6, help="decode steps after the prompt")
     parser.add_argument("--chunk", type=positive_int, default=None,
                         help="prefill every cache in chunks of this many tokens (default: one forward)")  # fmt: skip
     parser.add_argument("--window", type=positive_int, default=42, help="policy window of <policy>-... variants")
-    parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads in each process")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="torch CPU threads in each process (default: torch's choice)")  # fmt: skip
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random prompt")
-    parser.add_argument("--out", type=out_dir, default=Path("bench-memory"), help="directory for memory.json")
+    parser.add_argument("--out", type=out_dir, default=Path("bench-memory"), metavar="DIR",
+                        help="directory for memory.json")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
+    check_model(args)
     for name in args.caches:  # construct once: an unavailable backend fails before any process starts
         if name != "none" and Variant.parse(name).kind in ("kv", "one-liner", "preset"):
             Variant.parse(name).build(None, args.window)
@@ -393,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
         for name in args.caches:
             spec = dict(model=args.model, dtype=args.dtype, device=args.device, threads=args.threads, length=length,
                         variant=name, window=args.window, steps=args.steps, seed=args.seed + length,
-                        chunk=args.chunk or 0)  # fmt: skip
+                        chunk=args.chunk or 0, online=args.online)  # fmt: skip
             try:
                 row = _spawn(spec)
             except RuntimeError as exc:

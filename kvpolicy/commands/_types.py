@@ -13,12 +13,14 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from kvpolicy.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvpolicy.eval.plan import Shard
+
+T = TypeVar("T")
 
 
 def _int(text: str, minimum: int) -> int:
@@ -52,44 +54,94 @@ def positive_float(text: str) -> float:
     return value
 
 
-def int_list(minimum: int, example: str) -> Callable[[str], list[int]]:
-    """A type for a non-empty comma-separated list of integers >= ``minimum`` (``"2048,4096"``).
+def at_least(minimum: int, what: str = "an integer") -> Callable[[str], int]:
+    """A type for one integer >= ``minimum`` (``what`` names it in messages: ``"a context length"``)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {what} >= {minimum}; got {text!r}")
+        return value
+
+    parse.__name__ = f"int_min_{minimum}"
+    return parse
+
+
+def list_item(convert: Callable[[str], T], flag: str, spec: bool = False) -> Callable[[str], T]:
+    """The type of one value of the list flag ``flag``: ``convert``, after refusing a comma-separated value.
+
+    Lists are space-separated (``--bits 2 4``); ``"2,4"`` is refused with a message naming ``flag``, the
+    value and the form to type instead.
 
     Parameters
     ----------
-    minimum : int
-        The smallest value allowed.
-    example : str
-        A valid value, shown in messages.
+    convert : callable
+        The type of one value (``str -> T``, raising :class:`argparse.ArgumentTypeError`).
+    flag : str
+        The flag's name, for the message (``"--bits"``).
+    spec : bool, optional
+        The values are ``name[:key=value...]`` specs, whose values may hold commas
+        (``speed:contexts=1024,4096``): only a comma in the name is refused (``lm,passkey``).
 
     Returns
     -------
     callable
-        ``str -> list[int]``, raising :class:`argparse.ArgumentTypeError` on a bad list.
+        ``str -> T``.
     """
 
-    def parse(text: str) -> list[int]:
-        allowed = f"a comma-separated list of integers >= {minimum} (e.g. {example})"
-        parts = [p.strip() for p in text.split(",")]
-        try:
-            values = [int(p) for p in parts]
-        except ValueError:
-            bad = next(p for p in parts if not _is_int(p))
-            raise argparse.ArgumentTypeError(f"must be {allowed}; got {text!r} ({bad!r} is not an integer)") from None
-        if any(v < minimum for v in values):
-            raise argparse.ArgumentTypeError(f"must be {allowed}; got {text!r}")
-        return values
+    def parse(text: str) -> T:
+        if "," in (text.split(":", 1)[0] if spec else text):
+            parts = [p.strip() for p in text.split(",") if p.strip()] or ["VALUE"]
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is comma-separated; {flag} takes its values separated by spaces: {flag} {' '.join(parts)}"
+            )
+        return convert(text)
 
-    parse.__name__ = f"int_list_min_{minimum}"
+    parse.__name__ = getattr(convert, "__name__", "value")
     return parse
 
 
-def _is_int(text: str) -> bool:
-    try:
-        int(text)
-    except ValueError:
-        return False
-    return True
+#: the dtypes every ``--dtype`` flag takes: torch's names
+DTYPES = ("float32", "bfloat16", "float16")
+#: other spellings, refused with the torch name to use instead
+_DTYPE_ALIASES = {
+    "fp32": "float32", "f32": "float32", "float": "float32", "single": "float32",
+    "bf16": "bfloat16", "bfloat": "bfloat16",
+    "fp16": "float16", "f16": "float16", "half": "float16",
+}  # fmt: skip
+
+
+def dtype_name(text: str) -> str:
+    """One of :data:`DTYPES`; another spelling (``fp32``, ``bf16``) is refused with the torch name to use."""
+    if text in DTYPES:
+        return text
+    import difflib
+
+    guess = _DTYPE_ALIASES.get(text.strip().lower().removeprefix("torch."))
+    guess = guess or next(iter(difflib.get_close_matches(text.lower(), DTYPES, n=1)), None)
+    hint = f"; did you mean {guess!r}?" if guess else ""
+    raise argparse.ArgumentTypeError(f"must be one of {', '.join(DTYPES)} (torch's names); got {text!r}{hint}")
+
+
+def model_name(text: str) -> str:
+    """A model as ``kvpolicy ablate --model`` takes it: a built-in name, a local path or a hub id.
+
+    Refused here: an empty name, a local path that does not exist, a directory without ``config.json``.
+    Whether a hub id is in the local cache is checked when the command starts
+    (:func:`kvpolicy.eval.grid.check_model_available`).
+    """
+    name = text.strip()
+    if not name:
+        raise argparse.ArgumentTypeError("must be a model name, a local path or a hub id; got an empty string")
+    path = Path(name).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory without config.json, not a transformers model")
+    if not path.exists() and (name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1):
+        raise argparse.ArgumentTypeError(f"model path {text!r} does not exist")
+    return name
 
 
 def shard_spec(text: str) -> Shard:

@@ -11,10 +11,13 @@ import os
 import sys
 from pathlib import Path
 
+from kvpolicy.commands._parser import add_list
 from kvpolicy.commands._types import (
+    DTYPES,
+    at_least,
     check_output,
     device_name,
-    int_list,
+    dtype_name,
     non_negative_int,
     out_dir,
     out_file,
@@ -166,49 +169,49 @@ def register(sub: argparse._SubParsersAction) -> None:
         "are skipped on re-runs. Flags override or extend --config (TOML or JSON). --executor ray runs the cells on "
         "Ray workers; --shard I/N runs a share of them, and --merge combines the shards' directories into OUT.",
     )
-    p.add_argument("--config", help="grid file (.toml or .json)")
-    p.add_argument("--out", required=True, type=out_dir, help="run directory (created if missing)")
-    p.add_argument(
-        "--model", action="append", help="model: smollm2, gemma3-270m, tiny-llama, a local path or hub id (repeatable)"
-    )
-    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"))
-    p.add_argument("--device", type=device_name, help="cpu, cuda, cuda:N or mps")
-    p.add_argument("--seed", type=non_negative_int)
-    p.add_argument(
-        "--context", type=int_list(MIN_CONTEXT, "2048,4096"), help="context lengths, comma-separated (e.g. 2048,4096)"
-    )
-    p.add_argument(
-        "--task",
-        action="append",
-        help="task[:key=value...]: lm, greedy, passkey, kv, lines, gsm8k, longbench, lm-essays, niah, hotpotqa, "
-        "gsm8k-workload (their datasets fetched from the package index on first use), speed",
-    )
-    p.add_argument("--policy", action="append", help="policy[:key=value...] of the cross product (repeatable)")
-    p.add_argument("--action", action="append", help="action[:key=value...] of the cross product (repeatable)")
-    p.add_argument("--bits", type=int_list(1, "2,4"), help="bits of the cross product, comma-separated")
-    p.add_argument("--backend", action="append", help="backend of the cross product (repeatable)")
-    p.add_argument("--preset", action="append", help="preset[:key=value...] (repeatable)")
-    p.add_argument("--baseline", action="append", help="dynamic, hf-quanto-2, hf-hqq-4[:residual_length=128...]")
+    p.add_argument("--config", metavar="FILE", help="grid file (.toml or .json); the flags below override or extend it")
+    p.add_argument("--out", required=True, type=out_dir, metavar="DIR", help="run directory (created if missing)")
+    add_list(p, "--model", metavar="MODEL",
+             help="models: smollm2, gemma3-270m, tiny-<llama|qwen2|mistral>[-LAYERS], a local path or a hub id "
+             "(grid key models; default there: smollm2)")  # fmt: skip
+    p.add_argument("--dtype", type=dtype_name, choices=DTYPES,
+                   help="model dtype (grid key dtype; default there: float32)")  # fmt: skip
+    p.add_argument("--device", type=device_name, help="cpu, cuda, cuda:N or mps (grid key device; default there: cpu)")
+    p.add_argument("--seed", type=non_negative_int, help="sample seed of the tasks (grid key seed; default there: 0)")
+    add_list(p, "--context", at_least(MIN_CONTEXT, "a context length"), metavar="TOKENS",
+             help="context lengths, e.g. 2048 4096 (grid key contexts; default there: 2048)")  # fmt: skip
+    add_list(p, "--task", spec=True, metavar="TASK",
+             help="tasks, each task[:key=value...]: lm, greedy, passkey, kv, lines, gsm8k, longbench, lm-essays, niah, "
+             "hotpotqa, gsm8k-workload (their datasets fetched from the package index on first use), speed "
+             "(grid key tasks; default there: lm)")  # fmt: skip
+    add_list(p, "--policy", spec=True, metavar="POLICY", help="policies of the cross product, each name[:key=value...]")
+    add_list(p, "--action", spec=True, metavar="ACTION", help="actions of the cross product, each name[:key=value...]")
+    add_list(p, "--bits", positive_int, metavar="BITS", help="bits of the cross product, e.g. 2 4")
+    add_list(p, "--backend", metavar="BACKEND", help="backends of the cross product (kvpolicy list shows them)")
+    add_list(p, "--preset", spec=True, metavar="PRESET", help="registered presets to run, each preset[:key=value...]")
+    add_list(p, "--baseline", spec=True, metavar="BASELINE",
+             help="transformers caches to run: dynamic, hf-quanto-2, hf-hqq-4[:residual_length=128...]")  # fmt: skip
     p.add_argument("--equal-bytes", nargs="?", const="", default=None, metavar="ANCHOR",
                    help="also run every compressing cache resized to hold the bytes of ANCHOR (a cache label; "
                    "default: the first compressing cache)")  # fmt: skip
     p.add_argument("--no-replay", action="store_true", help="run every prefill instead of replaying the reference's")
     p.add_argument("--decode", choices=("fused", "materialized"), default=None,  # kvpolicy.eval.grid.DECODE_MODES
-                   help="how decode steps attend over compressed caches: fused (default; the path users run) or "
-                        "materialized (rebuild the history every step)")  # fmt: skip
+                   help="how decode steps attend over compressed caches: fused (the path users run) or "
+                   "materialized (rebuild the history every step) (grid key decode; default there: fused)")  # fmt: skip
     p.add_argument("--batch", type=positive_int, default=None, metavar="N",
-                   help="decode up to N teacher-forced samples of a cell together (grid key batch; default 1): the "
-                   "same results up to float rounding, in less time on CPU")  # fmt: skip
+                   help="decode up to N teacher-forced samples of a cell together: the same results up to float "
+                   "rounding, in less time on CPU (grid key batch; default there: 1)")  # fmt: skip
     p.add_argument("--online", action="store_true", help="allow downloading models from the Hugging Face hub")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads (with --executor ray: in each worker)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--report-only", action="store_true", help="rewrite summary.md and plots from results.jsonl")
-    p.add_argument("--docs", type=out_file, help="also write a results page (e.g. docs/results.md) from OUT")
-    p.add_argument("--frontier-doc", type=out_file,
+    p.add_argument("--docs", type=out_file, metavar="FILE",
+                   help="also write a results page (e.g. docs/results.md) from --out")  # fmt: skip
+    p.add_argument("--frontier-doc", type=out_file, metavar="FILE",
                    help="also write a quality-per-byte page (e.g. docs/frontier.md: bits/element vs KL, the Pareto "
                    "frontier) from OUT")  # fmt: skip
     p.add_argument("--executor", choices=("local", "ray"), default="local",
-                   help="where the cells run: here, one after another (default), or on Ray workers, one per slot of "
+                   help="where the cells run: here, one after another, or on Ray workers, one per slot of "
                    'the cluster (pip install "kvpolicy[ray]"); results come back here and only this process writes '
                    "OUT")  # fmt: skip
     p.add_argument("--address", help="--executor ray: the Ray cluster to join: auto (this node's), HEAD:6379, or "
@@ -223,8 +226,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shard", type=shard_spec, metavar="I/N",
                    help="run only the cells whose index in the grid modulo N is I (0 <= I < N), e.g. one array task "
                    "of a Slurm job; combine the shards' --out with --merge")  # fmt: skip
-    p.add_argument("--merge", nargs="+", type=Path, metavar="SHARD_DIR",
-                   help="instead of running, merge these shard run directories into --out (same grid required; "
-                   "each cell once) and write its report")  # fmt: skip
+    add_list(p, "--merge", Path, metavar="SHARD_DIR",
+             help="instead of running, merge these shard run directories into --out (same grid required; each cell "
+             "once) and write its report")  # fmt: skip
     p.add_argument("--command-line", help=argparse.SUPPRESS)
     p.set_defaults(func=_run, resumes="out")  # kvpolicy.cli: an interrupted run resumes from OUT

@@ -8,7 +8,15 @@ import dataclasses
 import os
 from typing import Any
 
-from kvpolicy.commands._types import available_device, non_negative_int, out_dir, out_file, positive_int
+from kvpolicy.commands._types import (
+    DTYPES,
+    available_device,
+    dtype_name,
+    non_negative_int,
+    out_dir,
+    out_file,
+    positive_int,
+)
 
 
 def _open(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -59,13 +67,15 @@ def _rotation(args: argparse.Namespace) -> int:
 
 def _model_options(p: argparse.ArgumentParser) -> None:
     """The options every analysis shares: which model, where, and the text's length."""
-    p.add_argument("--model", default="smollm2", help="smollm2, gemma3-270m, a path or hub id (default: smollm2)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2, gemma3-270m, tiny-<llama|qwen2|mistral>[-LAYERS], a local path or a hub id "
+                   "(a hub id not in the local cache needs --online)")  # fmt: skip
+    p.add_argument("--dtype", type=dtype_name, choices=DTYPES, default="float32", help="model dtype")
     p.add_argument("--device", type=available_device, default="cpu", help="cpu, cuda, cuda:N or mps")
-    p.add_argument("--context", type=positive_int, default=2048, help="tokens of standard-library text (default: 2048)")
+    p.add_argument("--context", type=positive_int, default=2048, help="tokens of standard-library text")
     p.add_argument("--seed", type=non_negative_int, default=0, help="which text (the lm task's sample seed)")
     p.add_argument("--online", action="store_true", help="allow downloading from the Hugging Face hub")
-    p.add_argument("--threads", type=positive_int)
+    p.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -73,18 +83,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "analyze", help="analyses of a model's attention (attention spikes by distance; does rotation help its keys)"
     )
-    which = p.add_subparsers(dest="analysis", required=True)
+    which = p.add_subparsers(dest="analysis", required=True, metavar="ANALYSIS", help="attention or rotation")
     a = which.add_parser(
         "attention",
         help="distribution of high-attention key positions by distance from the query, per layer, with a plot",
     )
     _model_options(a)
     a.add_argument(
-        "--queries", type=positive_int, default=16, help="decoding queries analysed at the end (default: 16)"
+        "--queries", type=positive_int, default=16, help="decoding queries analysed at the end"
     )
-    a.add_argument("--top-k", type=positive_int, default=8, help="high-attention keys per query and head (default: 8)")
-    a.add_argument("--out", type=out_dir, default="attention-analysis", help="directory for the plot and JSON")
-    a.add_argument("--no-progress", action="store_true")
+    a.add_argument("--top-k", type=positive_int, default=8, help="high-attention keys per query and head")
+    a.add_argument("--out", type=out_dir, default="attention-analysis", metavar="DIR",
+                   help="directory for the plot and JSON")  # fmt: skip
+    a.add_argument("--no-progress", action="store_true", help="no progress bars")
     a.set_defaults(func=_attention)
 
     r = which.add_parser(
@@ -92,10 +103,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="per layer, the error of quantized keys with and without a rotation, weighted by the model's queries",
     )
     _model_options(r)
-    r.add_argument("--transform", default="hadamard", help="a registered transform (default: hadamard)")
-    r.add_argument("--seed-transform", type=non_negative_int, default=0, help="the transform's seed (default: 0)")
-    r.add_argument("--bits", type=int, choices=(2, 3, 4, 8), default=2, help="key bits (default: 2)")
-    r.add_argument("--group-size", type=positive_int, default=64, help="tokens per key group (default: 64)")
-    r.add_argument("--queries", type=positive_int, default=64, help="queries after the context (default: 64)")
-    r.add_argument("--json", type=out_file, help="also write the result to this JSON file")
+    r.add_argument("--transform", default="hadamard", help="a registered transform (kvpolicy list shows them)")
+    r.add_argument("--seed-transform", type=non_negative_int, default=0, help="the transform's seed")
+    r.add_argument("--bits", type=int, choices=(2, 3, 4, 8), default=2, help="key bits")
+    r.add_argument("--group-size", type=positive_int, default=64, help="tokens per key group")
+    r.add_argument("--queries", type=positive_int, default=64, help="queries after the context")
+    r.add_argument("--json", type=out_file, metavar="FILE", help="also write the result to this JSON file")
     r.set_defaults(func=_rotation)

@@ -1,8 +1,33 @@
-"""``kvpolicy list``: registered names, then the names registered more than once, if any."""
+"""``kvpolicy list``: the registered names of each kind, whether each backend can run here (and why
+not), then the names registered more than once, if any. ``kvpolicy plugins`` shows which
+distribution registered each name."""
 
 from __future__ import annotations
 
 import argparse
+
+HELP = "the names you can use, and whether each backend can run here (what it needs when not)"
+DESCRIPTION = (
+    "The registered policies, actions, backends, transforms and presets, and for each backend whether it can run "
+    "on this machine: if not, the package extra, compiler or setting it needs. kvpolicy plugins shows instead "
+    "which distribution (kvpolicy or a plugin) registered each name."
+)
+
+
+def backend_lines() -> list[str]:
+    """``backends here:`` and one line per registered backend: its name, ``yes``/``no`` and why."""
+    from kvpolicy import registry
+    from kvpolicy.commands._usability import backend_usability
+
+    names = registry.names("backends")
+    width = max((len(n) for n in names), default=0)
+    lines = ["backends here (usable; what it runs on, or what it needs):"]
+    for name in names:
+        state = backend_usability(name)
+        note = f"  {state.note}" if state.note else ""
+        lines.append(f"  {name:<{width}}  {'yes' if state.usable else 'no ':<3}{note}".rstrip())
+    lines.append("  (backend='auto' picks the fastest of these that serves the composition on its device)")
+    return lines
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -11,11 +36,14 @@ def _run(args: argparse.Namespace) -> int:
 
     for kind in registry.KINDS:
         print(f"{kind}: {', '.join(registry.names(kind))}")
+    for line in backend_lines():
+        print(line)
     for line in conflict_lines():
         print(line)
     return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    lst = sub.add_parser("list", help="registered policies, actions, backends, transforms and presets")
+    """Add ``kvpolicy list`` to ``sub``."""
+    lst = sub.add_parser("list", help=HELP, description=DESCRIPTION)
     lst.set_defaults(func=_run)

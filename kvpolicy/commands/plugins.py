@@ -1,5 +1,6 @@
-"""``kvpolicy plugins``: every registered policy, action, backend and preset, and where it came from;
-then the names registered more than once, if any."""
+"""``kvpolicy plugins``: every registered policy, action, backend, transform and preset, and which
+distribution registered it (kvpolicy itself or a plugin, its version and entry point); then the names
+registered more than once, if any. ``kvpolicy list`` shows the names and whether each backend runs here."""
 
 from __future__ import annotations
 
@@ -52,8 +53,13 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``kvpolicy plugins`` to ``sub``."""
     cmd = sub.add_parser(
         "plugins",
-        help="registered policies, actions, backends, transforms and presets with the distribution they came from",
+        help="which distribution (kvpolicy or a plugin) registered each name",
+        description="Every registered policy, action, backend, transform and preset with the distribution that "
+        "registered it (kvpolicy or a plugin), its version, the object and where it was loaded from; then the "
+        "names registered more than once. kvpolicy list shows instead the names you can use and whether each "
+        "backend can run here.",
     )
     cmd.set_defaults(func=_run)

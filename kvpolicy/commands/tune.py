@@ -8,14 +8,26 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvpolicy.commands._types import check_output, device_name, out_dir, out_file, positive_float, positive_int
+from kvpolicy.commands._parser import add_list
+from kvpolicy.commands._types import (
+    DTYPES,
+    check_output,
+    device_name,
+    dtype_name,
+    out_dir,
+    out_file,
+    positive_float,
+    positive_int,
+)
+from kvpolicy.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvpolicy.eval.executors import RayExecutor
 
 
 def _run(args: argparse.Namespace) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if not args.online:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missing model fails in seconds, not after retries
     import torch
 
     from kvpolicy.eval.executors import make_executor
@@ -26,12 +38,12 @@ def _run(args: argparse.Namespace) -> int:
         executor.check_address()  # a cluster named by RAY_ADDRESS that cannot be reached fails before any work
     if args.threads:
         torch.set_num_threads(args.threads)
-    with hold_run_dir(args.out, "--runs"):
+    with hold_run_dir(args.out, "--out"):
         return _search(args, executor)
 
 
 def _search(args: argparse.Namespace, executor: RayExecutor | None) -> int:
-    """The search itself, with ``--runs`` held (see :func:`_run`)."""
+    """The search itself, with ``--out`` held (see :func:`_run`)."""
     from tqdm.auto import tqdm
 
     from kvpolicy import tune
@@ -39,7 +51,7 @@ def _search(args: argparse.Namespace, executor: RayExecutor | None) -> int:
     from kvpolicy.eval.runner import Runner, open_model
     from kvpolicy.eval.tasks import CALIBRATION_FILES
 
-    model, tokenizer = open_model(args.model, args.dtype, args.device)
+    model, tokenizer = open_model(args.model, args.dtype, args.device, args.online)
     config = model.config
     rotate, why = args.rotation != "none", f"--rotation {args.rotation}"
     if args.rotation == "auto":
@@ -63,9 +75,10 @@ def _search(args: argparse.Namespace, executor: RayExecutor | None) -> int:
           file=sys.stderr)  # fmt: skip
 
     def run(name: str, caches: list[tune.Candidate], lm: dict) -> None:
-        """Run ``caches`` on the ``lm`` task into ``--runs/name``; their scores go to ``c.scores[name]``."""
+        """Run ``caches`` on the ``lm`` task into ``--out/name``; their scores go to ``c.scores[name]``."""
         run_dir = args.out / name
-        grid = grid_from_dict(tune.grid(args.model, args.context, caches, lm, args.dtype, args.device, args.batch))
+        spec = tune.grid(args.model, args.context, caches, lm, args.dtype, args.device, args.batch)
+        grid = grid_from_dict({**spec, "online": args.online})
         failed = Runner(grid, run_dir, progress=not args.no_progress, executor=executor).run()
         if failed:
             raise RuntimeError(f"{failed} cell(s) of the {name} run failed; see {run_dir}")
@@ -111,46 +124,57 @@ def register(sub: argparse._SubParsersAction) -> None:
         "helps the model, boundary layers, a middle tier) under --budget-bits, screen --screen of them on a short "
         "calibration text, rank the best --trials on calibration texts, check the winner against the best "
         "single-tier compositions on held-out texts, and write a preset file that CompressedCache.from_config "
-        "loads. Resumable: the runs live in --runs.",
+        "loads (--preset-file). Resumable: the runs live in --out.",
     )  # fmt: skip
-    p.add_argument("--model", default="smollm2", help="smollm2 (default), gemma3-270m, tiny-llama, a path")
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2, gemma3-270m, tiny-<llama|qwen2|mistral>[-LAYERS], a local path or a hub id "
+                   "(a hub id not in the local cache needs --online)")  # fmt: skip
     p.add_argument("--budget-bits", type=positive_float, required=True, help="bits per element, everything held")
-    p.add_argument("--context", type=positive_int, default=2048, help="context tokens (default 2048)")
-    p.add_argument("--out", dest="preset", type=out_file, required=True, help="the preset file to write (.toml)")
-    p.add_argument("--runs", dest="out", type=out_dir, default=None, help="run directories (default: next to --out)")
-    p.add_argument("--screen", type=positive_int, default=40, help="compositions screened (default 40)")
-    p.add_argument("--screen-samples", type=positive_int, default=1, help="screening texts (default 1)")
-    p.add_argument("--screen-tokens", type=positive_int, default=32, help="screening tokens per text (default 32)")
-    p.add_argument("--trials", type=positive_int, default=9, help="compositions calibrated (default 9)")
-    p.add_argument("--compare", type=positive_int, default=2, help="single-tier rivals scored held out (default 2)")
-    p.add_argument("--samples", type=positive_int, default=3, help="calibration texts (default 3)")
-    p.add_argument("--tokens", type=positive_int, default=128, help="calibration tokens per text (default 128)")
-    p.add_argument("--heldout-samples", type=positive_int, default=5, help="held-out texts (default 5)")
-    p.add_argument("--heldout-tokens", type=positive_int, default=256, help="held-out tokens per text (default 256)")
-    p.add_argument("--windows", type=positive_int, nargs="+", default=[16, 42], help="log windows (default 16 42)")
-    p.add_argument("--key-groups", type=positive_int, nargs="+", default=[64],
-                   help="group sizes of the keys (per channel) tried (default 64)")  # fmt: skip
-    p.add_argument("--key-fits", nargs="+", choices=("minmax", "mse"), default=["minmax", "mse"],
-                   help="ranges of the min-max keys tried: min-max, fitted for the least squared error (default "
-                   "both)")  # fmt: skip
-    p.add_argument("--tier-factors", type=positive_int, nargs="+", default=[4],
-                   help="a middle tier keeps what the log rule at FACTOR x the window keeps (default 4)")  # fmt: skip
+    p.add_argument("--context", type=positive_int, default=2048, help="context tokens")
+    p.add_argument("--preset-file", dest="preset", type=out_file, required=True, metavar="FILE",
+                   help="the preset file to write (.toml; CompressedCache.from_config reads it)")  # fmt: skip
+    p.add_argument("--out", type=out_dir, default=None, metavar="DIR",
+                   help="directory of the runs (screen, calibration, heldout), kept for resuming (default: next to "
+                   "the preset file: FILE without .toml, plus -runs)")  # fmt: skip
+    p.add_argument("--screen", type=positive_int, default=40, help="compositions screened")
+    p.add_argument("--screen-samples", type=positive_int, default=1, help="screening texts")
+    p.add_argument("--screen-tokens", type=positive_int, default=32, help="screening tokens per text")
+    p.add_argument("--trials", type=positive_int, default=9, help="compositions calibrated")
+    p.add_argument("--compare", type=positive_int, default=2, help="single-tier rivals scored held out")
+    p.add_argument("--samples", type=positive_int, default=3, help="calibration texts")
+    p.add_argument("--tokens", type=positive_int, default=128, help="calibration tokens per text")
+    p.add_argument("--heldout-samples", type=positive_int, default=5, help="held-out texts")
+    p.add_argument("--heldout-tokens", type=positive_int, default=256, help="held-out tokens per text")
+    add_list(p, "--windows", positive_int, default=[16, 42], metavar="W", help="log windows tried")
+    add_list(p, "--key-groups", positive_int, default=[64], metavar="G",
+             help="group sizes of the keys (per channel) tried")  # fmt: skip
+    add_list(p, "--key-fits", choices=("minmax", "mse"), default=["minmax", "mse"], metavar="FIT",
+             help="ranges of the min-max keys tried: minmax (min-max), mse (fitted for the least squared error)")
+    add_list(p, "--tier-factors", positive_int, default=[4], metavar="FACTOR",
+             help="a middle tier keeps what the log rule at FACTOR x the window keeps")  # fmt: skip
     p.add_argument("--rotation", choices=("auto", "hadamard", "none"), default="auto",
-                   help="search with the Hadamard rotation, without it, or (auto, the default) as `kvpolicy analyze "
-                   "rotation` finds for this model on a calibration text")  # fmt: skip
-    p.add_argument("--batch", type=positive_int, default=4,
-                   help="decode up to N texts of a run together (default 4): the same scores up to float rounding, "
-                   "in less time on CPU (as `kvpolicy ablate --batch`)")  # fmt: skip
-    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+                   help="search with the Hadamard rotation, without it, or (auto) as `kvpolicy analyze rotation` "
+                   "finds for this model on a calibration text")  # fmt: skip
+    p.add_argument("--batch", type=positive_int, default=4, metavar="N",
+                   help="decode up to N texts of a run together: the same scores up to float rounding, in less time "
+                   "on CPU (as `kvpolicy ablate --batch`)")  # fmt: skip
+    p.add_argument("--dtype", type=dtype_name, choices=DTYPES, default="float32", help="model dtype")
     p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda, cuda:N or mps")
-    p.add_argument("--executor", choices=("local", "ray"), default="local", help="where the cells run")
-    p.add_argument("--threads", type=positive_int, help="torch CPU threads")
+    p.add_argument("--executor", choices=("local", "ray"), default="local",
+                   help='where the cells run: here, or on Ray workers (pip install "kvpolicy[ray]")')  # fmt: skip
+    p.add_argument("--online", action="store_true", help="allow downloading the model from the Hugging Face hub")
+    p.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_run_with_defaults, resumes="out")
 
 
 def _run_with_defaults(args: argparse.Namespace) -> int:
+    if args.out is not None and args.out.suffix == ".toml":
+        raise ConfigError(
+            f"--out {str(args.out)!r} looks like a preset file, but --out is the directory of the runs; the preset "
+            "file is --preset-file: give --out a directory, or leave it out (default: next to the preset file)"
+        )
     if args.out is None:
         runs = Path(str(args.preset.with_suffix("")) + "-runs")
-        args.out = check_output("--runs (default: next to --out)", runs, "directory")
+        args.out = check_output("--out (default: next to --preset-file)", runs, "directory")
     return _run(args)

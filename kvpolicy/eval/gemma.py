@@ -27,7 +27,7 @@ directories pass :func:`kvpolicy.paths.private_dir`.
 Gemma-3 differs from SmolLM2 in every way that matters to a KV cache: 1 kv head of head_dim 256,
 QK-norm before RoPE, 15 sliding-window layers (window 512) and 3 global ones (5, 11, 17), a 262k
 vocabulary. Build caches with ``config=model.config`` so that the sliding layers stay with
-transformers and only the global layers are compressed (see docs/models.md).
+transformers and only the global layers are compressed (see docs/explanation/models.md).
 """
 
 from __future__ import annotations

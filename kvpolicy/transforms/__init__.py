@@ -1,7 +1,7 @@
 """Transforms: an orthogonal change of basis of demoted tokens, between the policy and the action.
 
 ``"none"`` (:class:`NoTransform`, the default) and ``"hadamard"`` (:class:`Hadamard`) are built in;
-plugins register more through the ``kvpolicy_register_transforms`` hook (docs/plugins.md).
+plugins register more through the ``kvpolicy_register_transforms`` hook (docs/how-to/write-a-plugin.md).
 """
 
 from kvpolicy.transforms.base import NoTransform, Transform

@@ -10,7 +10,7 @@ two ``B`` dividing ``head_dim`` (``head_dim=96``: three blocks of 32; ``80``: fi
 least :data:`MIN_BLOCK`. ``R`` is built once per ``(seed, head_dim, device)`` with the fast
 transform (``O(B log B)`` per row) and applied as one matrix product: on CPU at ``head_dim ≤ 256``
 one ``(n, d) @ (d, d)`` product is 8-25× faster than ``log2(B)`` butterfly passes in torch
-(docs/transforms.md has the measurement). The matrix (``head_dim² × 4`` bytes, 16 KiB at 64) is
+(docs/explanation/transforms.md has the measurement). The matrix (``head_dim² × 4`` bytes, 16 KiB at 64) is
 shared by every layer and cache of a process and counted once in a memory report.
 """
 
