@@ -131,6 +131,9 @@ def test_preset_variants_build_the_file_and_run_fused(tmp_path):
     # a registered preset by name
     named = Variant.parse("preset:kvpolicy-3bit")
     assert named.fused and repr(named.build(None, 42)) == repr(CompressedCache.from_preset("kvpolicy-3bit"))
+    # a preset file shipped with kvpolicy, by name
+    shipped = Variant.parse("preset:smollm2-8k-2.5bit")
+    assert repr(shipped.build(None, 42)) == repr(CompressedCache.from_config("smollm2-8k-2.5bit"))
     out = tmp_path / "bench"
     rc = main(["bench", "decode", "--model", "tiny-llama", "--lengths", "256", "--steps", "1", "--reps", "1",
                "--warmup", "0", "--caches", "dynamic", f"preset:{preset}", "--out", str(out)])  # fmt: skip

@@ -22,7 +22,8 @@ Cache variants are named by short strings:
 - ``one-liner``: ``CompressedCache(policy="log", action="quantize", bits=2)`` exactly as the README
   writes it (every default: ``backend="auto"``, ``check_finite=True``, the default group sizes), run
   with :func:`kvpolicy.fused.enable_fused` on the model (``--window`` does not apply);
-- ``preset:<file.toml>``: ``CompressedCache.from_config(file)`` (a preset ``kvpolicy tune`` wrote), or
+- ``preset:<file.toml>``: ``CompressedCache.from_config(file)`` (a preset ``kvpolicy tune`` wrote, or the
+  name of a shipped preset file such as ``preset:smollm2-8k-2.5bit``), or
   ``preset:<name>``: ``CompressedCache.from_preset(name)`` (a registered preset, e.g.
   ``preset:kvpolicy-3bit``); run with :func:`kvpolicy.fused.enable_fused` (``--window`` does not apply);
 - ``hf-<quanto|hqq>-<bits>``: transformers' ``QuantizedCache(backend, config, nbits=bits)``;
@@ -103,13 +104,14 @@ class Variant:
         if name.startswith("preset:"):
             path = name.removeprefix("preset:")
             if not Path(path).is_file():
-                from kvpolicy import registry
+                from kvpolicy import preset_files, registry
 
                 known = registry.names("presets")
-                if path not in known:
+                if path not in known and path not in preset_files.names():
                     raise ConfigError(
-                        f"cache variant {name!r}: {path!r} is neither a preset file (kvpolicy tune writes them) "
-                        f"nor a registered preset; registered presets: {known}"
+                        f"cache variant {name!r}: {path!r} is neither a preset file (kvpolicy tune writes them), "
+                        f"a shipped preset file ({preset_files.names()}) nor a registered preset; registered "
+                        f"presets: {known}"
                     )
             return cls(name, "preset", fused=True)
         if parts[0] == "hf" and len(parts) == 3 and parts[1] in ("quanto", "hqq") and parts[2].isdigit():
@@ -153,9 +155,11 @@ class Variant:
             return CompressedCache(policy="log", action="quantize", bits=2, **hybrid)
         if self.kind == "preset":
             source = self.name.removeprefix("preset:")
-            if Path(source).is_file():
-                return CompressedCache.from_config(source, **hybrid)
-            return CompressedCache.from_preset(source, **hybrid)
+            from kvpolicy import registry
+
+            if source in registry.names("presets"):
+                return CompressedCache.from_preset(source, **hybrid)
+            return CompressedCache.from_config(source, **hybrid)  # a file, or a shipped file's name
         widths = dict(key_bits=self.widths[0], value_bits=self.widths[1]) if self.widths else dict(bits=self.bits)
         return CompressedCache(
             policy=self.policy, action="quantize", **widths, backend=self.backend, layout=self.layout,
@@ -438,7 +442,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="latency mode: context lengths (e.g. 1k 8k 16384)")  # fmt: skip
     add_list(parser, "--batch", positive_int, default=[1], metavar="N", help="latency mode: batch sizes")
     add_list(parser, "--caches", _variant, default=list(DEFAULT_VARIANTS), metavar="CACHE",
-             help="cache variants: dynamic, one-liner, preset:<file.toml|name>, hf-<quanto|hqq>-<bits>, "
+             help="cache variants: dynamic, one-liner, preset:<file.toml|preset|preset file name>, "
+             "hf-<quanto|hqq>-<bits>, "
              "<policy>-<bits|kKvV>-<backend>-<ordered|agnostic>-<fused|mat>[-rot][-mse|-kmse]")  # fmt: skip
     parser.add_argument("--fill", choices=("model", "synthetic"), default="model",
                         help="latency mode: prefill with the model (timed), or fill caches with random keys/values "

@@ -44,9 +44,9 @@ HOWTO = """## Running your own ablations
 ```bash
 # any HF causal LM by name or path (hub ids must be in the local cache unless --online), dtype and device
 kvpolicy ablate --out runs/mine --model meta-llama/Llama-3.1-8B-Instruct --dtype bfloat16 --device cuda \\
-    --context 4096,8192 --task lm --task passkey --task lines --task speed:contexts=1024,4096,8192 \\
+    --context 4096 8192 --task lm --task passkey --task lines --task speed:contexts=1024,4096,8192 \\
     --policy log:window=42 --policy recent:variant=flush:window=128 --policy sink --policy h2o \\
-    --action quantize --action evict --bits 2,4 --backend torch \\
+    --action quantize --action evict --bits 2 4 --backend torch \\
     --baseline dynamic --baseline hf-quanto-2 --baseline hf-hqq-4 --equal-bytes
 kvpolicy ablate --config examples/configs/results.toml --out runs/results   # the same from a TOML/JSON file
 kvpolicy analyze attention --model smollm2 --context 2048 --out runs/attention
@@ -65,9 +65,9 @@ directly: `examples/logquant_vs_kivi.py`, `examples/quantize_vs_evict.py`, `exam
 ### Tasks on pinned datasets
 
 ```bash
-kvpolicy ablate --out runs/essays --model smollm2 --context 2048,8192,16384 --task lm-essays \\
+kvpolicy ablate --out runs/essays --model smollm2 --context 2048 8192 16384 --task lm-essays \\
     --policy log --bits 2 --baseline dynamic
-kvpolicy ablate --out runs/niah --model smollm2 --context 4096,8192,16384 --task niah \\
+kvpolicy ablate --out runs/niah --model smollm2 --context 4096 8192 16384 --task niah \\
     --policy log --bits 2 --baseline dynamic
 kvpolicy ablate --out runs/hotpotqa --model smollm2 --task hotpotqa:limit=16 \\
     --policy log --bits 2 --baseline dynamic
