@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -859,6 +860,10 @@ class CompressedCache(Cache):
                 f"layer {layer_idx}: the model has more layers than the one the cache was saved from (pass model= to "
                 "CompressedCache.load to check a model against the file)"
             )
+        if not self.layers and self._layer_types is None:
+            # the first update of a cache built without config=: the model's attention module is the caller
+            config = _caller_config()
+            self.check_model_config(config, f"{getattr(config, 'model_type', 'transformers')} model")
         while len(self.layers) <= layer_idx:
             self.layers.append(self._new_layer(len(self.layers)))
         self._release_before(layer_idx)
@@ -895,9 +900,11 @@ class CompressedCache(Cache):
         """Warn, once per cache, when the model it serves has sliding-window or other non-full-attention
         layers and the cache was built without ``config=``: it then keeps and compresses those layers'
         whole history, holding far more bytes than transformers' sliding layers would (the model's
-        sliding mask still limits what attention reads). Called after each forward by the hook that
-        :func:`~kvpolicy.fused.enable_fused` and :func:`~kvpolicy.attention.enable_scores` install; a
-        cache cannot see the model otherwise, so build it with :meth:`for_model`."""
+        sliding mask still limits what attention reads). Called on the first update of a cache built
+        without ``config=``, with the config of the attention module that called ``update`` (transformers'
+        attention modules hold their model's config), and after each forward by the hook that
+        :func:`~kvpolicy.fused.enable_fused` and :func:`~kvpolicy.attention.enable_scores` install. A
+        cache is given no model, so build it with :meth:`for_model`."""
         if self._config is not None or self._model_warned or not is_hybrid(config):
             return
         self._model_warned = True
@@ -1020,6 +1027,18 @@ _PARTS = (
     ("policy", "policies", Policy), ("action", "actions", Action), ("backend", "backends", Backend),
     ("transform", "transforms", Transform),
 )  # fmt: skip
+
+
+def _caller_config(depth: int = 2) -> Any:
+    """The ``config`` of the object whose method called :meth:`CompressedCache.update` (transformers'
+    attention modules hold their model's config), or None. ``depth``: frames up from here, through
+    ``update``, to that caller. Used once per cache, to warn about sliding-window layers
+    (:meth:`CompressedCache.check_model_config`)."""
+    try:
+        frame = sys._getframe(depth)
+    except ValueError:  # a shallower stack than expected
+        return None
+    return getattr(frame.f_locals.get("self"), "config", None)
 
 
 def _head_dim(config: Any) -> int | None:

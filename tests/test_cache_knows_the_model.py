@@ -216,6 +216,28 @@ def test_a_cache_without_config_on_a_sliding_model_warns_once_with_the_remedy():
     assert "sliding_attention" in str(ours[0].message) and "CompressedCache.for_model(model" in str(ours[0].message)
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_cache_without_config_warns_once_on_a_plain_generate_too(attn):
+    """No kvpolicy attention and no hook: the first update sees the calling attention module's config."""
+    model = tiny_gemma3()
+    model.set_attn_implementation(attn)
+    ids = torch.randint(0, 96, (1, 40))
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.generate(ids, cache=CompressedCache(policy="log", window=8, bits=2), max_new_tokens=3, do_sample=False)
+        model(ids, cache=CompressedCache(policy="log", window=8, bits=2), use_cache=True)  # a plain forward
+    ours = [str(w.message) for w in caught if "built without config=" in str(w.message)]
+    assert len(ours) == 2 and all("gemma3_text model" in m and "for_model" in m for m in ours)
+
+
+def test_a_full_attention_model_never_warns():
+    model = _llama(64)
+    ids = torch.randint(0, 64, (1, 40))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*built without config=.*")
+        model.generate(ids, cache=CompressedCache(), max_new_tokens=3, do_sample=False)
+
+
 def test_a_cache_built_for_the_model_does_not_warn():
     model = tiny_gemma3()
     ids = torch.randint(0, 96, (1, 40))
