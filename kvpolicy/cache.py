@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvpolicy import distributed, fused, handoff, registry, state_check
+from kvpolicy import distributed, fused, handoff, model_check, registry, state_check
 from kvpolicy import layer_bits as per_layer
 from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.backends import auto as auto_backend
@@ -728,7 +728,7 @@ class CompressedCache(Cache):
         first update, from the head dims of its own tensors)."""
         action, notes = action.serving(self.backend)
         self.adapted.update(dict.fromkeys(notes))
-        head_dim = _head_dim(config)
+        head_dim = model_check.head_dim(config)
         if head_dim is not None:
             self.adapted.update(dict.fromkeys(action.serving(self.backend, head_dim, head_dim)[1]))
         return action
@@ -790,13 +790,11 @@ class CompressedCache(Cache):
             If ``model`` has no transformers config, declares no attention layer, or has layers of a type
             transformers has no cache layer for (the error names the model class); or for bad keywords.
         """
-        from kvpolicy.model_check import check_model
-
         if "config" in kwargs:
             raise ConfigError(
                 "for_model reads config from the model; drop config= (or build CompressedCache(config=...))"
             )
-        config = check_model(model)
+        config = model_check.check_model(model)
         if preset is None:
             return cls(config=config, **kwargs)
         if preset in registry.names("presets"):
@@ -1039,21 +1037,6 @@ def _caller_config(depth: int = 2) -> Any:
     except ValueError:  # a shallower stack than expected
         return None
     return getattr(frame.f_locals.get("self"), "config", None)
-
-
-def _head_dim(config: Any) -> int | None:
-    """The attention head dim a model config declares (``head_dim``, else hidden size over heads; None
-    without a config or when it declares neither)."""
-    if config is None or not hasattr(config, "get_text_config"):
-        return None
-    text = config.get_text_config(decoder=True)
-    dim = getattr(text, "head_dim", None)
-    if isinstance(dim, int) and dim > 0:
-        return dim
-    hidden, heads = getattr(text, "hidden_size", None), getattr(text, "num_attention_heads", None)
-    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
-        return hidden // heads
-    return None
 
 
 def _num_layers(config: Any) -> int | None:

@@ -2,6 +2,24 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
+
+def did_you_mean(value: object, known: Iterable[object]) -> str:
+    """``"; did you mean 'x'?"`` for the known name closest to ``value`` (:func:`difflib.get_close_matches`),
+    or ``""`` when none is close: the suffix of a message refusing a misspelt name.
+
+    Parameters
+    ----------
+    value : object
+        The name given.
+    known : iterable
+        The names allowed.
+    """
+    close = difflib.get_close_matches(str(value), [str(k) for k in known], n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
 
 class ConfigError(ValueError):
     """A parameter has a value that the composition (policy, action, backend, layout) cannot accept."""

@@ -30,7 +30,7 @@ from typing import Any, overload
 
 import torch
 
-from kvpolicy.errors import ConfigError
+from kvpolicy.errors import ConfigError, did_you_mean
 from kvpolicy.memory import SEGMENTS, LayerBytes, MemoryReport, _human
 
 #: the largest prompt :func:`estimate` accepts: its probe holds ``2 * tokens * head_dim`` elements of the
@@ -283,11 +283,10 @@ def _check_dtype(dtype: Any) -> torch.dtype:
 
 def _shape(text: Any) -> tuple[int, int]:
     """``(kv_heads, head_dim)`` of a text config."""
-    heads = getattr(text, "num_attention_heads", None)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None)
-    if not head_dim and isinstance(heads, int) and heads > 0 and isinstance(getattr(text, "hidden_size", None), int):
-        head_dim = text.hidden_size // heads
+    from kvpolicy.model_check import head_dim as declared_head_dim
+
+    kv_heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
+    head_dim = declared_head_dim(text)
     for name, value in (("num_key_value_heads", kv_heads), ("head_dim", head_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(
@@ -340,15 +339,11 @@ def _builder(cache_or_preset: Any, config: Any) -> Callable[[], Any]:
 
 
 def _check_preset(name: str) -> None:
-    import difflib
-
     from kvpolicy import registry
 
     known = registry.names("presets")
     if name not in known:
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"estimate: unknown preset {name!r}{hint} (presets: {', '.join(known)})")
+        raise ConfigError(f"estimate: unknown preset {name!r}{did_you_mean(name, known)} (presets: {', '.join(known)})")
 
 
 def _spec(cache: Any) -> dict[str, Any]:

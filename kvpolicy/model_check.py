@@ -60,3 +60,18 @@ def check_model(model: Any) -> Any:
             "to compress in its cache"
         )
     return config
+
+
+def head_dim(config: Any) -> int | None:
+    """The attention head dim a config declares: ``head_dim``, else hidden size over attention heads
+    (of its text decoder config); None without a config, or when it declares neither."""
+    if config is None:
+        return None
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    dim = getattr(text, "head_dim", None)
+    if isinstance(dim, int) and not isinstance(dim, bool) and dim > 0:
+        return dim
+    hidden, heads = getattr(text, "hidden_size", None), getattr(text, "num_attention_heads", None)
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
+        return hidden // heads
+    return None

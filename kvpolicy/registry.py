@@ -26,7 +26,6 @@ distribution and every problem found; everything else keeps working.
 
 from __future__ import annotations
 
-import difflib
 import os
 import reprlib
 import warnings
@@ -37,7 +36,7 @@ from typing import Any
 import pluggy
 
 from kvpolicy import builtins, hookspecs
-from kvpolicy.errors import ConfigError
+from kvpolicy.errors import ConfigError, did_you_mean
 
 KINDS = ("policies", "actions", "backends", "transforms", "presets")
 _SINGULAR = {
@@ -418,11 +417,6 @@ def get(kind: str, name: str) -> Any:
         raise Conflict(kind, name, tuple(tables.conflicts[kind][name])).error()
     table = tables.parts[kind]
     if not isinstance(name, str) or name not in table:
-        raise ConfigError(f"unknown {_SINGULAR[kind]} {name!r}; registered {kind}: {names(kind)}{_guess(name, kind)}")
+        hint = did_you_mean(name, names(kind)) if isinstance(name, str) else ""
+        raise ConfigError(f"unknown {_SINGULAR[kind]} {name!r}; registered {kind}: {names(kind)}{hint}")
     return table[name][0]
-
-
-def _guess(name: object, kind: str) -> str:
-    """``"; did you mean 'log'?"`` for the registered name of ``kind`` closest to ``name``, or ``""``."""
-    close = difflib.get_close_matches(name, names(kind), n=1) if isinstance(name, str) else []
-    return f"; did you mean {close[0]!r}?" if close else ""

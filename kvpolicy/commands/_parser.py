@@ -10,30 +10,11 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpolicy.commands._types import list_item
-
-
-def suggestion(value: object, known: Sequence[object]) -> str:
-    """``"; did you mean 'x'?"`` for the known name closest to ``value``, or ``""`` when none is close.
-
-    Parameters
-    ----------
-    value : object
-        The name given.
-    known : sequence
-        The names allowed.
-
-    Returns
-    -------
-    str
-        The suffix to append to an error message.
-    """
-    close = difflib.get_close_matches(str(value), [str(k) for k in known], n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
+from kvpolicy.errors import did_you_mean
 
 
 class DefaultsFormatter(argparse.HelpFormatter):
@@ -62,7 +43,7 @@ class Parser(argparse.ArgumentParser):
         if choices is None or value in choices:
             return
         shown = ", ".join(map(repr, choices))
-        hint = suggestion(value, list(choices))
+        hint = did_you_mean(value, list(choices))
         raise argparse.ArgumentError(action, f"invalid choice: {value!r} (choose from {shown}){hint}")
 
 

@@ -14,9 +14,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kvpolicy.commands._parser import add_list, suggestion
+from kvpolicy.commands._parser import add_list
 from kvpolicy.commands._types import DTYPES, dtype_name, model_name, positive_int
-from kvpolicy.errors import ConfigError
+from kvpolicy.errors import ConfigError, did_you_mean
 
 #: the built-in models' configs as transformers builds them from their checkpoints, keyword by keyword
 #: (what a cache needs: layers, layer types, kv heads, head dims; the rest for a faithful config)
@@ -100,7 +100,8 @@ def preset_name(text: str) -> str:
     known = registry.names("presets")
     if text in known:
         return text
-    raise argparse.ArgumentTypeError(f"unknown preset {text!r}{suggestion(text, known)} (presets: {', '.join(known)})")
+    hint = did_you_mean(text, known)
+    raise argparse.ArgumentTypeError(f"unknown preset {text!r}{hint} (presets: {', '.join(known)})")
 
 
 def token_count(text: str) -> int:

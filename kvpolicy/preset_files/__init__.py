@@ -6,10 +6,9 @@
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 
-from kvpolicy.errors import ConfigError
+from kvpolicy.errors import ConfigError, did_you_mean
 
 _HERE = Path(__file__).resolve().parent
 
@@ -34,8 +33,7 @@ def resolve(path: str | Path) -> Path:
     shipped = _HERE / f"{p.name}.toml"
     if shipped.is_file():
         return shipped
-    close = difflib.get_close_matches(p.name, names(), n=3)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+    hint = did_you_mean(p.name, names())
     raise ConfigError(
         f"from_config: {str(path)!r} is neither a file nor a shipped preset file{hint} (shipped: {names()}; a path "
         "to your own TOML file works too)"
