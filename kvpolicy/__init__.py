@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "CacheSpec": "kvpolicy.spec",
     "CompressedCache": "kvpolicy.cache",
     "CompressedLayer": "kvpolicy.cache",
     "ConfigError": "kvpolicy.errors",
@@ -43,6 +44,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "CacheSpec",
     "CompressedCache",
     "CompressedLayer",
     "ConfigError",
@@ -82,6 +84,7 @@ if TYPE_CHECKING:
     from kvpolicy.policies.recent import RecentWindow
     from kvpolicy.policies.sink import SinkWindow
     from kvpolicy.policies.sinks import Sinks
+    from kvpolicy.spec import CacheSpec
     from kvpolicy.transforms.hadamard import Hadamard
 
 

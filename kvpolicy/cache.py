@@ -9,7 +9,6 @@ compressed tiers), each with the logical positions of its tokens.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import sys
 import warnings
 import weakref
@@ -22,14 +21,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpolicy import distributed, fused, handoff, model_check, registry, state_check
 from kvpolicy import layer_bits as per_layer
+from kvpolicy import spec as specs
 from kvpolicy.actions.base import Action, DemotedStore
-from kvpolicy.backends import auto as auto_backend
 from kvpolicy.backends.base import Backend
 from kvpolicy.errors import CacheFileError, ConfigError
 from kvpolicy.memory import LayerBytes, MemoryReport
 from kvpolicy.padded import PaddedRows, left_pads
 from kvpolicy.policies.base import Policy, PolicyState
-from kvpolicy.policies.sinks import Sinks
 from kvpolicy.positions import PositionBook
 from kvpolicy.segments import SEGMENTS, LayerSegments, nbytes
 from kvpolicy.transforms import NoTransform, Transform
@@ -38,9 +36,8 @@ from kvpolicy.transforms import NoTransform, Transform
 # transformers from here on, so a model can be loaded with attn_implementation="kvpolicy_fused_sdpa"
 fused.register()
 
-LAYOUTS = ("ordered", "agnostic")
-#: how a decode step's attention reads the compressed segment (see :mod:`kvpolicy.fused`)
-ATTENTION = ("auto", "fused", "materialized")
+LAYOUTS = specs.LAYOUTS
+ATTENTION = specs.ATTENTION
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -103,9 +100,7 @@ class CompressedLayer(CacheLayerMixin):
         #: the backend was chosen by backend="auto": chosen again if this layer's tensors need another
         self.auto = auto
         #: why a decode step cannot use the fused path (None: it can), see :mod:`kvpolicy.fused`
-        self.unfusable = (
-            _unfusable(policy, action, backend) if attention != "materialized" else "attention='materialized'"
-        )
+        self.unfusable = specs.plan(policy, action, backend, auto=auto, attention=attention).unfusable
         #: how the latest update's attention was done: "fused", "full-precision" or "materialized: <why>"
         self.attention_path: str | None = None
         self.internal = False  # a row layer of a padded batch: returns plain views to its PaddedRows
@@ -186,14 +181,13 @@ class CompressedLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ transformers API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        caps = self.backend.capabilities
-        if self.auto and (key_states.device.type not in caps.devices or key_states.dtype not in caps.dtypes):
-            self.backend = auto_backend.choose(self.action, key_states.device.type, key_states.dtype)
-        if self.action.compresses:
-            self.action, notes = self.action.serving(self.backend, key_states.shape[-1], value_states.shape[-1])
-            self.adapted.update(dict.fromkeys(notes))
-        if self.attention != "materialized":
-            self.unfusable = _unfusable(self.policy, self.action, self.backend)
+        plan = specs.plan(
+            self.policy, self.action, self.backend, auto=self.auto, attention=self.attention,
+            device_type=key_states.device.type, dtype=key_states.dtype,
+            key_dim=key_states.shape[-1], value_dim=value_states.shape[-1],
+        )  # fmt: skip
+        self.backend, self.action, self.unfusable = plan.backend, plan.action, plan.unfusable
+        self.adapted.update(dict.fromkeys(plan.notes))
         self.device = key_states.device
         self.dtype = key_states.dtype
         held = LayerSegments(self.policy, self.action, self.backend, self.transform, self.layer_idx, self.book)
@@ -512,21 +506,6 @@ def _described(layer: CompressedLayer) -> str | None:
     return f"{head} ({layer.backend.name}){sep}{rest}"
 
 
-def _unfusable(policy: Policy, action: Action, backend: Backend) -> str | None:
-    """Why decode attention of this composition cannot run fused (None: it can)."""
-    if not action.compresses:
-        return f"action {action.name!r} does not compress"
-    if not action.keeps_demoted:
-        return None  # nothing is held besides the full-precision segment: the plain view is already cheap
-    if not backend.capabilities.fused:
-        return f"backend {backend.name!r} cannot attend over its blocks without dequantizing them"
-    if policy.per_head:
-        return f"policy {policy.name!r} selects per head"
-    if policy.needs_scores:
-        return f"policy {policy.name!r} needs attention scores over every key"
-    return None
-
-
 def _position_ids(kwargs: dict[str, Any]) -> torch.Tensor | None:
     """``position_ids`` reach ``Cache.update`` in its kwargs (nested under ``kwargs`` in Llama-style models)."""
     position_ids = kwargs.get("position_ids")
@@ -564,11 +543,6 @@ def _layer_memory(layer: CacheLayerMixin, layer_idx: int, seen: set[tuple[str, i
     return LayerBytes(layer_idx, layer.get_seq_length(), segments, baseline, layer.keys.element_size(), kind)
 
 
-def _param_names(obj_or_cls: Any) -> set[str]:
-    cls = obj_or_cls if isinstance(obj_or_cls, type) else type(obj_or_cls)
-    return {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
-
-
 class CompressedCache(Cache):
     """A transformers ``Cache`` that compresses keys and values by policy x action x backend.
 
@@ -582,7 +556,7 @@ class CompressedCache(Cache):
     backend : str or Backend
         How bits are packed. ``"auto"`` (default): the fastest built-in backend that serves the
         composition on the device (``cpu`` on CPU, ``triton`` on CUDA, else ``torch``; see
-        :mod:`kvpolicy.backends.auto`); or a registered name (``"torch"``, ``"cpu"``...) or object.
+        :func:`kvpolicy.spec.choose_backend`); or a registered name (``"torch"``, ``"cpu"``...) or object.
     layout : {"ordered", "agnostic"}
         ``"ordered"`` returns keys in position order (correct with any mask). ``"agnostic"``
         returns ``[demoted tokens, full-precision tokens]`` without reordering (LogQuant's
@@ -620,6 +594,9 @@ class CompressedCache(Cache):
     >>> print(cache.memory_report())  # doctest: +SKIP
     """
 
+    #: the class of its compressed layers (:mod:`kvpolicy.cache_io` saves and loads their state)
+    layer_class = CompressedLayer
+
     def __init__(
         self,
         policy: str | Policy = "log",
@@ -632,30 +609,40 @@ class CompressedCache(Cache):
         layer_bits: Mapping[int, int | tuple[int, int]] | None = None,
         **params: Any,
     ) -> None:
-        self._auto = isinstance(backend, str) and backend == auto_backend.AUTO
-        backend_spec = "torch" if self._auto else backend
-        sinks = _sinks_keyword(policy, params)
-        parts = _compose({"policy": policy, "action": action, "backend": backend_spec, "transform": transform}, params)
-        self.policy: Policy = parts["policy"] if sinks is None else Sinks(parts["policy"], sinks)
-        self.action: Action = parts["action"]
-        self.transform: Transform = parts["transform"]
-        self.backend: Backend = auto_backend.choose(self.action) if self._auto else parts["backend"]
-        if layout not in LAYOUTS:
-            raise ConfigError(f"layout must be one of {list(LAYOUTS)}; got layout={layout!r}")
-        self.layout = layout
-        if attention not in ATTENTION:
-            raise ConfigError(f"attention must be one of {list(ATTENTION)}; got attention={attention!r}")
-        self.attention = attention
-        widths = per_layer.normalize(layer_bits if layer_bits is not None else {})
+        spec = specs.CacheSpec.resolve(
+            policy=policy, action=action, backend=backend, layout=layout, attention=attention, transform=transform,
+            layer_bits=layer_bits, **params,
+        )  # fmt: skip
+        self._bind(spec, config)
+
+    @classmethod
+    def from_spec(cls, spec: specs.CacheSpec, config: Any = None) -> CompressedCache:
+        """The cache of a :class:`~kvpolicy.spec.CacheSpec` (``CacheSpec.resolve``, ``from_preset``,
+        ``from_file``, ``from_dict``), for the model whose ``config`` is given (see ``config`` above)."""
+        if not isinstance(spec, specs.CacheSpec):
+            raise ConfigError(f"from_spec takes a CacheSpec (CacheSpec.resolve(...)); got {type(spec).__name__}")
+        cache = cls.__new__(cls)
+        cache._bind(spec, config)
+        return cache
+
+    def _bind(self, spec: specs.CacheSpec, config: Any) -> None:
+        """Set up this cache for ``spec`` and the model's ``config``: the backend ``"auto"`` stands for, the
+        per-layer actions, the defaults adapted to the backend, and the layers ``config`` describes."""
+        self._auto = spec.backend is None
+        self.policy: Policy = spec.policy
+        self.action: Action = spec.action
+        self.transform: Transform = spec.transform
+        self.layout = spec.layout
+        self.attention = spec.attention
         #: ``{layer index: (key_bits, value_bits)}`` of the layers whose widths differ from the action's
-        self.layer_bits = per_layer.resolve(widths, _num_layers(config))
+        self.layer_bits = per_layer.resolve(spec.widths, _num_layers(config))
+        #: the composition this cache was built from (``backend=None``: ``"auto"``), with layer indices counted
+        #: from the end (``-1``) resolved by the config; :meth:`save` writes it
+        self.spec = dataclasses.replace(spec, layer_bits=self.layer_bits)
         self._layer_actions = per_layer.layer_actions(self.action, self.layer_bits) if self.action.compresses else {}
-        if self.layer_bits and not self.action.compresses:
-            raise ConfigError(f"layer_bits sets code widths; action {self.action.name!r} compresses nothing")
-        actions = [self.action, *self._layer_actions.values()]
         # backend="auto": the fastest backend that serves every layer's widths
-        if self._auto and self.action.compresses and not all(auto_backend.serves(self.backend, a) for a in actions):
-            self.backend = registry.get("backends", "torch")()
+        actions = [self.action, *self._layer_actions.values()]
+        self.backend: Backend = specs.choose_backend(actions) if self._auto else spec.backend
         #: the defaults replaced because they cannot serve the backend or a head dim (an ordered set of
         #: notes, filled further by each layer's first update), see :meth:`Action.serving`
         self.adapted: dict[str, None] = {}
@@ -665,8 +652,8 @@ class CompressedCache(Cache):
             for each in [self.action, *self._layer_actions.values()]:
                 each.check_backend(self.backend)
                 each.check_transform(self.transform)
-        if attention == "fused":
-            reason = _unfusable(self.policy, self.action, self.backend)
+        if self.attention == "fused":
+            reason = specs.plan(self.policy, self.action, self.backend, auto=self._auto, attention="fused").unfusable
             if reason is not None:
                 raise ConfigError(
                     f"attention='fused' cannot serve this composition: {reason}; use attention='auto' (materialises "
@@ -726,12 +713,14 @@ class CompressedCache(Cache):
         """``action`` with the defaults the backend cannot serve replaced (recorded in :attr:`adapted`); with
         a config, the notes its head dim will cause are recorded now too (each layer replaces those at its
         first update, from the head dims of its own tensors)."""
-        action, notes = action.serving(self.backend)
-        self.adapted.update(dict.fromkeys(notes))
+        plan = specs.plan(self.policy, action, self.backend, auto=self._auto, attention=self.attention)
+        self.adapted.update(dict.fromkeys(plan.notes))
         head_dim = model_check.head_dim(config)
-        if head_dim is not None:
-            self.adapted.update(dict.fromkeys(action.serving(self.backend, head_dim, head_dim)[1]))
-        return action
+        if head_dim is not None:  # the notes the layers' first updates will add: shown from the start
+            preview = specs.plan(self.policy, plan.action, self.backend, auto=False, attention=self.attention,
+                                 key_dim=head_dim, value_dim=head_dim)  # fmt: skip
+            self.adapted.update(dict.fromkeys(preview.notes))
+        return plan.action
 
     # transformers' state updates of non-attention layers (linear attention, state space, sparse indexers)
     def get_conv_state(self, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
@@ -814,21 +803,8 @@ class CompressedCache(Cache):
         ConfigError
             If the file cannot be read or parsed, has no ``[cache]`` table, or its keywords are bad.
         """
-        import tomllib
-
-        from kvpolicy import preset_files
-
-        p = preset_files.resolve(path)
-        try:
-            data = tomllib.loads(p.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"from_config: cannot read preset file {str(p)!r}: {exc}") from None
-        table = data.get("cache")
-        if not isinstance(table, dict):
-            raise ConfigError(
-                f"from_config: {str(p)!r} has no [cache] table (the CompressedCache keywords); it has {sorted(data)}"
-            )
-        return cls(**{**table, **overrides})
+        config = overrides.pop("config", None)
+        return cls.from_spec(specs.CacheSpec.from_file(path, **overrides), config)
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> CompressedCache:
@@ -837,9 +813,8 @@ class CompressedCache(Cache):
         ``overrides`` are the preset's own parameters (e.g. ``budget=128``) or cache keywords
         (e.g. ``layout="agnostic"``, ``backend="torch"``).
         """
-        from kvpolicy.presets import preset_kwargs
-
-        return cls(**preset_kwargs(name, **overrides))
+        config = overrides.pop("config", None)
+        return cls.from_spec(specs.CacheSpec.from_preset(name, **overrides), config)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -1021,12 +996,6 @@ def _transform_repr(cache: CompressedCache) -> str:
     return f", transform={cache.transform!r}{idle}"
 
 
-_PARTS = (
-    ("policy", "policies", Policy), ("action", "actions", Action), ("backend", "backends", Backend),
-    ("transform", "transforms", Transform),
-)  # fmt: skip
-
-
 def _caller_config(depth: int = 2) -> Any:
     """The ``config`` of the object whose method called :meth:`CompressedCache.update` (transformers'
     attention modules hold their model's config), or None. ``depth``: frames up from here, through
@@ -1045,70 +1014,3 @@ def _num_layers(config: Any) -> int | None:
         return None
     count = getattr(config.get_text_config(decoder=True), "num_hidden_layers", None)
     return count if isinstance(count, int) else None
-
-
-def _sinks_keyword(policy: str | Policy, params: dict[str, Any]) -> int | None:
-    """Take ``sinks`` out of ``params`` when it asks for :class:`~kvpolicy.policies.Sinks` around a policy
-    that has no ``sinks`` parameter of its own (the ``"sink"`` policy keeps its own)."""
-    if isinstance(policy, str) and registry.get("policies", policy) is Sinks:
-        raise ConfigError(
-            f"policy={policy!r} wraps another policy, so it cannot be named alone: pass the policy to wrap and "
-            "sinks=S (policy='log', sinks=4), or the object (policy=Sinks(LogWindow(42), 4))"
-        )
-    if "sinks" not in params:
-        return None
-    cls = registry.get("policies", policy) if isinstance(policy, str) else type(policy)
-    if "sinks" in _param_names(cls):
-        return None
-    return params.pop("sinks")
-
-
-def _compose(specs: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    """Turn names or objects into objects, giving each keyword of ``params`` to the named part that
-    accepts it. A keyword accepted by two named parts, by no part, or also set inside a given object,
-    is an error."""
-    pool = dict(params)  # never mutate the caller's dict
-    classes: dict[str, type] = {}
-    for role, kind, base in _PARTS:
-        spec = specs[role]
-        if isinstance(spec, base):
-            continue
-        if not isinstance(spec, str):
-            raise ConfigError(
-                f"{role} must be a registered name or a {base.__name__} object; got {role}={spec!r} "
-                f"(registered {kind}: {registry.names(kind)})"
-            )
-        classes[role] = registry.get(kind, spec)
-    owners: dict[str, list[str]] = {}
-    for role, cls in classes.items():
-        for key in _param_names(cls) & set(pool):
-            owners.setdefault(key, []).append(f"{role}={specs[role]!r}")
-    for key, parts in sorted(owners.items()):
-        if len(parts) > 1:
-            raise ConfigError(
-                f"keyword {key}={pool[key]!r} is a parameter of {' and '.join(parts)}; "
-                "pass those parts as objects to say which one it belongs to"
-            )
-    built: dict[str, Any] = {}
-    for role, cls in classes.items():
-        mine = {k: pool.pop(k) for k in sorted(_param_names(cls) & set(pool))}
-        try:
-            built[role] = cls(**mine)
-        except TypeError as exc:
-            raise ConfigError(f"{role} {specs[role]!r}: {exc}") from exc
-    for role, _, _ in _PARTS:
-        if role in built:
-            continue
-        spec = specs[role]
-        clash = sorted(_param_names(spec) & set(pool))
-        if clash:
-            raise ConfigError(f"{clash} given both as keyword(s) and inside {role}={spec!r}; give each parameter once")
-        built[role] = spec
-    if pool:
-        accepted = {role: sorted(_param_names(obj)) for role, obj in built.items()}
-        known = sorted({name for names in accepted.values() for name in names})
-        close = {k: difflib.get_close_matches(k, known, n=1) for k in sorted(pool)}
-        hint = ", ".join(f"{m[0]!r} for {k!r}" for k, m in close.items() if m)
-        raise ConfigError(f"unknown keyword(s) {sorted(pool)} for this composition; accepted: {accepted}"
-                          + (f"; did you mean {hint}?" if hint else ""))  # fmt: skip
-    return built

@@ -16,35 +16,21 @@ What a file holds (the format itself is :mod:`kvpolicy.persist`):
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvpolicy import distributed, persist, registry, state_check
-from kvpolicy.errors import CacheFileError, ConfigError
+from kvpolicy import distributed, persist, state_check
+from kvpolicy.errors import CacheFileError
 from kvpolicy.segments import LayerSegments
-
-_KINDS = {"policy": "policies", "action": "actions", "backend": "backends", "transform": "transforms"}
-
-
-def _bases() -> dict[str, type]:
-    from kvpolicy.actions.base import Action
-    from kvpolicy.backends.base import Backend
-    from kvpolicy.policies.base import Policy
-    from kvpolicy.transforms.base import Transform
-
-    return {"policy": Policy, "action": Action, "backend": Backend, "transform": Transform}
-
-
-_BASES = _bases()
+from kvpolicy.spec import DICT_KEYS, CacheSpec
 
 
 def save(cache: Any, path: str | Path, model: Any = None) -> int:
     """See :meth:`kvpolicy.CompressedCache.save`."""
-    layers = [_layer_state(layer, i) for i, layer in enumerate(cache.layers)]
+    layers = [_layer_state(layer, i, cache.layer_class) for i, layer in enumerate(cache.layers)]
     config = model if model is not None else cache._config
     header = {
         "composition": composition(cache),
@@ -57,55 +43,8 @@ def save(cache: Any, path: str | Path, model: Any = None) -> int:
 
 
 def composition(cache: Any) -> dict[str, Any]:
-    """The parts of ``cache`` by registered name and parameters, and its other settings."""
-    parts = {role: _part(getattr(cache, role), role) for role in _KINDS}
-    widths = {str(i): list(pair) for i, pair in sorted(cache.layer_bits.items())}
-    out = {**parts, "backend_auto": cache._auto, "layout": cache.layout, "attention": cache.attention}
-    return {**out, "layer_bits": widths} if widths else out
-
-
-def _part(obj: Any, role: str) -> dict[str, Any]:
-    """``{"name", "params"}`` of a part. A parameter that is itself a part (the policy a
-    :class:`~kvpolicy.policies.Sinks` wraps, the tiers and keep policies of
-    :class:`~kvpolicy.actions.tiered.Tiered`), or a list of them, is nested as ``{"part": {"role", "name",
-    "params"}}``."""
-    params = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else {}
-    return {"name": obj.name, "params": {key: _encode(value, role, obj, key) for key, value in params.items()}}
-
-
-def _encode(value: Any, role: str, owner: Any, key: str) -> Any:
-    for kind, base in _BASES.items():
-        if isinstance(value, base):
-            return {"part": {"role": kind, **_part(value, kind)}}
-    if isinstance(value, (list, tuple)):
-        return [_encode(v, role, owner, key) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise TypeError(f"{role} {owner.name!r}: parameter {key}={value!r} is not a JSON value; it cannot be saved")
-
-
-def _decode(value: Any, role: str, where: str) -> Any:
-    if isinstance(value, dict):
-        spec = state_check.entries(value, "a nested part", ("part",))["part"]
-        return _rebuild(spec, spec.get("role", role) if isinstance(spec, dict) else role, where)
-    if isinstance(value, list):
-        return [_decode(v, role, where) for v in value]
-    return value
-
-
-def _rebuild(spec: dict[str, Any], role: str, where: str) -> Any:
-    """The part :func:`_part` described (nested parts first)."""
-    state_check.entries(spec, f"the {role}", ("name", "params"), ("role",))
-    kind = _KINDS[state_check.choice(role, "a part's role", _KINDS)]
-    if not isinstance(spec["name"], str) or not isinstance(spec["params"], dict):
-        raise ValueError(f"the {role}: a part is a name and a mapping of parameters")
-    params = {key: _decode(value, role, where) for key, value in spec["params"].items()}
-    try:
-        cls = registry.get(kind, spec["name"])
-    except ConfigError as exc:
-        msg = f"{where!r} was saved with {role} {spec['name']!r}, which is not installed: {exc}"
-        raise CacheFileError(msg) from None
-    return cls(**params)
+    """The composition a file records: :meth:`CacheSpec.to_dict` of the cache's spec."""
+    return cache.spec.to_dict()
 
 
 def identity(cache: Any, model: Any = None) -> dict[str, Any]:
@@ -148,12 +87,10 @@ def _local_heads(config: Any) -> int | None:
     return None if heads is None else heads // distributed.tp_size_of(config)
 
 
-def _layer_state(layer: Any, idx: int) -> dict[str, Any]:
+def _layer_state(layer: Any, idx: int, layer_class: type) -> dict[str, Any]:
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-    from kvpolicy.cache import CompressedLayer
-
-    if isinstance(layer, CompressedLayer):
+    if isinstance(layer, layer_class):
         return layer.state_dict()
     if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
         raise NotImplementedError(f"layer {idx} is a {type(layer).__name__}, which CompressedCache.save cannot save")
@@ -167,7 +104,7 @@ def _layer_state(layer: Any, idx: int) -> dict[str, Any]:
 
 #: a header's entries, and those of its ``composition`` (``distributed`` is absent from older files)
 HEADER_KEYS = ("composition", "model", "layer_types", "layer_kwargs", "format", "version", "tree", "checksums")
-COMPOSITION_KEYS = ("policy", "action", "backend", "transform", "backend_auto", "layout", "attention")
+COMPOSITION_KEYS = DICT_KEYS
 
 
 def load(cls: type, path: str | Path, device: Any = None, model: Any = None) -> Any:
@@ -200,7 +137,8 @@ def load(cls: type, path: str | Path, device: Any = None, model: Any = None) -> 
         for i, state in enumerate(layers):
             layer = cache._new_layer(i)
             try:
-                _load_layer(layer, _moved(state, device[i]) if per_layer else state, i, saved.get("dtype"))
+                state = _moved(state, device[i]) if per_layer else state
+                _load_layer(layer, state, i, saved.get("dtype"), cls.layer_class)
             except CacheFileError:
                 raise
             except Exception as exc:
@@ -250,24 +188,11 @@ def _moved(node: Any, device: Any) -> Any:
 
 
 def _build(cls: type, header: dict[str, Any], layers: int, where: str) -> Any:
-    comp = state_check.entries(header["composition"], "composition", COMPOSITION_KEYS, ("layer_bits",))
-    parts = {}
-    for role in _KINDS:
-        spec = comp[role]
-        if role == "backend" and state_check.flag(comp["backend_auto"], "backend_auto"):
-            parts[role] = "auto"
-            continue
-        parts[role] = _rebuild(spec, role, where)
-    widths = comp.get("layer_bits", {})
-    if not isinstance(widths, dict):
-        raise ValueError(f"composition: layer_bits is a {type(widths).__name__}, not a mapping")
-    pairs = {
-        int(state_check.choice(i, "a layer_bits index", [str(j) for j in range(layers)])): tuple(pair)
-        for i, pair in widths.items()
-    }
-    layout = state_check.choice(comp["layout"], "layout", ("ordered", "agnostic"))
-    attention = state_check.choice(comp["attention"], "attention", ("auto", "fused", "materialized"))
-    cache = cls(**parts, layout=layout, attention=attention, layer_bits=pairs)
+    spec = CacheSpec.from_dict(header["composition"], where)
+    outside = [i for i, _ in spec.layer_bits if i >= layers]
+    if outside:
+        raise ValueError(f"composition: layer_bits names layer(s) {outside} of a file of {layers} layers")
+    cache = cls.from_spec(spec)
     types, kwargs = header.get("layer_types"), header.get("layer_kwargs")
     if types is not None:
         if not isinstance(types, list) or len(types) != layers or not all(isinstance(t, str) for t in types):
@@ -301,13 +226,11 @@ def _check_model(saved: dict[str, Any], model: dict[str, Any], where: str) -> No
         raise CacheFileError(f"{where!r} was saved from another model than the one given ({'; '.join(diffs)})")
 
 
-def _load_layer(layer: Any, state: dict[str, Any], idx: int, dtype: str | None) -> None:
+def _load_layer(layer: Any, state: dict[str, Any], idx: int, dtype: str | None, layer_class: type) -> None:
     """Restore one layer's state (checked: see :meth:`LayerSegments.load_state_dict`); its tokens must
     be of the ``dtype`` the file's model identity records."""
-    from kvpolicy.cache import CompressedLayer
-
     kind = state_check.entries(state, "layer", ("kind",), _LAYER_KEYS)["kind"]
-    if isinstance(layer, CompressedLayer) != (kind == "compressed"):
+    if isinstance(layer, layer_class) != (kind == "compressed"):
         raise ValueError(
             f"layer {idx} is saved as {kind!r:.40} but the cache's layout makes it a {type(layer).__name__}"
         )
@@ -338,9 +261,7 @@ _LAYER_KEYS = ("initialized", "backend", "cumulative_length", *LayerSegments.STA
 
 def _share_positions(cache: Any) -> None:
     """Shared policies' demoted positions held once between layers again (as before saving)."""
-    from kvpolicy.cache import CompressedLayer
-
     for layer in cache.layers:
-        shared = isinstance(layer, CompressedLayer) and layer.store is not None and layer.book is not None
+        shared = isinstance(layer, cache.layer_class) and layer.store is not None and layer.book is not None
         if shared and layer.store.positions.shape[0] == 1:
             layer.store.positions = layer.book.intern(layer.store.positions)

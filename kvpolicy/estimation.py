@@ -185,9 +185,10 @@ def estimate(
     tokens : int or sequence of int
         The prompt length, ``1 <= tokens <=`` :data:`MAX_TOKENS`; a sequence gives one result per
         length, in its order.
-    cache_or_preset : str, mapping or CompressedCache
+    cache_or_preset : str, mapping, CacheSpec or CompressedCache
         The composition: a preset name (:meth:`CompressedCache.from_preset`), a mapping of
-        :class:`~kvpolicy.cache.CompressedCache` keywords (without ``config``), or a cache that holds
+        :class:`~kvpolicy.cache.CompressedCache` keywords (without ``config``), a
+        :class:`~kvpolicy.spec.CacheSpec`, or a cache that holds
         no tokens yet (its composition is copied; the cache itself is not touched).
     batch : int, optional
         Batch rows, every one holding all ``tokens`` (a left-padded batch holds one layer per row and is
@@ -305,6 +306,7 @@ def _shape(text: Any) -> tuple[int, int]:
 def _builder(cache_or_preset: Any, config: Any) -> Callable[[], Any]:
     """A function returning a fresh cache of the composition, built with ``config=``; checked once here."""
     from kvpolicy.cache import CompressedCache
+    from kvpolicy.spec import CacheSpec
 
     if isinstance(cache_or_preset, str):
         _check_preset(cache_or_preset)
@@ -323,16 +325,16 @@ def _builder(cache_or_preset: Any, config: Any) -> Callable[[], Any]:
         def build() -> CompressedCache:
             return CompressedCache(**kwargs, config=config)
 
-    elif isinstance(cache_or_preset, CompressedCache):
+    elif isinstance(cache_or_preset, (CompressedCache, CacheSpec)):
         spec = _spec(cache_or_preset)
 
         def build() -> CompressedCache:
-            return CompressedCache(**spec, config=config)
+            return CompressedCache.from_spec(spec, config)
 
     else:
         raise ConfigError(
-            "estimate: cache_or_preset must be a preset name, a mapping of CompressedCache keywords or a "
-            f"CompressedCache; got a {type(cache_or_preset).__name__}: {cache_or_preset!r:.80}"
+            "estimate: cache_or_preset must be a preset name, a mapping of CompressedCache keywords, a CacheSpec "
+            f"or a CompressedCache; got a {type(cache_or_preset).__name__}: {cache_or_preset!r:.80}"
         )
     build()  # a bad composition is refused now, before any length is probed
     return build
@@ -346,18 +348,18 @@ def _check_preset(name: str) -> None:
         raise ConfigError(f"estimate: unknown preset {name!r}{did_you_mean(name, known)} (presets: {', '.join(known)})")
 
 
-def _spec(cache: Any) -> dict[str, Any]:
-    """The keywords that build a fresh cache of ``cache``'s composition."""
-    if any(layer.is_initialized for layer in cache.layers):
+def _spec(given: Any) -> Any:
+    """The spec of a fresh cache of ``given``'s composition (a CacheSpec, or an unused CompressedCache)."""
+    from kvpolicy.spec import CacheSpec
+
+    if isinstance(given, CacheSpec):
+        return given
+    if any(layer.is_initialized for layer in given.layers):
         raise ConfigError(
-            f"estimate: the CompressedCache given already holds tokens ({cache.get_seq_length()} in layer 0); pass an "
+            f"estimate: the CompressedCache given already holds tokens ({given.get_seq_length()} in layer 0); pass an "
             "unused cache, its preset or its keywords (cache.memory_report() tells what a used one holds)"
         )
-    return {
-        "policy": cache.policy, "action": cache.action, "backend": "auto" if cache._auto else cache.backend,
-        "layout": cache.layout, "attention": cache.attention, "transform": cache.transform,
-        "layer_bits": dict(cache.layer_bits) or None,
-    }  # fmt: skip
+    return given.spec
 
 
 # ---------------------------------------------------------------------- the probe

@@ -3,7 +3,8 @@
 Published methods as their papers run them (``logquant``, ``kivi``, ``h2o``, ``streamingllm``), and
 kvpolicy's own best measured compositions by bit budget (``kvpolicy-3bit``, ``-3.5bit``, ``-4bit``,
 ``-4.5bit``: the frontier of docs/frontier.md). A preset is a function returning the keyword arguments of
-:class:`~kvpolicy.cache.CompressedCache`.
+:class:`~kvpolicy.cache.CompressedCache`;
+:meth:`kvpolicy.spec.CacheSpec.from_preset` resolves it, with overrides, into a spec.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpolicy.actions.quantize import Quantize
-from kvpolicy.errors import ConfigError
 from kvpolicy.policies.base import check_int
 from kvpolicy.policies.log import LogWindow
 
@@ -178,25 +178,3 @@ BUILTIN_PRESETS: dict[str, Callable[..., dict[str, Any]]] = {
     "kvpolicy-4bit": kvpolicy_4bit,
     "kvpolicy-4.5bit": kvpolicy_4_5bit,
 }
-
-
-def preset_kwargs(name: str, **overrides: Any) -> dict[str, Any]:
-    """Resolve a preset and apply ``overrides`` (preset parameters or cache keywords).
-
-    Overrides that are parameters of the preset function go to it; the rest (e.g. ``backend``,
-    ``layout``) are passed on to the cache and override what the preset returns.
-    """
-    import inspect
-
-    from kvpolicy import registry
-
-    fn = registry.get("presets", name)
-    params = set(inspect.signature(fn).parameters)
-    own = {k: v for k, v in overrides.items() if k in params}
-    rest = {k: v for k, v in overrides.items() if k not in params}
-    try:
-        kwargs = fn(**own)
-    except TypeError as exc:  # pragma: no cover - defensive
-        raise ConfigError(f"preset {name!r}: {exc}") from exc
-    kwargs.update(rest)
-    return kwargs

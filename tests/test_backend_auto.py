@@ -9,7 +9,7 @@ import torch
 from conftest import teacher_forced_logits, tiny_model
 
 from kvpolicy import CompressedCache
-from kvpolicy.backends import auto
+from kvpolicy import spec as auto
 from kvpolicy.errors import ConfigError
 from kvpolicy.fused import disable_fused, enable_fused
 from kvpolicy.kernels import cpu_attention

@@ -17,7 +17,7 @@ import torch
 from conftest import tiny_gemma3
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvpolicy import CompressedCache, ConfigError, Quantize, Tiered
+from kvpolicy import CompressedCache, ConfigError, LogWindow, Quantize, Tiered
 from kvpolicy.fused import disable_fused, enable_fused
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -57,7 +57,7 @@ def test_an_explicit_fit_the_backend_lacks_still_raises(backend, given):
 
 @pytest.mark.parametrize("backend", ["quanto", "hqq"])
 def test_tiers_are_adapted_one_by_one(backend):
-    action = Tiered(tiers=[Quantize(bits=4, key_axis="token"), Quantize(bits=2)], keep=[{"name": "log", "window": 8}])
+    action = Tiered(tiers=[Quantize(bits=4, key_axis="token"), Quantize(bits=2)], keep=[LogWindow(8)])
     cache = CompressedCache(action=action, backend=backend)
     assert [t.key_fitting for t in cache.action.tiers] == ["minmax", "minmax"]
     assert "tiers[0].key_fit='minmax'" in repr(cache) and "tiers[1].key_fit='minmax'" in repr(cache)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvpolicy
-from kvpolicy import CompressedCache, ConfigError
+from kvpolicy import CacheSpec, CompressedCache, ConfigError
 from kvpolicy.actions.quantize import Quantize
 from kvpolicy.actions.tiered import Tiered
 from kvpolicy.attention import enable_scores
@@ -222,6 +222,12 @@ def test_an_unused_cache_stands_for_its_composition(llama):
     cache.update(torch.randn(1, 3, 4, 64), torch.randn(1, 3, 4, 64), 0)
     with pytest.raises(ConfigError, match=r"already holds tokens.*memory_report"):
         estimate(llama.config, 300, cache)
+
+
+def test_a_spec_stands_for_its_composition(llama):
+    spec = CacheSpec.from_preset("kvpolicy-4.5bit", layer_bits={0: 4})
+    want = estimate(llama.config, 300, {**BUILTIN_PRESETS["kvpolicy-4.5bit"](), "layer_bits": {0: 4}})
+    assert estimate(llama.config, 300, spec).total_bytes == want.total_bytes
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from conftest import fused_and_materialized, teacher_forced_logits, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpolicy import CompressedCache
+from kvpolicy import CacheSpec, CompressedCache
 from kvpolicy.actions.quantize import Quantize
 from kvpolicy.actions.tiered import Tiered
 from kvpolicy.backends.torch_backend import TorchBackend
@@ -183,13 +183,28 @@ def test_saved_cache_continues_identically(tmp_path):
         (dict(tiers=[MIDDLE_CB, BOTTOM], keep=[]), r"keep needs one policy per tier but the last \(1\); got 0"),
         (dict(tiers=[BOTTOM], keep=[]), r"at least two tiers"),
         (dict(tiers=[{"bitz": 4}, BOTTOM], keep=[LogWindow(4)]), r"tiers\[0\]=\{'bitz': 4\}"),
-        (dict(tiers=[MIDDLE_CB, BOTTOM], keep=[{"name": "nope"}]), r"unknown policy 'nope'; registered policies"),
+        (dict(tiers=[MIDDLE_CB, BOTTOM], keep=[{"name": "log", "window": 8}]),
+         r"keep\[0\]=\{'name': 'log', 'window': 8\} is a policy by name; names become policies in CacheSpec.resolve"),
         (dict(tiers=[MIDDLE_CB, BOTTOM], keep=LogWindow(4)), r"keep must be a list of policies"),
     ],
 )  # fmt: skip
 def test_bad_tiers_are_refused_naming_them(kw, match):
     with pytest.raises(ConfigError, match=match):
         Tiered(**kw)
+
+
+@pytest.mark.parametrize(
+    "keep, match",
+    [
+        ([{"name": "nope"}], r"unknown policy 'nope'; registered policies"),
+        ([{"name": "log", "windw": 8}], r"Tiered: keep\[0\]=\{'name': 'log', 'windw': 8\}: .*windw"),
+    ],
+)
+def test_keep_policies_by_name_are_resolved_by_the_spec(keep, match):
+    assert CacheSpec.resolve(action="tiered", tiers=[MIDDLE_CB, BOTTOM], keep=[{"name": "log", "window": 8}],
+                             transform="hadamard").action.keep == (LogWindow(8),)  # fmt: skip
+    with pytest.raises(ConfigError, match=match):
+        CacheSpec.resolve(action="tiered", tiers=[MIDDLE_CB, BOTTOM], keep=keep)
 
 
 def test_a_codebook_tier_without_rotation_and_a_backend_without_a_width_are_refused():

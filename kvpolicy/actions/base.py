@@ -9,7 +9,7 @@ for bit packing and know nothing about transformers.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -99,6 +99,9 @@ class Action(ABC):
 
     #: registry name, e.g. ``"quantize"``
     name: ClassVar[str] = ""
+    #: parameters that hold parts of their own, as parameter name -> registry kind: ``CacheSpec.resolve``
+    #: builds the ``{"name": ..., **params}`` dicts given for them (a part never looks a name up itself)
+    part_parameters: ClassVar[Mapping[str, str]] = {}
     #: False for the ``"none"`` baseline: the cache then never runs the policy
     compresses: ClassVar[bool] = True
     #: False when demoted tokens leave the cache (eviction): attention sees fewer keys

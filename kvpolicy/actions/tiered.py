@@ -23,7 +23,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -51,13 +51,10 @@ def _as_policy(spec: Any, index: int) -> Policy:
     if isinstance(spec, Policy):
         return spec
     if isinstance(spec, Mapping) and isinstance(spec.get("name"), str):
-        from kvpolicy import registry
-
-        params = {k: v for k, v in spec.items() if k != "name"}
-        try:
-            return registry.get("policies", spec["name"])(**params)
-        except TypeError as exc:
-            raise ConfigError(f"Tiered: keep[{index}]={dict(spec)!r}: {exc}") from None
+        raise ConfigError(
+            f"Tiered: keep[{index}]={dict(spec)!r} is a policy by name; names become policies in CacheSpec.resolve: "
+            f"pass keep=[{dict(spec)!r}] as a keyword of CompressedCache (action='tiered'), or a Policy object"
+        )
     raise ConfigError(
         f"Tiered: keep[{index}] must be a Policy or a dict with its registered 'name' and parameters; got {spec!r}"
     )
@@ -91,6 +88,7 @@ class Tiered(Action):
     keep: tuple[Policy, ...]
 
     name = "tiered"
+    part_parameters: ClassVar[Mapping[str, str]] = {"keep": "policies"}
 
     def __post_init__(self) -> None:
         if isinstance(self.tiers, (str, bytes)) or not isinstance(self.tiers, (list, tuple)):
