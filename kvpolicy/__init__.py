@@ -36,6 +36,7 @@ _EXPORTS = {
     "Sinks": "kvpolicy.policies.sinks",
     "Tiered": "kvpolicy.actions.tiered",
     "boundary": "kvpolicy.layer_bits",
+    "decode_mode": "kvpolicy.modes",
     "estimate": "kvpolicy.estimation",
     "HeavyHitters": "kvpolicy.policies.h2o",
     "Quantize": "kvpolicy.actions.quantize",
@@ -65,6 +66,7 @@ __all__ = [
     "TorchBackend",
     "__version__",
     "boundary",
+    "decode_mode",
     "estimate",
 ]
 
@@ -79,6 +81,7 @@ if TYPE_CHECKING:
     from kvpolicy.estimation import estimate
     from kvpolicy.layer_bits import boundary
     from kvpolicy.memory import MemoryReport
+    from kvpolicy.modes import decode_mode
     from kvpolicy.policies.h2o import HeavyHitters
     from kvpolicy.policies.log import LogWindow
     from kvpolicy.policies.recent import RecentWindow

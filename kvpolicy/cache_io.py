@@ -236,7 +236,7 @@ def _load_layer(layer: Any, state: dict[str, Any], idx: int, dtype: str | None, 
         )
     if state.get("initialized") is True and dtype is not None:
         keys = state_check.tensor(state.get("keys"), "keys")
-        if persist.dtype_name(keys.dtype) != dtype:
+        if keys.dtype != persist.dtype_of(dtype, "the model's dtype"):
             raise ValueError(f"keys of dtype {persist.dtype_name(keys.dtype)} in a cache of {dtype}")
     if kind == "compressed":
         layer.load_state_dict(state)

@@ -49,10 +49,20 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def dtype_of(name: str, what: str = "dtype") -> torch.dtype:
-    """The dtype named ``name`` (one of the dtypes a saved cache may hold)."""
-    if name not in _DTYPES:
-        raise CacheFileError(f"{what}={name!r} is not a dtype a saved cache holds; expected one of {sorted(_DTYPES)}")
+def dtype_of(name: Any, what: str = "dtype") -> torch.dtype:
+    """The dtype named ``name``, one of the dtypes a saved cache may hold: every dtype name read from a file
+    (a tensor reference, a store's or a block's state, the model identity) or from a configuration becomes a
+    dtype here, through this allowlist, never by a look-up on ``torch``.
+
+    Raises
+    ------
+    CacheFileError
+        If ``name`` is not one of the allowed names (the message names them).
+    """
+    if not isinstance(name, str) or name not in _DTYPES:
+        raise CacheFileError(
+            f"{what}={name!r:.40} is not a dtype a saved cache holds; expected one of {sorted(_DTYPES)}"
+        )
     return _DTYPES[name]
 
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from kvpolicy import persist
+
 
 def entries(state: Any, what: str, required: Iterable[str], optional: Iterable[str] = ()) -> Mapping[str, Any]:
     """``state``, checked to be a mapping holding every ``required`` key and nothing but those and ``optional``."""
@@ -98,12 +100,13 @@ def positions(value: torch.Tensor, what: str, length: int) -> torch.Tensor:
 
 
 #: the dtypes of a cache's floating tensors (full-precision tokens, what blocks dequantize to), by name
-FLOAT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+FLOAT_DTYPES = {name: persist.dtype_of(name) for name in ("float16", "bfloat16", "float32")}
 
 
 def float_dtype(name: Any, what: str) -> torch.dtype:
-    """The dtype a saved ``name`` gives, one of :data:`FLOAT_DTYPES` (never looked up on ``torch``)."""
-    return FLOAT_DTYPES[choice(name, what, FLOAT_DTYPES)]
+    """The dtype a saved ``name`` gives, one of :data:`FLOAT_DTYPES` (through :func:`kvpolicy.persist.dtype_of`,
+    never looked up on ``torch``)."""
+    return persist.dtype_of(choice(name, what, FLOAT_DTYPES), what)
 
 
 def shape4(shape: Any, what: str) -> tuple[int, int, int, int]:

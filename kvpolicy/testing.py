@@ -18,7 +18,8 @@ trace) are the pieces, for policies that need their own inputs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -454,3 +455,371 @@ def check_transform(
         assert copy == transform and torch.equal(copy.forward(x), y), f"{transform!r}: a pickled copy differs"
 
     contract()
+
+
+# --------------------------------------------------------------------------------------------------
+# the action contract (check_action)
+# --------------------------------------------------------------------------------------------------
+
+
+def action_error_bound(bits: int | None, dtype: torch.dtype) -> float:
+    """The relative RMS error :func:`check_action` allows a store of ``bits``-bit codes on standard normal
+    tokens of ``dtype``: that of a uniform grid over ``±4`` standard deviations, ``8 / ((2**bits - 1) √12)``,
+    plus the dtype's machine epsilon (rounding the output). ``bits=None``: 0, the store must be exact."""
+    import math
+
+    import torch
+
+    if bits is None:
+        return 0.0
+    return 8 / (((1 << bits) - 1) * math.sqrt(12)) + torch.finfo(dtype).eps
+
+
+def _action_widths(action: Any, bits: int | tuple[int, int] | None) -> tuple[int | None, int | None]:
+    """``(key bits, value bits)`` the error bound is for: ``bits`` as given, else the widths of a built-in
+    :class:`~kvpolicy.actions.quantize.Quantize` (its last tier's, for :class:`~kvpolicy.actions.tiered.Tiered`)."""
+    from kvpolicy.actions.quantize import Quantize
+    from kvpolicy.actions.tiered import Tiered
+    from kvpolicy.errors import ConfigError
+
+    if isinstance(bits, tuple):
+        return bits
+    if bits is not None:
+        return bits, bits
+    lowest = action.tiers[-1] if isinstance(action, Tiered) else action
+    if isinstance(lowest, Quantize):
+        return lowest.key_width, lowest.value_width
+    raise ConfigError(
+        f"check_action: {action!r} compresses and keeps its tokens; give bits= (the code width of its keys and "
+        "values, or of its lowest tier: the error bound is computed from it) or bits=0 for a store that keeps "
+        "them exactly"
+    )
+
+
+def _held_bytes(store: Any) -> int:
+    """Bytes of every distinct tensor reachable from ``store`` through attributes and containers (the
+    backend, the action and policies are configuration, not held data, and are not walked)."""
+    import torch
+
+    from kvpolicy.actions.base import Action
+    from kvpolicy.backends.base import Backend
+    from kvpolicy.policies.base import Policy
+
+    seen: set[int] = set()
+    total = 0
+    stack = [store]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, Backend | Action | Policy | type):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            total += obj.numel() * obj.element_size()
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, list | tuple | set | frozenset):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+    return total
+
+
+def _through_a_file(state: Any) -> Any:
+    """``state`` written to a saved-cache file and read back (:mod:`kvpolicy.persist`), as a cache's save
+    and load do."""
+    import tempfile
+    from pathlib import Path
+
+    from kvpolicy import persist
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "store.kvcache"
+        persist.write(path, {"store": "check_action"}, {"state": state})
+        return persist.read(path)[1]["state"]
+
+
+def _action_batches(seed: int) -> list[int]:
+    """Token counts of the successive ``add`` calls: a prompt-sized first demotion, then mostly single tokens
+    and a few larger ones, more than 256 tokens in all (whole per-channel groups of 128, and a staged tail)."""
+    import random
+
+    rng = random.Random(seed)
+    sizes = [rng.randint(20, 60)]
+    while sum(sizes) < 260:
+        sizes.append(rng.choice([1, 1, 1, 2, rng.randint(3, 40), rng.randint(40, 100)]))
+    return sizes
+
+
+def check_action(
+    action: Any,
+    backend: Any = None,
+    *,
+    head_dim: int = 64,
+    seed: int = 0,
+    bits: int | tuple[int, int] | None = None,
+    dtype: torch.dtype | None = None,
+    per_head: bool | None = None,
+) -> None:
+    """Check the action contract (:mod:`kvpolicy.actions.base`) on random tokens; call it from a pytest test.
+
+    A store from ``action.new_store(backend, 0)`` is given standard normal keys and values
+    ``(2, 2, n, head_dim)`` in several ``add`` calls (a first demotion of 20 to 60 tokens, then mostly single
+    tokens, over 256 in all), their positions a random order of ``0..N-1`` (``(1, n)``: a shared policy, or
+    ``(kv_heads, n)``: a per-head one; both unless ``per_head`` says which). The store must:
+
+    - *flags*: ``compresses`` and ``keeps_demoted`` are bools; an action that does not compress keeps every
+      token exactly (a cache with it returns what it was given, bit for bit) and has no store to check; an
+      evicting action (``keeps_demoted=False``) holds no bytes whatever it is given;
+    - *positions*: hold each added position exactly once, as ``POSITION_DTYPE`` ``(rows, n)``, with
+      ``len(store) == n``;
+    - *keys and values*: be ``(2, 2, n, head_dim)`` of the input dtype, token ``i`` the one added at
+      ``positions[..., i]``, within the error bound: relative RMS error at most
+      :func:`action_error_bound` of its code width (``bits``; for a built-in Quantize or Tiered its own
+      widths, its lowest tier's), exact for ``bits=0``;
+    - *bytes*: ``nbytes()`` maps roles to ints >= 0 that add up to the bytes of the tensors the store holds
+      (found by walking its attributes), more than 0 and fewer than the tokens take at full precision;
+    - *determinism*: a second store given the same tokens holds the same keys and values, bit for bit;
+    - *saving*: ``state_dict()`` written to a saved-cache file and read back (:mod:`kvpolicy.persist`),
+      loaded into a fresh store, gives the same positions, keys, values and bytes, bit for bit, passes
+      ``validate``, and goes on identically when both are given the same further tokens;
+    - *batch ops*: after ``map_batch`` with a reorder of the batch rows, keys and values are the
+      materialised ones reordered, bit for bit, and stay so when both are given the same further tokens (the
+      reordered store the reordered tokens); after a repeat of every row (beam expansion), each copy is its
+      row.
+
+    Parameters
+    ----------
+    action : Action
+        The action (hyperparameters already chosen; its ``serving`` defaults are applied as a cache does).
+    backend : Backend, optional
+        The backend its store packs with; default the ``torch`` reference backend.
+    head_dim : int
+        Channels per head.
+    seed : int
+        Seeds the tokens, their positions and the sizes of the ``add`` calls.
+    bits : int or (int, int), optional
+        The code width of keys and values (one for both, or a pair) that the error bound is computed for: a
+        tiered action's lowest tier. ``0``: the store must keep tokens exactly. Default: the widths of a
+        built-in Quantize or Tiered; required for any other action that compresses and keeps its tokens.
+    dtype : torch.dtype, optional
+        The tokens' dtype (default float32).
+    per_head : bool, optional
+        Check with per-head positions (True), shared ones (False) or both (None).
+
+    Raises
+    ------
+    AssertionError
+        Naming the clause the store breaks, the action and what was found.
+    """
+    import torch
+
+    from kvpolicy.backends.torch_backend import TorchBackend
+
+    backend = TorchBackend() if backend is None else backend
+    dtype = torch.float32 if dtype is None else dtype
+    who = f"check_action({action!r})"
+    for flag in ("compresses", "keeps_demoted"):
+        assert isinstance(getattr(action, flag), bool), f"{who}: flags: {flag} must be a bool"
+    if not action.compresses:
+        assert action.keeps_demoted, f"{who}: flags: an action that does not compress must keep its tokens"
+        _check_uncompressed(action, backend, head_dim, seed, dtype, who)
+        return
+    action, _ = action.serving(backend, head_dim, head_dim)
+    action.check_backend(backend)
+    action.check_head_dim(head_dim, backend.capabilities.group_size_multiple)
+    widths = _action_widths(action, bits) if action.keeps_demoted else (None, None)
+    bounds = tuple(action_error_bound(b or None, dtype) for b in widths)
+    for rows_per_head in (False, True) if per_head is None else (per_head,):
+        _check_store(action, backend, head_dim, seed, dtype, rows_per_head, bounds, f"{who}, per_head={rows_per_head}")
+
+
+def _check_uncompressed(action: Any, backend: Any, head_dim: int, seed: int, dtype: torch.dtype, who: str) -> None:
+    """An action that does not compress: a cache with it returns every token as given."""
+    import torch
+
+    from kvpolicy.cache import CompressedCache
+
+    g = torch.Generator().manual_seed(seed)
+    cache = CompressedCache(policy="recent", window=4, action=action, backend=backend)
+    given_k, given_v = [], []
+    for n in _action_batches(seed)[:6]:
+        k, v = (torch.randn(2, 2, n, head_dim, generator=g).to(dtype) for _ in range(2))
+        given_k.append(k)
+        given_v.append(v)
+        keys, values = cache.update(k, v, 0)
+    assert torch.equal(keys, torch.cat(given_k, 2)) and torch.equal(values, torch.cat(given_v, 2)), (
+        f"{who}: flags: an action that does not compress must keep every token exactly"
+    )
+
+
+def _check_store(
+    action: Any, backend: Any, head_dim: int, seed: int, dtype: torch.dtype, per_head: bool,
+    bounds: tuple[float, float], who: str,
+) -> None:  # fmt: skip
+    import torch
+
+    from kvpolicy.positions import POSITION_DTYPE
+
+    batch, heads = 2, 2
+    rows = heads if per_head else 1
+    sizes = _action_batches(seed)
+    g = torch.Generator().manual_seed(seed)
+    total = sum(sizes)
+    keys_all = torch.randn(batch, heads, total, head_dim, generator=g).to(dtype)
+    values_all = torch.randn(batch, heads, total, head_dim, generator=g).to(dtype)
+    order = torch.stack([torch.randperm(total, generator=g) for _ in range(rows)]).to(POSITION_DTYPE)
+    # the token at position p is keys_all[:, :, p]; the i-th token demoted in row r is at order[r, i]
+    cut = len(sizes) - 2  # the last two adds continue a saved, a reordered and a repeated store
+
+    def tokens(start: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        pos = order[:, start : start + n]
+        index = pos.long()[None, :, :, None].expand(batch, heads, n, head_dim)
+        return keys_all.gather(2, index), values_all.gather(2, index), pos
+
+    def new_store() -> Any:
+        store = action.new_store(backend, 0)
+        store.positions = torch.empty(rows, 0, dtype=POSITION_DTYPE)  # as a layer sets it
+        return store
+
+    def fill(store: Any, calls: range, fn: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
+        for i in calls:
+            k, v, pos = tokens(sum(sizes[:i]), sizes[i])
+            store.add(fn(k), fn(v), pos)
+
+    with _clause(who, "adding tokens"):
+        store = new_store()
+        fill(store, range(cut))
+    held = sum(sizes[:cut])
+    if not action.keeps_demoted:
+        with _clause(who, "flags"):
+            fill(store, range(cut, len(sizes)))
+        assert sum(store.nbytes().values()) == 0 and _held_bytes(store) == 0, (
+            f"{who}: flags: an evicting action (keeps_demoted=False) must hold nothing; nbytes() says "
+            f"{store.nbytes()}, and it holds {_held_bytes(store)} bytes of tensors"
+        )
+        with _clause(who, "saving"):
+            fresh = new_store()
+            fresh.load_state_dict(_through_a_file(store.state_dict()))
+        assert fresh.nbytes() == store.nbytes(), f"{who}: saving: nbytes() differs after a state round trip"
+        return
+    _check_held(store, held, order, keys_all, values_all, bounds, dtype, rows, who)
+
+    with _clause(who, "determinism"):
+        twin = new_store()
+        fill(twin, range(cut))
+    assert torch.equal(twin.keys(), store.keys()) and torch.equal(twin.values(), store.values()), (
+        f"{who}: determinism: a second store given the same tokens holds other keys or values"
+    )
+
+    def reloaded() -> Any:
+        fresh = new_store()
+        fresh.load_state_dict(_through_a_file(store.state_dict()))
+        return fresh
+
+    with _clause(who, "saving"):
+        loaded = reloaded()
+        _same(loaded, store, f"{who}: saving: after state_dict -> file -> load_state_dict")
+        like = keys_all[:, :, :0]
+        loaded.validate(like, like)
+
+    # batch ops, on stores loaded from the same state (the original goes on unchanged)
+    perm = torch.tensor([1, 0])
+    with _clause(who, "batch ops"):
+        reordered = reloaded()
+        reordered.map_batch(lambda t: t.index_select(0, perm.to(t.device)))
+        repeated = reloaded()
+        repeated.map_batch(lambda t: t.repeat_interleave(2, dim=0))
+    assert _reordered(reordered, store, perm), (
+        f"{who}: batch ops: after map_batch(reorder rows) the keys/values are not the materialised ones reordered"
+    )
+    assert torch.equal(repeated.keys(), store.keys().repeat_interleave(2, dim=0)) and torch.equal(
+        repeated.values(), store.values().repeat_interleave(2, dim=0)
+    ), f"{who}: batch ops: after map_batch(repeat rows) a copy is not its row"
+
+    # all go on with the same further tokens
+    with _clause(who, "adding tokens"):
+        fill(store, range(cut, len(sizes)))
+    with _clause(who, "saving"):
+        fill(loaded, range(cut, len(sizes)))
+        _same(loaded, store, f"{who}: saving: a loaded store given further tokens")
+    with _clause(who, "batch ops"):
+        fill(reordered, range(cut, len(sizes)), lambda t: t[perm])
+    assert _reordered(reordered, store, perm), (
+        f"{who}: batch ops: a reordered store given the reordered further tokens differs from the original reordered"
+    )
+    _check_held(store, total, order, keys_all, values_all, bounds, dtype, rows, who)
+
+
+@contextmanager
+def _clause(who: str, clause: str) -> Iterator[None]:
+    """Turn an exception other than an AssertionError raised inside into an AssertionError naming ``clause``."""
+    try:
+        yield
+    except AssertionError:
+        raise
+    except Exception as exc:
+        raise AssertionError(f"{who}: {clause}: {type(exc).__name__}: {exc}") from exc
+
+
+def _reordered(got: Any, want: Any, perm: torch.Tensor) -> bool:
+    """Whether ``got`` holds ``want``'s keys and values with the batch rows in the order ``perm``."""
+    import torch
+
+    return torch.equal(got.keys(), want.keys()[perm]) and torch.equal(got.values(), want.values()[perm])
+
+
+def _same(got: Any, want: Any, where: str) -> None:
+    import torch
+
+    assert torch.equal(got.positions, want.positions), f"{where}: the positions differ"
+    assert torch.equal(got.keys(), want.keys()), f"{where}: the keys differ"
+    assert torch.equal(got.values(), want.values()), f"{where}: the values differ"
+    assert got.nbytes() == want.nbytes(), f"{where}: nbytes() {got.nbytes()} differs from {want.nbytes()}"
+    assert len(got) == len(want), f"{where}: len() {len(got)} differs from {len(want)}"
+
+
+def _check_held(
+    store: Any, n: int, order: torch.Tensor, keys_all: torch.Tensor, values_all: torch.Tensor,
+    bounds: tuple[float, float], dtype: torch.dtype, rows: int, who: str,
+) -> None:  # fmt: skip
+    """The positions, keys, values and bytes of a store that was given the first ``n`` tokens of ``order``."""
+    import torch
+
+    from kvpolicy.positions import POSITION_DTYPE
+
+    batch, heads, _, head_dim = keys_all.shape
+    pos = store.positions
+    assert isinstance(pos, torch.Tensor) and pos.dtype == POSITION_DTYPE and tuple(pos.shape) == (rows, n), (
+        f"{who}: positions: expected {POSITION_DTYPE} ({rows}, {n}), got "
+        f"{getattr(pos, 'dtype', type(pos))} {tuple(getattr(pos, 'shape', ()))}"
+    )
+    given = order[:, :n].sort(dim=1).values
+    assert torch.equal(pos.sort(dim=1).values, given), f"{who}: positions: not each added position exactly once"
+    assert len(store) == n, f"{who}: positions: len(store) is {len(store)} after {n} tokens"
+    index = pos.long()[None, :, :, None].expand(batch, heads, n, head_dim)
+    full_bytes = 0
+    for role, got, source, bound in (
+        ("keys", store.keys(), keys_all, bounds[0]),
+        ("values", store.values(), values_all, bounds[1]),
+    ):
+        assert tuple(got.shape) == (batch, heads, n, head_dim) and got.dtype == dtype, (
+            f"{who}: keys and values: {role}() is {got.dtype} {tuple(got.shape)}, expected {dtype} "
+            f"{(batch, heads, n, head_dim)}"
+        )
+        want = source.gather(2, index).double()
+        error = float((got.double() - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
+        assert error <= bound, (
+            f"{who}: keys and values: {role} are off by a relative RMS error of {error:.4g} (bound {bound:.4g}); "
+            "is token i the one added at positions[..., i]?"
+        )
+        full_bytes += got.numel() * got.element_size()
+    reported = store.nbytes()
+    assert isinstance(reported, dict) and all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in reported.items()
+    ), f"{who}: bytes: nbytes() must map roles to ints >= 0; got {reported!r}"
+    total = sum(reported.values())
+    walked = _held_bytes(store)
+    assert total == walked, f"{who}: bytes: nbytes() adds up to {total}, but the store holds {walked} bytes of tensors"
+    assert 0 < total < full_bytes + 8 * rows * n, (
+        f"{who}: bytes: {total} bytes held for {n} tokens, which take {full_bytes} at full precision"
+    )

@@ -277,7 +277,7 @@ def test_weights_swapped_after_the_check_are_not_the_ones_loaded(converting, mon
 
 def test_unconverted_load_reads_the_staged_gguf(converting, monkeypatch):
     """convert=False: transformers is handed a private stand-in of the checked GGUF, not the cache path."""
-    from kvpolicy.eval import models
+    from kvpolicy.eval import checkpoints
 
     handed: list[tuple[Path, bytes]] = []
 
@@ -285,7 +285,7 @@ def test_unconverted_load_reads_the_staged_gguf(converting, monkeypatch):
         handed.append((path, path.read_bytes()))
         return tiny_gemma3()
 
-    monkeypatch.setattr(models, "_load_gguf_model", load_gguf)
+    monkeypatch.setattr(checkpoints, "load_gguf_model", load_gguf)
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: _tiny_tokenizer())
     gguf = gemma.gemma3_path(converting.cache, progress=False)
     gemma.load_gemma3(cache_dir=converting.cache, convert=False, progress=False)

@@ -342,3 +342,29 @@ def test_device_per_layer(saved):
     assert all(layer.keys.device.type == "cpu" for layer in loaded.layers)
     with pytest.raises(CacheFileError, match=r"must name every one of the file's 2 layers; missing \[1\]"):
         CompressedCache.load(saved, device={0: "cpu"})
+
+
+# -------------------------------------------------------------------------------- dtype names
+def test_dtype_names_become_dtypes_only_through_the_allowlist():
+    """persist.dtype_of is the one place a dtype name read from a file becomes a dtype: it refuses a name torch
+    has but a saved cache never holds, and any non-name, naming the allowed dtypes."""
+    import ast
+    from pathlib import Path
+
+    from kvpolicy import persist
+
+    assert persist.dtype_of("bfloat16") is torch.bfloat16 and persist.dtype_of("uint8") is torch.uint8
+    for bad in ("Tensor", "__class__", "cfloat", "torch.float16", ["float16"], {"a": 1}, None, 16):
+        with pytest.raises(CacheFileError, match=r"what=.* is not a dtype a saved cache holds; expected one of \["):
+            persist.dtype_of(bad, "what")
+    # and nowhere else in the package is a dtype looked up by name on torch
+    package = Path(__file__).resolve().parents[1] / "kvpolicy"
+    found = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == "torch"
+            ):  # fmt: skip
+                found.append(f"{path.relative_to(package.parent)}:{node.lineno}")
+    assert not found, f"getattr(torch, ...) turns a name into a dtype outside persist.dtype_of: {found}"

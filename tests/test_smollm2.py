@@ -181,7 +181,7 @@ def cached(monkeypatch, tmp_path):
         return torch.nn.Linear(1, 1)
 
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", tokenizer)
-    monkeypatch.setattr(models, "_load_gguf_model", model)
+    monkeypatch.setattr(models.checkpoints, "load_gguf_model", model)
     return path, handed
 
 

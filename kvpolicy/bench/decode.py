@@ -46,6 +46,7 @@ import platform
 import re
 import statistics
 import time
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -250,43 +251,41 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _set_fused(model: torch.nn.Module, on: bool) -> None:
+def _attention(model: torch.nn.Module, variant: Variant) -> AbstractContextManager[None]:
     """``fused`` variants: kvpolicy's fused attention; the others: the score-reporting wrapper (outputs
-    unchanged), which checks the mask so ``layout="agnostic"`` can be used (:mod:`kvpolicy.handoff`)."""
-    from kvpolicy.attention import enable_scores
-    from kvpolicy.fused import disable_fused, enable_fused
+    unchanged), which checks the mask so ``layout="agnostic"`` can be used (:mod:`kvpolicy.handoff`). The
+    model's implementation is restored on exit (:func:`kvpolicy.modes.decode_mode`); the switch is outside
+    every timed span."""
+    from kvpolicy.modes import decode_mode
 
-    if on:
-        enable_fused(model)
-    else:
-        disable_fused(model)
-        enable_scores(model)
+    return decode_mode(model, "fused" if variant.fused else "scores")
 
 
 @torch.inference_mode()
 def _prefill(model: torch.nn.Module, variant: Variant, ids: torch.Tensor, args: argparse.Namespace):
-    _set_fused(model, variant.fused)
-    cache = variant.build(model.config, args.window)
-    if args.fill == "synthetic":
-        _fill(model, cache, ids.shape[0], ids.shape[1], args.device, DTYPES[args.dtype])
-        return cache, ids[:, -1:], float("nan")
-    _sync(args.device)
-    t0 = time.perf_counter()
-    out = model(ids, cache=cache, use_cache=True, **last_only(model))  # as generate() does
-    _sync(args.device)
-    ms = (time.perf_counter() - t0) * 1e3
+    with _attention(model, variant):
+        cache = variant.build(model.config, args.window)
+        if args.fill == "synthetic":
+            _fill(model, cache, ids.shape[0], ids.shape[1], args.device, DTYPES[args.dtype])
+            return cache, ids[:, -1:], float("nan")
+        _sync(args.device)
+        t0 = time.perf_counter()
+        out = model(ids, cache=cache, use_cache=True, **last_only(model))  # as generate() does
+        _sync(args.device)
+        ms = (time.perf_counter() - t0) * 1e3
     return cache, out.logits[:, -1:].argmax(-1), ms
 
 
 @torch.inference_mode()
 def _decode(model: torch.nn.Module, variant: Variant, cache: Any, token: torch.Tensor, steps: int, device: str):
-    _set_fused(model, variant.fused)
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-    _sync(device)
-    return token, (time.perf_counter() - t0) * 1e3 / steps
+    with _attention(model, variant):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        _sync(device)
+        ms = (time.perf_counter() - t0) * 1e3 / steps
+    return token, ms
 
 
 def latency(args: argparse.Namespace, model: torch.nn.Module, variants: list[Variant]) -> list[Row]:
@@ -354,11 +353,10 @@ def capacity(args: argparse.Namespace, model: torch.nn.Module, variants: list[Va
     vocab = model.config.vocab_size
     out = []
     for v in variants:
-        _set_fused(model, v.fused)
         probe = v.build(model.config, args.window)
         _fill(model, probe, 1, n, args.device, dtype)
         token = torch.randint(3, vocab, (1, 1), device=args.device)
-        with torch.inference_mode():
+        with _attention(model, v), torch.inference_mode():
             model(token, cache=probe, use_cache=True)  # one step: demotions and flushes settle
         per_seq = held_bytes(probe)
         del probe

@@ -39,6 +39,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -230,10 +231,9 @@ def measure(spec: dict[str, Any]) -> Row:
     Row
         The measured cell (ratios left unset).
     """
-    from kvpolicy.attention import enable_scores
     from kvpolicy.eval.caches import held_bytes
     from kvpolicy.eval.metrics import last_only
-    from kvpolicy.fused import enable_fused
+    from kvpolicy.modes import decode_mode
     from kvpolicy.prefill import chunked_prefill
 
     if spec.get("threads"):
@@ -241,38 +241,36 @@ def measure(spec: dict[str, Any]) -> Row:
     device, name, length = spec["device"], spec["variant"], int(spec["length"])
     variant = None if name == "none" else Variant.parse(name)
     model = _load_model(spec["model"], DTYPES[spec["dtype"]], device, bool(spec.get("online")))
-    if variant is not None and variant.fused:
-        enable_fused(model)
-    elif variant is not None:
-        enable_scores(model)
-    vocab = model.config.vocab_size
-    ids = torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(int(spec["seed"])))
-    ids = ids.to(device)
-    cache = None if variant is None else variant.build(model.config, int(spec["window"]))
-    warm = None if variant is None else variant.build(model.config, int(spec["window"]))
-    model(ids[:, :WARMUP_TOKENS], cache=warm, use_cache=warm is not None, **last_only(model))
-    del warm
-    source = peak_source(device)
-    meter = PeakMeter(source)
-    meter.start()
-    _sync(device)
-    t0 = time.perf_counter()
-    chunk = int(spec.get("chunk") or 0)
-    if chunk and cache is not None:
-        out = chunked_prefill(model, ids, cache, chunk, **last_only(model))
-    else:
-        out = model(ids, cache=cache, use_cache=cache is not None, **last_only(model))
-    _sync(device)
-    prefill = time.perf_counter() - t0
-    token = out.logits[:, -1:].argmax(-1)
-    del out
-    steps: list[float] = []
-    for _ in range(int(spec["steps"]) if cache is not None else 0):
-        t0 = time.perf_counter()
-        token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    mode = None if variant is None else "fused" if variant.fused else "scores"
+    with nullcontext() if mode is None else decode_mode(model, mode):
+        vocab = model.config.vocab_size
+        ids = torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(int(spec["seed"])))
+        ids = ids.to(device)
+        cache = None if variant is None else variant.build(model.config, int(spec["window"]))
+        warm = None if variant is None else variant.build(model.config, int(spec["window"]))
+        model(ids[:, :WARMUP_TOKENS], cache=warm, use_cache=warm is not None, **last_only(model))
+        del warm
+        source = peak_source(device)
+        meter = PeakMeter(source)
+        meter.start()
         _sync(device)
-        steps.append(time.perf_counter() - t0)
-    peak = meter.peak()
+        t0 = time.perf_counter()
+        chunk = int(spec.get("chunk") or 0)
+        if chunk and cache is not None:
+            out = chunked_prefill(model, ids, cache, chunk, **last_only(model))
+        else:
+            out = model(ids, cache=cache, use_cache=cache is not None, **last_only(model))
+        _sync(device)
+        prefill = time.perf_counter() - t0
+        token = out.logits[:, -1:].argmax(-1)
+        del out
+        steps: list[float] = []
+        for _ in range(int(spec["steps"]) if cache is not None else 0):
+            t0 = time.perf_counter()
+            token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            _sync(device)
+            steps.append(time.perf_counter() - t0)
+        peak = meter.peak()
     later = steps[1:] or steps
     return Row(
         model=spec["model"], dtype=spec["dtype"], device=device, threads=torch.get_num_threads(), length=length,

@@ -153,15 +153,13 @@ def table(rows: list[tuple[str, Any]], markdown: bool = False) -> str:
 def _run(args: argparse.Namespace) -> int:
     if not args.online:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missing model fails in seconds, not after retries
-    import torch
-
     from kvpolicy import registry
     from kvpolicy.estimation import _count, estimate
 
     config = model_config(args.model, args.online)
     presets = args.preset or registry.names("presets")
     rows = [(p, e) for p in presets for e in estimate(config, args.tokens, p, batch=args.batch,
-                                                      dtype=getattr(torch, args.dtype))]  # fmt: skip
+                                                      dtype=args.dtype)]  # fmt: skip
     first = rows[0][1]
     compressed = len(first.compressed_layers)
     print(

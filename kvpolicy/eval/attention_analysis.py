@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from kvpolicy.eval.metrics import last_only
 from kvpolicy.eval.tasks import LanguageModeling
+from kvpolicy.modes import attention_implementation
 
 
 @dataclass
@@ -138,15 +139,13 @@ def analyze_attention(
     ids = torch.tensor([sample.ids], device=model.device)
     cache = DynamicCache(config=model.config)
     model(ids[:, :context], cache=cache, use_cache=True, **last_only(model))
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("eager")
     nbins = math.floor(math.log2(context + queries)) + 1
     hist: list[list[int]] | None = None
     kept = {}
     cov_topk: dict[str, float] = {}
     cov_mass: dict[str, float] = {}
     total_top = total_mass = 0.0
-    try:
+    with attention_implementation(model, "eager"):  # output_attentions: every weight of every layer
         for t in tqdm(range(context, context + queries), desc="queries", disable=not progress, leave=False):
             outs = model(ids[:, t : t + 1], cache=cache, use_cache=True, output_attentions=True)
             atts = outs.attentions  # per layer (1, heads, 1, keys): every key of a full-attention layer
@@ -182,8 +181,6 @@ def analyze_attention(
                     mask[pos] = True
                     cov_topk[label] = cov_topk.get(label, 0.0) + float(mask[top].sum())
                     cov_mass[label] = cov_mass.get(label, 0.0) + float(w[:, mask].sum())
-    finally:
-        model.set_attn_implementation(previous)
     coverage = {k: {"topk": cov_topk[k] / total_top, "mass": cov_mass[k] / total_mass} for k in cov_topk}
     name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
     result = AttentionAnalysis(name, context, queries, top_k, window, hist or [], coverage, layers=layers or [])

@@ -16,6 +16,17 @@ from kvpolicy.errors import ConfigError
 PUBLISHED = {"logquant": "LogQuant", "kivi": "KIVI"}
 #: transformers' quantized-cache backends as their projects write them
 HF_BACKEND_NAMES = {"quanto": "quanto", "hqq": "HQQ"}
+#: kvpolicy's shipped presets, their bit budget and the label of their cell in the committed config (the frontier
+#: page and the plots name those cells by the preset; tests/test_frontier_report.py checks that each preset builds
+#: exactly that cell's cache)
+PRESET_CELLS = {
+    "kvpolicy-3bit": (3.0, "log4-k3cmv2c-t44x32"),
+    "kvpolicy-3.5bit": (3.5, "log4-k3cmv3c-t44x32"),
+    "kvpolicy-4bit": (4.0, "log4-k4cmv3c-t44x32"),
+    "kvpolicy-4.5bit": (4.5, "log4-k4v3c"),
+}
+#: the preset named for each cell of :data:`PRESET_CELLS`
+PRESET_NAMES = {cell: name for name, (_, cell) in PRESET_CELLS.items()}
 
 
 def composition_name(entry: dict[str, Any]) -> str:

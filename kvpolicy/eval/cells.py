@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 import traceback
 from collections import Counter
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,28 +92,26 @@ def error_result(cid: str, model: str, spec: CacheSpec, eq: bool, context: int |
     return CellResult(cid, spec.label, task, context, [row], error=message)
 
 
-def _prepare_attention(model: Any, decode: str, scores: bool) -> None:
-    """Switch ``model`` to kvpolicy's attention for a cell (``decode``: the grid's mode).
+def _attention_for(model: Any, decode: str, scores: bool) -> AbstractContextManager[None]:
+    """kvpolicy's attention for a cell (``decode``: the grid's mode), as a :func:`kvpolicy.modes.decode_mode`
+    that restores the model's implementation when the cell ends.
 
     ``"fused"`` installs the fused decode attention (:func:`kvpolicy.fused.enable_fused`, which also
     reports attention scores): compressed caches are measured on the path a user runs, and a cell
-    decodes up to 2.3x faster than with a materialised history (SmolLM2 at 2k). ``"materialized"``
-    installs the score wrapper only, so every decode step rebuilds the history. Both check masks, so
-    ``layout="agnostic"`` works (:mod:`kvpolicy.handoff`); other caches' outputs are unchanged either
-    way. Models whose attention implementation kvpolicy does not wrap are left alone; for a policy
-    that needs scores on such a model this raises the ConfigError naming the implementation, which
-    becomes the cell's error row.
+    decodes up to 2.3x faster than with a materialised history (SmolLM2 at 2k). The grid's
+    ``"materialized"`` installs the score wrapper only (``decode_mode(model, "scores")``), so every decode
+    step rebuilds the history. Both check masks, so ``layout="agnostic"`` works (:mod:`kvpolicy.handoff`);
+    other caches' outputs are unchanged either way. Models whose attention implementation kvpolicy does
+    not wrap are left alone; for a policy that needs scores on such a model entering the mode raises the
+    ConfigError naming the implementation, which becomes the cell's error row.
     """
     from kvpolicy import attention, fused
+    from kvpolicy.modes import decode_mode
 
     base = model.config._attn_implementation.removeprefix(fused.PREFIX).removeprefix(attention.PREFIX)
     if base not in attention.WRAPPED and not scores:
-        return
-    if decode == "fused":
-        fused.enable_fused(model)  # a ConfigError naming the implementation where it cannot
-    else:
-        fused.disable_fused(model)
-        attention.enable_scores(model)
+        return nullcontext()
+    return decode_mode(model, "fused" if decode == "fused" else "scores")
 
 
 class PathTally:
@@ -200,28 +199,28 @@ class CellGroup:
         paths = PathTally(model)
         records: list[dict[str, Any]] = []
         try:
-            _prepare_attention(model, grid.decode, scores)
-            make = lambda spec=spec: paths.watch(spec.build(model))  # noqa: E731
-            if self.task_name == SPEED:
-                metrics = measure.speed(model, self.ids, make, task["steps"], task["repeats"])  # type: ignore[index]
-            else:
-                samples = self.samples
-                needs_ref = grid.replay or any(s.kind == "teacher_forced" or s.against_reference for s in samples)
-                if self.refs is None and needs_ref:
-                    self.refs = measure.references(model, samples, grid.batch)
-                replay = grid.replay and not scores
-                metrics, records = measure.quality(
-                    model,
-                    self.tok,
-                    task,
-                    samples,
-                    self.refs,
-                    make,
-                    replay=replay,
-                    progress=self.progress,
-                    attention_error=grid.attention_error_at(context),
-                    batch=grid.batch if spec.kind in ROW_INDEPENDENT and not scores else 1,
-                )
+            with _attention_for(model, grid.decode, scores):
+                make = lambda spec=spec: paths.watch(spec.build(model))  # noqa: E731
+                if self.task_name == SPEED:
+                    metrics = measure.speed(model, self.ids, make, task["steps"], task["repeats"])  # type: ignore[index]
+                else:
+                    samples = self.samples
+                    needs_ref = grid.replay or any(s.kind == "teacher_forced" or s.against_reference for s in samples)
+                    if self.refs is None and needs_ref:
+                        self.refs = measure.references(model, samples, grid.batch)
+                    replay = grid.replay and not scores
+                    metrics, records = measure.quality(
+                        model,
+                        self.tok,
+                        task,
+                        samples,
+                        self.refs,
+                        make,
+                        replay=replay,
+                        progress=self.progress,
+                        attention_error=grid.attention_error_at(context),
+                        batch=grid.batch if spec.kind in ROW_INDEPENDENT and not scores else 1,
+                    )
         except Exception as exc:  # recorded, retried by the next run
             return error_result(cid, self.model_name, spec, eq, context, self.task_name,
                                 f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=6))  # fmt: skip

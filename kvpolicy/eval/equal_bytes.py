@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -92,12 +93,9 @@ def twin(model: torch.nn.Module) -> torch.nn.Module:
 @torch.inference_mode()
 def measure_bytes(small: torch.nn.Module, spec: CacheSpec, context: int, steps: int) -> int:
     """Bytes ``spec`` holds in the twin's layer after ``context`` prefill tokens and ``steps`` decoding steps."""
-    from kvpolicy.attention import disable_scores, enable_scores
+    from kvpolicy.modes import decode_mode
 
-    scores = spec.needs_scores()
-    if scores:
-        enable_scores(small)
-    try:
+    with decode_mode(small, "scores") if spec.needs_scores() else nullcontext():
         cache = spec.build(small)
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(1, 64, (1, context + steps), generator=g).to(small.device)
@@ -105,9 +103,6 @@ def measure_bytes(small: torch.nn.Module, spec: CacheSpec, context: int, steps: 
         for t in range(context, context + steps):
             small(ids[:, t : t + 1], cache=cache, use_cache=True)
         return held_bytes(cache)
-    finally:
-        if scores:
-            disable_scores(small)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpolicy.eval.cache_names import composition_names
+from kvpolicy.eval.cache_names import PRESET_CELLS, PRESET_NAMES, composition_names
 from kvpolicy.eval.plots import _pyplot, _save
 from kvpolicy.eval.runner import current_rows, read_rows, report_rows
 from kvpolicy.eval.summary import fmt
@@ -48,16 +48,6 @@ MODEL_NOTES = {
 }  # fmt: skip
 #: caches drawn as anchors (labels of the committed config)
 ANCHORS = ("hf-quanto-2b", "hf-quanto-4b", "hf-hqq-2b", "hf-hqq-4b", "logquant", "kivi")
-#: kvpolicy's shipped presets, their bit budget and the label of their cell in the committed config
-#: (tests/test_frontier_report.py checks that each preset builds exactly that cell's cache)
-PRESET_CELLS = {
-    "kvpolicy-3bit": (3.0, "log4-k3cmv2c-t44x32"),
-    "kvpolicy-3.5bit": (3.5, "log4-k3cmv3c-t44x32"),
-    "kvpolicy-4bit": (4.0, "log4-k4cmv3c-t44x32"),
-    "kvpolicy-4.5bit": (4.5, "log4-k4v3c"),
-}
-#: the preset named for each cell of :data:`PRESET_CELLS`
-PRESET_NAMES = {cell: name for name, (_, cell) in PRESET_CELLS.items()}
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ import torch
 
 from kvpolicy import paths
 from kvpolicy.errors import ConfigError
-from kvpolicy.eval import wheels
+from kvpolicy.eval import checkpoints, wheels
 from kvpolicy.eval.wheels import ChecksumMismatchError, WheelMember
 
 if TYPE_CHECKING:
@@ -219,11 +219,9 @@ def load_gemma3(
     gguf = gemma3_path(cache_dir, progress)
     what, remedy = "the cached Gemma-3-270M GGUF", _gguf_remedy(gguf)
     if not convert:
-        from kvpolicy.eval.models import _load_gguf_model
-
         with wheels.staged(gguf, SHA256, what, remedy, SIZE) as staged:
             tokenizer = AutoTokenizer.from_pretrained(str(staged.parent), gguf_file=staged.name, local_files_only=True)
-            model = _load_gguf_model(staged, dtype, attn_implementation)
+            model = checkpoints.load_gguf_model(staged, dtype, attn_implementation)
         return model.to(device).eval(), tokenizer
     converted = gguf.parent / _CONVERTED
     record = conversion_record(converted)
@@ -327,9 +325,7 @@ def _dequantize(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The model (float32) and tokenizer loaded from the GGUF ``gguf`` (a checked private stand-in)."""
     from transformers import AutoTokenizer
 
-    from kvpolicy.eval.models import _load_gguf_model
-
-    model = _load_gguf_model(gguf, torch.float32, "sdpa")
+    model = checkpoints.load_gguf_model(gguf, torch.float32, "sdpa")
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
     return model, tokenizer
 

@@ -1,6 +1,6 @@
 """The ablation grid: models × caches × context lengths × tasks, from a config file or flags.
 
-Config files are TOML (read with the standard library's ``tomllib``, Python >= 3.11) or JSON, with
+Config files are TOML (read with the standard library's ``tomllib``) or JSON, with
 the same keys::
 
     models = ["smollm2"]            # or gemma3-270m, tiny-llama, a local path, a hub id in the local HF cache
@@ -490,10 +490,8 @@ def _parse_json(p: Path, text: str) -> Any:
 
 
 def _parse_toml(p: Path, text: str) -> dict[str, Any]:
-    try:
-        import tomllib
-    except ImportError as exc:  # pragma: no cover - Python 3.10
-        raise ConfigError("TOML configs need Python >= 3.11 (tomllib); use a .json config") from exc
+    import tomllib
+
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

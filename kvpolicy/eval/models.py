@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, BinaryIO
 import torch
 
 from kvpolicy import paths
-from kvpolicy.eval import wheels
+from kvpolicy.eval import checkpoints, wheels
 from kvpolicy.eval.wheels import ChecksumMismatchError, bounded, read_chunks, write_checked
 from kvpolicy.paths import cache_dir as _user_cache_dir
 
@@ -309,25 +309,6 @@ def _finish(model: PreTrainedModel, device: str | torch.device) -> PreTrainedMod
     return model
 
 
-def _load_gguf_model(gguf_path: Path, dtype: torch.dtype, attn_implementation: str) -> PreTrainedModel:
-    """Load a causal LM from a local GGUF file, de-quantised to ``dtype``.
-
-    transformers' GGUF loading needs ``accelerate`` (the ``demo``/``eval``/``test`` extras).
-    """
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import is_accelerate_available
-
-    if not is_accelerate_available():
-        raise ImportError('loading a GGUF checkpoint needs `accelerate` and `gguf`: pip install "kvpolicy[demo]"')
-    return AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent),
-        gguf_file=gguf_path.name,
-        dtype=dtype,
-        attn_implementation=attn_implementation,
-        local_files_only=True,
-    )
-
-
 def load_smollm2(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
@@ -361,7 +342,7 @@ def load_smollm2(
     remedy = f"Delete {path} to fetch it again."
     with wheels.staged(path, SMOLLM2_SHA256, "the cached model", remedy, SMOLLM2_SIZE) as staged:
         tokenizer = AutoTokenizer.from_pretrained(str(staged.parent), gguf_file=staged.name, local_files_only=True)
-        model = _load_gguf_model(staged, dtype, attn_implementation)
+        model = checkpoints.load_gguf_model(staged, dtype, attn_implementation)
     return _finish(model, device), tokenizer
 
 
@@ -430,7 +411,7 @@ def load_model(
     try:
         if path.is_file():
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-            model = _load_gguf_model(path, dtype, attn_implementation)
+            model = checkpoints.load_gguf_model(path, dtype, attn_implementation)
         elif path.is_dir() or not _looks_like_local_path(name):
             if not path.is_dir() and os.environ.get("HF_HUB_OFFLINE", "0") in ("", "0"):
                 # Hub repo id: prefer the local HF cache so that a cached model loads

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kvpolicy.eval.cache_names import PRESET_NAMES
 from kvpolicy.eval.label_placement import LabelSpec, artist_box, data_box, numbered_key, place_labels
 from kvpolicy.eval.plot_style import darker, log_axis, series_styles
 
@@ -52,8 +53,6 @@ def _by(rows: list[dict[str, Any]], metric: str) -> dict[tuple, dict[str, Any]]:
 
 def _display_name(cache: str) -> str:
     """A cache's name on a plot: the preset's name for a shipped preset's cell, else its label."""
-    from kvpolicy.eval.frontier_report import PRESET_NAMES
-
     return PRESET_NAMES.get(cache, cache)
 
 

@@ -183,6 +183,7 @@ def capture(
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
     from kvpolicy.eval.metrics import last_only
+    from kvpolicy.modes import attention_implementation
 
     out: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
@@ -195,13 +196,8 @@ def capture(
 
     AttentionInterface.register(_CAPTURE, keep)
     AttentionMaskInterface.register(_CAPTURE, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(_CAPTURE)
-    try:
-        with torch.inference_mode():
-            model(ids, use_cache=False, **last_only(model))
-    finally:
-        model.set_attn_implementation(previous)
+    with attention_implementation(model, _CAPTURE), torch.inference_mode():
+        model(ids, use_cache=False, **last_only(model))
     return out
 
 

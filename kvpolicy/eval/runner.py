@@ -43,10 +43,11 @@ from typing import Any, Protocol
 import torch
 from tqdm.auto import tqdm
 
+from kvpolicy import persist
 from kvpolicy.errors import ConfigError
 from kvpolicy.eval.caches import CacheSpec
 from kvpolicy.eval.cells import CellGroup, CellResult
-from kvpolicy.eval.grid import Grid, check_model_available
+from kvpolicy.eval.grid import DTYPES, Grid, check_model_available
 from kvpolicy.eval.lock import hold_run_dir
 from kvpolicy.eval.plan import Group, Shard, equal_specs, plan_groups
 from kvpolicy.eval.tasks import Task
@@ -63,15 +64,18 @@ def open_model(name: str, dtype: str = "float32", device: str = "cpu", online: b
     """
     from kvpolicy.eval.tiny import parse_tiny, tiny_model
 
+    if dtype not in DTYPES:
+        raise ConfigError(f"open_model: dtype must be one of {list(DTYPES)}; got dtype={dtype!r:.40}")
+    torch_dtype = persist.dtype_of(dtype)
     check_model_available(name, online)
     tiny = parse_tiny(name)
     if tiny is not None:
         model, tok = tiny_model(tiny)
-        return model.to(device=device, dtype=getattr(torch, dtype)), tok
+        return model.to(device=device, dtype=torch_dtype), tok
     from kvpolicy.eval.models import load_model
 
     try:
-        return load_model(name, dtype=getattr(torch, dtype), device=device)
+        return load_model(name, dtype=torch_dtype, device=device)
     except (FileNotFoundError, ValueError, ImportError, OSError) as exc:
         raise ConfigError(f"model {name!r} could not be loaded: {exc}") from exc
 
