@@ -121,6 +121,8 @@ def load(cls: type, path: str | Path, device: Any = None, model: Any = None) -> 
         if not isinstance(layers, list):
             raise ValueError(f"tree: layers is a {type(layers).__name__}, not a list")
         saved = state_check.entries(header["model"], "model", ("architecture", "layers"), _IDENTITY_KEYS)
+        if saved.get("dtype") is not None:
+            _model_dtype(saved["dtype"])
         if saved["layers"] != len(layers):
             raise ValueError(f"model: {saved['layers']!r:.40} layers recorded, {len(layers)} saved")
         distributed.check_placement(header.get("distributed"), distributed.placement(model))
@@ -157,6 +159,14 @@ def load(cls: type, path: str | Path, device: Any = None, model: Any = None) -> 
 
 #: the optional entries of a header's ``model``
 _IDENTITY_KEYS = ("kv_heads", "head_dim", "value_head_dim", "dtype", "batch")
+
+
+def _model_dtype(name: Any) -> torch.dtype:
+    """The dtype the file's model identity records (a ValueError, so that the message names the file)."""
+    try:
+        return persist.dtype_of(name, "model: dtype")
+    except CacheFileError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _reason(exc: BaseException) -> str:
@@ -236,7 +246,7 @@ def _load_layer(layer: Any, state: dict[str, Any], idx: int, dtype: str | None, 
         )
     if state.get("initialized") is True and dtype is not None:
         keys = state_check.tensor(state.get("keys"), "keys")
-        if keys.dtype != persist.dtype_of(dtype, "the model's dtype"):
+        if keys.dtype != _model_dtype(dtype):
             raise ValueError(f"keys of dtype {persist.dtype_name(keys.dtype)} in a cache of {dtype}")
     if kind == "compressed":
         layer.load_state_dict(state)

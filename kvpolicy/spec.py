@@ -19,13 +19,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import tomllib
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
 import torch
 
 from kvpolicy import layer_bits as per_layer

@@ -284,6 +284,12 @@ def test_a_layer_of_another_dtype_than_the_file_records_is_refused(files, tmp_pa
     _refused(path, "keys of dtype float32 in a cache of bfloat16")
 
 
+@pytest.mark.parametrize("dtype", ["evil", 3, "float128"])
+def test_a_model_dtype_outside_the_allowlist_is_refused_naming_the_file(files, tmp_path, dtype):
+    path = _edit(files["log-minmax"], tmp_path / "odd.kvc", lambda h: h["model"].update(dtype=dtype))
+    _refused(path, r"odd\.kvc' cannot be loaded: model: dtype=.* is not a dtype a saved cache holds")
+
+
 # ---------------------------------------------------------------------------------- malformed JSON
 def test_malformed_headers_are_cache_file_errors(files, tmp_path):
     src = files["log-minmax"]
