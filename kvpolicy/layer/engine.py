@@ -21,6 +21,7 @@ import torch
 from kvpolicy import handoff, state_check
 from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.backends.base import Backend
+from kvpolicy.layer.padded import PaddedEngine, left_pads
 from kvpolicy.layer.parts import Part, store_parts
 from kvpolicy.layer.path import FULL_PRECISION, HANDED_OUT, StepPath
 from kvpolicy.layer.plan import Plan, plan
@@ -153,13 +154,11 @@ class LayerEngine:
     # ------------------------------------------------------------------ starting
     def start(
         self, key_states: torch.Tensor, value_states: torch.Tensor, position_ids: torch.Tensor | None = None
-    ) -> LayerEngine | Any:
+    ) -> LayerEngine | PaddedEngine:
         """Plan for ``key_states``/``value_states`` (``(batch, kv_heads, n, head_dim)``: device, dtype,
         head dims) and start empty segments shaped like them. Returns this engine, or the
         :class:`~kvpolicy.layer.padded.PaddedEngine` over it when ``position_ids`` (``(batch, n)``) show a
         left-padded batch (with compression)."""
-        from kvpolicy.layer.padded import PaddedEngine, left_pads
-
         self.plan = plan(
             self.policy, self.action, self.backend, self.auto, self.attention, key_states.device, key_states.dtype,
             (key_states.shape[-1], value_states.shape[-1]),

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from kvpolicy import handoff
-from kvpolicy.layer.engine import LayerEngine
 from kvpolicy.layer.path import StepPath
 from kvpolicy.memory import LayerBytes
 
@@ -68,8 +67,9 @@ class PaddedEngine:
     Parameters
     ----------
     head : LayerEngine
-        The started engine of the whole batch: its composition, plan, version and path are the
-        batch's (it holds no tokens itself).
+        The started engine of the whole batch (:class:`~kvpolicy.layer.engine.LayerEngine`, which
+        builds this object; not imported here, so the two modules form no cycle): its composition,
+        plan, version and path are the batch's (it holds no tokens itself).
     pads : list of int
         Leading pads of each row in the first step.
     """
@@ -91,7 +91,7 @@ class PaddedEngine:
     version = _head("version", "See LayerEngine.version.")
     started = True
 
-    def __init__(self, head: LayerEngine, pads: list[int]) -> None:
+    def __init__(self, head: Any, pads: list[int]) -> None:
         self.head = head
         self.rows = [head.row() for _ in pads]
         self.pads = pads
@@ -179,7 +179,7 @@ class PaddedEngine:
         """Rows demote at their next step (nothing is released in between)."""
         return 0
 
-    def reset(self) -> LayerEngine:
+    def reset(self) -> Any:
         """Forget every row; returns the engine to use from now on (the head, unstarted)."""
         return self.head.reset()
 
