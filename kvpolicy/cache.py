@@ -1,9 +1,10 @@
 """The transformers adapter: the only module that knows transformers' ``Cache`` API.
 
 ``CompressedCache`` is a ``transformers.Cache`` whose per-layer objects (``CompressedLayer``)
-translate transformers' calls for a :class:`~kvpolicy.segments.LayerSegments`, which holds the
-tokens: full-precision ones (the policy's set) and demoted ones (the action's store, one or more
-compressed tiers), each with the logical positions of its tokens.
+translate transformers' calls for a :class:`~kvpolicy.layer.engine.LayerEngine` (plain torch),
+which holds the tokens in a :class:`~kvpolicy.segments.LayerSegments`: full-precision ones (the
+policy's set) and demoted ones (the action's store, one or more compressed tiers), each with the
+logical positions of its tokens.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import sys
 import warnings
-import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,17 +19,17 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvpolicy import distributed, fused, handoff, model_check, registry, state_check
+from kvpolicy import distributed, fused, model_check, registry
 from kvpolicy import layer_bits as per_layer
 from kvpolicy import spec as specs
-from kvpolicy.actions.base import Action, DemotedStore
+from kvpolicy.actions.base import Action
 from kvpolicy.backends.base import Backend
 from kvpolicy.errors import CacheFileError, ConfigError
+from kvpolicy.layer.engine import LayerEngine
 from kvpolicy.memory import LayerBytes, MemoryReport
-from kvpolicy.padded import PaddedRows, left_pads
-from kvpolicy.policies.base import Policy, PolicyState
+from kvpolicy.policies.base import Policy
 from kvpolicy.positions import PositionBook
-from kvpolicy.segments import SEGMENTS, LayerSegments, nbytes
+from kvpolicy.segments import SEGMENTS, nbytes
 from kvpolicy.transforms import NoTransform, Transform
 
 # kvpolicy's attention implementations ("kvpolicy_fused_sdpa", "kvpolicy_sdpa", ... ) are known to
@@ -40,18 +40,20 @@ LAYOUTS = specs.LAYOUTS
 ATTENTION = specs.ATTENTION
 
 
-class CompressedLayer(CacheLayerMixin):
-    """One layer of a :class:`CompressedCache`: translates transformers' calls for its
-    :class:`~kvpolicy.segments.LayerSegments` (``held``), which owns the tokens.
+def _engine(name: str, doc: str, settable: bool = False) -> property:
+    """A name other code reads off the layer, kept as a read of its engine's (not on the hot path)."""
 
-    ``held`` holds a full-precision segment (``keys``/``values``: ``(batch, kv_heads, n_full, head_dim)``,
-    positions ``full_pos``: ``(1, n_full)`` for shared policies, ``(kv_heads, n_full)`` for per-head
-    ones, sorted) and the action's store of demoted tokens (one or more compressed tiers). Positions
-    are held as int32 (:mod:`kvpolicy.positions`); a shared policy's demoted positions are held once
-    per cache (its ``book``) for all the layers that demoted the same ones. This class adds what
-    transformers needs: lazy initialisation and backend choice, left-padded batches (one row layer
-    per row, :mod:`kvpolicy.padded`), the hand-off to attention (:mod:`kvpolicy.handoff`) and the
-    version that makes stale hand-offs fail.
+    def put(layer: CompressedLayer, value: Any) -> None:
+        setattr(layer.engine, name, value)
+
+    return property(lambda layer: getattr(layer.engine, name), put if settable else None, doc=doc)
+
+
+class CompressedLayer(CacheLayerMixin):
+    """One layer of a :class:`CompressedCache`: transformers' layer contract translated onto its
+    engine (:class:`~kvpolicy.layer.engine.LayerEngine`, plain torch), which holds the tokens, runs
+    the policy, decides what to hand attention and records the path each step took. A left-padded
+    batch is an engine of engines (:class:`~kvpolicy.layer.padded.PaddedEngine`) behind the same methods.
 
     Contract with transformers:
 
@@ -71,439 +73,128 @@ class CompressedLayer(CacheLayerMixin):
     """
 
     is_sliding = False
-
-    @property
-    def is_croppable(self) -> bool:  # type: ignore[override]
-        """Whether :meth:`crop` can undo the latest update now: always without compression; otherwise
-        while the tokens of the latest multi-token update are still undemoted (assisted decoding's
-        verification forward), and never with score-based policies, whose accumulated scores already
-        include the attention of those tokens. After a decode step it is False, as ``crop`` would raise."""
-        if not self.action.compresses:
-            return True
-        if self.policy.needs_scores:
-            return False
-        if self.rows is not None:
-            return all(row.is_croppable for row in self.rows.rows)
-        return self.held is None or self.held.is_croppable
+    keys = _engine("keys", "The full-precision segment's keys, ``(batch, kv_heads, n_full, head_dim)``.", True)
+    values = _engine("values", "The full-precision segment's values, ``(batch, kv_heads, n_full, head_dim_v)``.", True)
+    is_croppable = _engine("is_croppable", "Whether :meth:`crop` can undo the latest update now.")  # type: ignore[assignment]
+    held = _engine("held", "The tokens, by segment (a ``LayerSegments``; None before the first update).")
+    store = _engine("store", "The action's store of demoted tokens (None without compression or before one update).")
+    state = _engine("state", "The policy's state for this layer (None without compression or before one update).")
+    full_pos = _engine("full_pos", "Positions of the full-precision segment (``(1 or kv_heads, n_full)`` int32).")
+    version = _engine("version", "Grows with every change of the held tokens; older hand-offs are refused.")
+    backend = _engine("backend", "The backend (chosen again at the first update with backend='auto').")
+    action = _engine("action", "The action (with the defaults its backend and head dims cannot serve replaced).")
+    length = _engine("length", "Tokens seen (the logical length).")
+    book = _engine("book", "Where a shared policy's demoted positions are held once for the cache's layers.", True)
+    adapted = _engine("adapted", "The defaults replaced for this backend and head dim, shared with the cache.", True)
 
     def __init__(
         self, policy: Policy, action: Action, backend: Backend, layout: str, layer_idx: int, attention: str = "auto",
         auto: bool = False, transform: Transform | None = None,
     ) -> None:  # fmt: skip
-        #: the tokens held (None until the first update; unused by a padded batch's layer)
-        self.held: LayerSegments | None = None
-        self._version = 0  # see version
+        transform = NoTransform() if transform is None else transform
+        self.engine = LayerEngine(policy, action, backend, transform, layout, layer_idx, attention, auto)
+        self.policy, self.layer_idx = policy, layer_idx
         super().__init__()
-        #: the change of basis of demoted tokens (:mod:`kvpolicy.transforms`)
-        self.transform = transform if transform is not None else NoTransform()
-        self.attention = attention
-        #: the backend was chosen by backend="auto": chosen again if this layer's tensors need another
-        self.auto = auto
-        #: why a decode step cannot use the fused path (None: it can), see :mod:`kvpolicy.fused`
-        self.unfusable = specs.plan(policy, action, backend, auto=auto, attention=attention).unfusable
-        #: how the latest update's attention was done: "fused", "full-precision" or "materialized: <why>"
-        self.attention_path: str | None = None
-        self.internal = False  # a row layer of a padded batch: returns plain views to its PaddedRows
-        self.policy = policy
-        self.action = action
-        self.backend = backend
-        self.layout = layout
-        self.layer_idx = layer_idx
-        self.rows: PaddedRows | None = None  # set for a left-padded batch
-        self.rows_length = 0  # a padded batch's logical length (pads included)
-        #: where a shared policy's demoted positions are held once for the cache's layers (None: own copy)
-        self.book: PositionBook | None = None
-        #: the ticket of the latest hand-off (None: plain tensors were returned), see :meth:`release`
-        self._handed: weakref.ref[handoff.Ticket] | None = None
-        #: the defaults replaced for this backend and head dim (:meth:`Action.serving`), as an ordered set
-        #: shared with the cache's other layers (``repr(cache)`` shows it)
-        self.adapted: dict[str, None] = {}
-
-    # ------------------------------------------------------------------ what held owns, read through
-    @property
-    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
-        """The full-precision segment's keys, ``(batch, kv_heads, n_full, head_dim)``."""
-        return None if self.held is None else self.held.keys
-
-    @keys.setter
-    def keys(self, value: torch.Tensor | None) -> None:
-        self._set_held("keys", value)
-
-    @property
-    def values(self) -> torch.Tensor | None:  # type: ignore[override]
-        """The full-precision segment's values, ``(batch, kv_heads, n_full, head_dim_v)``."""
-        return None if self.held is None else self.held.values
-
-    @values.setter
-    def values(self, value: torch.Tensor | None) -> None:
-        self._set_held("values", value)
-
-    def _set_held(self, name: str, value: torch.Tensor | None) -> None:
-        if self.held is not None:
-            setattr(self.held, name, value)
-        elif value is not None:
-            raise RuntimeError(f"layer {self.layer_idx} holds no tokens yet; its {name} cannot be set")
-
-    @property
-    def store(self) -> DemotedStore | None:
-        """The action's store of demoted tokens (None without compression or before the first update)."""
-        return None if self.held is None else self.held.store
-
-    @property
-    def state(self) -> PolicyState | None:
-        """The policy's state for this layer (None without compression or before the first update)."""
-        return None if self.held is None else self.held.state
-
-    @property
-    def full_pos(self) -> torch.Tensor | None:
-        """Positions of the full-precision segment (see the class docstring)."""
-        return None if self.held is None else self.held.full_pos
-
-    @property
-    def version(self) -> int:
-        """Grows with every change of the held tokens (updates, crops, beam moves, demotions applied
-        by an inspection); a hand-off of an older version is refused (:mod:`kvpolicy.handoff`)."""
-        return self._version + (0 if self.held is None else self.held.moves)
-
-    def _drop_held(self) -> None:
-        """Forget the held tokens, keeping :attr:`version` growing."""
-        if self.held is not None:
-            self._version += self.held.moves
-        self._version += 1
-        self.held = None
-
-    @property
-    def length(self) -> int:
-        """Tokens seen (the logical length)."""
-        if self.rows is not None:
-            return self.rows_length
-        return 0 if self.held is None else self.held.length
 
     # ------------------------------------------------------------------ transformers API
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        plan = specs.plan(
-            self.policy, self.action, self.backend, auto=self.auto, attention=self.attention,
-            device_type=key_states.device.type, dtype=key_states.dtype,
-            key_dim=key_states.shape[-1], value_dim=value_states.shape[-1],
-        )  # fmt: skip
-        self.backend, self.action, self.unfusable = plan.backend, plan.action, plan.unfusable
-        self.adapted.update(dict.fromkeys(plan.notes))
-        self.device = key_states.device
-        self.dtype = key_states.dtype
-        held = LayerSegments(self.policy, self.action, self.backend, self.transform, self.layer_idx, self.book)
-        held.start(key_states, value_states)
-        self._drop_held()
-        self.held = held
-        self.is_initialized = True
+    def lazy_initialization(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> None:
+        self.engine = self.engine.start(key_states, value_states, position_ids)
+        self.device, self.dtype, self.is_initialized = key_states.device, key_states.dtype, True
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``key_states``/``value_states`` (``(batch, kv_heads, n, head_dim)``) and return
         the keys and values attention must use (``get_mask_sizes`` announced how many)."""
-        n = key_states.shape[-2]
+        position_ids = _position_ids(kwargs)
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-            pads = left_pads(_position_ids(kwargs), n) if self.action.compresses else None
-            if pads is not None:
-                self.rows = PaddedRows([self._row_layer() for _ in pads], pads, keeps_demoted=self.action.keeps_demoted)
-        elif self.rows is None:
-            self._check_shape(key_states, value_states)
-        self._version += 1
-        if self.rows is not None:
-            return self._update_rows(key_states, value_states)
-        if self.action.compresses and n > 1:
-            _refuse_padding(kwargs)
-        self.held.append(key_states, value_states)
-        if not self.action.compresses:
-            return self.keys, self.values
+            self.lazy_initialization(key_states, value_states, position_ids)
         grad = torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad)
-        return self._hand_out(n, grad)
-
-    def _check_shape(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Refuse tensors that do not continue what the layer holds (another model's keys reaching a
-        loaded cache, say) with the difference named, before anything changes."""
-        held = (self.keys.shape[0], self.keys.shape[1], self.keys.shape[-1], self.values.shape[-1], self.keys.dtype)
-        new = (key_states.shape[0], key_states.shape[1], key_states.shape[-1], value_states.shape[-1], key_states.dtype)
-        if held == new:
-            return
-        names = ("batch", "kv_heads", "key head_dim", "value head_dim", "dtype")
-        diff = ", ".join(f"{n} {a} -> {b}" for n, a, b in zip(names, held, new, strict=True) if a != b)
-        raise ValueError(
-            f"layer {self.layer_idx} of this CompressedCache holds {self.length} tokens whose shape the new keys "
-            f"and values do not continue ({diff}); a cache serves one model, one batch and one dtype"
-        )
-
-    # ------------------------------------------------------------------ saving (kvpolicy.persist)
-    def state_dict(self) -> dict[str, Any]:
-        """Everything this layer holds, as JSON values and tensors (see :meth:`CompressedCache.save`).
-
-        Like :meth:`memory`, this first applies the demotions a multi-token update deferred, so what
-        is saved is what the next step attends over (compressed, not the prompt at full precision)."""
-        if self.rows is not None:
-            raise NotImplementedError(
-                f"layer {self.layer_idx} holds a left-padded batch (one layer per row); saving it is not supported"
-            )
-        if not self.is_initialized:
-            return {"kind": "compressed", "initialized": False}
-        return {"kind": "compressed", "initialized": True, "backend": self.backend.name, **self.held.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output into this fresh layer, checking that its parts agree
-        (positions, counts, the policy's own state); raises ``ValueError`` naming what does not."""
-        initialized = state.get("initialized") if isinstance(state, dict) else None
-        if not state_check.flag(initialized, "initialized"):
-            state_check.entries(state, "an empty layer", ("kind", "initialized"))
-            return
-        kept = LayerSegments.STATE_KEYS if self.action.compresses else LayerSegments.STATE_KEYS[:3]
-        state_check.entries(state, "layer", ("kind", "initialized", "backend", *kept))
-        keys, values = state_check.layer_tokens(state["keys"], state["values"])
-        self.lazy_initialization(keys[:, :, :0], values[:, :, :0])  # checks and a fresh state and store
-        self.held.load_state_dict(state)
-
-    def _row_layer(self) -> CompressedLayer:
-        layer = CompressedLayer(
-            self.policy, self.action, self.backend, self.layout, self.layer_idx, "materialized", self.auto,
-            self.transform,
-        )  # fmt: skip
-        layer.internal = True
-        layer.adapted = self.adapted
-        return layer
-
-    # ------------------------------------------------------------------ the hand-off to attention
-    def _hand_out(self, n: int, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """What ``update`` returns: plain tensors when any consumer may use them as they are, else a
-        hand-off (:mod:`kvpolicy.handoff`) that kvpolicy's attention functions serve and any other
-        consumer materialises in position order (or refuses).
-
-        ``grad``: autograd records this forward and the new keys or values require gradients. A
-        hand-off materialises below autograd, so it would cut their graph: such a forward gets plain
-        position-ordered tensors (score-based policies still go through kvpolicy's wrapper, which
-        materialises above autograd)."""
-        held = self.held.holds_demoted
-        scores = self.policy.needs_scores
-        if scores:
-            self.held.scored = False
-        if not held:
-            self.attention_path = "full-precision"  # nothing compressed to read: the plain view is the segment
-        elif self.unfusable is not None:
-            self.attention_path = f"materialized: {self.unfusable}"
-        elif n > 1:
-            self.attention_path = "materialized: multi-token update"
-        elif grad:
-            if self.attention == "fused":
-                raise RuntimeError(
-                    f"CompressedCache(attention='fused'): layer {self.layer_idx}'s forward records gradients, which "
-                    "the fused decode path does not propagate; run under torch.no_grad()/inference_mode(), or use "
-                    "attention='auto'"
-                )
-            self.attention_path = "materialized: autograd is recording (the fused path computes no gradients)"
-        else:
-            self.attention_path = "handed out, not attended"  # set by whoever consumes it
-        fusable = n == 1 and held and self.unfusable is None and not grad
-        agnostic = self.layout == "agnostic" and held and not grad
-        self._handed = None
-        if self.internal or not (fusable or agnostic or scores):
-            return self.attention_view("ordered")
-        ticket = handoff.Ticket(
-            self, fusable=fusable, scores=scores, layout=self.layout if agnostic else "ordered",
-            strict=self.attention == "fused",
-        )  # fmt: skip
-        if n > 1:  # only a multi-token update is released later (decode steps demote in update)
-            self._handed = weakref.ref(ticket)
-        b, h, _, d = self.keys.shape
-        count = self.length if held else self.keys.shape[2]
-        return handoff.hand_out(
-            ticket, torch.Size((b, h, count, d)), torch.Size((b, h, count, self.values.shape[-1])),
-            self.keys.dtype, self.keys.device,
-        )  # fmt: skip
-
-    def release(self) -> int:
-        """The model has moved past this layer's attention: demote what the latest multi-token update
-        may demote now (:meth:`LayerSegments.release`). Nothing happens while the hand-off of that
-        update is still alive (a shared-KV layer reads it later in the forward): the next call demotes.
-
-        Returns
-        -------
-        int
-            Tokens the policy was told of.
-        """
-        if self.held is None or self.rows is not None or not self.held.pending:
-            return 0
-        if self._handed is not None and self._handed() is not None:
-            return 0
-        return self.held.release()
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickled without the reference to the latest hand-off (a weak reference; it never outlives
-        the forward that consumed it)."""
-        state = self.__dict__.copy()
-        state["_handed"] = None
-        return state
-
-    # ------------------------------------------------------------------ kvpolicy.fused
-    def fused_parts(self) -> Any:
-        """The store's compressed segments (see ``QuantizedStore.attention_parts``), in the basis of
-        :meth:`fused_basis`."""
-        return self.held.store.attention_parts()  # type: ignore[union-attr]
-
-    def fused_basis(self) -> Transform | None:
-        """The transform :meth:`fused_parts` are expressed in (``None``: the model's own basis)."""
-        return self.held.store.basis  # type: ignore[union-attr]
-
-    def _update_rows(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A left-padded batch: each row runs alone (see :mod:`kvpolicy.padded`)."""
-        assert self.rows is not None
-        self.rows_length += key_states.shape[-2]
-        keys, values, key_mask = self.rows.update(key_states, value_states, self.length)
-        self.attention_path = "materialized: left-padded batch (one layer per row)"
-        if self.attention == "fused" and self.unfusable is None and self.action.keeps_demoted:
-            raise NotImplementedError(
-                "CompressedCache(attention='fused') does not support left-padded batches (rows run one by one); "
-                "use attention='auto', which materialises their history"
-            )
-        needs_scores = self.policy.needs_scores
-        if not needs_scores and key_mask is None:
-            return keys, values
-        ticket = handoff.Ticket(self, scores=needs_scores, key_mask=key_mask, views=(keys, values))
-        return handoff.hand_out(ticket, keys.shape, values.shape, keys.dtype, keys.device)
+        return self.engine.step(key_states, value_states, grad, position_ids)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if self.rows is not None:
-            return self.rows.mask_sizes(query_length, self.length)
-        if self.held is None:
-            return query_length, 0
-        return self.held.mask_sizes(query_length)
+        return self.engine.mask_sizes(query_length)
 
     def get_seq_length(self) -> int:
-        return self.length
+        return self.engine.length
 
     def get_max_length(self) -> int:
         return -1
 
     def reset(self) -> None:
-        self._drop_held()
-        self.rows = None
-        self.rows_length = 0
-        self.attention_path = None
-        self.is_initialized = False
+        self.engine, self.is_initialized = self.engine.reset(), False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._version += 1
-        if self.rows is not None:
-            self.rows.select(beam_idx.tolist())
-        elif self.is_initialized:
-            idx = beam_idx.to(self.device)
-            self.held.map_batch(lambda t: t.index_select(0, idx))
+        self.engine.reorder(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._version += 1
-        if self.rows is not None:
-            self.rows.select(torch.arange(len(self.rows.rows))[indices].tolist())
-        elif self.is_initialized:
-            self.held.map_batch(lambda t: t[indices, ...])
+        self.engine.select(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._version += 1
-        if self.rows is not None:
-            self.rows.select([i for i in range(len(self.rows.rows)) for _ in range(repeats)])
-        elif self.is_initialized:
-            self.held.map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+        self.engine.repeat(repeats)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` tokens (assisted decoding's rollback of rejected drafts).
+        """Remove the last ``-tokens_to_remove`` tokens (assisted decoding's rollback of rejected drafts):
+        exact while they arrived in the latest multi-token update, whose demotions are still deferred;
+        tokens that a policy already saw cannot be taken back (``ValueError``)."""
+        self.engine.crop(tokens_to_remove)
 
-        Exact as long as those tokens arrived in the latest multi-token update, whose demotions
-        are still deferred (the verification forward of assisted decoding): nothing has been
-        demoted on their account yet, so they are dropped from the full-precision segment and the
-        policy never learns of them. Tokens that a policy already saw cannot be taken back: that
-        raises.
-        """
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop(tokens_to_remove={tokens_to_remove}): pass a negative number of tokens to remove")
-        k = -tokens_to_remove
-        if k == 0 or not self.is_initialized:
-            return
-        self._version += 1
-        if self.rows is not None:
-            for layer in self.rows.rows:
-                layer.crop(tokens_to_remove)
-            self.rows_length -= k
-            return
-        self.held.crop(k)
+    def release(self) -> int:
+        """The model has moved past this layer's attention: demote what the latest multi-token update may
+        demote now (:meth:`LayerEngine.release`); returns the tokens the policy was told of."""
+        return self.engine.release()
 
-    # ------------------------------------------------------------------ kvpolicy.attention
-    def attention_done(self, scores: torch.Tensor | None, layout: str = "ordered") -> None:
-        """The wrapper of :mod:`kvpolicy.attention` ran the attention over this layer's keys;
-        ``scores`` (``(batch, kv_heads, keys)``, keys in ``layout``'s order) when the policy asked for them."""
-        if self.rows is not None:
-            self.rows.attention_done(scores)
-        elif scores is not None:
-            self.observe_attention(scores.sum(dim=0), layout)
+    # ------------------------------------------------------------------ saving (kvpolicy.persist)
+    def state_dict(self) -> dict[str, Any]:
+        """Everything this layer holds, as JSON values and tensors (see :meth:`CompressedCache.save`),
+        after the demotions a multi-token update deferred."""
+        return self.engine.state_dict()
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output into this fresh layer, checking that its parts agree."""
+        if (keys := self.engine.load_state_dict(state)) is not None:
+            self.device, self.dtype, self.is_initialized = keys.device, keys.dtype, True
+
+    # ------------------------------------------------------------------ kvpolicy.attention, kvpolicy.fused
     def observe_attention(self, scores: torch.Tensor, layout: str = "ordered") -> None:
-        """Attention mass per returned key, ``(kv_heads, keys)`` with keys in ``layout``'s order;
-        forwarded to the policy for the full-precision tokens."""
-        self.held.observe(scores, layout)
+        """Attention mass per returned key, ``(kv_heads, keys)`` with keys in ``layout``'s order."""
+        self.engine.observe(scores, layout)
+
+    def attention_done(self, scores: torch.Tensor | None, layout: str = "ordered") -> None:
+        """Attention ran over this layer's keys; ``scores`` ``(batch, kv_heads, keys)`` when asked for."""
+        self.engine.report(scores, layout)
 
     def attention_view(self, layout: str = "ordered") -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole history, materialised: ``(batch, kv_heads, keys, head_dim)`` keys and values in
-        position order (``"ordered"``) or as ``[demoted tokens, full-precision tokens]``
-        (``"agnostic"``, valid only under a purely causal mask)."""
-        return self.held.view(layout)
+        """The whole history, materialised in position order or as ``[demoted, full-precision]``."""
+        return self.engine.view(layout)
+
+    def fused_parts(self) -> Any:
+        """The store's ``attention_parts()``, in the basis of :meth:`fused_basis`."""
+        return self.engine.store.attention_parts()
+
+    def fused_basis(self) -> Transform | None:
+        """The transform :meth:`fused_parts` are expressed in (``None``: the model's own basis)."""
+        return self.engine.store.basis
 
     # ------------------------------------------------------------------ inspection
     def positions(self) -> dict[str, torch.Tensor]:
-        """Logical positions held at full precision and in compressed form (sorted int64; held as int32).
-
-        1-D for shared policies; ``(batch, kv_heads, n)`` for per-head ones (whatever the number of
-        kv heads). With eviction, ``"full"`` is what is still held and ``"compressed"`` is empty.
-        ``"staged_keys"`` lists demoted positions whose keys still wait, at full precision, for a
-        complete per-channel group (they are also in ``"compressed"``).
-
-        Like :meth:`memory`, this first applies the demotions a multi-token update deferred (it
-        reports what the next step attends over); the tokens of that update can then no longer be
-        cropped (``is_croppable`` turns False).
-        """
-        if self.rows is not None:
-            per_row = [layer.positions() for layer in self.rows.rows]
-            return {key: [p[key] for p in per_row] for key in per_row[0]}  # type: ignore[misc]
-        if self.held is None:
-            empty = torch.empty(0, dtype=torch.long)
-            return {"full": empty, "compressed": empty, "staged_keys": empty}
-        return self.held.positions()
+        """Logical positions held at full precision and in compressed form (sorted int64), after the
+        demotions a multi-token update deferred (see :meth:`LayerSegments.positions`)."""
+        return self.engine.positions()
 
     def memory(self, seen: set[tuple[str, int]] | None = None) -> LayerBytes:
-        """Bytes of every tensor this layer holds, by segment.
-
-        Positions count the whole storage they live in; ``seen`` (storages already counted, updated
-        here) makes positions shared with other layers count once, at the first layer reported.
-        """
-        if self.rows is not None:
-            parts = [layer.memory(seen) for layer in self.rows.rows]
-            merged = dict.fromkeys(parts[0].segments, 0)
-            for part in parts:
-                for name, n in part.segments.items():
-                    merged[name] = merged.get(name, 0) + n
-            return LayerBytes(
-                self.layer_idx, self.length, merged, sum(part.baseline_bytes for part in parts),
-                max(part.element_size for part in parts),
-            )  # fmt: skip
-        if self.held is None:
-            return LayerBytes(self.layer_idx, 0, dict.fromkeys(SEGMENTS, 0), 0, 2)
-        return self.held.memory(seen)
+        """Bytes of every tensor this layer holds, by segment (``seen``: storages already counted)."""
+        return self.engine.memory(seen)
 
     def __repr__(self) -> str:
-        return f"CompressedLayer(layer_idx={self.layer_idx}, length={self.length})"
+        return f"CompressedLayer(layer_idx={self.layer_idx}, length={self.engine.length})"
 
 
 def _described(layer: CompressedLayer) -> str | None:
-    """``layer.attention_path`` with the backend that served it (fused or materialised paths)."""
-    path = layer.attention_path
-    if path is None or not (path == "fused" or path.startswith("materialized")):
-        return path
-    head, sep, rest = path.partition(":")
-    return f"{head} ({layer.backend.name}){sep}{rest}"
+    """How ``layer``'s latest step read its history, as :meth:`CompressedCache.attention_paths` shows it."""
+    return None if layer.engine.path is None else str(layer.engine.path)
 
 
 def _position_ids(kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -512,22 +203,6 @@ def _position_ids(kwargs: dict[str, Any]) -> torch.Tensor | None:
     if position_ids is None and isinstance(kwargs.get("kwargs"), dict):
         position_ids = kwargs["kwargs"].get("position_ids")
     return position_ids
-
-
-def _refuse_padding(kwargs: dict[str, Any]) -> None:
-    """Padding that appears after an unpadded prefill (rows whose positions diverge) is not supported."""
-    position_ids = _position_ids(kwargs)
-    padded = (
-        isinstance(position_ids, torch.Tensor)
-        and position_ids.dim() == 2
-        and position_ids.shape[0] > 1
-        and bool((position_ids - position_ids[:, :1] != position_ids[:1] - position_ids[:1, :1]).any())
-    )
-    if padded:
-        raise NotImplementedError(
-            "CompressedCache: this multi-token update pads its rows differently from the prefill (new "
-            "padding after the first forward); only a left-padded first forward is supported."
-        )
 
 
 def _layer_memory(layer: CacheLayerMixin, layer_idx: int, seen: set[tuple[str, int]]) -> LayerBytes:
@@ -653,7 +328,7 @@ class CompressedCache(Cache):
                 each.check_backend(self.backend)
                 each.check_transform(self.transform)
         if self.attention == "fused":
-            reason = specs.plan(self.policy, self.action, self.backend, auto=self._auto, attention="fused").unfusable
+            reason = specs.plan(self.policy, self.action, self.backend, auto=self._auto, attention="fused").fused_reason
             if reason is not None:
                 raise ConfigError(
                     f"attention='fused' cannot serve this composition: {reason}; use attention='auto' (materialises "

@@ -5,8 +5,9 @@ or kvpolicy's score-reporting ``"kvpolicy_sdpa"``/``"kvpolicy_eager"``) to ``"kv
 (``"kvpolicy_fused_eager"``), a function registered with transformers' ``AttentionInterface``.
 
 On a decode step (one new token), a :class:`~kvpolicy.cache.CompressedLayer` hands its history
-to attention as a :mod:`kvpolicy.handoff` pair whose ticket offers its segments. This function
-then computes, for the queries of each kv head,
+to attention as a :mod:`kvpolicy.handoff` pair whose ticket carries its parts
+(:class:`kvpolicy.layer.parts.Part`: keys, values, the backend that reads them and their basis).
+This function never reads the layer: it computes, for the queries of each kv head,
 
 - attention over the full-precision segment plus the few stored tokens still staged
   (plain float32 matmuls over a segment bounded by the policy),
@@ -43,7 +44,8 @@ from kvpolicy.attention import register as register_scores
 from kvpolicy.attention import register_wrappers, strip_wrapper, unwatch_forward, watch_forward
 from kvpolicy.backends.base import dense_attention
 from kvpolicy.errors import ConfigError
-from kvpolicy.handoff import ticket_of, warn_once
+from kvpolicy.handoff import HandedOff, all_visible, warn_once
+from kvpolicy.layer.parts import Part, store_parts
 from kvpolicy.transforms.store import cast_clamped
 
 PREFIX = "kvpolicy_fused_"
@@ -75,11 +77,61 @@ def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor,
     return out, lse
 
 
+def attend_parts(query: torch.Tensor, parts: list[Part], scale: float) -> torch.Tensor:
+    """Attention of decode queries over disjoint parts of a history: ``merge(attend(q, p) for p in parts)``.
+
+    Parameters
+    ----------
+    query : torch.Tensor
+        ``(batch, q_heads, q, head_dim)``.
+    parts : list of Part
+        The held tokens (:mod:`kvpolicy.layer.parts`); the last is the full-precision segment
+        ``(batch, kv_heads, n_full, head_dim)``. Full-precision parts in the model's basis are attended
+        as one (their keys concatenated in order); the others, all in one basis, with the query rotated
+        into it once, their merged output mapped back with ``basis.inverse`` before the merge with the
+        first: the history is never rebuilt in the model's basis.
+    scale : float
+        Score scale.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(batch, q_heads, q, head_dim_v)`` float32.
+    """
+    b, hq, nq, d = query.shape
+    hk = parts[-1].keys.shape[1]
+    q = query.reshape(b, hk, (hq // hk) * nq, d)  # the query heads of a group share their kv head
+    keys, values, stored = [], [], []
+    for part in parts:
+        if part.backend is None and part.basis is None:
+            keys.append(part.keys)
+            values.append(part.values)
+        else:
+            stored.append(part)
+    fk, fv = (keys[0], values[0]) if len(keys) == 1 else (torch.cat(keys, dim=2), torch.cat(values, dim=2))
+    pieces = []
+    if fk.shape[2]:
+        pieces.append(dense_attention(q, fk, fv, scale))
+    if stored:
+        basis = stored[0].basis
+        q_stored = q if basis is None else basis.forward(q.float())
+        partial = []
+        for part in stored:
+            if part.backend is None:
+                partial.append(dense_attention(q_stored, part.keys, part.values, scale))
+            else:
+                partial.append(part.backend.attend(q_stored, part.keys, part.values, scale))
+        out, lse = merge(partial)
+        pieces.append((out if basis is None else basis.inverse(out), lse))
+    out, _ = merge(pieces)
+    return out.reshape(b, hq, nq, out.shape[-1])
+
+
 def decode_attention(
     query: torch.Tensor, full_keys: torch.Tensor, full_values: torch.Tensor, parts: tuple[Any, Any], backend: Any,
     scale: float, basis: Any = None,
 ) -> torch.Tensor:  # fmt: skip
-    """Attention of decode queries over a full-precision segment and a store's parts.
+    """Attention of decode queries over a full-precision segment and a store's ``attention_parts()``.
 
     Parameters
     ----------
@@ -90,46 +142,20 @@ def decode_attention(
     parts : (quantized, tail)
         From ``QuantizedStore.attention_parts()``: ``(QTensor, QTensor)``, a list of such pairs (one
         per tier of a :class:`~kvpolicy.actions.tiered.TieredStore`) or None, and full-precision
-        ``(keys, values)`` or None. Every segment's partial attention is merged by log-sum-exp.
+        ``(keys, values)`` or None.
     backend : Backend
-        Computes the quantized part (``Backend.attend``).
+        Computes the quantized parts (``Backend.attend``).
     scale : float
         Score scale.
     basis : Transform, optional
-        The transform the parts are stored in (:mod:`kvpolicy.transforms`). The query is rotated
-        into it once, the stored parts are attended there, and their merged output is mapped back
-        with ``basis.inverse`` before the merge with the full-precision segment; the history is
-        never rebuilt in the model's basis.
+        The transform the parts are stored in (:mod:`kvpolicy.transforms`).
 
     Returns
     -------
     torch.Tensor
-        ``(batch, q_heads, q, head_dim_v)`` float32.
+        ``(batch, q_heads, q, head_dim_v)`` float32: :func:`attend_parts` over these parts.
     """
-    b, hq, nq, d = query.shape
-    hk = full_keys.shape[1]
-    q = query.reshape(b, hk, (hq // hk) * nq, d)  # the query heads of a group share their kv head
-    quantized, tail = parts
-    fk, fv = full_keys, full_values
-    stored = []  # attention over the stored parts, in their basis
-    q_stored = q if basis is None else basis.forward(q.float())
-    if tail is not None:
-        if basis is None:
-            fk, fv = torch.cat([tail[0], fk], dim=2), torch.cat([tail[1], fv], dim=2)
-        else:
-            stored.append(dense_attention(q_stored, tail[0], tail[1], scale))
-    if quantized is not None:
-        # one quantized segment (keys, values), or a list of them (a tiered store: one per tier)
-        for keys, values in quantized if isinstance(quantized, list) else [quantized]:
-            stored.append(backend.attend(q_stored, keys, values, scale))
-    pieces = []
-    if fk.shape[2]:
-        pieces.append(dense_attention(q, fk, fv, scale))
-    if stored:
-        out, lse = merge(stored)
-        pieces.append((out if basis is None else basis.inverse(out), lse))
-    out, _ = merge(pieces)
-    return out.reshape(b, hq, nq, out.shape[-1])
+    return attend_parts(query, [*store_parts(parts, basis, backend), Part(full_keys, full_values)], scale)
 
 
 @dataclass(frozen=True)
@@ -180,19 +206,16 @@ def _why_not(
         return Decline("output_attentions", f"the fused path computes no attention weights: call without them, {_AUTO}")
     if dropout and getattr(module, "training", False):
         return Decline("dropout in training", f"the fused path applies no dropout: call model.eval() first, {_AUTO}")
-    if attention_mask is not None:
-        mask = attention_mask[..., :key_len]
-        visible = mask.all() if mask.dtype == torch.bool else (mask == 0).all()
-        if not bool(visible):
-            window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-            if window is not None:
-                remedy = (
-                    f"this layer attends over a sliding window ({window} tokens): build the cache with "
-                    f"config=model.config, so that transformers' own sliding layer serves it, {_AUTO}"
-                )
-            else:
-                remedy = f"the fused path attends over every held key (a mask with holes cannot be applied): {_AUTO}"
-            return Decline("an attention mask that hides some keys", remedy)
+    if attention_mask is not None and not all_visible(attention_mask[..., :key_len]):
+        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        if window is not None:
+            remedy = (
+                f"this layer attends over a sliding window ({window} tokens): build the cache with "
+                f"config=model.config, so that transformers' own sliding layer serves it, {_AUTO}"
+            )
+        else:
+            remedy = f"the fused path attends over every held key (a mask with holes cannot be applied): {_AUTO}"
+        return Decline("an attention mask that hides some keys", remedy)
     return None
 
 
@@ -204,16 +227,13 @@ def _inner(name: str):
 
 def _make(inner_name: str):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs: Any):
-        ticket = ticket_of(key)
+        ticket = key.ticket if isinstance(key, HandedOff) else None  # handoff.ticket_of, inlined
         if ticket is not None and ticket.fusable:
             decline = _why_not(module, attention_mask, key.shape[2], dropout, kwargs)
             if decline is None:
-                layer = ticket.layer()
                 scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-                out = decode_attention(
-                    query, layer.keys, layer.values, layer.fused_parts(), layer.backend, scale, layer.fused_basis()
-                )
-                layer.attention_path = "fused"
+                out = attend_parts(query, ticket.parts, scale)
+                ticket.fused()
                 # the attention of finite values stays within their range: a float32 result a rounding past
                 # float16's edge is clamped, not made infinite
                 return cast_clamped(out, query.dtype).transpose(1, 2).contiguous(), None

@@ -21,9 +21,11 @@ offers (segments for fused attention, a reorderable view) and what it needs (sco
   with ``attention="fused"``, that raises instead of computing a wrong result.
 
 A hand-off can therefore never be half-completed, and a placeholder never passes for a full
-history. Nothing is kept in globals: a ticket holds its layer by weak reference and dies with the
-tensors of the forward that consumed it. A ticket used after its layer changed (a later update,
-``crop``, a beam reorder, ``reset``) raises.
+history. Nothing is kept in globals: a ticket holds its layer's engine (:mod:`kvpolicy.layer`) by
+weak reference and dies with the tensors of the forward that consumed it. A ticket used after its
+layer changed (a later update, ``crop``, a beam reorder, ``reset``) raises. A decode step that fused
+attention may serve carries its parts (:class:`kvpolicy.layer.parts.Part`): fused attention reads
+them from the ticket, never from the layer.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
+
+from kvpolicy.layer.path import StepPath
 
 _warned: set[str] = set()
 
@@ -55,11 +59,11 @@ class Ticket:
 
     Parameters
     ----------
-    layer : CompressedLayer
-        The layer (held by weak reference).
-    fusable : bool
-        Whether fused decode attention may read the layer's segments
-        (``layer.keys``/``layer.values`` and ``layer.fused_parts()``).
+    layer : LayerEngine or PaddedEngine
+        The layer's engine (held by weak reference, :mod:`kvpolicy.layer`).
+    parts : list of Part, optional
+        The held tokens, for fused decode attention (:mod:`kvpolicy.layer.parts`); ``None``: this
+        step cannot run fused.
     scores : bool
         Whether the layer's policy needs the attention mass of this forward.
     layout : {"ordered", "agnostic"}
@@ -72,23 +76,27 @@ class Ticket:
         with eviction); only kvpolicy's wrapper can apply it.
     views : (torch.Tensor, torch.Tensor), optional
         The materialised view, when the layer built it already (padded batches).
+    version : int, optional
+        The layer's version now (read from it when not given).
     """
 
     def __init__(
-        self, layer: Any, *, fusable: bool = False, scores: bool = False, layout: str = "ordered",
+        self, layer: Any, *, parts: list[Any] | None = None, scores: bool = False, layout: str = "ordered",
         strict: bool = False, key_mask: torch.Tensor | None = None,
-        views: tuple[torch.Tensor, torch.Tensor] | None = None,
+        views: tuple[torch.Tensor, torch.Tensor] | None = None, version: int | None = None,
     ) -> None:  # fmt: skip
         self._layer = weakref.ref(layer)
-        self.version = layer.version
-        self.fusable = fusable
+        self.version = layer.version if version is None else version
+        self.parts = parts
+        #: whether fused decode attention may serve this step (from :attr:`parts`)
+        self.fusable = parts is not None
         self.scores = scores
         self.layout = layout
         self.strict = strict
         self.key_mask = key_mask
         self._views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {} if views is None else {"ordered": views}
         self.reported = False
-        self.noted = False  # the layer's attention_path was set from this hand-off
+        self.noted = False  # the layer's path was set from this hand-off
         #: why the fused function declined this step (the path it records when it materialises)
         self.reason: str | None = None
 
@@ -98,7 +106,7 @@ class Ticket:
         return self.scores or self.key_mask is not None
 
     def layer(self) -> Any:
-        """The layer, checked to be alive and unchanged since it issued this ticket."""
+        """The layer's engine, checked to be alive and unchanged since it issued this ticket."""
         layer = self._layer()
         if layer is None:
             raise RuntimeError("a key/value tensor handed out by a CompressedCache outlived its cache")
@@ -113,7 +121,7 @@ class Ticket:
     def view(self, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The materialised history in ``layout`` (built once per layout)."""
         if layout not in self._views:
-            self._views[layout] = self.layer().attention_view(layout)
+            self._views[layout] = self.layer().view(layout)
         return self._views[layout]
 
     def materialize(
@@ -148,7 +156,7 @@ class Ticket:
                     self.reason
                     or "the model's attention is not kvpolicy's fused function (kvpolicy.fused.enable_fused)"
                 )
-                layer.attention_path = f"materialized: {why}"
+                layer.path = StepPath("materialized", why, layer.backend.name)
                 if self.reason is None and layer.length >= LONG_HISTORY:
                     warn_once(
                         f"kvpolicy: decode steps rebuild the compressed history (here {layer.length} tokens) because "
@@ -159,8 +167,9 @@ class Ticket:
                     )
             if note is not None:
                 warn_once(f"kvpolicy: {note} (see CompressedCache.attention_paths())")
-                path = layer.attention_path or ""
-                layer.attention_path = f"{path}; {note}" if path.startswith("materialized") else f"materialized: {note}"
+                name = layer.backend.name
+                path = layer.path
+                layer.path = StepPath("materialized", note, name) if path is None else path.noted(note, name)
         keys, values = self.view(layout)
         return keys, values, layout
 
@@ -170,7 +179,14 @@ class Ticket:
         if self.reported:
             return
         self.reported = True
-        self.layer().attention_done(scores, layout)
+        self.layer().report(scores, layout)
+
+    def fused(self) -> None:
+        """Fused attention served this step from :attr:`parts`: the layer records it (a stale ticket raises)."""
+        layer = self._layer()
+        if layer is None or layer.version != self.version:
+            layer = self.layer()  # raises, naming why
+        layer.path = layer.fused_path
 
     def foreign(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Serve a consumer that is not one of kvpolicy's attention functions: position order, or an
@@ -207,9 +223,12 @@ def reorder_safe(attention_mask: torch.Tensor | None, q_len: int, kwargs: dict) 
         return False
     if attention_mask is None:
         return True
-    past = attention_mask[..., : attention_mask.shape[-1] - q_len]
-    visible = past.all() if past.dtype == torch.bool else (past == 0).all()
-    return bool(visible)
+    return all_visible(attention_mask[..., : attention_mask.shape[-1] - q_len])
+
+
+def all_visible(mask: torch.Tensor) -> bool:
+    """Whether ``mask`` (bool: True where visible; or additive float: 0 where visible) hides nothing."""
+    return bool(mask.all() if mask.dtype == torch.bool else (mask == 0).all())
 
 
 class HandedOff(torch.Tensor):
@@ -227,11 +246,10 @@ class HandedOff(torch.Tensor):
 
     @staticmethod
     def __new__(cls, ticket: Ticket, role: int, like: torch.Size, dtype: torch.dtype, device: torch.device):
-        return torch.Tensor._make_wrapper_subclass(cls, like, dtype=dtype, device=device)
-
-    def __init__(self, ticket: Ticket, role: int, like: torch.Size, dtype: torch.dtype, device: torch.device):
-        self.ticket = ticket
-        self.role = role
+        out = torch.Tensor._make_wrapper_subclass(cls, like, dtype=dtype, device=device)
+        out.ticket = ticket
+        out.role = role
+        return out
 
     def __repr__(self) -> str:  # no data to print
         return (

@@ -92,6 +92,7 @@ class LayerSegments:
         self.scored = True
         #: an error that left the policy and the store out of step (the layer cannot go on)
         self.failed: str | None = None
+        self._first_block_taken = False  # see _awaits_first_block
 
     # ------------------------------------------------------------------ building
     def start(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -137,15 +138,17 @@ class LayerSegments:
         else the next call does.
         """
         n = key_states.shape[-2]
-        if self.compressing:
+        compressing = self.store is not None
+        if compressing and (self.pending or self.failed is not None or (self.policy.needs_scores and not self.scored)):
             self.settle()
         start = self.length
         self.length += n
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
-        if not self.compressing:
+        if not compressing:
             return
-        check_length(self.length)
+        if self.length > MAX_POSITION:
+            check_length(self.length)
         new = torch.arange(start, start + n, dtype=POSITION_DTYPE, device=self.keys.device)
         self.full_pos = torch.cat([self.full_pos, new.expand(self.full_pos.shape[0], n)], dim=1)
         self.pending = n
@@ -242,7 +245,10 @@ class LayerSegments:
         """Tell the policy of ``n`` new tokens and move the tokens it demotes into the store, in chunks
         of at most :data:`DEMOTE_CHUNK` tokens."""
         assert self.state is not None and self.store is not None and self.full_pos is not None
-        pos = self._positions(self.state.append(n))
+        demoted = self.state.append(n)
+        if not len(demoted):
+            return
+        pos = self._positions(demoted)
         device = self.keys.device
         k = pos.shape[1]
         if k == 0:
@@ -253,7 +259,7 @@ class LayerSegments:
         keep.scatter_(1, idx, False)
         keep_idx = torch.arange(full, device=device).expand(rows, full)[keep].view(rows, full - k)
         self.moves += 1
-        chunk = k if awaits_first_block(self.store) else DEMOTE_CHUNK
+        chunk = k if self._awaits_first_block() else DEMOTE_CHUNK
         for lo in range(0, k, chunk):
             part = idx[:, lo : lo + chunk]
             self.store.add(take(self.keys, part), take(self.values, part), pos[:, lo : lo + chunk])
@@ -262,6 +268,15 @@ class LayerSegments:
         self.keys = take(self.keys, keep_idx)
         self.values = take(self.values, keep_idx)
         self.full_pos = self.full_pos.gather(1, keep_idx)
+
+    def _awaits_first_block(self) -> bool:
+        """:func:`awaits_first_block` of the store, remembered once False (a stream that has its first
+        block or centre keeps it)."""
+        if self._first_block_taken:
+            return False
+        waiting = awaits_first_block(self.store)
+        self._first_block_taken = not waiting
+        return waiting
 
     def observe(self, scores: torch.Tensor, layout: str = "ordered") -> None:
         """Attention mass per key of the latest read, ``(kv_heads, keys)`` with keys in ``layout``'s

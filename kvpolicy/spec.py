@@ -314,14 +314,14 @@ class Plan:
         The layer's action with the defaults ``backend`` or the head dims cannot serve replaced.
     notes : tuple of str
         One note per replaced default (``repr(cache)`` shows them as ``adapted=[...]``).
-    unfusable : str or None
+    fused_reason : str or None
         Why a decode step cannot run fused (``None``: it can); see :mod:`kvpolicy.fused`.
     """
 
     backend: Backend
     action: Action
     notes: tuple[str, ...] = ()
-    unfusable: str | None = None
+    fused_reason: str | None = None
 
 
 def plan(
@@ -361,8 +361,8 @@ def plan(
     notes: tuple[str, ...] = ()
     if action.compresses:
         action, notes = action.serving(backend, key_dim, value_dim)
-    unfusable = "attention='materialized'" if attention == "materialized" else unfusable_reason(policy, action, backend)
-    return Plan(backend, action, tuple(notes), unfusable)
+    reason = "attention='materialized'" if attention == "materialized" else unfusable_reason(policy, action, backend)
+    return Plan(backend, action, tuple(notes), reason)
 
 
 def unfusable_reason(policy: Policy, action: Action, backend: Backend) -> str | None:

@@ -18,8 +18,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 
 from kvpolicy import CompressedCache, handoff
 from kvpolicy.attention import disable_scores, enable_scores
-from kvpolicy.cache import CompressedLayer
 from kvpolicy.errors import ConfigError
+from kvpolicy.layer.engine import LayerEngine
 
 KV_HEADS = 2  # tiny_model("llama"): 4 query heads, 2 kv heads (GQA)
 
@@ -37,9 +37,9 @@ def _mass(weights: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """Every ``(layer, scores)`` that ``CompressedLayer.observe_attention`` receives."""
-    seen: list[tuple[CompressedLayer, torch.Tensor]] = []
-    original = CompressedLayer.observe_attention
+    """Every ``(engine, scores)`` that a layer's engine (``LayerEngine.observe``) receives."""
+    seen: list[tuple[LayerEngine, torch.Tensor]] = []
+    original = LayerEngine.observe
 
     def spy(self, scores, layout="ordered"):
         """Record the scores in position order (the agnostic view puts the demoted tokens first)."""
@@ -50,7 +50,7 @@ def recorded(monkeypatch):
         seen.append((self, ordered))
         return original(self, scores, layout)
 
-    monkeypatch.setattr(CompressedLayer, "observe_attention", spy)
+    monkeypatch.setattr(LayerEngine, "observe", spy)
     return seen
 
 
@@ -141,7 +141,7 @@ def test_prefill_scores_equal_eager_attention_probabilities(recorded, attn, acti
     enable_scores(model)
     cache = CompressedCache(policy="h2o", heavy=3, recent=2, action=action)
     model(ids, cache=cache, use_cache=True)
-    assert [layer for layer, _ in recorded] == [cache.layers[0]]
+    assert [engine for engine, _ in recorded] == [cache.layers[0].engine]
     scores = recorded[0][1]
     assert scores.shape == (KV_HEADS, 12)
     assert torch.allclose(scores, expected, atol=1e-5)
@@ -199,7 +199,7 @@ def test_scores_equal_eager_probabilities_at_every_step(recorded, action, layout
             for start, stop in [(0, prefill), *((t, t + 1) for t in range(prefill, ids.shape[1]))]:
                 model(ids[:, start:stop], cache=cache, use_cache=True)
                 reference(ids[:, start:stop], cache=ref_cache, use_cache=True)
-                assert recorded[-1][0] is ref_cache.layers[0] and recorded[-2][0] is cache.layers[0]
+                assert recorded[-1][0] is ref_cache.layers[0].engine and recorded[-2][0] is cache.layers[0].engine
                 got = recorded[-2][1]
                 assert got.shape == expected[-1].shape
                 assert torch.allclose(got, expected[-1], atol=1e-5), (start, (got - expected[-1]).abs().max())

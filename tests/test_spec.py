@@ -149,17 +149,17 @@ class _Unfused(TorchBackend):
 
 def test_plan_says_why_decode_cannot_run_fused():
     torch_backend, q = TorchBackend(), Quantize(bits=2)
-    assert plan(LogWindow(8), q, torch_backend, auto=False, attention="auto").unfusable is None
-    assert plan(LogWindow(8), q, torch_backend, auto=False, attention="materialized").unfusable == (
+    assert plan(LogWindow(8), q, torch_backend, auto=False, attention="auto").fused_reason is None
+    assert plan(LogWindow(8), q, torch_backend, auto=False, attention="materialized").fused_reason == (
         "attention='materialized'"
     )
-    assert plan(HeavyHitters(4, 4), q, torch_backend, auto=False, attention="auto").unfusable == (
+    assert plan(HeavyHitters(4, 4), q, torch_backend, auto=False, attention="auto").fused_reason == (
         "policy 'h2o' selects per head"
     )
-    assert plan(_Scored(8), q, torch_backend, auto=False, attention="auto").unfusable == (
+    assert plan(_Scored(8), q, torch_backend, auto=False, attention="auto").fused_reason == (
         "policy 'scored' needs attention scores over every key"
     )
-    assert plan(LogWindow(8), q, _Unfused(), auto=False, attention="auto").unfusable == (
+    assert plan(LogWindow(8), q, _Unfused(), auto=False, attention="auto").fused_reason == (
         "backend 'unfused' cannot attend over its blocks without dequantizing them"
     )
 

@@ -1,0 +1,249 @@
+"""Left-padded batches: an engine of engines, one single-row engine per batch row, fed only that row's
+real tokens.
+
+Each row then selects, quantizes and evicts exactly as if its prompt had been run alone (sinks and
+windows count its real tokens, never pads), and holds no bytes for pads. The rows' views are put
+back into one rectangular tensor whose key slots line up with transformers' padding mask:
+
+- when demoted tokens are kept (quantize), row ``b``'s tokens fill columns ``[pad_b, L)`` of an
+  ``L``-column tensor, exactly where the 2-D attention mask expects them;
+- with eviction rows hold different numbers of tokens: they are right-aligned in ``N`` slots and
+  the empty slots are masked by :mod:`kvpolicy.attention`'s wrapper (the 2-D padding mask cannot
+  express them), so eviction of padded batches needs :func:`kvpolicy.attention.enable_scores`.
+
+:class:`PaddedEngine` answers the methods of :class:`~kvpolicy.layer.engine.LayerEngine`, so the
+cache's layer does not know whether its batch is padded.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvpolicy import handoff
+from kvpolicy.layer.path import StepPath
+from kvpolicy.memory import LayerBytes
+
+
+def left_pads(position_ids: torch.Tensor | None, n: int) -> list[int] | None:
+    """Leading pad count of each row of a left-padded prefill, or ``None`` if rows are not padded.
+
+    ``generate`` gives pads position 0 and real tokens ``0, 1, ...``; a row with ``r`` real tokens
+    ends at position ``r - 1``.
+    """
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] < 2:
+        return None
+    if not bool((position_ids != position_ids[:1]).any()):
+        return None
+    pads = [n - 1 - int(p) for p in position_ids[:, -1].tolist()]
+    for row, pad in enumerate(pads):
+        real = position_ids[row, pad:].tolist()
+        if pad < 0 or real != list(range(n - pad)):
+            raise NotImplementedError(
+                "CompressedCache supports left-padded batches only (pads first, then positions 0, 1, ...); "
+                f"row {row} has position_ids {position_ids[row].tolist()}"
+            )
+    return pads
+
+
+def _head(name: str, doc: str) -> property:
+    """An attribute of the batch's head engine (the composition, the version, the path)."""
+
+    def get(self: PaddedEngine) -> Any:
+        return getattr(self.head, name)
+
+    def put(self: PaddedEngine, value: Any) -> None:
+        setattr(self.head, name, value)
+
+    return property(get, put, doc=doc)
+
+
+class PaddedEngine:
+    """The per-row engines of one layer for a left-padded batch.
+
+    Parameters
+    ----------
+    head : LayerEngine
+        The started engine of the whole batch (:class:`~kvpolicy.layer.engine.LayerEngine`, which
+        builds this object; not imported here, so the two modules form no cycle): its composition,
+        plan, version and path are the batch's (it holds no tokens itself).
+    pads : list of int
+        Leading pads of each row in the first step.
+    """
+
+    policy = _head("policy", "The policy.")
+    action = _head("action", "The action (as served by the plan).")
+    backend = _head("backend", "The backend.")
+    layer_idx = _head("layer_idx", "The layer's index.")
+    attention = _head("attention", "How decode steps read the history.")
+    book = _head("book", "Where shared demoted positions are held (unused by rows).")
+    adapted = _head("adapted", "The defaults replaced.")
+    path = _head("path", "How the latest step's attention read the history.")
+    held = _head("held", "The head engine's (empty) segments.")
+    keys = _head("keys", "The head engine's (empty) full-precision keys.")
+    values = _head("values", "The head engine's (empty) full-precision values.")
+    store = _head("store", "The head engine's (empty) store.")
+    state = _head("state", "The head engine's (fresh) policy state.")
+    full_pos = _head("full_pos", "The head engine's (empty) positions.")
+    version = _head("version", "See LayerEngine.version.")
+    started = True
+
+    def __init__(self, head: Any, pads: list[int]) -> None:
+        self.head = head
+        self.rows = [head.row() for _ in pads]
+        self.pads = pads
+        self.keeps_demoted = head.action.keeps_demoted
+        self.prefilled = False
+        self.slots: list[slice] = []
+        #: the batch's logical length (pads included)
+        self.length = 0
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether every row can undo its latest step."""
+        if not self.action.compresses:
+            return True
+        if self.policy.needs_scores:
+            return False
+        return all(row.is_croppable for row in self.rows)
+
+    def step(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, grad: bool = False,
+        position_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Each row runs alone: its real tokens are appended to its engine, and the rows' views are
+        assembled into one batch (``(batch, kv_heads, keys, head_dim)``)."""
+        head = self.head
+        head._version += 1
+        self.length += key_states.shape[-2]
+        keys, values, key_mask = self._update(key_states, value_states, grad)
+        head.path = StepPath("materialized", "left-padded batch (one layer per row)", head.backend.name)
+        if head.attention == "fused" and head.plan.fused_reason is None and self.keeps_demoted:
+            raise NotImplementedError(
+                "CompressedCache(attention='fused') does not support left-padded batches (rows run one by one); "
+                "use attention='auto', which materialises their history"
+            )
+        needs_scores = head.policy.needs_scores
+        if not needs_scores and key_mask is None:
+            return keys, values
+        ticket = handoff.Ticket(self, scores=needs_scores, key_mask=key_mask, views=(keys, values))
+        return handoff.hand_out(ticket, keys.shape, values.shape, keys.dtype, keys.device)
+
+    def _update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, grad: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Feed each row its real tokens; return ``(keys, values, key_mask)`` for the whole batch."""
+        views = []
+        for row, engine in enumerate(self.rows):
+            start = 0 if self.prefilled else self.pads[row]
+            k, v = key_states[row : row + 1, :, start:], value_states[row : row + 1, :, start:]
+            if not engine.started:
+                engine.start(k, v)
+            views.append(engine.step(k, v, grad))
+        aligned = self.keeps_demoted or not self.prefilled  # the first step: nothing evicted yet
+        self.prefilled = True
+        lengths = [k.shape[2] for k, _ in views]
+        width = self.length if aligned else max(lengths)
+        out_k = _assemble([k for k, _ in views], width)
+        out_v = _assemble([v for _, v in views], width)
+        self.slots = [slice(width - n, width) for n in lengths]
+        if aligned:
+            return out_k, out_v, None
+        key_mask = torch.zeros(len(self.rows), width, dtype=torch.bool, device=key_states.device)
+        for row, slot in enumerate(self.slots):
+            key_mask[row, slot] = True
+        return out_k, out_v, key_mask
+
+    def mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(keys returned by the next step, logical position of the first)``."""
+        if self.keeps_demoted:
+            return self.length + query_length, 0
+        width = max(row.mask_sizes(query_length)[0] for row in self.rows)
+        return width, self.length + query_length - width
+
+    def report(self, scores: torch.Tensor | None, layout: str = "ordered") -> None:
+        """Hand each row the scores of its own key slots (``scores``: ``(batch, kv_heads, keys)``)."""
+        for row, engine in enumerate(self.rows):
+            engine.report(None if scores is None else scores[row : row + 1, :, self.slots[row]])
+
+    def observe(self, scores: torch.Tensor, layout: str = "ordered") -> None:
+        self.head.observe(scores, layout)
+
+    def view(self, layout: str = "ordered") -> tuple[torch.Tensor, torch.Tensor]:
+        return self.head.view(layout)
+
+    def release(self) -> int:
+        """Rows demote at their next step (nothing is released in between)."""
+        return 0
+
+    def reset(self) -> Any:
+        """Forget every row; returns the engine to use from now on (the head, unstarted)."""
+        return self.head.reset()
+
+    def _select(self, indices: Sequence[int]) -> None:
+        """Keep/reorder/repeat rows (beam search, batch select); repeated rows are copied."""
+        self.head._version += 1
+        seen: set[int] = set()
+        rows, pads = [], []
+        for i in indices:
+            rows.append(self.rows[i] if i not in seen else copy.deepcopy(self.rows[i]))
+            pads.append(self.pads[i])
+            seen.add(i)
+        self.rows, self.pads = rows, pads
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        self._select(beam_idx.tolist())
+
+    def select(self, indices: torch.Tensor) -> None:
+        self._select(torch.arange(len(self.rows))[indices].tolist())
+
+    def repeat(self, repeats: int) -> None:
+        self._select([i for i in range(len(self.rows)) for _ in range(repeats)])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens of every row."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop(tokens_to_remove={tokens_to_remove}): pass a negative number of tokens to remove")
+        if tokens_to_remove == 0:
+            return
+        self.head._version += 1
+        for engine in self.rows:
+            engine.crop(tokens_to_remove)
+        self.length += tokens_to_remove
+
+    def positions(self) -> dict[str, Any]:
+        """Each row's positions (see ``CompressedLayer.positions``): a list per segment."""
+        per_row = [engine.positions() for engine in self.rows]
+        return {key: [p[key] for p in per_row] for key in per_row[0]}
+
+    def memory(self, seen: set[tuple[str, int]] | None = None) -> LayerBytes:
+        """The rows' bytes, summed by segment."""
+        parts = [engine.memory(seen) for engine in self.rows]
+        merged = dict.fromkeys(parts[0].segments, 0)
+        for part in parts:
+            for name, n in part.segments.items():
+                merged[name] = merged.get(name, 0) + n
+        return LayerBytes(
+            self.head.layer_idx, self.length, merged, sum(part.baseline_bytes for part in parts),
+            max(part.element_size for part in parts),
+        )  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError(
+            f"layer {self.head.layer_idx} holds a left-padded batch (one layer per row); saving it is not supported"
+        )
+
+    def load_state_dict(self, state: dict[str, Any]) -> torch.Tensor | None:
+        raise NotImplementedError(f"layer {self.head.layer_idx} holds a left-padded batch; a saved layer loads fresh")
+
+
+def _assemble(views: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Right-align ``(1, heads, n_b, d)`` views into one zero-filled ``(batch, heads, width, d)`` tensor."""
+    first = views[0]
+    out = first.new_zeros((len(views), first.shape[1], width, first.shape[3]))
+    for row, view in enumerate(views):
+        out[row, :, width - view.shape[2] :] = view[0]
+    return out
