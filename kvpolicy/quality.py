@@ -253,9 +253,9 @@ def compare(
             raise ConfigError(f"compare: {name} must be an integer >= 1; got {name}={value!r}")
     ids = _token_ids(model, texts, tokenizer, prompt_tokens + decode_tokens)
     make = _cache_factory(model, cache)
-    first = _fresh(make)  # bad cache keywords fail here, before any forward
+    candidate = _fresh(make)  # bad cache keywords fail here, before any forward
     rows: list[TextQuality] = []
-    described = repr(first)
+    described = repr(candidate)
     states = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
@@ -263,7 +263,9 @@ def compare(
 
         with torch.inference_mode():
             for i, text in enumerate(tqdm(ids, desc="texts", disable=not progress, leave=False)):
-                candidate = first if i == 0 else _fresh(make)
+                if i > 0:
+                    candidate = None  # one text's caches held at a time
+                    candidate = _fresh(make)
                 rows.append(_one_text(model, text, prompt_tokens, candidate))
     finally:
         for module, training in states:
