@@ -36,6 +36,7 @@ _EXPORTS = {
     "Sinks": "kvpolicy.policies.sinks",
     "Tiered": "kvpolicy.actions.tiered",
     "boundary": "kvpolicy.layer_bits",
+    "compare": "kvpolicy.quality",
     "decode_mode": "kvpolicy.modes",
     "estimate": "kvpolicy.estimation",
     "HeavyHitters": "kvpolicy.policies.h2o",
@@ -66,6 +67,7 @@ __all__ = [
     "TorchBackend",
     "__version__",
     "boundary",
+    "compare",
     "decode_mode",
     "estimate",
 ]
@@ -87,6 +89,7 @@ if TYPE_CHECKING:
     from kvpolicy.policies.recent import RecentWindow
     from kvpolicy.policies.sink import SinkWindow
     from kvpolicy.policies.sinks import Sinks
+    from kvpolicy.quality import compare
     from kvpolicy.spec import CacheSpec
     from kvpolicy.transforms.hadamard import Hadamard
 
