@@ -110,11 +110,13 @@ class Quantize(Action):
         How keys and values alike are quantized (the shorthand for ``key_scheme`` and
         ``value_scheme``); default ``"minmax"``. ``"codebook"``: one scale per token and head plus
         ``bits``-bit indices into the Lloyd-Max codebook of the standard normal distribution
-        (:mod:`kvpolicy.backends.codebook`; ``bits + 16 / head_dim`` bits per element, no zero-point).
+        (:mod:`kvpolicy.formats.codebook`; ``bits + 16 / head_dim`` bits per element, no zero-point).
         It assumes rotated, near-Gaussian coordinates: a cache refuses it without a rotation
         (``transform="hadamard"``). Group size and axis do not apply to a codebook kind (giving one
         for it is an error); ``meta_dtype`` sets the dtype of its scales. Widths: 2, 3 or 4 bits
-        (``torch`` and ``cpu`` backends).
+        (``torch`` and ``cpu`` backends). A scheme is the name of a format (:mod:`kvpolicy.formats`):
+        any format registered through the ``kvpolicy_register_formats`` hook is accepted too (its
+        spec's :meth:`~kvpolicy.formats.base.Format.from_options` builds it from these parameters).
     key_scheme, value_scheme : {"minmax", "codebook"}, optional
         The scheme of keys or values alone; contradicting ``scheme`` is a ConfigError.
     key_centre : bool
