@@ -55,3 +55,10 @@ def kvpolicy_register_presets() -> dict[str, object]:
     from kvpolicy import presets
 
     return dict(presets.BUILTIN_PRESETS)
+
+
+@hookimpl
+def kvpolicy_register_formats() -> dict[str, type]:
+    from kvpolicy.formats import BUILTIN
+
+    return dict(BUILTIN)

@@ -1,5 +1,5 @@
-"""pluggy hook specifications: the one extension surface for policies, actions, backends, transforms
-and presets.
+"""pluggy hook specifications: the one extension surface for policies, actions, backends, transforms,
+presets and quantized tensor formats.
 
 The built-in parts register through these same hooks (:mod:`kvpolicy.builtins`); third-party
 distributions implement them in the module an entry point of the group ``kvpolicy`` names
@@ -37,3 +37,9 @@ def kvpolicy_register_transforms() -> dict[str, type]:
 @hookspec
 def kvpolicy_register_presets() -> dict[str, object]:
     """Return ``{name: preset function returning CompressedCache keyword arguments}``."""
+
+
+@hookspec
+def kvpolicy_register_formats() -> dict[str, type]:
+    """Return ``{name: Format subclass}`` (a quantized tensor format, :mod:`kvpolicy.formats`; the name is
+    the ``scheme`` that selects it in ``Quantize``)."""

@@ -1,4 +1,4 @@
-"""Names -> classes for policies, actions, backends, transforms and presets, collected through pluggy hooks.
+"""Names -> classes for policies, actions, backends, transforms, presets and formats, collected through pluggy hooks.
 
 Three kinds of plugin feed the same hooks (:mod:`kvpolicy.hookspecs`):
 
@@ -38,9 +38,10 @@ import pluggy
 from kvpolicy import builtins, hookspecs
 from kvpolicy.errors import ConfigError, did_you_mean
 
-KINDS = ("policies", "actions", "backends", "transforms", "presets")
+KINDS = ("policies", "actions", "backends", "transforms", "presets", "formats")
 _SINGULAR = {
     "policies": "policy", "actions": "action", "backends": "backend", "transforms": "transform", "presets": "preset",
+    "formats": "format",
 }  # fmt: skip
 #: what each hook's dict maps names to, for messages
 _EXPECTED = {
@@ -49,6 +50,7 @@ _EXPECTED = {
     "backends": "Backend subclass",
     "transforms": "Transform subclass",
     "presets": "preset function",
+    "formats": "Format subclass",
 }
 
 #: entry-point group third-party distributions declare
@@ -264,6 +266,10 @@ def _base_class(kind: str) -> type:
         from kvpolicy.transforms.base import Transform
 
         return Transform
+    if kind == "formats":
+        from kvpolicy.formats.base import Format
+
+        return Format
     from kvpolicy.backends.base import Backend
 
     return Backend

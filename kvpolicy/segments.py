@@ -357,7 +357,7 @@ class LayerSegments:
             empty = torch.empty(0, dtype=torch.long, device=device)
             return {"full": torch.arange(self.length, device=device), "compressed": empty, "staged_keys": empty}
         self.settle()
-        staged = getattr(self.store, "staged_key_positions", lambda: self.store.positions[:, :0])()
+        staged = self.store.staged_key_positions()
         out = {
             "full": self.full_pos.long(),
             "compressed": torch.sort(self.store.positions.long(), dim=1).values,

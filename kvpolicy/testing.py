@@ -823,3 +823,237 @@ def _check_held(
     assert 0 < total < full_bytes + 8 * rows * n, (
         f"{who}: bytes: {total} bytes held for {n} tokens, which take {full_bytes} at full precision"
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# the backend contract
+# --------------------------------------------------------------------------------------------------
+
+#: head dim :func:`check_backend` quantizes (a multiple of every built-in packing granularity)
+BACKEND_HEAD_DIM = 64
+#: attention tolerance of :func:`check_backend` by input dtype (kernels score in float32 from the codes;
+#: the reference dequantizes to the dtype first)
+ATTEND_TOLERANCE = {"float64": 1e-6, "float32": 1e-4, "float16": 2e-2, "bfloat16": 6e-2}
+
+
+def backend_formats(backend: Any) -> list[Any]:
+    """The formats :func:`check_backend` checks by default: min-max groups at every width and axis the
+    backend's capabilities list (one group size each: 32, or the smallest multiple of its granularity
+    dividing the head dim), and codebook formats at every codebook width when ``"codebook"`` is served."""
+    from kvpolicy.formats import Codebook, MinMax
+
+    caps = backend.capabilities
+    out: list[Any] = []
+    if "minmax" in caps.schemes:
+        mult = max(caps.group_size_multiple, 8)
+        group = 32 if 32 % mult == 0 else next(g for g in range(mult, BACKEND_HEAD_DIM + 1, mult) if 64 % g == 0)
+        out += [MinMax(bits, group, axis) for bits in caps.bits for axis in caps.axes]
+    if "codebook" in caps.schemes:
+        out += [Codebook(bits) for bits in caps.codebook_bits]
+    return out
+
+
+def _inputs(shape: tuple[int, ...], dtype: Any, device: Any, seed: int) -> list[Any]:
+    """Gaussian tokens, with outliers, and with constant tokens (a group whose range is zero)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen)
+    outliers = torch.where(torch.rand(shape, generator=gen) < 0.02, x * 30, x) + 3.0
+    constant = x.clone()
+    constant[:, :, ::3, :] = -2.5
+    return [t.to(dtype=dtype, device=device) for t in (x, outliers, constant)]
+
+
+def _tokens(fmt: Any) -> int:
+    """Tokens per block: whole groups of a per-channel format, otherwise an odd count."""
+    return 2 * fmt.group_size if fmt.axis == "channel" else 7
+
+
+def _check_reconstruction(name: str, fmt: Any, x: Any, xh: Any, bound: str) -> None:
+    """``xh`` (the backend's) against the format's reference reconstruction of ``x``."""
+    import torch
+
+    from kvpolicy.formats import MinMax
+
+    ref = fmt.quantize(x, "torch")
+    xr = ref.dequantize().double()
+    xd, got = x.double(), xh.double()
+    eps = torch.finfo(x.dtype).eps
+    eps32 = torch.finfo(torch.float32).eps
+    if isinstance(fmt, MinMax) and bound == "minmax":
+        # one step of the reference grid (the two half steps of two grids) plus the rounding of both
+        qmax = (1 << fmt.bits) - 1
+        steps = ref.scales.double()  # type: ignore[attr-defined]
+        b, h, n, d = x.shape
+        g = fmt.group_size
+        if fmt.axis == "token":
+            s = steps.reshape(b, h, n, d // g).repeat_interleave(g, dim=3)
+        else:
+            s = steps.reshape(b, h, n // g, d).repeat_interleave(g, dim=2)
+        slack = 2 * eps * (2 * qmax * s + 3 * xd.abs()) + 8 * eps32 * (xd.abs() + qmax * s)
+        excess = (got - xr).abs() - s - slack
+        assert bool((excess <= 0).all()), (
+            f"backend {name!r}: {fmt} reconstruction differs from the reference by more than one step "
+            f"(worst excess {float(excess.max()):.3g})"
+        )
+    elif bound in ("minmax", "reference"):
+        tol = 4 * eps * (xr.abs() + xd.abs().amax()) + 8 * eps32 * xd.abs().amax()
+        excess = (got - xr).abs() - tol
+        assert bool((excess <= 0).all()), (
+            f"backend {name!r}: {fmt} reconstruction differs from the reference "
+            f"(worst excess {float(excess.max()):.3g})"
+        )
+
+
+def check_backend(
+    backend: Any,
+    formats: list[Any] | None = None,
+    *,
+    bound: str = "minmax",
+    device: Any = None,
+    seed: int = 0,
+) -> None:
+    """Check the backend contract (:mod:`kvpolicy.backends.base`); call it from a plain pytest test.
+
+    For every format (default :func:`backend_formats`: what the capabilities list) and every dtype the
+    capabilities accept, on ``device`` (default: the first of the capabilities' devices), over Gaussian
+    tokens, tokens with outliers and tokens with constant groups, the backend must:
+
+    - quantize to a block of the input's shape and dtype whose ``nbytes()`` are the bytes of the tensors
+      it holds, all on the input's device;
+    - dequantize to the input's shape, dtype and device, finite, and agree with the format's reference
+      (:meth:`~kvpolicy.formats.base.Format.quantize`, then the block's ``dequantize``): for min-max
+      formats within one step of the reference grid plus rounding (``bound="minmax"``), for others within
+      the dtype's rounding (``bound="reference"``); ``bound="own"`` skips this comparison (a backend with
+      its own grid, ``hqq``, checks its own bound);
+    - concatenate blocks so that dequantizing the concatenation equals concatenating the dequantized
+      blocks, apply batch operations (``map_batch``) as they apply to the dequantized tensor, and, when
+      ``capabilities.fused``, ``narrow`` to whole groups as the slice of the dequantized tensor;
+    - ``attend`` as :func:`~kvpolicy.formats.base.dense_attention` over the dequantized keys and values
+      (every format as keys and as values, by role: keys per channel, values per token where both axes
+      exist, in pairs of widths the capabilities serve), out and log-sum-exp, within :data:`ATTEND_TOLERANCE`;
+    - save and load each block it can save (``block_state`` / ``load_block``; 16- and 32-bit inputs, what
+      saved caches hold) bit for bit;
+    - refuse, with a :class:`~kvpolicy.errors.ConfigError` naming itself, a dtype its capabilities do not
+      list (``check_tensor``) and a width they do not list (``check``).
+
+    Parameters
+    ----------
+    backend : Backend
+        An instance.
+    formats : list of Format, optional
+        The formats to check (default :func:`backend_formats`); a plugin format served by the backend
+        belongs here.
+    bound : {"minmax", "reference", "own"}
+        How the reconstruction is compared with the reference (see above).
+    device : torch.device or str, optional
+        Where to run.
+    seed : int
+        Seed of the inputs.
+
+    Raises
+    ------
+    AssertionError
+        Naming the backend, the format and what differs.
+    """
+    import torch
+
+    from kvpolicy.errors import ConfigError
+    from kvpolicy.formats.base import dense_attention
+
+    caps = backend.capabilities
+    name = backend.name
+    if bound not in ("minmax", "reference", "own"):
+        raise ValueError(f"check_backend: bound must be 'minmax', 'reference' or 'own'; got bound={bound!r}")
+    assert caps.bits and caps.axes and caps.devices and caps.dtypes, f"backend {name!r}: empty capabilities"
+    assert all(isinstance(d, torch.dtype) for d in caps.dtypes), f"backend {name!r}: capabilities.dtypes"
+    device = torch.device(device if device is not None else caps.devices[0])
+    fmts = backend_formats(backend) if formats is None else list(formats)
+    assert fmts, f"backend {name!r}: no format to check"
+    for dtype in caps.dtypes:
+        for fmt in fmts:
+            shape = (2, 2, _tokens(fmt), BACKEND_HEAD_DIM)
+            for i, x in enumerate(_inputs(shape, dtype, device, seed)):
+                what = f"backend {name!r}, {fmt}, {str(dtype).removeprefix('torch.')} input {i}"
+                q = backend.quantize(x, fmt)
+                assert tuple(q.shape) == tuple(x.shape) and q.dtype == x.dtype, f"{what}: block {q.shape} {q.dtype}"
+                held = q.tensors()
+                assert held and all(t.device == x.device for t in held.values()), f"{what}: block tensors' device"
+                assert q.nbytes() == {r: t.numel() * t.element_size() for r, t in held.items()}, f"{what}: nbytes"
+                xh = backend.dequantize(q)
+                assert xh.shape == x.shape and xh.dtype == x.dtype and xh.device == x.device, f"{what}: dequantize"
+                assert bool(torch.isfinite(xh).all()), f"{what}: non-finite reconstruction"
+                if bound != "own":
+                    _check_reconstruction(name, fmt, x, xh, bound)
+            _check_blocks(backend, fmt, x, xh, what)
+        _check_attend(backend, fmts, dtype, device, seed, dense_attention)
+    wrong = next((d for d in (torch.float64, torch.float16, torch.float32) if d not in caps.dtypes), None)
+    if wrong is not None:
+        try:
+            backend.check_tensor(torch.zeros(1, dtype=wrong, device=device))
+        except ConfigError as exc:
+            assert repr(name) in str(exc) and str(wrong) in str(exc), f"backend {name!r}: {exc}"
+        else:
+            raise AssertionError(f"backend {name!r} accepts {wrong}, which its capabilities do not list")
+    width = next(b for b in range(1, 9) if b not in caps.bits) if len(caps.bits) < 8 else None
+    if width is not None:
+        try:
+            backend.check(bits=width, group_size=32, axis=caps.axes[0])
+        except ConfigError as exc:
+            assert repr(name) in str(exc) and f"bits={width}" in str(exc), f"backend {name!r}: {exc}"
+        else:
+            raise AssertionError(f"backend {name!r} accepts bits={width}, which its capabilities do not list")
+
+
+def _check_blocks(backend: Any, fmt: Any, x: Any, xh: Any, what: str) -> None:
+    """``cat``, ``map_batch``, ``narrow`` and the saved state of the blocks of ``x``."""
+    import torch
+
+    half = x.shape[2] // 2 if fmt.axis != "channel" else fmt.group_size
+    first, second = backend.quantize(x[:, :, :half].contiguous(), fmt), backend.quantize(x[:, :, half:] * 2, fmt)
+    joined = backend.cat([first, second])
+    want = torch.cat([backend.dequantize(first), backend.dequantize(second)], dim=2)
+    assert torch.equal(backend.dequantize(joined), want), f"{what}: cat"
+    q = backend.quantize(x, fmt)
+    for fn in (lambda t: t.index_select(0, torch.tensor([1, 0, 0], device=t.device)), lambda t: t[1:]):
+        assert torch.equal(backend.dequantize(q.map_batch(fn)), fn(xh)), f"{what}: map_batch"
+    if backend.capabilities.fused:
+        step = fmt.group_size if fmt.axis == "channel" else 1
+        cut = q.narrow(step, x.shape[2] - step)
+        assert torch.equal(backend.dequantize(cut), xh[:, :, step:]), f"{what}: narrow"
+    if type(q).layouts and x.dtype != torch.float64:  # saved caches hold 16- and 32-bit tokens
+        again = backend.load_block(backend.block_state(q), fmt)
+        assert type(again) is type(q) and torch.equal(backend.dequantize(again), xh), f"{what}: saved state"
+
+
+def _check_attend(backend: Any, fmts: list[Any], dtype: Any, device: Any, seed: int, dense: Callable) -> None:
+    """``attend`` against dense attention over the dequantized blocks, for each key/value format pair."""
+    import torch
+
+    caps = backend.capabilities
+    keys = [f for f in fmts if f.axis == "channel"] or [f for f in fmts if f.axis == "token"]
+    values = [f for f in fmts if f.axis == "token"] or fmts
+    # every key format once and every value format once (their widths paired where the backend pairs them)
+    allowed = [(k, v) for k in keys for v in values if caps.bit_pairs is None or (k.bits, v.bits) in caps.bit_pairs]
+    pairs = [next((p for p in allowed if p[0] == k), None) for k in keys]
+    pairs += [next((p for p in allowed if p[1] == v), None) for v in values]
+    pairs = list(dict.fromkeys(p for p in pairs if p is not None))
+    gen = torch.Generator().manual_seed(seed + 1)
+    tol = ATTEND_TOLERANCE.get(str(dtype).removeprefix("torch."), 1e-2)
+    for kf, vf in pairs:
+        n = max(_tokens(kf), _tokens(vf))
+        n = n - n % kf.group_size if kf.axis == "channel" else n
+        n = n - n % vf.group_size if vf.axis == "channel" else n
+        shape = (2, 2, n, BACKEND_HEAD_DIM)
+        k = torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
+        v = torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
+        query = (torch.randn(2, 2, 3, BACKEND_HEAD_DIM, generator=gen) * 0.5).to(dtype=dtype, device=device)
+        kq, vq = backend.quantize(k, kf), backend.quantize(v, vf)
+        out, lse = backend.attend(query, kq, vq, BACKEND_HEAD_DIM**-0.5)
+        ref_out, ref_lse = dense(query, backend.dequantize(kq), backend.dequantize(vq), BACKEND_HEAD_DIM**-0.5)
+        what = f"backend {backend.name!r}: attend over keys {kf} and values {vf}, {str(dtype).removeprefix('torch.')}"
+        assert out.dtype == lse.dtype == torch.float32, f"{what}: out/lse must be float32"
+        assert out.shape == ref_out.shape and lse.shape == ref_lse.shape, f"{what}: shapes"
+        worst = max(float((out - ref_out).abs().max()), float((lse - ref_lse).abs().max()))
+        assert worst <= tol, f"{what}: differs from dense attention over the dequantized blocks by {worst:.3g}"

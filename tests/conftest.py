@@ -115,15 +115,15 @@ def cpu_kernel():
 def stored_blocks(monkeypatch) -> list[list[tuple]]:
     """Every block ``TorchBackend.quantize`` stores, run by run: the test appends an empty list before
     each run, and each call then adds ``(x, group_size, axis, out)`` to the last list (``x`` the input
-    ``(B, H, n, D)``, ``out`` the stored block)."""
+    ``(B, H, n, D)``, ``group_size`` and ``axis`` the stream's format's, ``out`` the stored block)."""
     from kvpolicy.backends.torch_backend import TorchBackend
 
     runs: list[list[tuple]] = []
     original = TorchBackend.quantize
 
-    def record(self, x, bits, group_size, axis, *args, **kwargs):
-        out = original(self, x, bits, group_size, axis, *args, **kwargs)
-        runs[-1].append((x.detach().clone(), group_size, axis, out))
+    def record(self, x, fmt, *args, **kwargs):
+        out = original(self, x, fmt, *args, **kwargs)
+        runs[-1].append((x.detach().clone(), fmt.group_size, fmt.axis, out))
         return out
 
     monkeypatch.setattr(TorchBackend, "quantize", record)

@@ -533,3 +533,61 @@ def test_docs_capability_table_matches_the_code():
             ", ".join(caps.meta_dtypes),
             "yes" if caps.fused else "no",
         ], name
+
+
+# --------------------------------------------------------------------------------------------------
+# the public contract check, on every built-in backend that runs here
+# --------------------------------------------------------------------------------------------------
+
+#: built-in backend -> how check_backend compares its reconstruction with the reference (see its docstring)
+CONTRACT = {"torch": "minmax", "cpu": "minmax", "quanto": "minmax", "hqq": "own"}
+
+
+@pytest.mark.parametrize("name", sorted(CONTRACT))
+def test_builtin_backends_pass_check_backend(name, cpu_kernel):
+    from kvpolicy.testing import check_backend
+
+    check_backend(backend(name), bound=CONTRACT[name])
+
+
+def test_triton_interpreted_passes_check_backend(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kvpolicy.backends.triton_backend import TritonBackend
+    from kvpolicy.formats import MinMax
+    from kvpolicy.testing import check_backend
+
+    be = TritonBackend()
+    if be.mode != "interpret":
+        pytest.skip("the interpreter is not in use (Triton was imported before TRITON_INTERPRET was set)")
+    check_backend(be, formats=[MinMax(2, 16, "channel"), MinMax(4, 16, "token")])
+
+
+def test_a_broken_backend_fails_check_backend():
+    """A backend whose attention kernel drops a term, and one whose dequantize is off by a step, fail."""
+    from kvpolicy.backends.torch_backend import TorchBackend
+    from kvpolicy.formats import MinMax, PackedTensor
+    from kvpolicy.testing import check_backend
+
+    class WrongLse(TorchBackend):
+        name = "wrong-lse"
+
+        def _attend(self, query, keys, values, scale):
+            out, lse = self.attend_without_kernel(query, keys, values, scale)
+            return out, lse + 0.1
+
+        attention_kernels = {(PackedTensor, PackedTensor): _attend}  # noqa: RUF012
+
+    class OffByAStep(TorchBackend):
+        name = "off-by-a-step"
+
+        def _dequantize(self, q):
+            return (q.dequantize().float() + 2 * q.scales.float().amax()).to(q.dtype)
+
+        dequantizers = {PackedTensor: _dequantize}  # noqa: RUF012
+
+    formats = [MinMax(4, 32, "channel"), MinMax(4, 32, "token")]
+    with pytest.raises(AssertionError, match=r"backend 'wrong-lse': attend over keys"):
+        check_backend(WrongLse(), formats=formats)
+    with pytest.raises(AssertionError, match=r"backend 'off-by-a-step'.*more than one step"):
+        check_backend(OffByAStep(), formats=formats)

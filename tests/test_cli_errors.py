@@ -258,8 +258,8 @@ class _Refuses(TorchBackend):
 
     name = "test-refuses"
 
-    def quantize(self, x, bits, group_size, axis, **kwargs):
-        raise ValueError(f"Group size ({group_size}) must be a divisor of (128)\nmore detail")
+    def quantize(self, x, fmt, centre=None):
+        raise ValueError(f"Group size ({fmt.group_size}) must be a divisor of (128)\nmore detail")
 
 
 class _RefusingPlugin:

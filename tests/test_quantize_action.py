@@ -295,14 +295,15 @@ def test_meta_dtype_in_repr_only_when_set():
 
 
 class _AutoOnlyBackend(TorchBackend):
-    """A backend written before ``meta_dtype`` existed: its quantize takes no such argument."""
+    """A backend that declares no ``meta_dtype`` choice: the formats it is handed keep ``"auto"``."""
 
     name = "auto-only"
-    # nor a fit keyword: min-max only, so caches on it pass key_fit="minmax" (the keys' default is "mse")
+    # nor a fit: min-max only, so caches on it pass key_fit="minmax" (the keys' default is "mse")
     capabilities = dataclasses.replace(TorchBackend.capabilities, meta_dtypes=("auto",), fits=("minmax",))
 
-    def quantize(self, x, bits, group_size, axis):  # the old signature, without meta_dtype
-        return super().quantize(x, bits, group_size, axis)
+    def quantize(self, x, fmt, centre=None):
+        assert fmt.meta_dtype == "auto" and fmt.fit == "minmax" and centre is None
+        return super().quantize(x, fmt, centre=centre)
 
 
 def test_meta_dtype_checked_against_the_backend():
@@ -375,8 +376,8 @@ class _BrokenMetaBackend(TorchBackend):
     name = "broken-meta"
     capabilities = dataclasses.replace(TorchBackend.capabilities, fits=("minmax",))
 
-    def quantize(self, x, bits, group_size, axis):
-        q = super().quantize(x, bits, group_size, axis)
+    def quantize(self, x, fmt, centre=None):
+        q = super().quantize(x, fmt, centre=centre)
         q.scales[..., 0] = float("inf")
         return q
 

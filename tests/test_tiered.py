@@ -26,6 +26,7 @@ def _tiers(cache: CompressedCache, layer: int = 0) -> tuple[list[int], list[list
     """Full-precision positions and each tier's positions (one row)."""
     full = cache.positions(layer)["full"].flatten().tolist()
     store = cache.layers[layer].store
+    store = getattr(store, "inner", store)  # behind a transform
     return full, [p[0].tolist() for p in store.tier_positions()]
 
 

@@ -133,9 +133,9 @@ class RecordingBackend(TorchBackend):
         self.replay = replay
 
     def quantize(  # type: ignore[override]
-        self, x: torch.Tensor, bits: int, group_size: int | None, axis: str, meta_dtype: str = "auto", **extra: Any
+        self, x: torch.Tensor, fmt: Any, centre: torch.Tensor | None = None
     ) -> PackedTensor | CodebookTensor:
-        q = super().quantize(x, bits, group_size, axis, meta_dtype, **extra)
+        q = super().quantize(x, fmt, centre=centre)
         if self.replay is not None:
             q = self.replay[len(self.calls)]
         self.calls.append((x.detach().clone(), q))

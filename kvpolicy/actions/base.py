@@ -85,6 +85,15 @@ class DemotedStore(ABC):
         ``len(self)`` tokens). ``positions`` themselves are checked by the caller (range, uniqueness,
         disjointness from the full-precision positions)."""
 
+    def staged_key_positions(self) -> torch.Tensor:
+        """``(rows, k)`` positions whose keys wait at full precision inside the store (a quantizer's
+        staging buffer); default: none."""
+        return self.positions[:, :0]
+
+    def staged_value_positions(self) -> torch.Tensor:
+        """``(rows, k)`` positions whose values wait at full precision inside the store; default: none."""
+        return self.positions[:, :0]
+
     def shared(self) -> list[tuple[str, torch.Tensor]]:
         """``(segment, tensor)`` for tensors other layers may hold too (counted once per memory
         report, by storage): the positions, and what a transform keeps."""

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kvpolicy import state_check
+from kvpolicy import formats, state_check
 from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.backends.base import AXES, FITS, META_DTYPES, SCHEMES, Backend, QTensor, check_metadata, widen_remedy
 from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
@@ -35,6 +35,29 @@ SHORTHANDS = {"bits": ("key_bits", "value_bits"), "group_size": ("key_group_size
 DEFAULT_SCHEME = "minmax"
 #: a codebook kind's multiple of head_dim (indices of 2, 3 or 4 bits pack into whole bytes)
 CODEBOOK_HEAD_DIM_MULTIPLE = 8
+
+
+def _registered_format(name: object) -> bool:
+    """Whether ``name`` is a format registered beyond the built-ins (``Quantize(scheme=name)``)."""
+    if not isinstance(name, str):
+        return False
+    try:
+        formats.format_class(name)
+    except ConfigError:
+        return False
+    return True
+
+
+def _scheme_names() -> list[str]:
+    """The scheme names ``Quantize`` takes: the built-in formats', then those plugins register."""
+    from kvpolicy import registry
+
+    return [*SCHEMES, *(n for n in registry.names("formats") if n not in SCHEMES)]
+
+
+def _grouped(scheme: str) -> bool:
+    """Whether the format ``scheme`` names has groups (``group_size`` and ``axis`` apply)."""
+    return formats.format_class(scheme).grouped
 
 
 def _first(*values: int | None) -> int:
@@ -87,11 +110,13 @@ class Quantize(Action):
         How keys and values alike are quantized (the shorthand for ``key_scheme`` and
         ``value_scheme``); default ``"minmax"``. ``"codebook"``: one scale per token and head plus
         ``bits``-bit indices into the Lloyd-Max codebook of the standard normal distribution
-        (:mod:`kvpolicy.backends.codebook`; ``bits + 16 / head_dim`` bits per element, no zero-point).
+        (:mod:`kvpolicy.formats.codebook`; ``bits + 16 / head_dim`` bits per element, no zero-point).
         It assumes rotated, near-Gaussian coordinates: a cache refuses it without a rotation
         (``transform="hadamard"``). Group size and axis do not apply to a codebook kind (giving one
         for it is an error); ``meta_dtype`` sets the dtype of its scales. Widths: 2, 3 or 4 bits
-        (``torch`` and ``cpu`` backends).
+        (``torch`` and ``cpu`` backends). A scheme is the name of a format (:mod:`kvpolicy.formats`):
+        any format registered through the ``kvpolicy_register_formats`` hook is accepted too (its
+        spec's :meth:`~kvpolicy.formats.base.Format.from_options` builds it from these parameters).
     key_scheme, value_scheme : {"minmax", "codebook"}, optional
         The scheme of keys or values alone; contradicting ``scheme`` is a ConfigError.
     key_centre : bool
@@ -197,8 +222,9 @@ class Quantize(Action):
         kinds = (f"key_{short}", f"value_{short}")
         for param in (short, *kinds):
             value = getattr(self, param)
-            if value is not None and value not in allowed:
-                raise ConfigError(f"Quantize: {param} must be one of {list(allowed)}; got {param}={value!r}")
+            if value is not None and value not in allowed and not (short == "scheme" and _registered_format(value)):
+                known = list(allowed) if short != "scheme" else _scheme_names()
+                raise ConfigError(f"Quantize: {param} must be one of {known}; got {param}={value!r}")
         given = getattr(self, short)
         for param in kinds:
             own = getattr(self, param)
@@ -212,29 +238,30 @@ class Quantize(Action):
         self._check_choice("fit", FITS)
         for kind in ("key", "value"):
             own = getattr(self, f"{kind}_fit")
-            if own not in (None, "minmax") and getattr(self, f"{kind}_method") == "codebook":
+            method = getattr(self, f"{kind}_method")
+            if own not in (None, "minmax") and not _grouped(method):
                 raise ConfigError(
                     f"Quantize: {kind}_fit={own!r} chooses the range of min-max groups; the {kind}s use "
-                    "scheme='codebook' (one scale per vector, no range to fit)"
+                    f"scheme={method!r} (one scale per vector, no range to fit)"
                 )
-        if self.fit not in (None, "minmax") and self.key_method == self.value_method == "codebook":
+        if self.fit not in (None, "minmax") and not (_grouped(self.key_method) or _grouped(self.value_method)):
             raise ConfigError(
                 f"Quantize: fit={self.fit!r} chooses the range of min-max groups; both keys and values use "
-                "scheme='codebook' (one scale per vector, no range to fit). Drop fit, or quantize a kind with "
-                "scheme='minmax'"
+                f"scheme={self.key_method!r} (one scale per vector, no range to fit). Drop fit, or quantize a "
+                "kind with scheme='minmax'"
             )
 
     @property
     def key_fitting(self) -> str:
         """How the keys' min-max groups choose their range (``"minmax"`` for codebook keys)."""
-        if self.key_method == "codebook":
+        if not _grouped(self.key_method):
             return "minmax"
         return self.key_fit or self.fit or DEFAULT_KEY_FIT
 
     @property
     def value_fitting(self) -> str:
         """How the values' min-max groups choose their range (``"minmax"`` for codebook values)."""
-        if self.value_method == "codebook":
+        if not _grouped(self.value_method):
             return "minmax"
         return self.value_fit or self.fit or "minmax"
 
@@ -249,15 +276,16 @@ class Quantize(Action):
     def _check_schemes(self) -> None:
         self._check_choice("scheme", SCHEMES)
         for kind in ("key", "value"):
-            if getattr(self, f"{kind}_method") != "codebook":
+            method = getattr(self, f"{kind}_method")
+            if _grouped(method):
                 continue
             other = "value" if kind == "key" else "key"
             given = getattr(self, f"{kind}_group_size")
-            if given is None and getattr(self, f"{other}_method") == "codebook":
+            if given is None and not _grouped(getattr(self, f"{other}_method")):
                 given = self.group_size
             if given is not None:
                 raise ConfigError(
-                    f"Quantize: {kind}s quantized with scheme='codebook' hold one scale per token and head; a group "
+                    f"Quantize: {kind}s quantized with scheme={method!r} hold one scale per token and head; a group "
                     f"size does not apply to them (got {self._group_param(kind)}={given})"
                 )
 
@@ -293,8 +321,9 @@ class Quantize(Action):
 
     def _kind_layout(self, kind: str) -> tuple:
         """``(scheme, group size, axis)`` of one kind as it quantizes (a codebook kind has neither)."""
-        if getattr(self, f"{kind}_method") == "codebook":
-            return ("codebook", None, None)
+        method = getattr(self, f"{kind}_method")
+        if not _grouped(method):
+            return (method, None, None)
         return ("minmax", getattr(self, f"{kind}_group"), getattr(self, f"{kind}_axis"))
 
     def _canonical(self) -> tuple:
@@ -313,7 +342,7 @@ class Quantize(Action):
         # ``group_size`` when they agree; meta_dtype only when set (caches described before the
         # parameter existed used the default); the scheme only when a kind uses the codebook (its group
         # size and axis are then left out); fit only when it is not "minmax" (likewise)
-        if "codebook" in (self.key_method, self.value_method):
+        if (self.key_method, self.value_method) != ("minmax", "minmax"):
             return self._codebook_repr()
         if self.key_group == self.value_group:
             groups = f"group_size={self.key_group!r}"
@@ -340,7 +369,7 @@ class Quantize(Action):
         else:
             shown += [f"key_scheme={self.key_method!r}", f"value_scheme={self.value_method!r}"]
         for kind in ("key", "value"):
-            if getattr(self, f"{kind}_method") == "minmax":
+            if _grouped(getattr(self, f"{kind}_method")):
                 shown += [f"{kind}_group_size={getattr(self, f'{kind}_group')!r}",
                           f"{kind}_axis={getattr(self, f'{kind}_axis')!r}"]  # fmt: skip
         if self.key_centre:
@@ -360,11 +389,11 @@ class Quantize(Action):
 
     def check_backend(self, backend: Backend) -> None:
         mult = backend.capabilities.group_size_multiple
-        minmax = [kind for kind in ("key", "value") if getattr(self, f"{kind}_method") == "minmax"]
+        minmax = [kind for kind in ("key", "value") if _grouped(getattr(self, f"{kind}_method"))]
         for kind in ("key", "value"):
             if kind not in minmax:
-                backend.check_scheme("codebook", getattr(self, f"{kind}_width"), role=kind)
-        if self.key_centre and not getattr(backend.capabilities, "codebook_centre", False):
+                backend.check_scheme(getattr(self, f"{kind}_method"), getattr(self, f"{kind}_width"), role=kind)
+        if self.key_centre and not backend.capabilities.codebook_centre:
             raise ConfigError(
                 f"backend {backend.name!r} does not store centred codebook blocks (key_centre=True); backends "
                 "whose capabilities list codebook_centre do (torch, cpu)"
@@ -389,7 +418,7 @@ class Quantize(Action):
         if "value" in minmax:
             backend.check(bits=self.value_width, group_size=self.value_group, axis=self.value_axis, role="value")
         backend.check_meta_dtype(self.meta_dtype)
-        fits = getattr(backend.capabilities, "fits", ("minmax",))
+        fits = backend.capabilities.fits
         for kind in ("key", "value"):
             fit = getattr(self, f"{kind}_fitting")
             if fit not in fits:
@@ -415,7 +444,7 @@ class Quantize(Action):
         """
         changes: dict[str, Any] = {}
         notes: list[str] = []
-        fits = getattr(backend.capabilities, "fits", ("minmax",))
+        fits = backend.capabilities.fits
         if (self.key_method == "minmax" and self.key_fit is None and self.fit is None
                 and DEFAULT_KEY_FIT not in fits):  # fmt: skip
             changes["key_fit"] = "minmax"
@@ -441,10 +470,12 @@ class Quantize(Action):
 
     def check_transform(self, transform: Any) -> None:
         """A codebook kind needs rotated data: refuse the identity transform (see the class docstring)."""
-        kinds = [kind for kind in ("key", "value") if getattr(self, f"{kind}_method") == "codebook"]
+        methods = {kind: getattr(self, f"{kind}_method") for kind in ("key", "value")}
+        kinds = [kind for kind, method in methods.items() if formats.format_class(method).needs_rotation]
         if kinds and getattr(transform, "identity", False):
+            scheme = methods[kinds[0]]
             raise ConfigError(
-                f"Quantize: scheme='codebook' for the {' and '.join(kinds)}s assumes rotated coordinates (close to "
+                f"Quantize: scheme={scheme!r} for the {' and '.join(kinds)}s assumes rotated coordinates (close to "
                 "Gaussian, which its Lloyd-Max codebook is built for); without a rotation the few outlier channels "
                 "of keys take whole codebook cells. Pass transform='hadamard', or use scheme='minmax'; got "
                 f"transform={transform.name!r}"
@@ -464,11 +495,13 @@ class Quantize(Action):
         for kind, (axis, group) in kinds.items():
             if role not in (None, kind):
                 continue
-            if getattr(self, f"{kind}_method") == "codebook":
-                if head_dim % CODEBOOK_HEAD_DIM_MULTIPLE:
+            method = getattr(self, f"{kind}_method")
+            if not _grouped(method):
+                multiple_of = formats.format_class(method).head_dim_multiple
+                if head_dim % multiple_of:
                     raise ConfigError(
-                        f"Quantize: {kind}s with scheme='codebook' need a head_dim that is a multiple of "
-                        f"{CODEBOOK_HEAD_DIM_MULTIPLE} (their indices pack into whole bytes); got head_dim={head_dim}"
+                        f"Quantize: {kind}s with scheme={method!r} need a head_dim that is a multiple of "
+                        f"{multiple_of} (their indices pack into whole bytes); got head_dim={head_dim}"
                     )
                 continue
             if axis != "token" or head_dim % group == 0:
@@ -488,9 +521,9 @@ class QuantizedStream:
     """Append-only quantized storage of one tensor kind (keys or values) of one layer.
 
     Tokens are quantized in the order they are appended. With ``axis="channel"`` they first wait
-    in ``staging`` (full precision) until a whole group of ``group_size`` tokens is there.
-    ``meta_dtype`` is handed to ``backend.quantize`` when it is not ``"auto"``, ``scheme`` when it is
-    not ``"minmax"``, ``fit`` when it is not ``"minmax"`` (min-max streams only). A codebook stream
+    in ``staging`` (full precision) until a whole group of ``group_size`` tokens is there. The
+    parameters name the stream's format (:attr:`fmt`, built by the format ``scheme`` names), which
+    ``backend.quantize`` is handed with every block. A stream whose format has no groups (codebook)
     quantizes every token on arrival (``axis="token"``, no ``group_size``).
     """
 
@@ -499,13 +532,16 @@ class QuantizedStream:
         scheme: str = DEFAULT_SCHEME, centre: bool = False, fit: str = "minmax",
     ) -> None:  # fmt: skip
         self.backend = backend
-        self.fit = "minmax" if scheme == "codebook" else fit
+        kind = formats.format_class(scheme)
+        self.fit = fit if kind.grouped else "minmax"
         self.bits = bits
         self.scheme = scheme
         self.centre = centre
-        self.group_size = None if scheme == "codebook" else group_size
-        self.axis = "token" if scheme == "codebook" else axis
+        self.group_size = group_size if kind.grouped else None
+        self.axis = axis if kind.grouped else "token"
         self.meta_dtype = meta_dtype
+        #: what this stream stores: the format spec every block is quantized to
+        self.fmt = kind.from_options(bits, self.group_size, self.axis, self.fit, meta_dtype, centre)
         self.q: QTensor | None = None
         self.staging: torch.Tensor | None = None
         #: ``centre``: the float32 centre ``(batch, kv_heads, 1, head_dim)`` the first block is quantized
@@ -545,23 +581,16 @@ class QuantizedStream:
         self.staging = staging
 
     def _quantize(self, x: torch.Tensor) -> QTensor:
-        # backends that do not declare meta_dtype or schemes need not accept them
-        extra: dict[str, str] = {}
-        if self.meta_dtype != "auto":
-            extra["meta_dtype"] = self.meta_dtype
-        if self.scheme != DEFAULT_SCHEME:
-            extra["scheme"] = self.scheme
-        if self.fit != "minmax":
-            extra["fit"] = self.fit
+        centre = None
         if self.centre:
             # the first block's mean, then that block's stored centre for every later block: a stream
             # holds one centre, so its blocks concatenate
-            held = getattr(self.q, "centre", None)
-            if held is None:
-                held = self.first_centre if self.first_centre is not None else x.float().mean(dim=2, keepdim=True)
-                self._proposed_centre = held
-            extra["centre"] = held
-        return self.backend.quantize(x, self.bits, self.group_size, self.axis, **extra)  # type: ignore[arg-type, call-arg]
+            centre = None if self.q is None else self.q.centre  # type: ignore[attr-defined]
+            if centre is None:
+                centre = self.first_centre if self.first_centre is not None else x.float().mean(dim=2, keepdim=True)
+                self._proposed_centre = centre
+            return self.backend.quantize(x, self.fmt, centre=centre)
+        return self.backend.quantize(x, self.fmt)
 
     def read(self) -> torch.Tensor:
         """All held tokens in append order, ``(batch, kv_heads, n, head_dim)``."""
@@ -616,7 +645,9 @@ class QuantizedStream:
                 f"with {mine}"
             )
         block = state["q"]
-        self.q = None if block is None else self.backend.load_block(state_check.entries(block, "block", block))
+        if block is not None:
+            block = self.backend.load_block(state_check.entries(block, "block", block), self.fmt)
+        self.q = block
         self.staging = None if state["staging"] is None else state_check.tensor(state["staging"], "staging")
 
     def validate(self, like: torch.Tensor) -> None:

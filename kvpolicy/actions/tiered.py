@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvpolicy import state_check
+from kvpolicy import formats, state_check
 from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.actions.quantize import Quantize, QuantizedStore
 from kvpolicy.backends.base import Backend, QTensor
@@ -115,7 +115,8 @@ class Tiered(Action):
                     )
         for i, tier in enumerate(tiers[:-1]):
             for kind in ("key", "value"):
-                if getattr(tier, f"{kind}_method") != "codebook" and getattr(tier, f"{kind}_axis") != "token":
+                grouped = formats.format_class(getattr(tier, f"{kind}_method")).grouped
+                if grouped and getattr(tier, f"{kind}_axis") != "token":
                     raise ConfigError(
                         f"Tiered: tiers[{i}] is a middle tier, whose tokens leave one at a time; its {kind}s must be "
                         f"grouped per token ({kind}_axis='token') or use scheme='codebook'; got "

@@ -1,32 +1,39 @@
-"""The backend contract: how quantized bits are stored.
+"""The backend contract: how quantized bits are stored, and which kernels read them.
 
-A backend turns a floating-point tensor into a quantized container (``quantize``), turns it back
-(``dequantize``), concatenates containers along the token axis, applies batch-row operations
-(beam reorder, batch select/repeat) and reports the bytes it holds. Backends know nothing about
-policies or about transformers.
+A backend turns a floating-point tensor into a quantized block of a format (``quantize(x, fmt)``),
+turns it back (``dequantize``), concatenates blocks along the token axis and attends over them. The
+formats (:mod:`kvpolicy.formats`) own their blocks' methods and reference attention; a backend adds
+kernels per format in three tables and falls back to the format's own methods elsewhere. Backends know
+nothing about policies or about transformers.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
-from kvpolicy.errors import ConfigError, MetadataOverflowError
+from kvpolicy import formats
+from kvpolicy.errors import ConfigError
+from kvpolicy.formats.base import (  # noqa: F401 - re-exported: the backend contract's names
+    AXES,
+    FITS,
+    META_DTYPES,
+    Format,
+    QTensor,
+    check_metadata,
+    dense_attention,
+    metadata_may_overflow,
+    reference_attend,
+    widen_remedy,
+)
 
-AXES = ("token", "channel")
-#: ``meta_dtype`` values of :class:`~kvpolicy.actions.quantize.Quantize`: ``"auto"`` (each backend's
-#: default) or the name of the dtype scales and minimums are stored in
-META_DTYPES = ("auto", "float16", "bfloat16", "float32")
-#: ``scheme`` values of :class:`~kvpolicy.actions.quantize.Quantize`: asymmetric min-max groups, or a
-#: per-vector norm with Lloyd-Max indices (:mod:`kvpolicy.backends.codebook`)
-SCHEMES = ("minmax", "codebook")
-#: ``fit`` values of :class:`~kvpolicy.actions.quantize.Quantize`: how a min-max group's range is chosen,
-#: its extremes (``"minmax"``) or the range of least squared error (``"mse"``; same storage, same kernels)
-FITS = ("minmax", "mse")
+#: ``scheme`` values of :class:`~kvpolicy.actions.quantize.Quantize` the built-in formats give:
+#: asymmetric min-max groups (:mod:`kvpolicy.formats.packed`), or a per-vector norm with Lloyd-Max
+#: indices (:mod:`kvpolicy.formats.codebook`); formats registered by plugins add their names
+SCHEMES = tuple(formats.BUILTIN)
 
 
 @dataclass(frozen=True)
@@ -57,19 +64,23 @@ class Capabilities:
         ``(key_bits, value_bits)`` pairs served when keys and values differ; ``None``: every pair of
         ``bits`` (keys and values are quantized, stored and attended independently).
     schemes : tuple of str
-        Quantization schemes served (see :data:`SCHEMES`); a backend listing ``"codebook"`` takes a
-        ``scheme`` keyword in ``quantize`` (passed only when it is not ``"minmax"``).
+        Quantization schemes served (format names, see :data:`SCHEMES`): ``quantize`` is handed their
+        :class:`~kvpolicy.formats.base.Format` specs.
     codebook_bits : tuple of int
         Index widths of the codebook scheme, when it is served.
     codebook_centre : bool
-        Whether codebook blocks may carry a centre (``quantize(..., centre=μ)``, read back by
-        ``dequantize`` and ``attend``): what ``Quantize(key_centre=True)`` needs.
+        Whether codebook blocks may carry a centre (``quantize(x, Codebook(..., centre=True), centre=μ)``,
+        read back by ``dequantize`` and ``attend``): what ``Quantize(key_centre=True)`` needs.
     fits : tuple of str
-        How min-max groups may choose their range (see :data:`FITS`); a backend listing ``"mse"`` takes
-        a ``fit`` keyword in ``quantize`` (passed only when it is not ``"minmax"``). The stored block is
+        How min-max groups may choose their range (see :data:`FITS`): the ``fit`` of the
+        :class:`~kvpolicy.formats.MinMax` specs ``quantize`` is handed. The stored block is
         the same either way, so ``dequantize`` and ``attend`` need nothing new. Keys are fitted by
         default (``Quantize``'s ``key_fit="mse"``): on a backend listing only ``"minmax"`` a cache must
         pass ``key_fit="minmax"``, which the refusal says.
+    reference_formats : bool
+        Whether formats registered beyond :data:`SCHEMES` are served through their own reference
+        methods (quantize, dequantize, cat, attend: the ``torch`` backend), so a new format runs here
+        before it has a kernel.
     """
 
     bits: tuple[int, ...]
@@ -84,199 +95,97 @@ class Capabilities:
     codebook_bits: tuple[int, ...] = ()
     codebook_centre: bool = False
     fits: tuple[str, ...] = ("minmax",)
+    reference_formats: bool = False
 
 
-def dense_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 attention in the mergeable ``(out, lse)`` form of :meth:`Backend.attend`.
+class Backend:
+    """Packs and unpacks quantized tensors: formats' blocks, with fast kernels per format.
 
-    ``query`` ``(B, H, q, D)`` over ``keys``/``values`` ``(B, H, n, D)``; returns ``out``
-    ``(B, H, q, Dv)`` and ``lse`` ``(B, H, q)``, both float32.
-    """
-    scores = torch.matmul(query.float(), keys.float().transpose(-1, -2)) * scale
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values.float())
-    return out, lse
+    Implementations must agree with each format's reference (its :meth:`~kvpolicy.formats.base.Format.quantize`,
+    :meth:`~kvpolicy.formats.base.QTensor.dequantize` and :func:`~kvpolicy.formats.base.reference_attend`)
+    within one quantization step (``|x - x_hat| <= s / 2`` plus the rounding of the output dtype);
+    :func:`kvpolicy.testing.check_backend` checks it.
 
-
-def metadata_may_overflow(dtype: torch.dtype, meta: torch.dtype) -> bool:
-    """Whether finite input of ``dtype`` can give scales or minimums beyond the range of ``meta``.
-
-    True when ``meta`` holds smaller magnitudes than ``dtype`` (float32 or float64 input with float16
-    metadata, float32 input with bfloat16, float64 input with any). Otherwise only groups within a
-    factor of about 2 of float32's maximum can overflow (``max - min`` in float32).
-    """
-    return torch.finfo(meta).max < torch.finfo(dtype).max
-
-
-def check_metadata(backend: str, x: torch.Tensor, meta: dict[str, torch.Tensor], remedy: str) -> None:
-    """Raise :class:`~kvpolicy.errors.MetadataOverflowError` if finite ``x`` gave non-finite metadata.
-
-    One reduction over the metadata (``1 / G`` of the input) and one host synchronisation. When the
-    metadata is not finite because ``x`` itself is not (NaN / Inf input), nothing is raised: refusing
-    non-finite input is the caller's choice (``Quantize(check_finite=True)`` does it before quantizing).
-
-    Parameters
-    ----------
-    backend : str
-        The backend's name, for the message.
-    x : torch.Tensor
-        ``(batch, kv_heads, tokens, head_dim)``, the input just quantized.
-    meta : dict of str to torch.Tensor
-        The floating-point metadata held for ``x``, by role (``scales``, ``zeros``), any shapes.
-    remedy : str
-        What the user can do, appended to the message.
-    """
-    if not meta:
-        return
-    if bool(torch.isfinite(torch.cat([t.reshape(-1) for t in meta.values()])).all()):  # one reduction
-        return
-    if not bool(torch.isfinite(x).all()):
-        return
-    counts = ", ".join(f"{n} non-finite {name}" for name, t in meta.items() if (n := int((~torch.isfinite(t)).sum())))
-    dtypes = "/".join(sorted({str(t.dtype).removeprefix("torch.") for t in meta.values()}))
-    limit = min(torch.finfo(t.dtype).max for t in meta.values())
-    amax = float(x.detach().abs().amax()) if x.numel() else 0.0
-    raise MetadataOverflowError(
-        f"backend {backend!r}: quantizing finite {str(x.dtype).removeprefix('torch.')} values (largest |value| "
-        f"{amax:.4g}) gave {counts} in {dtypes} metadata, which holds magnitudes up to {limit:.6g} (a group's "
-        f"minimum, and its scale (max - min) / (2**bits - 1), must fit); dequantizing would give NaN/Inf. {remedy}"
-    )
-
-
-def widen_remedy(meta: torch.dtype, supported: tuple[str, ...]) -> str:
-    """What to do when metadata overflowed in ``meta``, given the ``meta_dtype`` values supported."""
-    wider = [n for n in ("float32", "bfloat16") if n in supported and str(meta) != f"torch.{n}"]
-    if meta == torch.float16 and wider:
-        options = " or ".join(f"meta_dtype={n!r}" for n in wider)
-        return (
-            f"Store the metadata with float32's range: {options} (Quantize(meta_dtype='float32') or "
-            "CompressedCache(..., meta_dtype='float32'); float32 costs 32 more bits per group, bfloat16 the "
-            "same bytes as float16 with an 8-bit significand)."
-        )
-    return (
-        "Magnitudes this close to float32's limit (3.4e38) mean the model's keys/values are overflowing; "
-        "check the model and the dtype it runs in."
-    )
-
-
-class QTensor(ABC):
-    """A quantized block of keys or values, logically shaped ``(batch, kv_heads, tokens, head_dim)``.
-
-    Subclasses hold their own tensors; ``tensors()`` names every tensor held so bytes can be counted
-    from what is really stored.
-    """
-
-    #: logical shape ``(batch, kv_heads, tokens, head_dim)``
-    shape: tuple[int, int, int, int]
-    #: dtype of the original (and dequantized) tensor
-    dtype: torch.dtype
-
-    @abstractmethod
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor this container holds, keyed by role (``codes``, ``scales``, ``zeros``...)."""
-
-    @abstractmethod
-    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QTensor:
-        """Apply a batch-axis (dim 0) operation to every held tensor and return the new container."""
-
-    def narrow(self, start: int, length: int) -> QTensor:
-        """Tokens ``[start, start + length)`` (per-channel blocks: whole groups). Optional: the fused
-        decode path (:mod:`kvpolicy.fused`) needs it when a store's key and value streams hold
-        different numbers of quantized tokens; without it that path is not used."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement narrow()")
-
-    def select(self, index: torch.Tensor) -> QTensor:
-        """Tokens ``index`` (a 1-D index into the token axis), in that order, of a block quantized per
-        token: every tensor field of a dataclass container indexed along dim 2. Containers holding a
-        tensor without a token axis override it (a codebook block keeps its centre)."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
-        picked = {name: t.index_select(2, index) for name, t in fields.items() if isinstance(t, torch.Tensor)}
-        shape = (*self.shape[:2], int(index.numel()), self.shape[3])
-        return dataclasses.replace(self, **picked, shape=shape)  # type: ignore[type-var]
-
-    @property
-    def num_tokens(self) -> int:
-        """Number of tokens held."""
-        return self.shape[2]
-
-    def nbytes(self) -> dict[str, int]:
-        """Bytes held, by role."""
-        return {name: t.numel() * t.element_size() for name, t in self.tensors().items()}
-
-
-class Backend(ABC):
-    """Packs and unpacks quantized tensors.
-
-    Implementations must agree with the ``torch`` reference within one quantization step
-    (``|x - x_hat| <= s / 2`` plus the rounding of the output dtype).
+    A backend registers its kernels in three tables keyed by format classes; whatever has no kernel is
+    the format's own method (the reference). A new format therefore needs no edit here: it works in
+    every backend whose capabilities serve it, before any kernel exists.
     """
 
     name: str = ""
     capabilities: Capabilities
+    #: fast quantizers: ``{Format subclass: fn(backend, x, fmt, centre) -> QTensor}``
+    quantizers: ClassVar[Mapping[type, Callable[..., QTensor]]] = {}
+    #: fast dequantizers: ``{QTensor subclass: fn(backend, q) -> torch.Tensor}``
+    dequantizers: ClassVar[Mapping[type, Callable[..., torch.Tensor]]] = {}
+    #: fast decode attention: ``{(key block class, value block class): fn(backend, query, keys, values, scale)}``
+    attention_kernels: ClassVar[Mapping[tuple[type, type], Callable[..., tuple[torch.Tensor, torch.Tensor]]]] = {}
 
-    @abstractmethod
-    def quantize(self, x: torch.Tensor, bits: int, group_size: int, axis: str) -> QTensor:
-        """Quantize ``x``.
+    def quantize(
+        self, x: torch.Tensor, fmt: Format | int, group_size: int | None = None, axis: str | None = None, *,
+        centre: torch.Tensor | None = None, **options: Any,
+    ) -> QTensor:  # fmt: skip
+        """Quantize ``x`` in format ``fmt``: this backend's kernel for the format, else the format's reference.
 
         Parameters
         ----------
         x : torch.Tensor
-            ``(batch, kv_heads, tokens, head_dim)``. For ``axis="channel"`` ``tokens`` must be a
-            multiple of ``group_size``; for ``axis="token"`` ``head_dim`` must be.
-        bits : int
-            Code width.
-        group_size : int
-            Elements per (scale, min) pair.
-        axis : {"token", "channel"}
-            Grouping axis.
-        meta_dtype : str, optional
-            The dtype scales and minimums are stored in, one of :data:`META_DTYPES`. Callers pass it
-            (as a keyword) only when it is not ``"auto"``, and only to a backend whose
-            ``capabilities.meta_dtypes`` lists it: backends that do not declare it need not accept it.
-        scheme : str, optional
-            ``"codebook"``: a per-vector scale and Lloyd-Max indices (``group_size`` and ``axis`` do not
-            apply; :mod:`kvpolicy.backends.codebook`). Passed (as a keyword) only when it is not
-            ``"minmax"``, and only to a backend whose ``capabilities.schemes`` lists it.
-        fit : str, optional
-            ``"mse"``: each min-max group's range is the one of least squared error rather than its
-            extremes (:data:`FITS`). Passed (as a keyword) only when it is not ``"minmax"``, and only
-            to a backend whose ``capabilities.fits`` lists it.
+            ``(batch, kv_heads, tokens, head_dim)``. For a format grouped along ``"channel"`` ``tokens``
+            must be a multiple of its ``group_size``; along ``"token"`` ``head_dim`` must be.
+        fmt : Format
+            What to store (:class:`~kvpolicy.formats.MinMax`, :class:`~kvpolicy.formats.Codebook`, or a
+            registered format): it carries every parameter (bits, group, axis, fit, metadata dtype).
+        centre : torch.Tensor, optional
+            ``(batch, kv_heads, 1, head_dim)``: an offset shared by a stream's blocks, for formats whose
+            :attr:`~kvpolicy.formats.base.Format.centred` says they take one.
+        group_size, axis, options
+            The positional shortcut ``quantize(x, bits, group_size, axis, meta_dtype=..., scheme=...,
+            fit=...)`` builds the format (:func:`kvpolicy.formats.from_arguments`).
 
         Raises
         ------
         MetadataOverflowError
-            If finite ``x`` would be stored with non-finite metadata. The built-in backends check
+            If finite ``x`` would be stored with non-finite metadata. The built-in formats check
             (:func:`check_metadata`) wherever finite input can overflow their metadata dtype.
         """
+        if not isinstance(fmt, Format):
+            fmt = formats.from_arguments(self.name, fmt, group_size, axis, **options)
+        elif group_size is not None or axis is not None or options:
+            raise TypeError("Backend.quantize(x, fmt): the format carries every parameter; pass nothing else")
+        kernel = self.quantizers.get(type(fmt))
+        return fmt.quantize(x, self, centre) if kernel is None else kernel(self, x, fmt, centre)
 
-    @abstractmethod
     def dequantize(self, q: QTensor) -> torch.Tensor:
-        """Return ``(batch, kv_heads, tokens, head_dim)`` in ``q.dtype``."""
+        """Return ``(batch, kv_heads, tokens, head_dim)`` in ``q.dtype`` (a kernel, else the block's own)."""
+        kernel = self.dequantizers.get(type(q))
+        return q.dequantize() if kernel is None else kernel(self, q)
 
-    @abstractmethod
     def cat(self, blocks: list[QTensor]) -> QTensor:
-        """Concatenate containers of the same configuration along the token axis."""
+        """Concatenate containers of the same configuration along the token axis (the block's ``cat``)."""
+        return type(blocks[0]).cat(blocks)
 
     def block_state(self, q: QTensor) -> dict:
         """``q`` as JSON values and tensors, for a saved cache (:meth:`kvpolicy.CompressedCache.save`).
 
-        Optional: a backend without it cannot save caches (the cache says so before writing)."""
-        raise NotImplementedError(f"backend {self.name!r} cannot save its quantized blocks (no block_state())")
+        Optional: blocks that name no saved layout (:attr:`QTensor.layouts`) cannot be saved (the cache
+        says so before writing)."""
+        if not type(q).layouts:
+            raise NotImplementedError(f"backend {self.name!r} cannot save its quantized blocks (no block_state())")
+        return q.state()
 
-    def load_block(self, state: dict) -> QTensor:
-        """The block :meth:`block_state` described."""
-        raise NotImplementedError(f"backend {self.name!r} cannot load quantized blocks (no load_block())")
+    def load_block(self, state: dict, fmt: Format | None = None) -> QTensor:
+        """The block :meth:`block_state` described (:func:`kvpolicy.formats.load_block`; ``fmt``: the
+        format of the stream it loads into)."""
+        return formats.load_block(state, fmt)
 
     def attend(
         self, query: torch.Tensor, keys: QTensor, values: QTensor, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of decode queries over a quantized segment, in mergeable (out, log-sum-exp) form.
 
-        The reference implementation dequantizes; backends override it with kernels that read
-        the packed codes directly. Results over disjoint key sets merge exactly:
-        ``lse = logaddexp(lse_a, lse_b)``, ``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``.
+        This backend's kernel for the pair of block classes (:attr:`attention_kernels`), else
+        :meth:`attend_without_kernel` (here: the reference, which dequantizes). Results over disjoint
+        key sets merge exactly: ``lse = logaddexp(lse_a, lse_b)``,
+        ``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``.
 
         Parameters
         ----------
@@ -295,7 +204,17 @@ class Backend(ABC):
         lse : torch.Tensor
             ``(batch, kv_heads, q)`` float32, ``logsumexp(scores)`` over these tokens.
         """
-        return dense_attention(query, self.dequantize(keys), self.dequantize(values), scale)
+        kernel = self.attention_kernels.get((type(keys), type(values)))
+        if kernel is not None:
+            return kernel(self, query, keys, values, scale)
+        return self.attend_without_kernel(query, keys, values, scale)
+
+    def attend_without_kernel(
+        self, query: torch.Tensor, keys: QTensor, values: QTensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`attend` for blocks without a kernel: the reference (:func:`reference_attend` over this
+        backend's :meth:`dequantize`). Backends that refuse such blocks override it."""
+        return reference_attend(query, keys, values, scale, self.dequantize)
 
     def check(self, *, bits: int, group_size: int, axis: str, role: str = "") -> None:
         """Raise :class:`ConfigError` if this backend cannot do what is asked.
@@ -328,7 +247,7 @@ class Backend(ABC):
         at ``bits`` (min-max widths are checked by :meth:`check`)."""
         caps = self.capabilities
         prefix = f"{role}_" if role else ""
-        if scheme not in caps.schemes:
+        if scheme not in caps.schemes and not (caps.reference_formats and scheme not in SCHEMES):
             raise ConfigError(
                 f"backend {self.name!r} does not support {prefix}scheme={scheme!r}; it supports {list(caps.schemes)}"
             )

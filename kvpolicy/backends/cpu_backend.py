@@ -1,15 +1,15 @@
 """The ``cpu`` backend: the ``torch`` backend's storage with a C++ decode-attention kernel.
 
 Quantize, dequantize, ``cat`` and the containers are the ``torch`` backend's
-(:class:`~kvpolicy.backends.torch_backend.PackedTensor` and
-:class:`~kvpolicy.backends.codebook.CodebookTensor`, bit for bit). ``attend`` — the quantized
+(:class:`~kvpolicy.formats.packed.PackedTensor` and
+:class:`~kvpolicy.formats.codebook.CodebookTensor`, bit for bit). ``attend`` — the quantized
 part of :mod:`kvpolicy.fused`'s decode attention — runs a hand-written C++ kernel
 (:mod:`kvpolicy.kernels.cpu_attention`) that reads the packed codes inside the score and value
 reductions: for min-max blocks, per key group, scores are ``(q ⊙ s) · codes + q · z``; per token, values
 add ``(p · s) · codes`` and ``p · z``; online softmax; float32 accumulation; OpenMP over
 (batch, kv head, token split).
 
-Codebook blocks (``Quantize(scheme="codebook")``, :class:`~kvpolicy.backends.codebook.CodebookTensor`:
+Codebook blocks (``Quantize(scheme="codebook")``, :class:`~kvpolicy.formats.codebook.CodebookTensor`:
 one scale per token, Lloyd-Max indices) are read by the same kernel: codebook keys score
 ``s_t · (q · C[codes_t])`` eight tokens at a time where AVX2 and FMA allow (tiles of
 :attr:`CpuBackend.tile` tokens), codebook values add
@@ -24,18 +24,18 @@ Nothing falls back to the ``torch`` computation at decode time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import ClassVar
+
 import torch
 
-from kvpolicy.backends import codebook
 from kvpolicy.backends.base import FITS, META_DTYPES, SCHEMES, Capabilities, QTensor
-from kvpolicy.backends.torch_backend import (
-    META_TORCH_DTYPES,
-    PackedTensor,
-    TorchBackend,
-    _inner_contiguous,
-    per_head_views,
-)
+from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import ConfigError
+from kvpolicy.formats import codebook
+from kvpolicy.formats.base import META_TORCH_DTYPES
+from kvpolicy.formats.codebook import CodebookTensor
+from kvpolicy.formats.packed import PackedTensor, _inner_contiguous, per_head_views
 from kvpolicy.kernels import cpu_attention
 
 #: the grouping axis the kernel reads, by role
@@ -97,31 +97,14 @@ class CpuBackend(TorchBackend):
                 "(use backend='torch' for other layouts)"
             )
 
-    def _packed(self, q: QTensor, role: str) -> PackedTensor:
-        if not isinstance(q, PackedTensor):
-            raise ConfigError(
-                f"backend 'cpu' reads PackedTensor and CodebookTensor containers; got {role}s={type(q).__name__}"
-            )
+    def _packed_args(self, q: PackedTensor, role: str) -> tuple:
         self.check(bits=q.bits, group_size=q.group_size, axis=q.axis, role=role)
         if q.codes.device.type != "cpu":
             raise ConfigError(f"backend 'cpu' runs on CPU tensors; got {role}s on {q.codes.device.type!r}")
-        return q
+        codes, scales, zeros = per_head_views(q)
+        return (codes, scales, zeros, None, q.bits, q.group_size), None
 
-    def _kernel_args(self, q: QTensor, role: str) -> tuple:
-        """``(codes, scales, minimums or None, codebook table or None, bits, group)`` of one role's block as
-        the kernel takes them (``group``: the key group or the value group; a codebook block's tile of
-        :attr:`tile` tokens for keys, unused for values), after checking the block.
-
-        Raises
-        ------
-        ConfigError
-            Naming the role and what is wrong: a container the kernel does not read, a layout or width it
-            does not serve, tensors not on the CPU or of the wrong shape or dtype.
-        """
-        if not isinstance(q, codebook.CodebookTensor):
-            p = self._packed(q, role)
-            codes, scales, zeros = per_head_views(p)
-            return codes, scales, zeros, None, p.bits, p.group_size
+    def _codebook_args(self, q: CodebookTensor, role: str) -> tuple:
         self.check_scheme("codebook", q.bits, role=role)
         codes, scales = q.codes, q.scales
         if codes.device.type != "cpu" or scales.device.type != "cpu":
@@ -142,7 +125,31 @@ class CpuBackend(TorchBackend):
             codes = codes.contiguous()
         if not _inner_contiguous(scales):
             scales = scales.contiguous()
-        return codes, scales, None, codebook.centroids(q.bits), q.bits, max(1, int(self.tile)) if role == "key" else 0
+        group = max(1, int(self.tile)) if role == "key" else 0
+        return (codes, scales, None, codebook.centroids(q.bits), q.bits, group), q.centre
+
+    #: how the kernel reads each format's blocks: ``{block class: method(self, q, role) -> (kernel arguments,
+    #: centre or None)}`` (a centre, ``(B, H, 1, D)``, enters after the kernel, which reads the codes alone)
+    readers: ClassVar[dict[type, Callable[..., tuple]]] = {PackedTensor: _packed_args, CodebookTensor: _codebook_args}
+
+    def _kernel_args(self, q: QTensor, role: str) -> tuple[tuple, torch.Tensor | None]:
+        """``(codes, scales, minimums or None, codebook table or None, bits, group)`` of one role's block as
+        the kernel takes them (``group``: the key group or the value group; a codebook block's tile of
+        :attr:`tile` tokens for keys, unused for values), and the block's centre (or ``None``), after
+        checking the block (:attr:`readers`).
+
+        Raises
+        ------
+        ConfigError
+            Naming the role and what is wrong: a container the kernel does not read, a layout or width it
+            does not serve, tensors not on the CPU or of the wrong shape or dtype.
+        """
+        reader = self.readers.get(type(q))
+        if reader is None:
+            raise ConfigError(
+                f"backend 'cpu' reads PackedTensor and CodebookTensor containers; got {role}s={type(q).__name__}"
+            )
+        return reader(self, q, role)
 
     def attend(  # type: ignore[override]
         self, query: torch.Tensor, keys: QTensor, values: QTensor, scale: float
@@ -173,8 +180,8 @@ class CpuBackend(TorchBackend):
             If a block is not one the kernel reads (see :meth:`_kernel_args`), the shapes do not match the
             query or each other, or keys and values differ in metadata dtype.
         """
-        kc, ks, kz, kt, kbits, kgroup = self._kernel_args(keys, "key")
-        vc, vs, vz, vt, vbits, vgroup = self._kernel_args(values, "value")
+        (kc, ks, kz, kt, kbits, kgroup), key_centre = self._kernel_args(keys, "key")
+        (vc, vs, vz, vt, vbits, vgroup), value_centre = self._kernel_args(values, "value")
         self.check_tensor(query)
         if query.dim() != 4:
             raise ConfigError(f"backend 'cpu': query must be (batch, kv_heads, q, head_dim); got {tuple(query.shape)}")
@@ -206,8 +213,8 @@ class CpuBackend(TorchBackend):
         # a centred codebook block: the kernel reads the codes alone, and the centre enters after it
         # (every key score of the block shifts by q · μ, which moves the block's log-sum-exp only; the
         # values' centre adds to the output, whose probabilities sum to one)
-        if isinstance(keys, codebook.CodebookTensor) and keys.centre is not None:
-            lse = lse + codebook.centre_score(q32, keys)  # type: ignore[operator]
-        if isinstance(values, codebook.CodebookTensor) and values.centre is not None:
-            out = out + values.centre.float()
+        if key_centre is not None:
+            lse = lse + torch.matmul(q32, key_centre.float().transpose(-1, -2)).squeeze(-1)
+        if value_centre is not None:
+            out = out + value_centre.float()
         return out, lse

@@ -27,12 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 
 from kvpolicy.backends._optional import require
 from kvpolicy.backends.base import AXES, Backend, Capabilities, QTensor, check_metadata
 from kvpolicy.errors import ConfigError
+from kvpolicy.formats.packed import MinMax
 
 
 @dataclass
@@ -66,6 +68,22 @@ class HQQTensor(QTensor):
         codes, scales, zeros = (_by_batch(t, b, fn) for t in (self.codes, self.scales, self.zeros))
         new_b = codes.shape[1] * b // self.codes.shape[1] if self.codes.shape[1] else b
         return replace(self, codes=codes, scales=scales, zeros=zeros, shape=(new_b, *self.shape[1:]))
+
+    @classmethod
+    def cat(cls, blocks: list[QTensor]) -> HQQTensor:  # type: ignore[override]
+        """Blocks along the token axis: the columns of each (batch, head) row, joined."""
+        if len(blocks) == 1:
+            return blocks[0]  # type: ignore[return-value]
+        first: HQQTensor = blocks[0]  # type: ignore[assignment]
+        b, h = first.shape[:2]
+
+        def cat(name: str) -> torch.Tensor:
+            parts = [getattr(blk, name) for blk in blocks]
+            rows = parts[0].shape[0]
+            return torch.cat([p.reshape(rows, b, h, -1) for p in parts], dim=3).reshape(rows, -1)
+
+        shape = (b, h, sum(blk.shape[2] for blk in blocks), first.shape[3])
+        return replace(first, codes=cat("codes"), scales=cat("scales"), zeros=cat("zeros"), shape=shape)
 
 
 def _by_batch(t: torch.Tensor, batch: int, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -119,19 +137,25 @@ class HQQBackend(Backend):
     def __init__(self) -> None:
         self._quantizer = require("hqq.core.quantize", self.name, "hqq").Quantizer
 
-    def quantize(self, x: torch.Tensor, bits: int, group_size: int, axis: str, meta_dtype: str = "auto") -> HQQTensor:
-        """:meth:`Backend.quantize`; the metadata is float32 whatever ``meta_dtype`` (``"auto"`` or ``"float32"``).
+    def _quantize(self, x: torch.Tensor, fmt: MinMax, centre: torch.Tensor | None = None) -> HQQTensor:
+        """:meth:`Backend.quantize` of a :class:`~kvpolicy.formats.MinMax` format; the metadata is float32
+        whatever ``meta_dtype`` (``"auto"`` or ``"float32"``).
 
         Raises
         ------
+        ConfigError
+            If the format asks for what HQQ does not do (another ``meta_dtype``, fitted ranges, a centre).
         MetadataOverflowError
             If finite ``x`` gives a non-finite scale or zero-point.
         """
+        bits, group_size, axis, meta_dtype = fmt.bits, fmt.group_size, fmt.axis, fmt.meta_dtype
         if meta_dtype not in self.capabilities.meta_dtypes:
             raise ConfigError(
                 f"backend 'hqq' stores float32 metadata; meta_dtype must be one of "
                 f"{list(self.capabilities.meta_dtypes)}; got meta_dtype={meta_dtype!r}"
             )
+        if fmt.fit not in self.capabilities.fits or centre is not None:
+            raise ConfigError(f"backend 'hqq' runs its own optimiser: fit='minmax' and no centre; got {fmt}")
         self.check(bits=bits, group_size=group_size, axis=axis)
         w = _columns(x, group_size, axis)
         codes, meta = self._quantizer.quantize(
@@ -151,20 +175,9 @@ class HQQBackend(Backend):
             "compute_dtype": q.dtype,
         }  # fmt: skip
 
-    def dequantize(self, q: HQQTensor) -> torch.Tensor:  # type: ignore[override]
+    def _dequantize(self, q: HQQTensor) -> torch.Tensor:
         w = self._quantizer.dequantize(q.codes, self._meta(q))  # float32: the metadata is float32
         return _uncolumns(w, q.axis, q.shape).to(q.dtype)
 
-    def cat(self, blocks: list[HQQTensor]) -> HQQTensor:  # type: ignore[override]
-        if len(blocks) == 1:
-            return blocks[0]
-        first = blocks[0]
-        b, h = first.shape[:2]
-
-        def cat(name: str) -> torch.Tensor:
-            parts = [getattr(blk, name) for blk in blocks]
-            rows = parts[0].shape[0]
-            return torch.cat([p.reshape(rows, b, h, -1) for p in parts], dim=3).reshape(rows, -1)
-
-        shape = (b, h, sum(blk.shape[2] for blk in blocks), first.shape[3])
-        return replace(first, codes=cat("codes"), scales=cat("scales"), zeros=cat("zeros"), shape=shape)
+    quantizers: ClassVar[dict[type, Callable[..., QTensor]]] = {MinMax: _quantize}
+    dequantizers: ClassVar[dict[type, Callable[..., torch.Tensor]]] = {HQQTensor: _dequantize}

@@ -30,13 +30,14 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from kvpolicy.backends._optional import require
 from kvpolicy.backends.base import AXES, Backend, Capabilities, QTensor, check_metadata
 from kvpolicy.errors import ConfigError
+from kvpolicy.formats.packed import MinMax
 
 #: quanto grouping axis for each kvpolicy axis
 QUANTO_AXIS = {"token": 0, "channel": -1}
@@ -73,6 +74,19 @@ class QuantoTensor(QTensor):
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantoTensor:
         codes, scale, shift = (fn(t) for t in _batch_major(self))
         return _rebuild(self, codes, scale, shift)
+
+    def dequantize(self) -> torch.Tensor:
+        """quanto's own ``scale * code - shift``, in the input dtype."""
+        return self.qt.dequantize().reshape(self.shape)
+
+    @classmethod
+    def cat(cls, blocks: list[QTensor]) -> QuantoTensor:  # type: ignore[override]
+        """Blocks along the token axis: codes unpacked, joined and packed again (nothing requantized)."""
+        if len(blocks) == 1:
+            return blocks[0]  # type: ignore[return-value]
+        parts = [_batch_major(b) for b in blocks]  # type: ignore[arg-type]
+        codes, scale, shift = (torch.cat([p[i] for p in parts], dim=2) for i in range(3))
+        return _rebuild(blocks[0], codes, scale, shift)  # type: ignore[arg-type]
 
 
 def _batch_major(q: QuantoTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -164,7 +178,22 @@ class QuantoBackend(Backend):
         get_extension("quanto_cpp").lib  # noqa: B018 - the property builds and loads the extension
         self._cpu_ready = True
 
-    def quantize(self, x: torch.Tensor, bits: int, group_size: int, axis: str) -> QuantoTensor:
+    def _quantize(self, x: torch.Tensor, fmt: MinMax, centre: torch.Tensor | None = None) -> QuantoTensor:
+        """:meth:`Backend.quantize` of a :class:`~kvpolicy.formats.MinMax` format with quanto's optimiser.
+
+        Raises
+        ------
+        ConfigError
+            If the format asks for what quanto does not do (a ``meta_dtype``, fitted ranges, a centre).
+        MetadataOverflowError
+            If float16 groups overflow quanto's float16 arithmetic (see the module docstring).
+        """
+        bits, group_size, axis = fmt.bits, fmt.group_size, fmt.axis
+        if fmt.meta_dtype != "auto" or fmt.fit != "minmax" or centre is not None:
+            raise ConfigError(
+                f"backend 'quanto' keeps its metadata in the input dtype with min-max ranges: meta_dtype='auto', "
+                f"fit='minmax' and no centre; got {fmt}"
+            )
         self.check(bits=bits, group_size=group_size, axis=axis)
         qtype = self._qtypes[bits]
         qaxis = QUANTO_AXIS[axis]
@@ -184,12 +213,4 @@ class QuantoBackend(Backend):
             check_metadata(self.name, x, meta, _FP16_REMEDY)
         return QuantoTensor(qt, bits, group_size, axis, tuple(x.shape), x.dtype)  # type: ignore[arg-type]
 
-    def dequantize(self, q: QuantoTensor) -> torch.Tensor:  # type: ignore[override]
-        return q.qt.dequantize().reshape(q.shape)
-
-    def cat(self, blocks: list[QuantoTensor]) -> QuantoTensor:  # type: ignore[override]
-        if len(blocks) == 1:
-            return blocks[0]
-        parts = [_batch_major(b) for b in blocks]
-        codes, scale, shift = (torch.cat([p[i] for p in parts], dim=2) for i in range(3))
-        return _rebuild(blocks[0], codes, scale, shift)
+    quantizers: ClassVar[dict[type, Callable[..., QTensor]]] = {MinMax: _quantize}

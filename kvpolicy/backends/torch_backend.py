@@ -1,437 +1,52 @@
-"""The ``torch`` backend: pure-PyTorch asymmetric min-max quantization with real bit packing.
+"""The ``torch`` backend: the reference, pure PyTorch; every format through its own methods.
 
-Codes are packed ``8 // bits`` to a ``uint8`` (3 bits: eight codes to three bytes); each group
-stores a scale and a minimum, by default 16-bit (``meta_dtype="auto"``: ``bfloat16`` for
-``bfloat16`` inputs, ``float16`` otherwise; bits per element ``bits + 32 / G``), or in the dtype
-``meta_dtype`` names (``"float16"``, ``"bfloat16"``, ``"float32"``: ``bits + 64 / G``).
-
-Rounding of the metadata is directed so the error bound survives it: the minimum is rounded down and
-the scale up, so the representable range ``[min16, min16 + (2**bits - 1) * s16]`` always covers the
-group, and ``|x - x_hat| <= s16 / 2`` (plus the rounding of the output dtype).
-
-Where finite input can overflow the metadata dtype (float32 / float64 input with float16 metadata:
-a group minimum below -65504 or a scale above 65504; see
-:func:`~kvpolicy.backends.base.metadata_may_overflow`), the metadata is checked after the cast and
-:class:`~kvpolicy.errors.MetadataOverflowError` raised instead of storing NaN / Inf.
+Its default format is :mod:`kvpolicy.formats.packed` (asymmetric min-max groups with real bit packing;
+the names below are re-exported from there for the code that imports them from this module), and the
+codebook scheme is :mod:`kvpolicy.formats.codebook`. This backend registers no kernel: quantize,
+dequantize, cat and attend are the formats' own, so a new format runs here as soon as it is
+registered (``Capabilities.reference_formats``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 
-from kvpolicy import state_check
-from kvpolicy.backends import codebook
-from kvpolicy.backends.base import (
-    AXES,
-    FITS,
-    META_DTYPES,
-    SCHEMES,
-    Backend,
-    Capabilities,
-    QTensor,
-    check_metadata,
-    metadata_may_overflow,
-    widen_remedy,
-)
+from kvpolicy import formats
+from kvpolicy.backends.base import AXES, FITS, META_DTYPES, SCHEMES, Backend, Capabilities, QTensor
 from kvpolicy.errors import ConfigError
-
-
-@dataclass
-class PackedTensor(QTensor):
-    """Bit-packed codes with per-group scale and minimum.
-
-    Attributes
-    ----------
-    codes : torch.Tensor
-        ``uint8``. Token axis: ``(batch, kv_heads, tokens, head_dim // G, G * bits // 8)``.
-        Channel axis: ``(batch, kv_heads, tokens // G, head_dim, G * bits // 8)``.
-    scales, zeros : torch.Tensor
-        The codes' shape without the last dimension, in the metadata dtype (``float16``,
-        ``bfloat16`` or ``float32``: see :func:`resolve_meta_dtype`).
-    """
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor
-    bits: int
-    group_size: int
-    axis: str
-    shape: tuple[int, int, int, int]
-    dtype: torch.dtype
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {"codes": self.codes, "scales": self.scales, "zeros": self.zeros}
-
-    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PackedTensor:
-        codes, scales, zeros = fn(self.codes), fn(self.scales), fn(self.zeros)
-        return PackedTensor(
-            codes, scales, zeros, self.bits, self.group_size, self.axis,
-            (codes.shape[0], *self.shape[1:]), self.dtype,
-        )  # fmt: skip
-
-    def narrow(self, start: int, length: int) -> PackedTensor:
-        """Tokens ``[start, start + length)`` as a view (per-channel blocks: whole groups only)."""
-        per = 1 if self.axis == "token" else self.group_size
-        if start % per or length % per or start < 0 or length < 0 or start + length > self.shape[2]:
-            raise ValueError(
-                f"narrow(start={start}, length={length}) on a {self.axis}-grouped block of {self.shape[2]} tokens "
-                f"(group_size={self.group_size}): the range must lie inside the block, in whole groups"
-            )
-        sl = slice(start // per, (start + length) // per)
-        return PackedTensor(
-            self.codes[:, :, sl], self.scales[:, :, sl], self.zeros[:, :, sl], self.bits, self.group_size, self.axis,
-            (*self.shape[:2], length, self.shape[3]), self.dtype,
-        )  # fmt: skip
-
-
-def _inner_contiguous(t: torch.Tensor) -> bool:
-    """Whether each (batch, head) slice of ``t`` is one contiguous block."""
-    expected = 1
-    for size, stride in zip(reversed(t.shape[2:]), reversed(t.stride()[2:]), strict=True):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def per_head_views(q: PackedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes, scales and minimums of ``q`` as attention kernels read them: batch and head strides are
-    free (token slices of a larger container are read in place), each (batch, head) slice is one
-    contiguous block (anything else is copied)."""
-    codes, scales, zeros = q.codes, q.scales, q.zeros
-    if not _inner_contiguous(codes):
-        codes = codes.contiguous()
-    if scales.stride() != zeros.stride() or not _inner_contiguous(scales):
-        scales, zeros = scales.contiguous(), zeros.contiguous()
-    return codes, scales, zeros
-
-
-def packed_state(q: QTensor) -> dict:
-    """A :class:`PackedTensor` as JSON values and tensors (the ``torch``, ``cpu`` and ``triton``
-    backends share the layout, so a block saved by one loads into any of them)."""
-    if not isinstance(q, PackedTensor):
-        raise TypeError(f"expected a PackedTensor block; got {type(q).__name__}")
-    return {
-        "layout": "packed-v1", "codes": q.codes, "scales": q.scales, "zeros": q.zeros, "bits": q.bits,
-        "group_size": q.group_size, "axis": q.axis, "shape": list(q.shape),
-        "dtype": str(q.dtype).removeprefix("torch."),
-    }  # fmt: skip
-
-
-def packed_from_state(state: dict) -> PackedTensor:
-    """The :class:`PackedTensor` :func:`packed_state` described, its tensor shapes checked."""
-    state_check.entries(
-        state, "packed block", ("layout", "codes", "scales", "zeros", "bits", "group_size", "axis", "shape", "dtype")
-    )
-    if state["layout"] != "packed-v1":
-        raise ValueError(f"block layout {state['layout']!r:.40} is not 'packed-v1'")
-    bits = state_check.choice(state["bits"], "block bits", (1, 2, 3, 4, 8))
-    group = state_check.integer(state["group_size"], "block group_size", 1)
-    if group * bits % 8:
-        raise ValueError(f"a block of {bits}-bit codes in groups of {group} does not fill whole bytes")
-    axis = state_check.choice(state["axis"], "block axis", AXES)
-    b, h, n, d = state_check.shape4(state["shape"], "a block's shape")
-    dtype = state_check.float_dtype(state["dtype"], "a block's dtype")
-    if (d if axis == "token" else n) % group:
-        raise ValueError(f"a {axis}-grouped block of shape {(b, h, n, d)} does not split into groups of {group}")
-    lead = (b, h, n, d // group) if axis == "token" else (b, h, n // group, d)
-    codes = state_check.tensor(state["codes"], "block codes")
-    scales = state_check.tensor(state["scales"], "block scales", tuple(META_TORCH_DTYPES.values()))
-    zeros = state_check.tensor(state["zeros"], "block zeros", scales.dtype)
-    expected = (*lead, group * bits // 8)
-    if tuple(codes.shape) != expected or tuple(scales.shape) != lead or tuple(zeros.shape) != lead:
-        raise ValueError(
-            f"block tensors have shapes codes {tuple(codes.shape)}, scales {tuple(scales.shape)}, zeros "
-            f"{tuple(zeros.shape)}; a {axis}-grouped block of shape {(b, h, n, d)} needs {expected} and {lead}"
-        )
-    if codes.dtype != torch.uint8:
-        raise ValueError(f"block codes must be uint8; got {codes.dtype}")
-    return PackedTensor(codes, scales, zeros, bits, group, axis, (b, h, n, d), dtype)
-
-
-#: ``meta_dtype`` names -> the dtype scales and minimums are stored in
-META_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-#: the largest finite float16 (float16 outputs of ``dequantize`` are clamped to it)
-FP16_MAX = torch.finfo(torch.float16).max
-
-
-def meta_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The default (``meta_dtype="auto"``) 16-bit dtype of scales and minimums of a tensor of ``dtype``."""
-    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
-
-
-def resolve_meta_dtype(option: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype scales and minimums of a ``dtype`` tensor are stored in under ``meta_dtype=option``.
-
-    Raises
-    ------
-    ConfigError
-        If ``option`` is not one of :data:`~kvpolicy.backends.base.META_DTYPES`.
-    """
-    if option == "auto":
-        return meta_dtype(dtype)
-    if option not in META_TORCH_DTYPES:
-        raise ConfigError(f"meta_dtype must be one of {list(META_DTYPES)}; got meta_dtype={option!r}")
-    return META_TORCH_DTYPES[option]
-
-
-def metadata_check(backend: Backend | str, x: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
-    """:func:`~kvpolicy.backends.base.check_metadata` of freshly quantized min-max metadata, run only
-    where finite ``x`` can overflow it (:func:`~kvpolicy.backends.base.metadata_may_overflow`; no cost,
-    no synchronisation otherwise).
-
-    Parameters
-    ----------
-    backend : Backend or str
-        The backend the error names; its ``capabilities.meta_dtypes`` are the remedies offered (a name
-        alone: every ``meta_dtype`` of :data:`~kvpolicy.backends.base.META_DTYPES`).
-    x : torch.Tensor
-        The input just quantized, any shape.
-    scales, zeros : torch.Tensor
-        Its groups' scales and minimums, in the metadata dtype.
-
-    Raises
-    ------
-    MetadataOverflowError
-        If finite ``x`` gave a non-finite scale or minimum.
-    """
-    if metadata_may_overflow(x.dtype, scales.dtype):
-        if isinstance(backend, str):
-            name, offered = backend, META_DTYPES
-        else:
-            name, offered = backend.name, backend.capabilities.meta_dtypes
-        check_metadata(name, x, {"scales": scales, "zeros": zeros}, widen_remedy(scales.dtype, offered))
-
-
-def _round_down(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    y = x.to(dtype)
-    return torch.where(y.float() > x, torch.nextafter(y, torch.full_like(y, -float("inf"))), y)
-
-
-def _round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    y = x.to(dtype)
-    return torch.where(y.float() < x, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
-
-
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack ``uint8`` codes along the last dimension, ``8 // bits`` per byte (lowest bits first).
-
-    3 bits: each run of eight codes becomes three bytes, code ``j`` at bits ``3j .. 3j + 2`` of the
-    little-endian 24-bit word (the last dimension must be a multiple of 8); ``n * 3 / 8`` bytes.
-    """
-    if bits == 3:
-        c = codes.view(*codes.shape[:-1], codes.shape[-1] // 8, 8).to(torch.int32)
-        word = c[..., 0].clone()
-        for j in range(1, 8):
-            word |= c[..., j] << (3 * j)
-        out = torch.stack([(word >> (8 * i)) & 0xFF for i in range(3)], dim=-1).to(torch.uint8)
-        return out.reshape(*codes.shape[:-1], codes.shape[-1] // 8 * 3)
-    per = 8 // bits
-    if per == 1:
-        return codes
-    c = codes.view(*codes.shape[:-1], codes.shape[-1] // per, per)
-    out = c[..., 0].clone()
-    for j in range(1, per):
-        out |= c[..., j] << (bits * j)
-    return out
-
-
-def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack`: ``(..., n)`` bytes to ``(..., n * 8 // bits)`` codes."""
-    if bits == 3:
-        b = packed.view(*packed.shape[:-1], packed.shape[-1] // 3, 3).to(torch.int32)
-        word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
-        codes = torch.stack([(word >> (3 * j)) & 7 for j in range(8)], dim=-1).to(torch.uint8)
-        return codes.reshape(*packed.shape[:-1], packed.shape[-1] // 3 * 8)
-    per = 8 // bits
-    if per == 1:
-        return packed
-    mask = (1 << bits) - 1
-    # one shift-and-mask per code slot: several times faster on CPU than a broadcast over a shift vector
-    codes = torch.stack([(packed >> (bits * j)) & mask for j in range(per)], dim=-1)
-    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per)
-
-
-def _grouped(x: torch.Tensor, group_size: int, axis: str) -> torch.Tensor:
-    """``(B, H, n, D)`` -> groups on the last dimension (see :class:`PackedTensor`)."""
-    b, h, n, d = x.shape
-    if axis == "token":
-        return x.reshape(b, h, n, d // group_size, group_size)
-    return x.reshape(b, h, n // group_size, group_size, d).transpose(-1, -2)
-
-
-def _ungrouped(g: torch.Tensor, axis: str, shape: tuple[int, int, int, int]) -> torch.Tensor:
-    if axis == "token":
-        return g.reshape(shape)
-    return g.transpose(-1, -2).reshape(shape)
-
-
-#: alternating least-squares rounds of ``fit="mse"`` (docs/explanation/quantization.md, "Fitted ranges")
-MSE_ROUNDS = 4
-
-
-def quantize_groups(
-    g: torch.Tensor, bits: int, mdtype: torch.dtype, fit: str = "minmax", *, backend: Backend | str = "torch"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric quantization of the last dimension of ``g`` on a uniform grid of ``2**bits`` points.
-
-    ``fit="minmax"``: the grid spans each group's extremes, so every element is within half a step
-    of its code. ``fit="mse"``: the grid's minimum and step are refitted for the least squared error
-    (:func:`fit_range`); extreme elements may then be clamped to the grid's ends. Each group keeps
-    whichever of the two stores the smaller squared error (computed in float32 from the stored
-    metadata), so a fitted group never holds more error than its min-max grid would.
-
-    Metadata range: a group whose min-max grid does not fit ``mdtype`` (its minimum, rounded down, below
-    ``-finfo(mdtype).max``, or its scale ``(max - min) / (2**bits - 1)``, rounded up, above
-    ``finfo(mdtype).max``; e.g. float32 groups reaching about ±65504 with float16 metadata) is refused
-    with :class:`~kvpolicy.errors.MetadataOverflowError`, whichever ``fit``, rather than returned as
-    ``inf`` metadata: the check the built-in backends' ``quantize`` runs (:func:`metadata_check`). It
-    runs where finite input can overflow ``mdtype`` (``mdtype`` holds smaller magnitudes than
-    ``g.dtype``: one reduction over the metadata and one host synchronisation); elsewhere the metadata
-    holds every group (float16 input: ``(max - min) / 3 <= 43669``) except groups within a factor of
-    about 2 of float32's maximum (``max - min`` overflows float32 itself), which are left to the caller
-    (a cache's ``Quantize(check_finite=True)`` checks them). Non-finite ``g`` is not refused: its
-    groups come back with non-finite metadata.
-
-    Parameters
-    ----------
-    g : torch.Tensor
-        ``(..., n)`` floating point: groups of ``n`` elements on the last dimension.
-    bits : int
-        Code width, 2 to 8.
-    mdtype : torch.dtype
-        The floating-point dtype scales and minimums are stored in.
-    fit : {"minmax", "mse"}
-        How each group's range is chosen (:data:`~kvpolicy.backends.base.FITS`).
-    backend : Backend or str
-        The backend an overflow error names (and whose ``meta_dtypes`` its remedy offers).
-
-    Returns
-    -------
-    codes : torch.Tensor
-        ``uint8`` codes in ``[0, 2**bits - 1]``, same shape as ``g``.
-    scales, zeros : torch.Tensor
-        ``g.shape[:-1]`` in ``mdtype``.
-
-    Raises
-    ------
-    ConfigError
-        If ``bits``, ``mdtype`` or ``fit`` is not one allowed.
-    MetadataOverflowError
-        If finite ``g`` has a group whose min-max grid does not fit ``mdtype`` (see above).
-    """
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
-        raise ConfigError(f"quantize_groups: bits must be an integer from 2 to 8 (uint8 codes); got bits={bits!r}")
-    if not isinstance(mdtype, torch.dtype) or not mdtype.is_floating_point:
-        raise ConfigError(f"quantize_groups: mdtype must be a floating-point torch.dtype; got mdtype={mdtype!r}")
-    if fit not in FITS:
-        raise ConfigError(f"quantize_groups: fit must be one of {list(FITS)}; got fit={fit!r}")
-    qmax = (1 << bits) - 1
-    gf = g.float()
-    lo = gf.amin(dim=-1)
-    hi = gf.amax(dim=-1)
-    codes, scales, zeros = _encode(gf, lo, hi, qmax, mdtype)
-    # the min-max grid is refused or kept before any fitting: a fitted grid is chosen only where its
-    # (finite) error is below the min-max grid's, so what passes here comes back finite either way
-    metadata_check(backend, g, scales, zeros)
-    if fit == "minmax":
-        return codes, scales, zeros
-    lo_f, step_f = fit_range(gf, lo, (hi - lo) / qmax, qmax, MSE_ROUNDS)
-    codes_f, scales_f, zeros_f = _encode(gf, lo_f, lo_f + qmax * step_f, qmax, mdtype)
-    better = _squared_error(gf, codes_f, scales_f, zeros_f) < _squared_error(gf, codes, scales, zeros)
-    return (torch.where(better.unsqueeze(-1), codes_f, codes), torch.where(better, scales_f, scales),
-            torch.where(better, zeros_f, zeros))  # fmt: skip
-
-
-def fit_range(
-    gf: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, qmax: int, rounds: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Refit each group's grid ``lo + step · c`` (``c`` in ``0..qmax``) for the least squared error.
-
-    Alternating least squares (Lloyd's iteration for a uniform grid): round every element to its
-    nearest grid point, then solve the 2 × 2 least-squares problem for ``lo`` and ``step`` given
-    those codes. Neither half raises the squared error, so it falls from the start's. A group whose
-    codes are all equal, or whose refit step is not positive or finite, keeps its previous grid.
-
-    Parameters
-    ----------
-    gf : torch.Tensor
-        ``(..., n)`` float32, the groups.
-    lo, step : torch.Tensor
-        ``(...)``: the starting grid (min-max: the minimum and ``(max − min) / qmax``).
-    qmax : int
-        The top code.
-    rounds : int
-        Iterations.
-
-    Returns
-    -------
-    lo, step : torch.Tensor
-        ``(...)`` float32, the refitted grid.
-    """
-    n = gf.shape[-1]
-    sum_x = gf.sum(dim=-1)
-    for _ in range(rounds):
-        inv = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
-        c = ((gf - lo.unsqueeze(-1)) * inv.unsqueeze(-1)).round_().clamp_(0, qmax)
-        sum_c = c.sum(dim=-1)
-        den = n * (c * c).sum(dim=-1) - sum_c * sum_c
-        ok = den > 0
-        new_step = (n * (c * gf).sum(dim=-1) - sum_c * sum_x) / torch.where(ok, den, torch.ones_like(den))
-        new_lo = (sum_x - new_step * sum_c) / n
-        ok &= (new_step > 0) & torch.isfinite(new_step) & torch.isfinite(new_lo)
-        step = torch.where(ok, new_step, step)
-        lo = torch.where(ok, new_lo, lo)
-    return lo, step
-
-
-def _encode(
-    gf: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, qmax: int, mdtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes and metadata of the grid from ``lo`` to ``hi``: the minimum rounded down and the scale
-    rounded up to ``mdtype``, so the stored grid still spans ``[lo, hi]``."""
-    zeros = _round_down(lo, mdtype)
-    z = zeros.float()
-    scales = _round_up((hi - z) / qmax, mdtype)
-    s = scales.float()
-    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
-    codes = ((gf - z.unsqueeze(-1)) * inv.unsqueeze(-1)).round_().clamp_(0, qmax).to(torch.uint8)
-    return codes, scales, zeros
-
-
-def _squared_error(gf: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """Per group, ``Σ (zero + scale · code − x)²`` in float32 from the stored metadata."""
-    back = zeros.float().unsqueeze(-1) + scales.float().unsqueeze(-1) * codes.float()
-    return (back - gf).square_().sum(dim=-1)
-
-
-def dequantize_groups(q: PackedTensor) -> torch.Tensor:
-    """float32 values of ``q`` in its grouped layout (see :class:`PackedTensor`)."""
-    codes = unpack(q.codes, q.bits).float()
-    return codes.mul_(q.scales.float().unsqueeze(-1)).add_(q.zeros.float().unsqueeze(-1))
-
-
-def quantize_packed(
-    backend: Backend, x: torch.Tensor, bits: int, group_size: int, axis: str, mdt: torch.dtype, fit: str
-) -> PackedTensor:
-    """Min-max groups of ``x`` (:func:`quantize_groups`) packed into a :class:`PackedTensor`, their
-    metadata in ``mdt`` checked for overflow in the name of ``backend`` (by :func:`quantize_groups`): the
-    ``torch`` backend's ``quantize``, and any backend storing its format that runs this code (``cpu``;
-    ``triton`` for ``fit="mse"``)."""
-    shape = tuple(x.shape)
-    codes, scales, zeros = quantize_groups(_grouped(x, group_size, axis), bits, mdt, fit, backend=backend)
-    # contiguous storage: unpacking a transposed (per-channel) view is markedly slower on CPU
-    packed = pack(codes, bits).contiguous()
-    return PackedTensor(packed, scales.contiguous(), zeros.contiguous(), bits, group_size, axis, shape, x.dtype)  # type: ignore[arg-type]
+from kvpolicy.formats import codebook
+from kvpolicy.formats.packed import (  # noqa: F401 - re-exported
+    FP16_MAX,
+    META_TORCH_DTYPES,
+    MSE_ROUNDS,
+    MinMax,
+    PackedTensor,
+    _grouped,
+    _inner_contiguous,
+    _ungrouped,
+    dequantize_groups,
+    fit_range,
+    meta_dtype,
+    metadata_check,
+    pack,
+    packed_from_state,
+    packed_state,
+    per_head_views,
+    quantize_groups,
+    quantize_packed,
+    resolve_meta_dtype,
+    unpack,
+)
 
 
 class TorchBackend(Backend):
-    """Pure-PyTorch reference backend (any device torch runs on)."""
+    """Pure-PyTorch reference backend (any device torch runs on): every format through its own methods.
+
+    ``attend`` (blocks without a kernel: every pair here) is :func:`kvpolicy.formats.attend`, which reads
+    each block's :meth:`~kvpolicy.formats.base.QTensor.scores` and :meth:`~kvpolicy.formats.base.QTensor.mix`:
+    min-max keys grouped per channel score without forming a dequantized key, codebook blocks score the
+    query against the centroid values times each key's scale; float32 throughout.
+    """
 
     name = "torch"
     capabilities = Capabilities(
@@ -445,6 +60,7 @@ class TorchBackend(Backend):
         codebook_bits=codebook.CODEBOOK_BITS,
         codebook_centre=True,
         fits=FITS,
+        reference_formats=True,
     )
 
     def check(self, *, bits: int, group_size: int, axis: str, role: str = "") -> None:
@@ -457,107 +73,8 @@ class TorchBackend(Backend):
                 f"with bits=3; got {name}={group_size}"
             )
 
-    def quantize(  # type: ignore[override]
-        self, x: torch.Tensor, bits: int, group_size: int | None, axis: str, meta_dtype: str = "auto",
-        scheme: str = "minmax", centre: torch.Tensor | None = None, fit: str = "minmax",
-    ) -> PackedTensor | codebook.CodebookTensor:  # fmt: skip
-        """:meth:`Backend.quantize`; ``meta_dtype`` selects the metadata dtype (:func:`resolve_meta_dtype`),
-        ``scheme="codebook"`` stores a :class:`~kvpolicy.backends.codebook.CodebookTensor` (``group_size``
-        and ``axis`` are then ignored), centred on ``centre`` ``(batch, kv_heads, 1, head_dim)`` when one
-        is given (codebook only); ``fit`` chooses each min-max group's range (:func:`quantize_groups`).
-
-        Raises
-        ------
-        MetadataOverflowError
-            If finite ``x`` gives a non-finite scale or minimum in the metadata dtype.
-        """
-        if fit not in FITS:
-            raise ConfigError(f"backend {self.name!r}: fit must be one of {list(FITS)}; got fit={fit!r}")
-        if scheme != "minmax":
-            if fit != "minmax":
-                raise ConfigError(
-                    f"backend {self.name!r}: fit={fit!r} applies to scheme='minmax' only; got scheme={scheme!r}"
-                )
-            self.check_scheme(scheme, bits)
-            mdt = resolve_meta_dtype(meta_dtype, x.dtype)
-            return codebook.quantize(
-                x, bits, mdt, self.name, lambda d: widen_remedy(d, self.capabilities.meta_dtypes), centre
-            )
-        if centre is not None:
-            raise ConfigError(f"backend {self.name!r}: a centre applies to scheme='codebook' only; got scheme='minmax'")
-        if bits == 3:
-            self.check(bits=bits, group_size=group_size, axis=axis)
-        return quantize_packed(self, x, bits, group_size, axis, resolve_meta_dtype(meta_dtype, x.dtype), fit)
-
-    def dequantize(self, q: QTensor) -> torch.Tensor:  # type: ignore[override]
-        """:meth:`Backend.dequantize`. float16 outputs are clamped to ``±65504`` first: the top of a
-        group's grid (``min + qmax * s``, the scale rounded up) can pass 65504 by a few ulps when the
-        group's maximum is within that of it, and would otherwise come back as ``inf``. Clamping moves
-        such an element towards its input, so the error bound holds."""
-        if isinstance(q, codebook.CodebookTensor):
-            out = codebook.dequantize(q)
-        else:
-            out = _ungrouped(dequantize_groups(q), q.axis, q.shape)  # type: ignore[arg-type]
-        if q.dtype == torch.float16:
-            out = out.clamp_(-FP16_MAX, FP16_MAX)
-        return out.to(q.dtype)
-
-    def attend(  # type: ignore[override]
+    def attend_without_kernel(
         self, query: torch.Tensor, keys: QTensor, values: QTensor, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`Backend.attend` without building the dequantized segment for the default layouts.
-
-        Keys grouped per channel (group ``g``, channel ``c``: scale ``s``, minimum ``z``) score as
-        ``(q ⊙ s_g) · codes + q · z_g``, so no dequantized key is formed (about 8 % faster than
-        dequantizing them at 2k–8k tokens on CPU); other key layouts and all values are dequantized
-        group by group. Measured and not adopted: folding the values' scales the same way
-        (``(p ⊙ s) · codes + p · z``: no faster, and the two sums cancel in float32) and unpacking
-        through a 256-entry lookup table (``torch.take``: no faster than the shifts in context).
-        Codebook blocks (:mod:`kvpolicy.backends.codebook`) score the query against the centroid
-        values times each key's scale, and mix the value centroids with the probabilities times each
-        value's scale. Float32 throughout: no round trip through the tensor's own dtype.
-        """
-        b, h, nq, _ = query.shape
-        n = keys.shape[2]
-        if n == 0:
-            dv = values.shape[3]
-            return query.new_zeros((b, h, nq, dv), dtype=torch.float32), query.new_full(
-                (b, h, nq), -float("inf"), dtype=torch.float32
-            )
-        q = query.float() * scale
-        if isinstance(keys, codebook.CodebookTensor):
-            scores = codebook.key_scores(q, keys)
-        elif keys.axis == "channel":  # codes (B, H, n/G, D, G): scores of each group's G tokens at once
-            codes = unpack(keys.codes, keys.bits).float()
-            qs = q.unsqueeze(2) * keys.scales.float().unsqueeze(3)  # (B, H, n/G, q, D)
-            bias = torch.matmul(keys.zeros.float(), q.transpose(-1, -2))  # (B, H, n/G, q)
-            scores = torch.matmul(qs, codes).add_(bias.unsqueeze(-1)).transpose(2, 3).reshape(b, h, nq, n)
-        else:
-            k = _ungrouped(dequantize_groups(keys), "token", keys.shape)
-            scores = torch.matmul(q, k.transpose(-1, -2))
-        lse = torch.logsumexp(scores, dim=-1)
-        probs = torch.exp(scores - lse.unsqueeze(-1))  # (B, H, q, n)
-        if isinstance(values, codebook.CodebookTensor):
-            return codebook.value_mix(probs, values), lse
-        v = _ungrouped(dequantize_groups(values), values.axis, values.shape)
-        return torch.matmul(probs, v), lse
-
-    def block_state(self, q: QTensor) -> dict:
-        return codebook.state(q) if isinstance(q, codebook.CodebookTensor) else packed_state(q)
-
-    def load_block(self, state: dict) -> QTensor:  # type: ignore[override]
-        return codebook.from_state(state) if state.get("layout") in codebook.LAYOUTS else packed_from_state(state)
-
-    def cat(self, blocks: list[QTensor]) -> QTensor:  # type: ignore[override]
-        if len(blocks) == 1:
-            return blocks[0]
-        if isinstance(blocks[0], codebook.CodebookTensor):
-            return codebook.cat(blocks)  # type: ignore[arg-type]
-        first = blocks[0]
-        shape = (*first.shape[:2], sum(b.shape[2] for b in blocks), first.shape[3])
-        return PackedTensor(
-            torch.cat([b.codes for b in blocks], dim=2),
-            torch.cat([b.scales for b in blocks], dim=2),
-            torch.cat([b.zeros for b in blocks], dim=2),
-            first.bits, first.group_size, first.axis, shape, first.dtype,
-        )  # fmt: skip
+        """:meth:`Backend.attend` from the blocks' own score and mix (:func:`kvpolicy.formats.attend`)."""
+        return formats.attend(query, keys, values, scale)

@@ -2,7 +2,7 @@
 
 Quantize + pack, unpack + dequantize and decode attention are Triton kernels
 (:mod:`kvpolicy.kernels.triton_quant`, :mod:`kvpolicy.kernels.triton_attention`). Containers are the
-``torch`` backend's :class:`~kvpolicy.backends.torch_backend.PackedTensor`, bit for bit: either
+``torch`` backend's :class:`~kvpolicy.formats.packed.PackedTensor`, bit for bit: either
 backend dequantizes, concatenates and attends over what the other quantized.
 
 Where the kernels run is decided when the backend is constructed:
@@ -16,26 +16,25 @@ Where the kernels run is decided when the backend is constructed:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 
 from kvpolicy.backends.base import AXES, FITS, META_DTYPES, Backend, Capabilities, QTensor
-from kvpolicy.backends.torch_backend import (
+from kvpolicy.errors import ConfigError
+from kvpolicy.formats.packed import (
+    MinMax,
     PackedTensor,
-    TorchBackend,
     metadata_check,
-    packed_from_state,
-    packed_state,
     per_head_views,
     quantize_packed,
     resolve_meta_dtype,
 )
-from kvpolicy.errors import ConfigError
 from kvpolicy.kernels import triton_runtime
 from kvpolicy.kernels.triton_runtime import next_pow2
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_CAT = TorchBackend()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,11 +112,7 @@ class TritonBackend(Backend):
             return b * h * t * d // group_size, 1, group_size, 1
         return b * h * (t // group_size) * d, d, group_size * d, d
 
-    def _check_packed(self, q: QTensor, what: str) -> PackedTensor:
-        if not isinstance(q, PackedTensor):
-            raise ConfigError(
-                f"backend 'triton' reads PackedTensor containers (the 'torch' format); got {what}={type(q).__name__}"
-            )
+    def _check_packed(self, q: PackedTensor, what: str) -> PackedTensor:
         self.check(bits=q.bits, group_size=q.group_size, axis=q.axis)
         if q.codes.device.type not in self.capabilities.devices:
             raise ConfigError(
@@ -128,23 +123,20 @@ class TritonBackend(Backend):
 
     # ------------------------------------------------------------------ Backend
 
-    def quantize(  # type: ignore[override]
-        self, x: torch.Tensor, bits: int, group_size: int, axis: str, meta_dtype: str = "auto",
-        fit: str = "minmax",
-    ) -> PackedTensor:  # fmt: skip
-        """:meth:`Backend.quantize` in one kernel; ``meta_dtype`` as for the ``torch`` backend
-        (:func:`~kvpolicy.backends.torch_backend.resolve_meta_dtype`), checked the same way
-        (:class:`~kvpolicy.errors.MetadataOverflowError` where finite input can overflow it).
+    def _quantize(self, x: torch.Tensor, fmt: MinMax, centre: torch.Tensor | None = None) -> PackedTensor:
+        """:meth:`Backend.quantize` of a :class:`~kvpolicy.formats.MinMax` format in one kernel; ``meta_dtype``
+        as for the ``torch`` backend (:func:`~kvpolicy.formats.base.resolve_meta_dtype`), checked the same
+        way (:class:`~kvpolicy.errors.MetadataOverflowError` where finite input can overflow it).
 
         ``fit="mse"`` (ranges fitted for the least squared error,
-        :func:`~kvpolicy.backends.torch_backend.quantize_packed`) runs the ``torch`` backend's code, as
-        torch operations on ``x``'s device (its errors name ``'triton'``): its blocks are this backend's
-        format bit for bit, so the kernels dequantize and attend over them. The fit has no kernel of its
-        own.
+        :func:`~kvpolicy.formats.packed.quantize_packed`) runs the format's reference code, as torch
+        operations on ``x``'s device (its errors name ``'triton'``): its blocks are this backend's format
+        bit for bit, so the kernels dequantize and attend over them. The fit has no kernel of its own.
         """
-        if fit not in FITS:
-            raise ConfigError(f"backend 'triton': fit must be one of {list(FITS)}; got fit={fit!r}")
-        mdt = resolve_meta_dtype(meta_dtype, x.dtype)
+        if centre is not None:
+            raise ConfigError("backend 'triton': a centre applies to scheme='codebook' only; got scheme='minmax'")
+        bits, group_size, axis, fit = fmt.bits, fmt.group_size, fmt.axis, fmt.fit
+        mdt = resolve_meta_dtype(fmt.meta_dtype, x.dtype)
         if not isinstance(group_size, int) or group_size < 1:
             raise ConfigError(f"backend 'triton': group_size must be a positive integer; got group_size={group_size!r}")
         self.check(bits=bits, group_size=group_size, axis=axis)
@@ -185,7 +177,7 @@ class TritonBackend(Backend):
         metadata_check(self, x, scales, zeros)
         return PackedTensor(codes, scales, zeros, bits, group_size, axis, shape, x.dtype)  # type: ignore[arg-type]
 
-    def dequantize(self, q: PackedTensor) -> torch.Tensor:  # type: ignore[override]
+    def _dequantize(self, q: PackedTensor) -> torch.Tensor:
         q = self._check_packed(q, "q")
         out = torch.empty(q.shape, dtype=q.dtype, device=q.codes.device)
         n_groups, r_div, r_outer, e_stride = self._group_walk(q.shape, q.group_size, q.axis)
@@ -203,18 +195,17 @@ class TritonBackend(Backend):
             )  # fmt: skip
         return out
 
-    def block_state(self, q: QTensor) -> dict:
-        return packed_state(q)
-
-    def load_block(self, state: dict) -> PackedTensor:
-        return packed_from_state(state)
-
-    def cat(self, blocks: list[PackedTensor]) -> PackedTensor:  # type: ignore[override]
-        """Concatenate along the token axis (``torch.cat`` of the held tensors; no kernel needed)."""
-        return _CAT.cat(blocks)
-
-    def attend(
+    def attend_without_kernel(
         self, query: torch.Tensor, keys: QTensor, values: QTensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Refused: the kernel reads packed blocks only (nothing falls back to torch at decode time)."""
+        bad, what = (keys, "keys") if type(keys) is not PackedTensor else (values, "values")
+        raise ConfigError(
+            f"backend 'triton' reads PackedTensor containers (the 'torch' format); got {what}={type(bad).__name__}"
+        )
+
+    def _attend(
+        self, query: torch.Tensor, keys: PackedTensor, values: PackedTensor, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Fused decode attention over packed keys and values (see :class:`TritonBackend`).
 
@@ -282,6 +273,10 @@ class TritonBackend(Backend):
         w = torch.exp(lse - total.unsqueeze(1)).nan_to_num_(0.0)  # empty splits: exp(-inf) = 0
         merged = (out * w.unsqueeze(-1)).sum(dim=1)
         return merged.view(b, h, nq, dv), total.view(b, h, nq)
+
+    quantizers: ClassVar[dict[type, Callable[..., QTensor]]] = {MinMax: _quantize}
+    dequantizers: ClassVar[dict[type, Callable[..., torch.Tensor]]] = {PackedTensor: _dequantize}
+    attention_kernels: ClassVar[dict[tuple[type, type], Callable[..., tuple]]] = {(PackedTensor, PackedTensor): _attend}
 
     @staticmethod
     def _splits(programs: int, n_tiles: int, device: torch.device) -> int:

@@ -18,6 +18,7 @@ import torch
 
 from kvpolicy import registry
 from kvpolicy.errors import ConfigError
+from kvpolicy.formats import MinMax
 
 HELP = "quantize/dequantize throughput (GB/s of 16-bit input) per backend, next to a plain copy"
 
@@ -102,11 +103,12 @@ def _available(names: list[str], x: torch.Tensor, args: argparse.Namespace) -> t
             be = registry.get("backends", name)()
             be.check(bits=args.bits, group_size=args.group_size, axis=args.axis)
             be.check_tensor(x)
+            fmt = MinMax(args.bits, args.group_size, args.axis)
         except ConfigError as exc:  # includes a missing optional package
             skipped[name] = str(exc)
             continue
         try:
-            blocks[name] = be.quantize(x, args.bits, args.group_size, args.axis)
+            blocks[name] = be.quantize(x, fmt)
         except (ValueError, RuntimeError, NotImplementedError) as exc:
             text = str(exc).strip().splitlines()
             skipped[name] = (
@@ -125,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=_DTYPES[args.dtype])
     names = args.backends or registry.names("backends")
     backends, blocks, skipped = _available(names, x, args)
+    fmt = MinMax(args.bits, args.group_size, args.axis) if backends else None
     timed = _timer(device)
     for name, be in backends.items():  # warm-up: lazy compilation, caches, allocator
         be.dequantize(blocks[name])
@@ -134,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     for _ in range(args.repeats):
         times["clone"].append(timed(x.clone))
         for name, be in backends.items():
-            times[f"{name}.q"].append(timed(lambda be=be: be.quantize(x, args.bits, args.group_size, args.axis)))
+            times[f"{name}.q"].append(timed(lambda be=be: be.quantize(x, fmt)))
             times[f"{name}.dq"].append(timed(lambda be=be, name=name: be.dequantize(blocks[name])))
     gb = x.numel() * 2 / 1e9
     med = {k: statistics.median(v) for k, v in times.items()}

@@ -125,9 +125,10 @@ def _quantized(k: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """``k`` ``(1, heads, n, d)`` (``n`` a multiple of ``group_size``) through the torch backend's
     per-channel min-max quantizer, dequantized in float32."""
     from kvpolicy.backends.torch_backend import TorchBackend
+    from kvpolicy.formats import MinMax
 
     backend = TorchBackend()
-    return backend.dequantize(backend.quantize(k, bits, group_size, "channel", meta_dtype="float16")).float()
+    return backend.dequantize(backend.quantize(k, MinMax(bits, group_size, "channel", meta_dtype="float16"))).float()
 
 
 def layer_rotation(

@@ -64,8 +64,9 @@ class TransformedStore(DemotedStore):
     materialised path). ``attention_parts()`` (the fused path) stays in the transformed basis, which
     :attr:`basis` names: the reader rotates its query with ``forward`` and maps the attention output
     back with ``inverse`` (:func:`kvpolicy.fused.decode_attention`).
-    Everything else (bytes, batch operations, the action's own inspection methods) is the inner
-    store's.
+    Everything else (bytes, batch operations, staged positions) is the inner store's, through the
+    methods :class:`~kvpolicy.actions.base.DemotedStore` declares; the action's own inspection
+    attributes (streams, tiers) are reached through :attr:`inner`.
     """
 
     def __init__(self, inner: DemotedStore, transform: Transform) -> None:
@@ -192,11 +193,13 @@ class TransformedStore(DemotedStore):
     def __len__(self) -> int:
         return len(self.inner)
 
-    def __getattr__(self, name: str) -> Any:
-        # the action's own extras (e.g. staged_key_positions); only reached for names not found here
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    def staged_key_positions(self) -> torch.Tensor:
+        """The inner store's (:meth:`DemotedStore.staged_key_positions`)."""
+        return self.inner.staged_key_positions()
+
+    def staged_value_positions(self) -> torch.Tensor:
+        """The inner store's (:meth:`DemotedStore.staged_value_positions`)."""
+        return self.inner.staged_value_positions()
 
 
 #: the names of the model dtypes a transformed store records (read with :func:`kvpolicy.persist.dtype_of`)

@@ -1,0 +1,432 @@
+"""Codebook blocks: a per-vector norm and Lloyd-Max indices (the ``"codebook"`` scheme).
+
+After a randomized rotation (``transform="hadamard"``) the coordinates of a key or value vector are
+close to Gaussian, with a variance set by the vector's norm. The codebook scheme stores, per token
+and head,
+
+- one scale ``s`` (in the metadata dtype, 16 bits by default), and
+- ``head_dim`` indices of ``bits`` bits each into the Lloyd-Max codebook ``C`` of the standard
+  normal distribution (the scalar quantizer with the least mean squared error for it),
+
+and reconstructs ``x̂ = s · C[codes]``. To quantize, ``x`` is scaled to unit variance per coordinate
+(``u = x · √D / ‖x‖``), each coordinate takes the nearest centroid, and ``s = ‖x‖ / ‖C[codes]‖``: the
+reconstruction keeps the vector's norm exactly (the *norm correction*; without it ``s = ‖x‖ / √D``
+and the reconstruction's norm is biased low by the quantization's lost energy). There is no
+per-group zero-point: bits per element are ``bits + 16 / head_dim`` (2.25 at 2 bits with
+``head_dim=64``), against ``bits + 32 / G`` for min-max groups of ``G``.
+
+This is TurboQuant's MSE stage (arXiv 2504.19874) with the norm correction of vLLM's implementation.
+Decode attention reads the codes directly (:func:`attend`): scores are the rotated query against the
+centroid values, times each key's scale; the output is the probabilities times each value's scale
+against the value centroids.
+
+A block may also hold a *centre* ``μ`` (one vector per batch row and head, in the metadata dtype),
+subtracted before quantizing and added back: ``x̂ = μ + s · C[codes]``. Keys share a large offset
+that RoPE turns only slowly (their outlier channels), which otherwise costs the codebook its
+resolution; a stream centres every block on the mean of its first block (``Quantize(key_centre=True)``,
+see docs/explanation/quantization.md). Attention reads a centred block at no extra pass: a key centre adds
+``q · μ`` to every score of the block, which leaves the block's softmax unchanged and shifts its
+log-sum-exp; a value centre adds ``μ`` to the block's output (its probabilities sum to one).
+
+Guarantee: each coordinate of ``u`` goes to the centroid of the Lloyd-Max cell it lies in (ties at a
+boundary go up); float noise in the rotation can move a coordinate that lies within rounding of a
+boundary to the neighbouring cell, so the codes of two runs that differ in float noise agree except
+at such coordinates.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from kvpolicy import state_check
+from kvpolicy.errors import ConfigError
+from kvpolicy.formats.base import (
+    Format,
+    QTensor,
+    backend_meta_dtypes,
+    backend_name,
+    check_bits,
+    check_meta_dtype_option,
+    check_metadata,
+    in_dtype,
+    metadata_may_overflow,
+    resolve_meta_dtype,
+    widen_remedy,
+)
+from kvpolicy.formats.packed import pack, unpack
+
+#: code widths the codebook scheme serves
+CODEBOOK_BITS = (2, 3, 4)
+#: Lloyd iterations: the cells of a 4-bit codebook settle to float64 precision well before this
+_ITERATIONS = 3000
+
+
+def _pdf(x: float) -> float:
+    return 0.0 if math.isinf(x) else math.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+
+
+def _cdf(x: float) -> float:
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+@functools.cache
+def lloyd_max(bits: int) -> tuple[tuple[float, ...], tuple[float, ...], float]:
+    """The Lloyd-Max quantizer of the standard normal distribution with ``2**bits`` levels.
+
+    Computed by Lloyd's iteration with exact Gaussian cell integrals (float64): boundaries are the
+    midpoints of neighbouring centroids, centroids the conditional means of their cells.
+
+    Returns
+    -------
+    centroids : tuple of float
+        ``2**bits`` levels, increasing, symmetric about 0.
+    boundaries : tuple of float
+        ``2**bits - 1`` cell boundaries, increasing.
+    mse : float
+        The expected squared error ``E[(X - Q(X))²]`` for ``X ~ N(0, 1)`` (2 bits: 0.1175, 3 bits:
+        0.03454, 4 bits: 0.009497).
+    """
+    if bits not in CODEBOOK_BITS:
+        raise ConfigError(f"codebook: bits must be one of {list(CODEBOOK_BITS)}; got bits={bits!r}")
+    levels = 1 << bits
+    # start from the centres of equal-probability cells
+    centroids = [math.sqrt(2.0) * _erfinv(2.0 * (i + 0.5) / levels - 1.0) for i in range(levels)]
+    for _ in range(_ITERATIONS):
+        edges = [-math.inf, *((a + b) / 2 for a, b in itertools.pairwise(centroids)), math.inf]
+        centroids = [(_pdf(lo) - _pdf(hi)) / (_cdf(hi) - _cdf(lo)) for lo, hi in itertools.pairwise(edges)]
+    edges = [-math.inf, *((a + b) / 2 for a, b in itertools.pairwise(centroids)), math.inf]
+    cells = zip(centroids, itertools.pairwise(edges), strict=True)
+    energy = sum((_cdf(hi) - _cdf(lo)) * c * c for c, (lo, hi) in cells)
+    return tuple(centroids), tuple(edges[1:-1]), 1.0 - energy
+
+
+def _erfinv(y: float) -> float:
+    """Inverse error function by Newton's method (only seeds the Lloyd iteration)."""
+    x = 0.0
+    for _ in range(60):
+        x -= (math.erf(x) - y) / (2.0 / math.sqrt(math.pi) * math.exp(-x * x))
+    return x
+
+
+@functools.cache
+def _tables(bits: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    centroids, boundaries, _ = lloyd_max(bits)
+    return (
+        torch.tensor(centroids, dtype=torch.float32, device=device),
+        torch.tensor(boundaries, dtype=torch.float32, device=device),
+    )
+
+
+def centroids(bits: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The codebook ``C``: ``(2**bits,)`` float32 on ``device``."""
+    return _tables(bits, str(torch.device(device)))[0]
+
+
+@dataclass
+class CodebookTensor(QTensor):
+    """Bit-packed Lloyd-Max indices with one scale per vector.
+
+    Attributes
+    ----------
+    codes : torch.Tensor
+        ``uint8``, ``(batch, kv_heads, tokens, head_dim * bits // 8)`` (packed as
+        `~kvpolicy.formats.packed.pack` packs).
+    scales : torch.Tensor
+        ``(batch, kv_heads, tokens)`` in the metadata dtype: ``‖x − μ‖ / ‖C[codes]‖``.
+    centre : torch.Tensor or None
+        ``(batch, kv_heads, 1, head_dim)`` in the metadata dtype: ``μ``, shared by every token of the
+        block (``None``: no centre, ``μ = 0``).
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    bits: int
+    shape: tuple[int, int, int, int]
+    dtype: torch.dtype
+    centre: torch.Tensor | None = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Codes and scales; the centre, an offset shared by every token, under ``zeros`` (the
+        zero-points of memory reports)."""
+        out = {"codes": self.codes, "scales": self.scales}
+        if self.centre is not None:
+            out["zeros"] = self.centre
+        return out
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> CodebookTensor:
+        codes, scales = fn(self.codes), fn(self.scales)
+        centre = None if self.centre is None else fn(self.centre)
+        return CodebookTensor(codes, scales, self.bits, (codes.shape[0], *self.shape[1:]), self.dtype, centre)
+
+    def select(self, index: torch.Tensor) -> CodebookTensor:
+        """Tokens ``index`` (a 1-D index into the token axis), in that order; the centre is kept."""
+        shape = (*self.shape[:2], int(index.numel()), self.shape[3])
+        return CodebookTensor(
+            self.codes.index_select(2, index), self.scales.index_select(2, index), self.bits, shape, self.dtype,
+            self.centre,
+        )  # fmt: skip
+
+    def narrow(self, start: int, length: int) -> CodebookTensor:
+        """Tokens ``[start, start + length)`` as a view (any range: every token stands alone)."""
+        if start < 0 or length < 0 or start + length > self.shape[2]:
+            raise ValueError(f"narrow(start={start}, length={length}) on a block of {self.shape[2]} tokens")
+        sl = slice(start, start + length)
+        return CodebookTensor(
+            self.codes[:, :, sl], self.scales[:, :, sl], self.bits, (*self.shape[:2], length, self.shape[3]),
+            self.dtype, self.centre,
+        )  # fmt: skip
+
+    def dequantize(self) -> torch.Tensor:
+        """``μ + s · C[codes]`` in :attr:`dtype` (float16 clamped to ``±65504``)."""
+        return in_dtype(dequantize(self), self.dtype)
+
+    @classmethod
+    def cat(cls, blocks: list[QTensor]) -> CodebookTensor:  # type: ignore[override]
+        """Blocks of one width and centre along the token axis (:func:`cat`)."""
+        return cat(blocks)  # type: ignore[arg-type]
+
+    def scores(self, query: torch.Tensor) -> torch.Tensor:
+        """The query against the centroid values times each key's scale, plus ``q · μ`` (:func:`key_scores`)."""
+        return key_scores(query, self)
+
+    def mix(self, probs: torch.Tensor) -> torch.Tensor:
+        """The probabilities times each value's scale against the value centroids, plus ``μ`` (:func:`value_mix`)."""
+        return value_mix(probs, self)
+
+    layouts: ClassVar[tuple[str, ...]] = ("codebook-v1", "codebook-v2")
+
+    def state(self) -> dict:
+        """:func:`state`."""
+        return state(self)
+
+    @classmethod
+    def from_state(cls, saved: dict) -> CodebookTensor:
+        """:func:`from_state`."""
+        return from_state(saved)
+
+
+def scales_may_overflow(dtype: torch.dtype, mdtype: torch.dtype) -> bool:
+    """Whether finite vectors of ``dtype`` can give scales (or a centre) beyond the range of ``mdtype``.
+
+    Always with float16 metadata: a scale ``‖x − μ‖ / ‖C[codes]‖`` can exceed the largest coordinate
+    (a vector of equal coordinates ``a`` scales by ``a / |c|``, ``c`` the centroid nearest 1: 0.7560 at
+    3 bits, 0.9424 at 4), and ``x − μ`` can double it, so float16 vectors near ±65504 overflow float16
+    scales. Otherwise where :func:`~kvpolicy.formats.base.metadata_may_overflow` says so: with
+    bfloat16 or float32 metadata only vectors within a small factor of float32's maximum overflow
+    (their norm overflows float32 itself), which are left to ``Quantize(check_finite=True)``.
+    """
+    return mdtype == torch.float16 or metadata_may_overflow(dtype, mdtype)
+
+
+def quantize(x: torch.Tensor, bits: int, mdtype: torch.dtype, backend: Any = "torch",
+             remedy: Callable[[torch.dtype], str] | None = None,
+             centre: torch.Tensor | None = None) -> CodebookTensor:  # fmt: skip
+    """Quantize ``x`` ``(batch, kv_heads, tokens, head_dim)`` to a :class:`CodebookTensor`.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        The vectors, in the rotated basis (their coordinates close to Gaussian).
+    bits : int
+        Index width, one of :data:`CODEBOOK_BITS`; ``head_dim * bits`` must be a multiple of 8.
+    mdtype : torch.dtype
+        The dtype of the per-vector scales.
+    backend : Backend or str
+        The backend (or its name) error messages name.
+    remedy : callable, optional
+        ``remedy(mdtype)``: what to do when a scale overflows ``mdtype`` (see
+        :func:`~kvpolicy.formats.base.widen_remedy`).
+    centre : torch.Tensor, optional
+        ``μ``, ``(batch, kv_heads, 1, head_dim)``: quantize ``x − μ`` and keep ``μ`` (stored in
+        ``mdtype``; the rounded ``μ`` is the one subtracted, so ``x̂ = μ + s · C[codes]`` holds for
+        the stored ``μ``).
+
+    Raises
+    ------
+    MetadataOverflowError
+        If a finite vector's scale, or the centre, does not fit ``mdtype``; checked wherever it can
+        (:func:`scales_may_overflow`: always with float16 metadata, float16 input included).
+    """
+    d = x.shape[-1]
+    if (d * bits) % 8 or (bits == 3 and d % 8):
+        raise ConfigError(
+            f"codebook: head_dim={d} with bits={bits} does not pack into whole bytes; head_dim must be a multiple of 8"
+        )
+    table, edges = _tables(bits, str(x.device))
+    xf = x.float()
+    if centre is not None:
+        want = (*x.shape[:2], 1, d)
+        if tuple(centre.shape) != want:
+            raise ValueError(f"codebook: a centre for vectors of shape {tuple(x.shape)} has shape {want}; got "
+                             f"{tuple(centre.shape)}")  # fmt: skip
+        centre = centre.to(mdtype).contiguous()
+        xf = xf - centre.float()
+    norm = torch.linalg.vector_norm(xf, dim=-1)  # (B, H, n)
+    u = xf * (math.sqrt(d) / norm.clamp_min(torch.finfo(torch.float32).tiny)).unsqueeze(-1)
+    codes = torch.bucketize(u, edges, right=True).to(torch.uint8)
+    recon_norm = torch.linalg.vector_norm(table[codes.long()], dim=-1)
+    scales = (norm / recon_norm).to(mdtype)  # recon_norm > 0: no centroid is 0 at an even level count
+    if scales_may_overflow(x.dtype, mdtype):
+        if remedy is not None:
+            why = remedy(mdtype)
+        else:
+            why = widen_remedy(mdtype, ("float32",) if isinstance(backend, str) else backend_meta_dtypes(backend))
+        meta = {"scales": scales} if centre is None else {"scales": scales, "centre": centre}
+        check_metadata(backend_name(backend), x, meta, why)
+    shape: tuple[int, int, int, int] = tuple(x.shape)  # type: ignore[assignment]
+    return CodebookTensor(pack(codes, bits).contiguous(), scales.contiguous(), bits, shape, x.dtype, centre)
+
+
+def unit_vectors(q: CodebookTensor) -> torch.Tensor:
+    """The centroid vectors ``C[codes]``: ``(batch, kv_heads, tokens, head_dim)`` float32."""
+    return centroids(q.bits, q.codes.device)[unpack(q.codes, q.bits).long()]
+
+
+def dequantize(q: CodebookTensor) -> torch.Tensor:
+    """``μ + s · C[codes]`` in float32, ``(batch, kv_heads, tokens, head_dim)``."""
+    out = unit_vectors(q).mul_(q.scales.float().unsqueeze(-1))
+    return out if q.centre is None else out.add_(q.centre.float())
+
+
+def centre_score(query: torch.Tensor, keys: CodebookTensor) -> torch.Tensor | None:
+    """``q · μ`` of a centred key block, ``(B, H, nq)`` float32 (``None`` for a block without a centre):
+    what the centre adds to every score of the block, hence to its log-sum-exp.
+
+    ``query`` ``(B, H, nq, D)`` float32 (already scaled).
+    """
+    if keys.centre is None:
+        return None
+    return torch.matmul(query, keys.centre.float().transpose(-1, -2)).squeeze(-1)
+
+
+def key_scores(query: torch.Tensor, keys: CodebookTensor) -> torch.Tensor:
+    """``query · k̂`` for every key from the codes: ``(q · C[codes]) · s + q · μ``.
+
+    ``query`` ``(B, H, nq, D)`` float32 (already scaled); returns ``(B, H, nq, n)`` float32.
+    """
+    scores = torch.matmul(query, unit_vectors(keys).transpose(-1, -2)).mul_(keys.scales.float().unsqueeze(-2))
+    shift = centre_score(query, keys)
+    return scores if shift is None else scores.add_(shift.unsqueeze(-1))
+
+
+def value_mix(probs: torch.Tensor, values: CodebookTensor) -> torch.Tensor:
+    """``probs @ v̂`` from the codes: ``(probs · s) @ C[codes] + μ``; ``probs`` ``(B, H, nq, n)`` float32,
+    each row summing to one (a block's own softmax: the centre enters once per row)."""
+    out = torch.matmul(probs * values.scales.float().unsqueeze(-2), unit_vectors(values))
+    return out if values.centre is None else out.add_(values.centre.float())
+
+
+def cat(blocks: list[CodebookTensor]) -> CodebookTensor:
+    """Concatenate blocks of the same width along the token axis."""
+    if len(blocks) == 1:
+        return blocks[0]
+    first = blocks[0]
+    for b in blocks[1:]:
+        same = (b.centre is None) == (first.centre is None) and (
+            b.centre is None or b.centre is first.centre or torch.equal(b.centre, first.centre)  # type: ignore[arg-type]
+        )
+        if not same:
+            raise ValueError("codebook: blocks with different centres cannot be concatenated (a stream keeps one)")
+    shape = (*first.shape[:2], sum(b.shape[2] for b in blocks), first.shape[3])
+    return CodebookTensor(
+        torch.cat([b.codes for b in blocks], dim=2), torch.cat([b.scales for b in blocks], dim=2), first.bits,
+        shape, first.dtype, first.centre,
+    )  # fmt: skip
+
+
+#: saved block layouts: ``codebook-v1`` without a centre, ``codebook-v2`` with one (a reader that
+#: knows only v1 refuses a centred block instead of dropping its centre)
+LAYOUTS = ("codebook-v1", "codebook-v2")
+
+
+def state(q: CodebookTensor) -> dict:
+    """``q`` as JSON values and tensors (layout ``codebook-v1``, or ``codebook-v2`` with a centre)."""
+    out = {
+        "layout": "codebook-v1", "codes": q.codes, "scales": q.scales, "bits": q.bits, "shape": list(q.shape),
+        "dtype": str(q.dtype).removeprefix("torch."),
+    }  # fmt: skip
+    if q.centre is not None:
+        out.update(layout="codebook-v2", centre=q.centre)
+    return out
+
+
+def from_state(saved: dict) -> CodebookTensor:
+    """The block :func:`state` described, its tensor shapes checked."""
+    state_check.entries(saved, "codebook block", ("layout", "codes", "scales", "bits", "shape", "dtype"), ("centre",))
+    layout = state_check.choice(saved["layout"], "block layout", LAYOUTS)
+    bits = state_check.choice(saved["bits"], "codebook block bits", CODEBOOK_BITS)
+    b, h, n, d = state_check.shape4(saved["shape"], "a block's shape")
+    dtype = state_check.float_dtype(saved["dtype"], "a block's dtype")
+    if d * bits % 8:
+        raise ValueError(f"a codebook block of head_dim {d} at {bits} bits does not fill whole bytes")
+    codes = state_check.tensor(saved["codes"], "block codes")
+    scales = state_check.tensor(saved["scales"], "block scales")
+    if tuple(codes.shape) != (b, h, n, d * bits // 8) or tuple(scales.shape) != (b, h, n):
+        raise ValueError(
+            f"codebook block tensors have shapes codes {tuple(codes.shape)}, scales {tuple(scales.shape)}; a block "
+            f"of shape {(b, h, n, d)} at {bits} bits needs {(b, h, n, d * bits // 8)} and {(b, h, n)}"
+        )
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"block codes must be uint8; got {codes.dtype}")
+    if layout == "codebook-v1" and "centre" in saved:
+        raise ValueError("a codebook-v1 block has no centre (codebook-v2 blocks do)")
+    centre = saved.get("centre") if layout == "codebook-v2" else None
+    if layout == "codebook-v2" and (not isinstance(centre, torch.Tensor) or tuple(centre.shape) != (b, h, 1, d)):
+        got = tuple(centre.shape) if isinstance(centre, torch.Tensor) else type(centre).__name__
+        raise ValueError(
+            f"a codebook-v2 block of shape {(b, h, n, d)} needs a centre of shape {(b, h, 1, d)}; got {got}"
+        )
+    return CodebookTensor(codes, scales, bits, (b, h, n, d), dtype, centre)
+
+
+@dataclass(frozen=True)
+class Codebook(Format):
+    """Lloyd-Max indices with one scale per vector (:class:`CodebookTensor`), optionally around a centre.
+
+    Parameters
+    ----------
+    bits : int
+        Index width, one of :data:`CODEBOOK_BITS`.
+    meta_dtype : {"auto", "float16", "bfloat16", "float32"}
+        The dtype of the per-vector scales (and the centre).
+    centre : bool
+        Whether blocks are quantized around a centre ``μ`` that :meth:`quantize` is given (a stream
+        passes the mean of its first block).
+    """
+
+    bits: int
+    meta_dtype: str = "auto"
+    centre: bool = False
+
+    name: ClassVar[str] = "codebook"
+    block: ClassVar[type[QTensor]] = CodebookTensor
+    bits_allowed: ClassVar[tuple[int, ...]] = CODEBOOK_BITS
+    head_dim_multiple: ClassVar[int] = 8
+    needs_rotation: ClassVar[bool] = True
+    centred: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        check_bits("Codebook", self.bits, CODEBOOK_BITS)
+        check_meta_dtype_option("Codebook", self.meta_dtype)
+        if not isinstance(self.centre, bool):
+            raise ConfigError(f"Codebook: centre must be a bool; got centre={self.centre!r}")
+
+    @classmethod
+    def from_options(
+        cls, bits: int, group_size: int | None, axis: str, fit: str = "minmax", meta_dtype: str = "auto",
+        centre: bool = False,
+    ) -> Codebook:  # fmt: skip
+        return cls(bits, meta_dtype, centre)
+
+    def quantize(self, x: torch.Tensor, backend: Any = "torch", centre: torch.Tensor | None = None) -> CodebookTensor:
+        """:func:`quantize` with the scales in the metadata dtype, centred on ``centre`` when given."""
+        mdt = resolve_meta_dtype(self.meta_dtype, x.dtype)
+        offered = backend_meta_dtypes(backend)
+        return quantize(x, self.bits, mdt, backend_name(backend), lambda d: widen_remedy(d, offered), centre)
