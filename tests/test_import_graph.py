@@ -30,11 +30,14 @@ PACKAGE = ROOT / "kvpolicy"
 HARNESS_PACKAGES = ("kvpolicy.eval", "kvpolicy.bench", "kvpolicy.commands")
 HARNESS_MODULES = ("kvpolicy.tune", "kvpolicy.cli", "kvpolicy.__main__")
 
-# Cycles of issue 38 that other branches are removing (the registry's composition, the codebook backend, the
-# cache's save/load). The test tolerates exactly these strongly connected components, nothing larger and nothing
-# else. THE LEAD DELETES THIS SET AT MERGE, once those branches are in; from then on the test admits no cycle.
-_BEING_FIXED_ELSEWHERE: set[frozenset[str]] = {
-    frozenset({"kvpolicy.backends.torch_backend", "kvpolicy.backends.codebook"}),
+# Known defect, tolerated edge by edge (not module by module, so that no other cycle can hide behind it): a
+# plugin format is found by its scheme name inside Quantize's checks and kvpolicy.formats.format_class, which
+# call the registry, whose built-ins import the actions and formats back. Names should become formats where
+# every other name becomes a part (kvpolicy.spec); until then these two function-level imports are the only
+# edges the cycle test leaves out.
+_KNOWN_REACH_BACKS: set[tuple[str, str]] = {
+    ("kvpolicy.formats", "kvpolicy.registry"),
+    ("kvpolicy.actions.quantize", "kvpolicy.registry"),
 }
 
 
@@ -259,7 +262,10 @@ def test_the_graph_sees_the_package():
 
 def test_no_import_cycle_in_the_package():
     graph, edges = import_graph()
-    cycles = [c for c in strongly_connected(graph) if c not in _BEING_FIXED_ELSEWHERE]
+    for source, target in _KNOWN_REACH_BACKS:
+        assert target in graph[source], f"{source} no longer imports {target}: drop it from _KNOWN_REACH_BACKS"
+        graph[source].discard(target)
+    cycles = strongly_connected(graph)
     assert not cycles, "import cycles (function-level imports included):\n" + "\n".join(
         _describe(component, edges) for component in cycles
     )
