@@ -21,6 +21,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "CacheSpec": "kvpolicy.spec",
+    "Codebook": "kvpolicy.formats.codebook",
+    "MinMax": "kvpolicy.formats.packed",
     "CompressedCache": "kvpolicy.cache",
     "CompressedLayer": "kvpolicy.cache",
     "ConfigError": "kvpolicy.errors",
@@ -47,6 +49,7 @@ _EXPORTS = {
 
 __all__ = [
     "CacheSpec",
+    "Codebook",
     "CompressedCache",
     "CompressedLayer",
     "ConfigError",
@@ -56,6 +59,7 @@ __all__ = [
     "LogWindow",
     "MemoryReport",
     "MetadataOverflowError",
+    "MinMax",
     "MissingDependencyError",
     "NoCompression",
     "NonFiniteError",
@@ -81,6 +85,8 @@ if TYPE_CHECKING:
     from kvpolicy.cache import CompressedCache, CompressedLayer
     from kvpolicy.errors import ConfigError, MetadataOverflowError, MissingDependencyError, NonFiniteError
     from kvpolicy.estimation import estimate
+    from kvpolicy.formats.codebook import Codebook
+    from kvpolicy.formats.packed import MinMax
     from kvpolicy.layer_bits import boundary
     from kvpolicy.memory import MemoryReport
     from kvpolicy.modes import decode_mode

@@ -9,7 +9,6 @@ every layer. :func:`boundary` builds the common map. Knows nothing about transfo
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -109,13 +108,7 @@ def layer_actions(action: Action, widths: dict[int, tuple[int, int]]) -> dict[in
     """
     if not widths:
         return {}
-    fields = {f.name for f in dataclasses.fields(action)} if dataclasses.is_dataclass(action) else set()
-    if not {"key_bits", "value_bits", "bits"} <= fields:
-        raise ConfigError(f"layer_bits sets code widths; action {action.name!r} has none (use action='quantize')")
-    return {
-        index: dataclasses.replace(action, bits=None, key_bits=kb, value_bits=vb)  # type: ignore[type-var]
-        for index, (kb, vb) in sorted(widths.items())
-    }
+    return {index: action.with_widths(kb, vb) for index, (kb, vb) in sorted(widths.items())}
 
 
 def _is_int(value: object) -> bool:

@@ -33,6 +33,7 @@ from kvpolicy import registry, state_check
 from kvpolicy.actions.base import Action
 from kvpolicy.backends.base import Backend
 from kvpolicy.errors import CacheFileError, ConfigError
+from kvpolicy.formats.base import Format
 from kvpolicy.policies.base import Policy
 from kvpolicy.policies.sinks import Sinks
 from kvpolicy.transforms.base import NoTransform, Transform
@@ -54,6 +55,8 @@ ROLES: dict[str, tuple[str, type]] = {
     "transform": ("transforms", Transform),
 }
 _KIND_ROLES = {kind: role for role, (kind, _) in ROLES.items()}
+#: the roles a part's parameter may hold a part of (nested in the saved form): the spec's, and a format
+NESTED_ROLES: dict[str, tuple[str, type]] = {**ROLES, "format": ("formats", Format)}
 #: the entries of a dict :meth:`CacheSpec.to_dict` writes (``layer_bits``, ``type``, ``version``: optional,
 #: absent from files written before the spec had them)
 DICT_KEYS = ("policy", "action", "backend", "transform", "backend_auto", "layout", "attention")
@@ -449,9 +452,13 @@ def _build(name: str) -> Backend | None:
 
 
 # ---------------------------------------------------------------------- composing
-def _param_names(obj_or_cls: Any) -> set[str]:
+def parameter_names(obj_or_cls: Any) -> set[str]:
+    """The keywords a part's constructor takes (a dataclass's fields, and any shortcuts its ``__init__`` adds)."""
     cls = obj_or_cls if isinstance(obj_or_cls, type) else type(obj_or_cls)
-    return {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    if not dataclasses.is_dataclass(cls):
+        return set()
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {name for name, p in inspect.signature(cls).parameters.items() if p.kind in named}
 
 
 def _sinks_keyword(policy: str | Policy, params: dict[str, Any]) -> int | None:
@@ -465,7 +472,7 @@ def _sinks_keyword(policy: str | Policy, params: dict[str, Any]) -> int | None:
     if "sinks" not in params:
         return None
     cls = registry.get("policies", policy) if isinstance(policy, str) else type(policy)
-    if "sinks" in _param_names(cls):
+    if "sinks" in parameter_names(cls):
         return None
     return params.pop("sinks")
 
@@ -488,7 +495,7 @@ def _compose(named: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
         classes[role] = registry.get(kind, given)
     owners: dict[str, list[str]] = {}
     for role, cls in classes.items():
-        for key in _param_names(cls) & set(pool):
+        for key in parameter_names(cls) & set(pool):
             owners.setdefault(key, []).append(f"{role}={named[role]!r}")
     for key, roles in sorted(owners.items()):
         if len(roles) > 1:
@@ -498,7 +505,7 @@ def _compose(named: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
             )
     built: dict[str, Any] = {}
     for role, cls in classes.items():
-        mine = {k: pool.pop(k) for k in sorted(_param_names(cls) & set(pool))}
+        mine = {k: pool.pop(k) for k in sorted(parameter_names(cls) & set(pool))}
         try:
             built[role] = cls(**_nested_parts(cls, mine))
         except TypeError as exc:
@@ -507,12 +514,12 @@ def _compose(named: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
         if role in built:
             continue
         given = named[role]
-        clash = sorted(_param_names(given) & set(pool))
+        clash = sorted(parameter_names(given) & set(pool))
         if clash:
             raise ConfigError(f"{clash} given both as keyword(s) and inside {role}={given!r}; give each parameter once")
         built[role] = given
     if pool:
-        accepted = {role: sorted(_param_names(obj)) for role, obj in built.items()}
+        accepted = {role: sorted(parameter_names(obj)) for role, obj in built.items()}
         known = sorted({name for names in accepted.values() for name in names})
         close = {k: difflib.get_close_matches(k, known, n=1) for k in sorted(pool)}
         hint = ", ".join(f"{m[0]!r} for {k!r}" for k, m in close.items() if m)
@@ -523,12 +530,22 @@ def _compose(named: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
 
 def _nested_parts(cls: type, params: dict[str, Any]) -> dict[str, Any]:
     """``params`` with each ``{"name": ..., **params}`` dict of a parameter that ``cls`` declares as parts
-    (``cls.part_parameters``: parameter -> registry kind) built from the registry."""
+    (``cls.part_parameters``: parameter -> registry kind), alone or in a list, built from the registry, and
+    each name given for a parameter ``cls`` declares as naming a part (``cls.name_parameters``) replaced by
+    the class registered under it."""
     out = dict(params)
     for key, kind in getattr(cls, "part_parameters", {}).items():
         value = out.get(key)
         if isinstance(value, (list, tuple)):
             out[key] = [_named_part(v, kind, f"{cls.__name__}: {key}[{i}]") for i, v in enumerate(value)]
+        elif value is not None:
+            out[key] = _named_part(value, kind, f"{cls.__name__}: {key}")
+    for key, kind in getattr(cls, "name_parameters", {}).items():
+        value = out.get(key)
+        if isinstance(value, str):
+            if value not in registry.names(kind):
+                raise ConfigError(f"{cls.__name__}: {key} must be one of {registry.names(kind)}; got {key}={value!r}")
+            out[key] = registry.get(kind, value)
     return out
 
 
@@ -551,7 +568,7 @@ def _part(obj: Any, role: str) -> dict[str, Any]:
 
 
 def _encode(value: Any, role: str, owner: Any, key: str) -> Any:
-    for kind_role, (_, base) in ROLES.items():
+    for kind_role, (_, base) in NESTED_ROLES.items():
         if isinstance(value, base):
             return {"part": {"role": kind_role, **_part(value, kind_role)}}
     if isinstance(value, (list, tuple)):
@@ -573,7 +590,7 @@ def _decode(value: Any, role: str, where: str) -> Any:
 def _rebuild(data: Any, role: str, where: str) -> Any:
     """The part :func:`_part` described (nested parts first)."""
     state_check.entries(data, f"the {role}", ("name", "params"), ("role",))
-    kind = ROLES[state_check.choice(role, "a part's role", ROLES)][0]
+    kind = NESTED_ROLES[state_check.choice(role, "a part's role", NESTED_ROLES)][0]
     if not isinstance(data["name"], str) or not isinstance(data["params"], dict):
         raise ValueError(f"the {role}: a part is a name and a mapping of parameters")
     params = {key: _decode(value, role, where) for key, value in data["params"].items()}

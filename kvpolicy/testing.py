@@ -488,7 +488,7 @@ def _action_widths(action: Any, bits: int | tuple[int, int] | None) -> tuple[int
         return bits, bits
     lowest = action.tiers[-1] if isinstance(action, Tiered) else action
     if isinstance(lowest, Quantize):
-        return lowest.key_width, lowest.value_width
+        return lowest.keys.bits, lowest.values.bits
     raise ConfigError(
         f"check_action: {action!r} compresses and keeps its tokens; give bits= (the code width of its keys and "
         "values, or of its lowest tier: the error bound is computed from it) or bits=0 for a store that keeps "

@@ -87,7 +87,7 @@ def centred_values() -> Iterator[None]:
 
     def init(self: Any, action: Any, backend: Any, layer_idx: int) -> None:
         original(self, action, backend, layer_idx)
-        if action.value_method == "codebook":
+        if action.values.name == "codebook":
             self.v.centre = True
 
     quantize_mod.QuantizedStore.__init__ = init  # type: ignore[method-assign]

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from kvpolicy import registry
 from kvpolicy.actions.quantize import QuantizedStream
 from kvpolicy.errors import ConfigError, MetadataOverflowError, MissingDependencyError
+from kvpolicy.formats import MinMax
 
 pytestmark = pytest.mark.usefixtures("quanto_extension")
 
@@ -338,7 +339,7 @@ def test_stream_never_requantizes(name):
     be = backend(name)
     gen = torch.Generator().manual_seed(1)
     for axis in ("token", "channel"):
-        stream = QuantizedStream(be, 2, 8, axis)
+        stream = QuantizedStream(be, MinMax(2, 8, axis))
         seen: list[torch.Tensor] = []
         for i, n in enumerate([5, 1, 11, 3, 8]):
             stream.append(torch.randn(2, 2, n, 64, generator=gen) * (i + 1) * 3 + i)

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from kvpolicy.actions.quantize import QuantizedStream
 from kvpolicy.backends.torch_backend import TorchBackend, pack, unpack
 from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
+from kvpolicy.formats import MinMax
 
 BACKEND = TorchBackend()
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -421,7 +422,7 @@ def test_pack_known_bytes():
 def test_stream_codes_never_change(axis, dtype, bits, g, chunks, seed):
     assume(bits != 3 or g % 8 == 0)
     gen = torch.Generator().manual_seed(seed)
-    stream = QuantizedStream(BACKEND, bits, g, axis)
+    stream = QuantizedStream(BACKEND, MinMax(bits, g, axis))
     snaps = []
     for i, n in enumerate(chunks):
         # later chunks have a different range, which would change earlier codes if requantized

@@ -86,8 +86,8 @@ def test_mixed_width_variants_build_key_and_value_bits():
     v = Variant.parse("log-k4v2-cpu-ordered-fused")
     assert (v.widths, v.backend, v.fused) == ((4, 2), "cpu", True)
     cache = v.build(None, 16)
-    assert (cache.action.key_width, cache.action.value_width) == (4, 2)
-    assert Variant.parse("log-2-torch-ordered-mat").build(None, 16).action.key_width == 2
+    assert (cache.action.keys.bits, cache.action.values.bits) == (4, 2)
+    assert Variant.parse("log-2-torch-ordered-mat").build(None, 16).action.keys.bits == 2
     with pytest.raises(ConfigError, match="k<K>v<V>"):
         Variant.parse("log-k4-cpu-ordered-fused")
 
@@ -106,7 +106,7 @@ def test_rot_variants_add_the_hadamard_transform(tmp_path):
 
 def test_mse_variants_fit_the_ranges_with_or_without_rotation():
     v = Variant.parse("log-2-cpu-ordered-fused-mse")
-    fits = lambda cache: (cache.action.key_fitting, cache.action.value_fitting)  # noqa: E731
+    fits = lambda cache: (cache.action.keys.fit, cache.action.values.fit)  # noqa: E731
     assert (v.fit, v.transform) == ("mse", "none") and fits(v.build(None, 16)) == ("mse", "mse")
     both = Variant.parse("log-k4v2-torch-ordered-fused-rot-mse").build(None, 16)
     assert fits(both) == ("mse", "mse") and both.transform.name == "hadamard"

@@ -172,13 +172,15 @@ def test_presets():
     assert cache.policy == LogWindow(window=42)
     # the paper's min-max groups, whatever the defaults
     assert cache.action == Quantize(bits=2, group_size=64, key_axis="token", value_axis="token", fit="minmax")
-    assert cache.action.key_fitting == cache.action.value_fitting == "minmax"
+    assert cache.action.keys.fit == cache.action.values.fit == "minmax"
     kivi = CompressedCache.from_preset("kivi").action
-    assert (kivi.key_fitting, kivi.value_fitting, kivi.key_group, kivi.value_group) == ("minmax", "minmax", 32, 32)
+    assert (kivi.keys.fit, kivi.values.fit) == ("minmax", "minmax")
+    assert (kivi.keys.group_size, kivi.values.group_size) == (32, 32)
     assert CompressedCache.from_preset("logquant", budget=192).policy.window == 64
     assert CompressedCache.from_preset("logquant", budget=256).policy.window == 85
     four = CompressedCache.from_preset("logquant-4bit", layout="agnostic")
-    assert four.action.bits == 4 and four.layout == "agnostic" and four.policy.window == 42
+    assert four.action.keys.bits == four.action.values.bits == 4
+    assert four.layout == "agnostic" and four.policy.window == 42
     from kvpolicy import presets
 
     cited = {"logquant": "2503.19950", "logquant-4bit": "2503.19950", "kivi": "2402.02750", "h2o": "2306.14048",
@@ -227,7 +229,7 @@ def test_keyword_accepted_by_two_parts_is_ambiguous():
             CompressedCache(policy="bits-log", action="quantize", bits=2)
         # objects disambiguate
         cache = CompressedCache(policy=BitsPolicy(bits=5), action="quantize", bits=2)
-        assert cache.action.bits == 2 and cache.policy.bits == 5
+        assert cache.action.keys.bits == cache.action.values.bits == 2 and cache.policy.bits == 5
     finally:
         registry.unregister(plugin)
     assert "bits-log" not in registry.names("policies")

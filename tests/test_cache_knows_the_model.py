@@ -41,11 +41,11 @@ def _step(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 @pytest.mark.parametrize("backend", ["quanto", "hqq"])
 def test_backends_without_range_fitting_take_the_defaults_with_min_max_keys(backend, quanto_extension):
     cache = CompressedCache(backend=backend)
-    assert cache.action.key_fitting == "minmax" and cache.action.value_fitting == "minmax"
+    assert cache.action.keys.fit == "minmax" and cache.action.values.fit == "minmax"
     assert "adapted=" in repr(cache) and "key_fit='minmax'" in repr(cache) and repr(backend) in repr(cache)
     # the torch backend keeps its default (fitted keys), and says nothing
     torch_cache = CompressedCache(backend="torch")
-    assert torch_cache.action.key_fitting == "mse" and "adapted" not in repr(torch_cache)
+    assert torch_cache.action.keys.fit == "mse" and "adapted" not in repr(torch_cache)
 
 
 @pytest.mark.parametrize("backend", ["quanto", "hqq"])
@@ -59,7 +59,7 @@ def test_an_explicit_fit_the_backend_lacks_still_raises(backend, given):
 def test_tiers_are_adapted_one_by_one(backend):
     action = Tiered(tiers=[Quantize(bits=4, key_axis="token"), Quantize(bits=2)], keep=[LogWindow(8)])
     cache = CompressedCache(action=action, backend=backend)
-    assert [t.key_fitting for t in cache.action.tiers] == ["minmax", "minmax"]
+    assert [t.keys.fit for t in cache.action.tiers] == ["minmax", "minmax"]
     assert "tiers[0].key_fit='minmax'" in repr(cache) and "tiers[1].key_fit='minmax'" in repr(cache)
 
 
@@ -116,7 +116,7 @@ def test_the_default_cache_serves_small_and_odd_head_dims(head_dim, group):
             fused_out = model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False)
         finally:
             disable_fused(model)
-    assert [layer.action.value_group for layer in cache.layers] == [group, group]
+    assert [layer.action.values.group_size for layer in cache.layers] == [group, group]
     assert f"value_group_size={group} (the default 64 does not divide the value head_dim {head_dim})" in repr(cache)
     assert cache.memory_report().bits_per_element_16bit < 8  # it compresses (16 bits at full precision)
     assert set(cache.attention_paths().values()) == {"fused (cpu)"}
@@ -154,7 +154,7 @@ def test_a_loaded_cache_keeps_the_adapted_group(tmp_path):
     path = tmp_path / "c.kvc"
     cache.save(path)
     copy = CompressedCache.load(path)
-    assert [layer.action.value_group for layer in copy.layers] == [48, 48]
+    assert [layer.action.values.group_size for layer in copy.layers] == [48, 48]
     nxt = torch.randn(1, 1, 1, 48), torch.randn(1, 1, 1, 48)
     for i in range(2):
         a, b = cache.update(*nxt, i), copy.update(*nxt, i)

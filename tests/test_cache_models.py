@@ -110,7 +110,7 @@ def test_long_decode_positions_and_contents(models, key_axis, key_fit):
     cache = _Recorder(
         policy="log", window=window, action="quantize", bits=2, group_size=16, key_axis=key_axis, key_fit=key_fit
     )
-    minmax_keys = cache.action.key_fitting == "minmax"
+    minmax_keys = cache.action.keys.fit == "minmax"
     assert minmax_keys == (key_fit == "minmax")
     model(ids[:, :prefill], cache=cache, use_cache=True)
     for t in range(prefill, prefill + steps):

@@ -219,7 +219,7 @@ def test_four_bit_codebook_stays_close_to_uncompressed():
 
 def test_scheme_shorthand_sets_both_kinds_and_equal_actions_compare_equal():
     a = Quantize(bits=2, scheme="codebook")
-    assert (a.key_method, a.value_method) == ("codebook", "codebook")
+    assert (a.keys.name, a.values.name) == ("codebook", "codebook")
     # axis and group size do not apply to a codebook kind
     assert a == Quantize(bits=2, key_scheme="codebook", value_scheme="codebook", key_axis="token")
     assert "scheme='codebook'" in repr(a) and "group_size" not in repr(a)
@@ -234,7 +234,7 @@ def test_scheme_shorthand_sets_both_kinds_and_equal_actions_compare_equal():
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(scheme="lattice"), r"scheme must be one of \['minmax', 'codebook'\]; got scheme='lattice'"),
+        (dict(scheme="lattice"), r"scheme must be one of \['minmax', 'codebook'\] or a Format class; got scheme='lattice'"),  # noqa: E501
         (dict(key_scheme="nf4"), r"key_scheme must be one of"),
         (dict(scheme="codebook", value_scheme="minmax"), r"scheme='codebook' \(the shorthand for both\) contradicts"),
         (dict(scheme="codebook", group_size=32), r"group size does not apply to them \(got group_size=32\)"),
@@ -248,7 +248,7 @@ def test_bad_scheme_parameters_are_refused_naming_them(kw, match):
 
 def test_a_group_size_for_the_minmax_kind_alone_is_accepted():
     q = Quantize(value_scheme="codebook", group_size=32)
-    assert q.key_group == 32 and q.value_method == "codebook"
+    assert q.keys.group_size == 32 and q.values.name == "codebook"
 
 
 def test_codebook_without_a_rotation_is_refused():

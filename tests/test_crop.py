@@ -18,6 +18,12 @@ KINDS = {
     "flush-quantize": dict(policy="recent", window=8, variant="flush", action="quantize", bits=2, group_size=16),
     "none": dict(action="none"),
 }
+#: how far the two runs' logits may differ. The verification forward computes the kept tokens' keys and values
+#: in a 6-token forward, the reference in a 2-token one: the matmuls differ in shape, so the float32 results
+#: differ by rounding (about 1e-7 for DynamicCache). Without quantization that is all; a quantizer may turn such
+#: a difference into a code one step apart, which moves the logits by up to about 1e-4 (measured: 1.8e-5 for
+#: flush-quantize), while a crop that keeps one wrong token moves them by about 1e-2.
+ATOL = {"quantize": 1e-3, "other": 1e-5}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +54,7 @@ def test_crop_after_a_verification_forward_equals_never_feeding_the_drafts(model
     # B: the same without the drafts
     b = CompressedCache(**KINDS[kind])
     ref = _run(model, b, [ids[:, :20], *decode, ids[:, 32:34], *after], crop_after=1 + len(decode), crop=0)
-    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got, ref, rtol=0, atol=ATOL["quantize" if "quantize" in kind else "other"])
     assert a.get_seq_length() == b.get_seq_length() == 20 + 12 + 2 + 15
     for key, value in a.positions(0).items():
         assert torch.equal(value, b.positions(0)[key])

@@ -261,7 +261,8 @@ def test_saved_cache_keeps_its_fit(tmp_path):
     path = tmp_path / "c.kvc"
     cache.save(path, model=model)
     loaded = CompressedCache.load(path, model=model)
-    assert loaded.action == cache.action and loaded.action.fit == "mse" and repr(loaded) == repr(cache)
+    assert loaded.action == cache.action and repr(loaded) == repr(cache)
+    assert loaded.action.keys.fit == loaded.action.values.fit == "mse"
     want = teacher_forced_logits(model, ids[:, 30:], 1, copy.deepcopy(cache))
     assert torch.equal(teacher_forced_logits(model, ids[:, 30:], 1, loaded), want)
 
@@ -276,7 +277,7 @@ def test_repr_and_equality():
     assert Quantize(fit="mse") == Quantize(bits=2, fit="mse")
     mixed = Quantize(key_bits=4, value_bits=3, value_scheme="codebook", fit="mse")
     assert repr(mixed).endswith("key_fit='mse')")  # codebook values have no range to fit
-    assert (mixed.key_fitting, mixed.value_fitting) == ("mse", "minmax")
+    assert (mixed.keys.fit, mixed.values.fit) == ("mse", "minmax")
     assert Quantize(key_fit="mse", value_fit="mse") == Quantize(fit="mse")
     assert repr(Quantize(key_fit="mse", value_fit="mse")) == repr(Quantize(fit="mse"))
     assert repr(Quantize(key_fit="mse")).endswith("key_fit='mse')")

@@ -30,17 +30,6 @@ PACKAGE = ROOT / "kvpolicy"
 HARNESS_PACKAGES = ("kvpolicy.eval", "kvpolicy.bench", "kvpolicy.commands")
 HARNESS_MODULES = ("kvpolicy.tune", "kvpolicy.cli", "kvpolicy.__main__")
 
-# Known defect, tolerated edge by edge (not module by module, so that no other cycle can hide behind it): a
-# plugin format is found by its scheme name inside Quantize's checks and kvpolicy.formats.format_class, which
-# call the registry, whose built-ins import the actions and formats back. Names should become formats where
-# every other name becomes a part (kvpolicy.spec); until then these two function-level imports are the only
-# edges the cycle test leaves out.
-_KNOWN_REACH_BACKS: set[tuple[str, str]] = {
-    ("kvpolicy.formats", "kvpolicy.registry"),
-    ("kvpolicy.actions.quantize", "kvpolicy.registry"),
-}
-
-
 @dataclass(frozen=True)
 class Import:
     """One import statement's edge: ``source`` imports ``target`` at ``file:line``."""
@@ -262,9 +251,6 @@ def test_the_graph_sees_the_package():
 
 def test_no_import_cycle_in_the_package():
     graph, edges = import_graph()
-    for source, target in _KNOWN_REACH_BACKS:
-        assert target in graph[source], f"{source} no longer imports {target}: drop it from _KNOWN_REACH_BACKS"
-        graph[source].discard(target)
     cycles = strongly_connected(graph)
     assert not cycles, "import cycles (function-level imports included):\n" + "\n".join(
         _describe(component, edges) for component in cycles

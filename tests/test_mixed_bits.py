@@ -92,7 +92,7 @@ def test_more_key_bits_cost_the_bytes_of_the_key_codes_only():
 
 def test_cache_keywords_route_to_the_action_and_refuse_contradictions():
     cache = CompressedCache(policy="log", key_bits=4, value_bits=2)
-    assert (cache.action.key_width, cache.action.value_width) == (4, 2)
+    assert (cache.action.keys.bits, cache.action.values.bits) == (4, 2)
     assert "key_bits=4, value_bits=2" in repr(cache)
     with pytest.raises(Exception, match="contradicts key_bits=4"):
         CompressedCache(policy="log", bits=2, key_bits=4)

@@ -138,7 +138,10 @@ def test_crop_within_the_window_after_a_long_verification_forward(model):
             ref = torch.cat([model(ids[:, t : t + 1], cache=b, use_cache=True).logits for t in range(294, 300)], 1)
     finally:
         _unwrap(model)
-    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    # the prompt's keys and values come from a 300-token forward in one run and a 294-token one in the other:
+    # they differ by float32 rounding (2e-7 in the logits with DynamicCache), which the 2-bit quantizer may turn
+    # into codes a step apart (measured: 3e-4); keeping one wrong token moves the logits by 2e-2
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-3)
     for key, value in a.positions(0).items():
         assert torch.equal(value, b.positions(0)[key])
     with pytest.raises(ValueError, match=r"only the 64 token\(s\) of the latest multi-token update"):

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from kvpolicy.actions.quantize import Quantize, QuantizedStore, QuantizedStream
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
+from kvpolicy.formats import MinMax
 
 BACKEND = TorchBackend()
 
@@ -52,12 +53,13 @@ def test_quantize_axis_message_lists_allowed():
 
 def test_quantize_defaults_valid():
     q = Quantize()
-    assert (q.key_width, q.value_width, q.key_axis, q.value_axis, q.check_finite) == (2, 2, "channel", "token", True)
-    assert q.bits is None  # not given: the kinds take the default width
-    # group sizes by axis: 128 tokens per key channel, 64 channels per value token; keys fitted
-    assert (q.group_size, q.key_group, q.value_group) == (None, 128, 64)
-    assert (q.fit, q.key_fit, q.key_fitting, q.value_fitting) == (None, None, "mse", "minmax")
-    assert Quantize(key_axis="token").key_group == 64 and Quantize(value_axis="channel").value_group == 128
+    assert (q.keys.bits, q.values.bits, q.keys.axis, q.values.axis, q.check_finite) == (2, 2, "channel", "token", True)
+    assert q.keys == MinMax(2, 128, "channel", "mse") and q.values == MinMax(2, 64, "token", "minmax")
+    # group sizes by axis: 128 tokens per key channel, 64 channels per value token; keys fitted; all defaults
+    assert (q.keys.group_size, q.values.group_size) == (128, 64)
+    assert (q.keys.fit, q.values.fit) == ("mse", "minmax")
+    assert q.defaulted == ("keys.fit", "keys.group_size", "values.group_size")
+    assert Quantize(key_axis="token").keys.group_size == 64 and Quantize(value_axis="channel").values.group_size == 128
     q.check_backend(BACKEND)
     assert isinstance(q.new_store(BACKEND, 0), QuantizedStore)
 
@@ -140,7 +142,7 @@ def _staging_rows(stream):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_channel_stream_staging(dtype):
     gen = torch.Generator().manual_seed(7)
-    stream = QuantizedStream(BACKEND, 2, 8, "channel")
+    stream = QuantizedStream(BACKEND, MinMax(2, 8, "channel"))
     chunks = [(torch.randn(2, 3, n, 16, generator=gen) * (i + 1)).to(dtype) for i, n in enumerate((5, 3, 11))]
 
     stream.append(chunks[0])
@@ -276,12 +278,17 @@ def test_check_head_dim_suggests_only_sizes_the_backend_packs():
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", ["float64", "half", "", None, 16, torch.float32])
+@pytest.mark.parametrize("bad", ["float64", "half", "", 16, torch.float32])
 def test_meta_dtype_validation(bad):
     with pytest.raises(ConfigError) as ei:
         Quantize(meta_dtype=bad)
     msg = str(ei.value)
     assert f"meta_dtype={bad!r}" in msg and "'auto'" in msg and "'float32'" in msg
+
+
+def test_meta_dtype_none_is_the_default():
+    """Every shortcut keyword's None means "not given": the default, "auto"."""
+    assert Quantize(meta_dtype=None) == Quantize() and Quantize().keys.meta_dtype == "auto"
 
 
 def test_meta_dtype_in_repr_only_when_set():
@@ -416,7 +423,7 @@ def test_cache_routes_meta_dtype_to_the_action():
     from kvpolicy import CompressedCache
 
     cache = CompressedCache(policy="log", action="quantize", bits=2, meta_dtype="float32")
-    assert cache.action.meta_dtype == "float32"
+    assert cache.action.keys.meta_dtype == cache.action.values.meta_dtype == "float32"
     with pytest.raises(ConfigError, match=r"meta_dtype='bfloat16'"):
         CompressedCache(
             policy="log", action="quantize", bits=2, meta_dtype="bfloat16", key_fit="minmax", backend=_AutoOnlyBackend()
@@ -472,7 +479,7 @@ def test_cache_with_large_float32_keys_and_values():
 )
 def test_group_sizes_resolve_per_kind(kwargs, key, value):
     q = Quantize(**kwargs)
-    assert (q.key_group, q.value_group) == (key, value)
+    assert (q.keys.group_size, q.values.group_size) == (key, value)
     store = q.new_store(BACKEND, 0)
     assert (store.k.group_size, store.v.group_size) == (key, value)
 
@@ -506,8 +513,8 @@ def test_equal_when_quantizing_alike_and_repr_names_the_sizes_in_effect():
     assert Quantize() == Quantize(key_fit="mse", value_fit="minmax")
     assert hash(Quantize()) == hash(Quantize(key_group_size=128, value_group_size=64, key_fit="mse"))
     assert Quantize() != Quantize(group_size=64) and Quantize() != Quantize(key_fit="minmax")
-    assert (Quantize().key_group, Quantize().value_group) == (128, 64)
-    assert (Quantize().key_fitting, Quantize().value_fitting) == ("mse", "minmax")
+    assert (Quantize().keys.group_size, Quantize().values.group_size) == (128, 64)
+    assert (Quantize().keys.fit, Quantize().values.fit) == ("mse", "minmax")
     assert repr(Quantize()) == (
         "Quantize(bits=2, key_group_size=128, value_group_size=64, key_axis='channel', value_axis='token', "
         "check_finite=True, key_fit='mse')"
@@ -555,7 +562,7 @@ def test_backend_refusal_names_the_kind_group_size():
 )
 def test_bits_resolve_per_kind(kwargs, key, value):
     q = Quantize(**kwargs)
-    assert (q.key_width, q.value_width) == (key, value)
+    assert (q.keys.bits, q.values.bits) == (key, value)
     store = q.new_store(BACKEND, 0)
     assert (store.k.bits, store.v.bits) == (key, value)
 

@@ -181,7 +181,7 @@ def test_plan_chooses_again_only_for_auto_and_only_where_the_backend_cannot_take
 
 def test_plan_adapts_defaults_to_the_head_dim_and_says_so():
     got = plan(LogWindow(8), Quantize(bits=2), TorchBackend(), auto=False, attention="auto", key_dim=80, value_dim=80)
-    assert isinstance(got, Plan) and got.action.value_group == 40
+    assert isinstance(got, Plan) and got.action.values.group_size == 40
     assert got.notes == ("value_group_size=40 (the default 64 does not divide the value head_dim 80)",)
 
 

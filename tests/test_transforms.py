@@ -339,7 +339,7 @@ def test_kvpolicy_presets_are_the_measured_tiered_compositions(name, bottom):
 
     cache = CompressedCache.from_preset(name)
     assert cache.transform == Hadamard(0) and cache.policy == LogWindow(window=4) and isinstance(cache.action, Tiered)
-    widths = [(t.key_width, t.value_width, t.key_method, t.value_method, t.key_centre) for t in cache.action.tiers]
+    widths = [(t.keys.bits, t.values.bits, t.keys.name, t.values.name, t.keys.centre) for t in cache.action.tiers]
     assert widths == [(4, 4, "codebook", "codebook", True), (*bottom, "codebook", "codebook", True)]
     assert [k.window for k in cache.action.keep] == [32]
     other = CompressedCache.from_preset(name, window=8, middle_window=64, seed=3)
@@ -354,8 +354,8 @@ def test_kvpolicy_4_5bit_is_one_tier_of_per_channel_keys_and_codebook_values():
     cache = CompressedCache.from_preset("kvpolicy-4.5bit")
     assert cache.transform == Hadamard(0) and cache.policy == LogWindow(window=4)
     a = cache.action
-    assert (a.key_width, a.value_width, a.key_method, a.value_method) == (4, 3, "minmax", "codebook")
-    assert (a.key_axis, a.key_group) == ("channel", 64)
+    assert (a.keys.bits, a.values.bits, a.keys.name, a.values.name) == (4, 3, "minmax", "codebook")
+    assert (a.keys.axis, a.keys.group_size) == ("channel", 64)
     other = CompressedCache.from_preset("kvpolicy-4.5bit", window=16, seed=2)
     assert (other.policy.window, other.transform) == (16, Hadamard(2))
     with pytest.raises(ConfigError, match=r"preset 'kvpolicy-4\.5bit'"):

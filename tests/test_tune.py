@@ -222,7 +222,7 @@ def test_the_shipped_preset_loads_as_the_tuned_composition():
     saved = tomllib.loads(path.read_text())
     assert saved["tune"]["budget_bits"] == 3.0 and saved["tune"]["bits_per_element_heldout"] <= 3.0
     cache = CompressedCache.from_config(path)
-    assert isinstance(cache.action, Tiered) and [t.value_method for t in cache.action.tiers] == ["codebook"] * 2
+    assert isinstance(cache.action, Tiered) and [t.values.name for t in cache.action.tiers] == ["codebook"] * 2
     # the search over the current space finds the shipped kvpolicy-3bit preset itself (docs/how-to/tune.md)
     assert repr(cache) == repr(CompressedCache.from_preset("kvpolicy-3bit"))
 
@@ -237,7 +237,7 @@ def test_the_8k_preset_holds_at_most_2_5_bits_at_8k_and_centres_its_keys():
     path = Path(__file__).resolve().parents[1] / "kvpolicy" / "preset_files" / "smollm2-8k-2.5bit.toml"
     cache = CompressedCache.from_config("smollm2-8k-2.5bit")
     assert isinstance(cache.action, Tiered)
-    assert [(t.key_width, t.key_centre) for t in cache.action.tiers] == [(3, True), (2, True)]
+    assert [(t.keys.bits, t.keys.centre) for t in cache.action.tiers] == [(3, True), (2, True)]
     config = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576,
                          head_dim=64)  # fmt: skip
     args = tomllib.loads(path.read_text())["cache"]

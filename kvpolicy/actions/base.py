@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from kvpolicy.backends.base import Backend
+from kvpolicy.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvpolicy.transforms.base import Transform
@@ -111,6 +112,9 @@ class Action(ABC):
     #: parameters that hold parts of their own, as parameter name -> registry kind: ``CacheSpec.resolve``
     #: builds the ``{"name": ..., **params}`` dicts given for them (a part never looks a name up itself)
     part_parameters: ClassVar[Mapping[str, str]] = {}
+    #: parameters that take the name of a registered part, as parameter name -> registry kind:
+    #: ``CacheSpec.resolve`` passes the class registered under the name (the part never imports the registry)
+    name_parameters: ClassVar[Mapping[str, str]] = {}
     #: False for the ``"none"`` baseline: the cache then never runs the policy
     compresses: ClassVar[bool] = True
     #: False when demoted tokens leave the cache (eviction): attention sees fewer keys
@@ -127,6 +131,17 @@ class Action(ABC):
         """Raise :class:`~kvpolicy.errors.ConfigError` if tensors with ``head_dim`` channels cannot be
         stored (checked on a layer's first update); ``multiple`` is the backend's group granularity,
         ``role`` ``"key"`` or ``"value"`` (``None``: both) the tensor kind. Optional hook."""
+
+    def with_widths(self, key_bits: int, value_bits: int) -> Action:
+        """This action with keys stored in ``key_bits`` and values in ``value_bits`` bits (a layer's own widths,
+        ``layer_bits=``). Optional: an action without code widths refuses.
+
+        Raises
+        ------
+        ConfigError
+            If this action has no code widths.
+        """
+        raise ConfigError(f"layer_bits sets code widths; action {self.name!r} has none (use action='quantize')")
 
     def serving(
         self, backend: Backend, key_dim: int | None = None, value_dim: int | None = None

@@ -1,19 +1,25 @@
-"""The ``"quantize"`` action: demoted tokens are quantized once, when demoted, and never again."""
+"""The ``"quantize"`` action: demoted tokens are quantized once, when demoted, and never again.
+
+A :class:`Quantize` action holds one format spec per role (:attr:`Quantize.keys`, :attr:`Quantize.values`,
+:mod:`kvpolicy.formats`); its flat keywords (``bits``, ``key_bits``, ``group_size``, ``scheme``...) are
+shortcuts that build those specs, every default filled in one place (:meth:`Quantize.__init__`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
 from kvpolicy import formats, state_check
 from kvpolicy.actions.base import Action, DemotedStore
-from kvpolicy.backends.base import AXES, FITS, META_DTYPES, SCHEMES, Backend, QTensor, check_metadata, widen_remedy
+from kvpolicy.backends.base import AXES, FITS, META_DTYPES, Backend, QTensor, check_metadata, widen_remedy
 from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
+from kvpolicy.formats.base import Format
 from kvpolicy.policies.base import check_int
 from kvpolicy.positions import POSITION_DTYPE
 
@@ -27,50 +33,52 @@ DEFAULT_GROUP_SIZE = {"channel": 128, "token": 64}
 DEFAULT_KEY_FIT = "mse"
 #: code width when neither ``bits`` nor a per-kind width is given
 DEFAULT_BITS = 2
-
-
-#: shorthand parameter -> the per-kind parameters it sets
-SHORTHANDS = {"bits": ("key_bits", "value_bits"), "group_size": ("key_group_size", "value_group_size")}
 #: the quantization scheme when none is given
 DEFAULT_SCHEME = "minmax"
-#: a codebook kind's multiple of head_dim (indices of 2, 3 or 4 bits pack into whole bytes)
-CODEBOOK_HEAD_DIM_MULTIPLE = 8
+#: the grouping axis of each kind when none is given (KIVI's: keys per channel, values per token)
+DEFAULT_AXIS = {"key": "channel", "value": "token"}
+#: role field -> the prefix of its shortcut keywords
+ROLES = {"keys": "key", "values": "value"}
+#: shorthand keyword -> the per-kind keywords it stands for
+SHORTHANDS = {
+    "bits": ("key_bits", "value_bits"), "group_size": ("key_group_size", "value_group_size"),
+    "scheme": ("key_scheme", "value_scheme"), "fit": ("key_fit", "value_fit"),
+}  # fmt: skip
+#: the role options Quantize's defaults may fill (not given by the caller): only these may :meth:`Quantize.serving`
+#: replace
+DEFAULTABLE = ("keys.fit", "keys.group_size", "values.group_size")
 
 
-def _registered_format(name: object) -> bool:
-    """Whether ``name`` is a format registered beyond the built-ins (``Quantize(scheme=name)``)."""
-    if not isinstance(name, str):
-        return False
-    try:
-        formats.format_class(name)
-    except ConfigError:
-        return False
-    return True
+def _scheme_class(param: str, value: object) -> type[Format]:
+    """The format class a scheme keyword names: a built-in format's name, or a :class:`Format` class."""
+    if isinstance(value, type) and issubclass(value, Format):
+        return value
+    if isinstance(value, str) and value in formats.BUILTIN:
+        return formats.BUILTIN[value]
+    raise ConfigError(
+        f"Quantize: {param} must be one of {list(formats.BUILTIN)} or a Format class; got {param}={value!r} (a "
+        f"format a plugin registers is named through CompressedCache(..., {param}=NAME) or CacheSpec.resolve, "
+        "which look it up in the registry; or pass its spec, keys=MyFormat(...))"
+    )
 
 
-def _scheme_names() -> list[str]:
-    """The scheme names ``Quantize`` takes: the built-in formats', then those plugins register."""
-    from kvpolicy import registry
-
-    return [*SCHEMES, *(n for n in registry.names("formats") if n not in SCHEMES)]
-
-
-def _grouped(scheme: str) -> bool:
-    """Whether the format ``scheme`` names has groups (``group_size`` and ``axis`` apply)."""
-    return formats.format_class(scheme).grouped
-
-
-def _first(*values: int | None) -> int:
-    """The first value given: a kind's own, else the shorthand, else the default."""
-    return next(v for v in values if v is not None)
-
-
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, init=False)
 class Quantize(Action):
-    """Quantize demoted tokens to ``bits``: asymmetric min-max groups of ``group_size``, or a codebook.
+    """Quantize demoted tokens: keys and values each to a format (:mod:`kvpolicy.formats`).
+
+    ``Quantize(keys=MinMax(bits=3, group_size=128, axis="channel", fit="mse"), values=Codebook(bits=2))``
+    gives each role's format whole; the flat keywords below are shortcuts that build the same specs
+    (``Quantize(key_bits=3, key_fit="mse", value_scheme="codebook")`` is the action above), with the
+    defaults of the parameters they leave out. A role given whole takes no shortcut of its own
+    (``keys=`` with ``key_bits=`` is an error), and the shared shortcuts (``bits``, ``scheme``...) then
+    apply to the other role alone.
 
     Parameters
     ----------
+    keys, values : Format, optional
+        The format of keys and of values (:class:`~kvpolicy.formats.MinMax`,
+        :class:`~kvpolicy.formats.Codebook` or a format a plugin registers), exactly as given: none of
+        the defaults below is applied to it, and :meth:`serving` never changes it.
     bits : int, optional
         Code width of keys and values alike (the shorthand for ``key_bits`` and ``value_bits``);
         default 2. Which widths exist depends on the backend (``torch``: 2, 3, 4, 8).
@@ -90,46 +98,49 @@ class Quantize(Action):
         The code width of keys or values alone (keys usually need more: see docs/explanation/quantization.md).
         Given together with a different ``bits`` they are a :class:`~kvpolicy.errors.ConfigError`;
         a pair the backend lacks is refused with the pairs it has.
-    key_axis, value_axis : {"channel", "token"}
-        Grouping axis of keys and values. Defaults follow KIVI (keys per channel, values per
-        token): on SmolLM2-135M at 2 bits with the log policy, per-token keys raise next-token
-        loss far more than per-channel keys. Per-channel tokens wait in a full-precision staging
-        buffer until ``group_size`` of them are demoted, then are quantized once, in demotion order.
+    key_axis, value_axis : {"channel", "token"}, optional
+        Grouping axis of keys and values; defaults :data:`DEFAULT_AXIS`, KIVI's (keys per channel,
+        values per token): on SmolLM2-135M at 2 bits with the log policy, per-token keys raise
+        next-token loss far more than per-channel keys. Per-channel tokens wait in a full-precision
+        staging buffer until ``group_size`` of them are demoted, then are quantized once, in demotion
+        order. A kind whose format has no groups (codebook) ignores its axis.
     check_finite : bool
         Raise :class:`~kvpolicy.errors.NonFiniteError` if NaN or Inf reaches the quantizer, or comes
         out of it in the stored metadata (one reduction over the demoted tokens and one over their
         scales and minimums; switch off for speed once a model is known good).
-    meta_dtype : {"auto", "float16", "bfloat16", "float32"}
-        The dtype of each group's scale and minimum. ``"auto"``: the backend's default (``torch``,
-        ``cpu``, ``triton``: ``bfloat16`` for ``bfloat16`` inputs, ``float16`` otherwise). float16
-        holds magnitudes up to 65504 only: float32 keys or values beyond it raise
+    meta_dtype : {"auto", "float16", "bfloat16", "float32"}, optional
+        The dtype of each group's scale and minimum; default ``"auto"``: the backend's default
+        (``torch``, ``cpu``, ``triton``: ``bfloat16`` for ``bfloat16`` inputs, ``float16`` otherwise).
+        float16 holds magnitudes up to 65504 only: float32 keys or values beyond it raise
         :class:`~kvpolicy.errors.MetadataOverflowError` whatever ``check_finite`` says, and
         ``"float32"`` (32 more bits per group) or ``"bfloat16"`` (same bytes, 8-bit significand)
         stores them. Which values a backend accepts: ``Backend.capabilities.meta_dtypes``.
-    scheme : {"minmax", "codebook"}, optional
+    scheme : {"minmax", "codebook"} or Format class, optional
         How keys and values alike are quantized (the shorthand for ``key_scheme`` and
         ``value_scheme``); default ``"minmax"``. ``"codebook"``: one scale per token and head plus
         ``bits``-bit indices into the Lloyd-Max codebook of the standard normal distribution
         (:mod:`kvpolicy.formats.codebook`; ``bits + 16 / head_dim`` bits per element, no zero-point).
         It assumes rotated, near-Gaussian coordinates: a cache refuses it without a rotation
-        (``transform="hadamard"``). Group size and axis do not apply to a codebook kind (giving one
-        for it is an error); ``meta_dtype`` sets the dtype of its scales. Widths: 2, 3 or 4 bits
-        (``torch`` and ``cpu`` backends). A scheme is the name of a format (:mod:`kvpolicy.formats`):
-        any format registered through the ``kvpolicy_register_formats`` hook is accepted too (its
-        spec's :meth:`~kvpolicy.formats.base.Format.from_options` builds it from these parameters).
-    key_scheme, value_scheme : {"minmax", "codebook"}, optional
+        (``transform="hadamard"``). Group size and axis do not apply to a codebook kind (giving a
+        group size for it is an error); ``meta_dtype`` sets the dtype of its scales. Widths: 2, 3 or 4
+        bits. A scheme names a format (:mod:`kvpolicy.formats`): built directly, ``Quantize`` takes the
+        built-in names or a format class; through :class:`~kvpolicy.CompressedCache` or
+        :meth:`~kvpolicy.spec.CacheSpec.resolve` the name of any format registered through the
+        ``kvpolicy_register_formats`` hook is accepted too (its
+        :meth:`~kvpolicy.formats.base.Format.from_options` builds it from these parameters).
+    key_scheme, value_scheme : {"minmax", "codebook"} or Format class, optional
         The scheme of keys or values alone; contradicting ``scheme`` is a ConfigError.
-    key_centre : bool
+    key_centre : bool, optional
         Codebook keys only: quantize each key minus a centre ``μ`` (per batch row and head), the mean
         of the first keys the layer demotes (usually the prompt's), stored once in the metadata dtype
         and shared by every later key, so the codebook spends its cells on how keys differ rather
         than on the offset they share. Costs ``head_dim`` metadata values per row, head and layer;
         the fused path reads it at no extra pass (:mod:`kvpolicy.backends.codebook`). Measured in
-        docs/explanation/quantization.md. Needs ``key_scheme="codebook"`` and a backend whose capabilities list
-        ``codebook_centre`` (``torch``, ``cpu``). Any centre is exact (it is stored and added back);
-        how much it helps depends on how well the first block stands for later keys: a left-padded
-        row's mean includes its padding tokens' keys, and a first demotion of a few tokens gives a
-        noisy mean.
+        docs/explanation/quantization.md. Needs keys in a centred format (``key_scheme="codebook"``)
+        and a backend whose capabilities list ``codebook_centre`` (``torch``, ``cpu``). Any centre is
+        exact (it is stored and added back); how much it helps depends on how well the first block
+        stands for later keys: a left-padded row's mean includes its padding tokens' keys, and a first
+        demotion of a few tokens gives a noisy mean. Values are never centred.
     fit : {"minmax", "mse"}, optional
         How each min-max group's range is chosen, for keys and values alike (the shorthand for
         ``key_fit`` and ``value_fit``). Default: ``"mse"`` for keys, ``"minmax"`` for values
@@ -149,186 +160,130 @@ class Quantize(Action):
         The fit of keys or values alone; contradicting ``fit`` is a ConfigError. Default: keys
         ``"mse"``, values ``"minmax"``. Fitted values raise SmolLM2's KL 2.4× where fitted keys alone
         cut it 3.5× at 2 bits (calibration texts; docs/explanation/quantization.md).
+    defaulted : sequence of str, optional
+        Which options of the role formats the defaults filled (:data:`DEFAULTABLE`, e.g.
+        ``"keys.fit"``): the only ones :meth:`serving` may replace. Computed from the shortcuts; given
+        only when the formats are (a saved spec, :func:`dataclasses.replace`).
+
+    Attributes
+    ----------
+    keys, values : Format
+        Each role's format, the defaults filled in.
     """
 
-    bits: int | None = None
-    group_size: int | None = None
-    key_axis: str = "channel"
-    value_axis: str = "token"
+    keys: Format = field(default=None)  # type: ignore[assignment]
+    values: Format = field(default=None)  # type: ignore[assignment]
     check_finite: bool = True
-    meta_dtype: str = "auto"
-    key_group_size: int | None = None
-    value_group_size: int | None = None
-    key_bits: int | None = None
-    value_bits: int | None = None
-    scheme: str | None = None
-    key_scheme: str | None = None
-    value_scheme: str | None = None
-    key_centre: bool = False
-    fit: str | None = None
-    key_fit: str | None = None
-    value_fit: str | None = None
+    defaulted: tuple[str, ...] = field(default=(), repr=False)
 
-    name = "quantize"
+    name: ClassVar[str] = "quantize"
+    #: ``keys`` and ``values`` given as ``{"name": ..., **params}`` tables (a preset file) are built by
+    #: ``CacheSpec.resolve``, which also looks the scheme keywords' names up in the registry
+    part_parameters: ClassVar[dict[str, str]] = {"keys": "formats", "values": "formats"}
+    name_parameters: ClassVar[dict[str, str]] = dict.fromkeys(("scheme", "key_scheme", "value_scheme"), "formats")
 
-    def __post_init__(self) -> None:
-        for short, kinds in SHORTHANDS.items():
-            for param in (short, *kinds):
-                value = getattr(self, param)
-                if value is not None:
-                    check_int(param, value, 1, "Quantize")
-                    if short == "bits" and value > 8:
-                        raise ConfigError(f"Quantize: {param} must be between 1 and 8; got {param}={value!r}")
-            given = getattr(self, short)
-            for param in kinds:
-                own = getattr(self, param)
-                if given is not None and own is not None and own != given:
-                    raise ConfigError(
-                        f"Quantize: {short}={given} (the shorthand for both) contradicts {param}={own}; give "
-                        f"{short} alone, or {' and '.join(kinds)}"
-                    )
-        for param in ("key_axis", "value_axis"):
-            value = getattr(self, param)
-            if value not in AXES:
-                raise ConfigError(f"Quantize: {param} must be one of {list(AXES)}; got {param}={value!r}")
-        self._check_schemes()
-        if self.key_method == self.value_method == "minmax" and self.key_axis == self.value_axis == "channel":
-            small, big = sorted((self.key_group, self.value_group))
+    def __init__(
+        self, bits: int | None = None, group_size: int | None = None, key_axis: str | None = None,
+        value_axis: str | None = None, check_finite: bool = True, meta_dtype: str | None = None,
+        key_group_size: int | None = None, value_group_size: int | None = None, key_bits: int | None = None,
+        value_bits: int | None = None, scheme: str | type[Format] | None = None,
+        key_scheme: str | type[Format] | None = None, value_scheme: str | type[Format] | None = None,
+        key_centre: bool | None = None, fit: str | None = None, key_fit: str | None = None,
+        value_fit: str | None = None, *, keys: Format | None = None, values: Format | None = None,
+        defaulted: tuple[str, ...] | list[str] | None = None,
+    ) -> None:  # fmt: skip
+        given = {
+            "bits": bits, "group_size": group_size, "key_axis": key_axis, "value_axis": value_axis,
+            "meta_dtype": meta_dtype, "key_group_size": key_group_size, "value_group_size": value_group_size,
+            "key_bits": key_bits, "value_bits": value_bits, "scheme": scheme, "key_scheme": key_scheme,
+            "value_scheme": value_scheme, "key_centre": key_centre, "fit": fit, "key_fit": key_fit,
+            "value_fit": value_fit,
+        }  # fmt: skip
+        given = {name: value for name, value in given.items() if value is not None}
+        if given.get("key_centre") is False:
+            del given["key_centre"]  # the old default, written by saved specs of older versions
+        if not isinstance(check_finite, bool):
+            raise ConfigError(f"Quantize: check_finite must be a bool; got check_finite={check_finite!r}")
+        whole = {"keys": keys, "values": values}
+        for role, fmt in whole.items():
+            if fmt is not None and not isinstance(fmt, Format):
+                raise ConfigError(
+                    f"Quantize: {role} must be a format spec (kvpolicy.formats.MinMax(...), Codebook(...)); "
+                    f"got {role}={fmt!r}"
+                )
+        _check_shortcuts(given)
+        for role, kind in ROLES.items():
+            own = sorted(p for p in given if p.startswith(f"{kind}_"))
+            if whole[role] is not None and own:
+                raise ConfigError(
+                    f"Quantize: {role}={whole[role]!r} gives the {kind}s' format whole; {own} would set it again. "
+                    f"Give {role}= alone, or the {kind}_* keywords"
+                )
+        shared = sorted(p for p in given if not p.startswith(("key_", "value_")))
+        if keys is not None and values is not None and shared:
+            raise ConfigError(
+                f"Quantize: keys= and values= give both formats whole, so {shared} would apply to neither; drop "
+                f"{' and '.join(shared)}, or set them inside the formats"
+            )
+        classes = {role: type(whole[role]) if whole[role] is not None else _scheme_class(*_scheme(given, kind))
+                   for role, kind in ROLES.items()}  # fmt: skip
+        built: dict[str, Format] = {}
+        filled: set[str] = set()
+        for role, kind in ROLES.items():
+            if whole[role] is not None:
+                built[role] = whole[role]  # type: ignore[assignment]
+                continue
+            other = classes["values" if role == "keys" else "keys"]
+            built[role] = _role_format(kind, classes[role], other, given, filled)
+        if defaulted is not None:
+            if isinstance(defaulted, str) or not isinstance(defaulted, (tuple, list)):
+                raise ConfigError(f"Quantize: defaulted must be a list of {list(DEFAULTABLE)}; got {defaulted!r}")
+            unknown = [d for d in defaulted if d not in DEFAULTABLE]
+            if unknown:
+                raise ConfigError(f"Quantize: defaulted names {unknown}; it may name {list(DEFAULTABLE)}")
+            filled = set(defaulted)
+        if getattr(built["values"], "centre", False):
+            raise ConfigError(
+                f"Quantize: values={built['values']!r} is centred; only keys are (the fused path adds a key "
+                "centre to the scores, and has no term for a value centre). Use centre=False for the values"
+            )
+        kf, vf = built["keys"], built["values"]
+        if kf.grouped and vf.grouped and kf.axis == vf.axis == "channel":
+            small, big = sorted((kf.group_size, vf.group_size))
             if big % small:
                 raise ConfigError(
                     f"Quantize: keys and values both grouped per channel need one group size to divide the "
-                    f"other (tokens are read back in whole groups of both); got key_group_size={self.key_group}, "
-                    f"value_group_size={self.value_group}"
+                    f"other (tokens are read back in whole groups of both); got key_group_size={kf.group_size}, "
+                    f"value_group_size={vf.group_size}"
                 )
-        if not isinstance(self.key_centre, bool):
-            raise ConfigError(f"Quantize: key_centre must be a bool; got key_centre={self.key_centre!r}")
-        if self.key_centre and self.key_method != "codebook":
-            raise ConfigError(
-                "Quantize: key_centre=True centres codebook keys; the keys' scheme is "
-                f"{self.key_method!r} (min-max groups carry their own zero-point). Pass key_scheme='codebook', "
-                "or drop key_centre"
-            )
-        self._check_fits()
-        if not isinstance(self.check_finite, bool):
-            raise ConfigError(f"Quantize: check_finite must be a bool; got check_finite={self.check_finite!r}")
-        if not isinstance(self.meta_dtype, str) or self.meta_dtype not in META_DTYPES:
-            raise ConfigError(
-                f"Quantize: meta_dtype must be one of {list(META_DTYPES)}; got meta_dtype={self.meta_dtype!r}"
-            )
+        object.__setattr__(self, "keys", kf)
+        object.__setattr__(self, "values", vf)
+        object.__setattr__(self, "check_finite", check_finite)
+        object.__setattr__(self, "defaulted", tuple(d for d in DEFAULTABLE if d in filled))
+        #: the shortcut keywords given, so that errors name the parameter the caller wrote (not compared, not saved)
+        object.__setattr__(self, "_given", frozenset(given))
 
-    def _check_choice(self, short: str, allowed: tuple[str, ...]) -> None:
-        """``short`` and its per-kind forms (``key_<short>``, ``value_<short>``): each one of ``allowed``,
-        and neither kind's own contradicting the shorthand."""
-        kinds = (f"key_{short}", f"value_{short}")
-        for param in (short, *kinds):
-            value = getattr(self, param)
-            if value is not None and value not in allowed and not (short == "scheme" and _registered_format(value)):
-                known = list(allowed) if short != "scheme" else _scheme_names()
-                raise ConfigError(f"Quantize: {param} must be one of {known}; got {param}={value!r}")
-        given = getattr(self, short)
-        for param in kinds:
-            own = getattr(self, param)
-            if given is not None and own is not None and own != given:
-                raise ConfigError(
-                    f"Quantize: {short}={given!r} (the shorthand for both) contradicts {param}={own!r}; give "
-                    f"{short} alone, or {' and '.join(kinds)}"
-                )
+    def _derived(self, keys: Format, values: Format, defaulted: tuple[str, ...]) -> Quantize:
+        """An action of these formats that names parameters in errors as this one does."""
+        out = Quantize(keys=keys, values=values, check_finite=self.check_finite, defaulted=defaulted)
+        object.__setattr__(out, "_given", self._given)
+        return out
 
-    def _check_fits(self) -> None:
-        self._check_choice("fit", FITS)
-        for kind in ("key", "value"):
-            own = getattr(self, f"{kind}_fit")
-            method = getattr(self, f"{kind}_method")
-            if own not in (None, "minmax") and not _grouped(method):
-                raise ConfigError(
-                    f"Quantize: {kind}_fit={own!r} chooses the range of min-max groups; the {kind}s use "
-                    f"scheme={method!r} (one scale per vector, no range to fit)"
-                )
-        if self.fit not in (None, "minmax") and not (_grouped(self.key_method) or _grouped(self.value_method)):
-            raise ConfigError(
-                f"Quantize: fit={self.fit!r} chooses the range of min-max groups; both keys and values use "
-                f"scheme={self.key_method!r} (one scale per vector, no range to fit). Drop fit, or quantize a "
-                "kind with scheme='minmax'"
-            )
+    def _param(self, kind: str, option: str) -> str:
+        """The parameter that set ``kind``'s ``option`` as the caller wrote it: the kind's own, the shorthand,
+        or the kind's own marked ``(default)`` when the defaults set it."""
+        own = f"{kind}_{option}"
+        if own not in self._given and option in self._given:
+            return option
+        return own + (" (default)" if own not in self._given and f"{kind}s.{option}" in self.defaulted else "")
 
-    @property
-    def key_fitting(self) -> str:
-        """How the keys' min-max groups choose their range (``"minmax"`` for codebook keys)."""
-        if not _grouped(self.key_method):
-            return "minmax"
-        return self.key_fit or self.fit or DEFAULT_KEY_FIT
-
-    @property
-    def value_fitting(self) -> str:
-        """How the values' min-max groups choose their range (``"minmax"`` for codebook values)."""
-        if not _grouped(self.value_method):
-            return "minmax"
-        return self.value_fit or self.fit or "minmax"
-
-    def _fit_repr(self) -> list[str]:
-        # one fit= when both kinds agree, nothing for min-max (reprs, and so result ids, from before the
-        # parameter existed stay as they were)
-        k, v = self.key_fitting, self.value_fitting
-        if k == v:
-            return [] if k == "minmax" else [f"fit={k!r}"]
-        return [f"{kind}_fit={f!r}" for kind, f in (("key", k), ("value", v)) if f != "minmax"]
-
-    def _check_schemes(self) -> None:
-        self._check_choice("scheme", SCHEMES)
-        for kind in ("key", "value"):
-            method = getattr(self, f"{kind}_method")
-            if _grouped(method):
-                continue
-            other = "value" if kind == "key" else "key"
-            given = getattr(self, f"{kind}_group_size")
-            if given is None and not _grouped(getattr(self, f"{other}_method")):
-                given = self.group_size
-            if given is not None:
-                raise ConfigError(
-                    f"Quantize: {kind}s quantized with scheme={method!r} hold one scale per token and head; a group "
-                    f"size does not apply to them (got {self._group_param(kind)}={given})"
-                )
-
-    @property
-    def key_method(self) -> str:
-        """The keys' quantization scheme (``"minmax"`` or ``"codebook"``)."""
-        return self.key_scheme or self.scheme or DEFAULT_SCHEME
-
-    @property
-    def value_method(self) -> str:
-        """The values' quantization scheme (``"minmax"`` or ``"codebook"``)."""
-        return self.value_scheme or self.scheme or DEFAULT_SCHEME
-
-    @property
-    def key_width(self) -> int:
-        """The keys' code width in bits."""
-        return _first(self.key_bits, self.bits, DEFAULT_BITS)
-
-    @property
-    def value_width(self) -> int:
-        """The values' code width in bits."""
-        return _first(self.value_bits, self.bits, DEFAULT_BITS)
-
-    @property
-    def key_group(self) -> int:
-        """The keys' group size in effect."""
-        return _first(self.key_group_size, self.group_size, DEFAULT_GROUP_SIZE[self.key_axis])
-
-    @property
-    def value_group(self) -> int:
-        """The values' group size in effect."""
-        return _first(self.value_group_size, self.group_size, DEFAULT_GROUP_SIZE[self.value_axis])
-
-    def _kind_layout(self, kind: str) -> tuple:
-        """``(scheme, group size, axis)`` of one kind as it quantizes (a codebook kind has neither)."""
-        method = getattr(self, f"{kind}_method")
-        if not _grouped(method):
-            return (method, None, None)
-        return ("minmax", getattr(self, f"{kind}_group"), getattr(self, f"{kind}_axis"))
+    # ------------------------------------------------------------------ reading
+    def roles(self) -> tuple[tuple[str, Format], tuple[str, Format]]:
+        """``(("key", keys format), ("value", values format))``."""
+        return (("key", self.keys), ("value", self.values))
 
     def _canonical(self) -> tuple:
-        return (self.key_width, self.value_width, self._kind_layout("key"), self._kind_layout("value"),
-                self.check_finite, self.meta_dtype, self.key_centre, self.key_fitting, self.value_fitting)  # fmt: skip
+        return (self.keys, self.values, self.check_finite)
 
     def __eq__(self, other: object) -> bool:
         # equal when they quantize alike: Quantize() == Quantize(key_group_size=128, value_group_size=64)
@@ -338,97 +293,88 @@ class Quantize(Action):
         return hash(("quantize", *self._canonical()))
 
     def __repr__(self) -> str:
-        # the repr names a cache in results (and their cell ids): the group sizes in effect, one
-        # ``group_size`` when they agree; meta_dtype only when set (caches described before the
-        # parameter existed used the default); the scheme only when a kind uses the codebook (its group
-        # size and axis are then left out); fit only when it is not "minmax" (likewise)
-        if (self.key_method, self.value_method) != ("minmax", "minmax"):
-            return self._codebook_repr()
-        if self.key_group == self.value_group:
-            groups = f"group_size={self.key_group!r}"
-        else:
-            groups = f"key_group_size={self.key_group!r}, value_group_size={self.value_group!r}"
-        if self.key_width == self.value_width:
-            widths = f"bits={self.key_width!r}"
-        else:
-            widths = f"key_bits={self.key_width!r}, value_bits={self.value_width!r}"
-        shown = [widths, groups]
-        shown += [f"{name}={getattr(self, name)!r}" for name in ("key_axis", "value_axis", "check_finite")]
-        if self.meta_dtype != "auto":
-            shown.append(f"meta_dtype={self.meta_dtype!r}")
-        shown += self._fit_repr()
-        return f"Quantize({', '.join(shown)})"
+        # the shortcut form where the shortcuts build this action (results name caches by it, and their
+        # cell ids hash it): the group sizes in effect, one ``group_size`` when they agree; meta_dtype only
+        # when set; the scheme only when a kind is not min-max (its group size and axis are then left out);
+        # fit only when it is not "minmax". Otherwise each role's format, whole.
+        shown = self._shortcut_form()
+        if shown is None:
+            return f"Quantize(keys={self.keys!r}, values={self.values!r}, check_finite={self.check_finite!r})"
+        return f"Quantize({', '.join(f'{k}={v!r}' for k, v in shown)})"
 
-    def _codebook_repr(self) -> str:
-        if self.key_width == self.value_width:
-            shown = [f"bits={self.key_width!r}"]
+    def _shortcut_form(self) -> list[tuple[str, Any]] | None:
+        """The shortcut keywords, in the repr's order, that build an action equal to this one (``None``:
+        none do, e.g. keys and values with different metadata dtypes, or a format with parameters of its own)."""
+        k, v = self.keys, self.values
+        out: list[tuple[str, Any]] = []
+        out += [("bits", k.bits)] if k.bits == v.bits else [("key_bits", k.bits), ("value_bits", v.bits)]
+        if (k.name, v.name) == ("minmax", "minmax"):
+            if k.group_size == v.group_size:
+                out.append(("group_size", k.group_size))
+            else:
+                out += [("key_group_size", k.group_size), ("value_group_size", v.group_size)]
+            out += [("key_axis", k.axis), ("value_axis", v.axis), ("check_finite", self.check_finite)]
         else:
-            shown = [f"key_bits={self.key_width!r}", f"value_bits={self.value_width!r}"]
-        if self.key_method == self.value_method:
-            shown.append(f"scheme={self.key_method!r}")
+            out += [("scheme", k.name)] if k.name == v.name else [("key_scheme", k.name), ("value_scheme", v.name)]
+            for kind, fmt in self.roles():
+                if fmt.grouped:
+                    out += [(f"{kind}_group_size", fmt.group_size), (f"{kind}_axis", fmt.axis)]
+            if k.centre:
+                out.append(("key_centre", True))
+            out.append(("check_finite", self.check_finite))
+        if k.meta_dtype != "auto":
+            out.append(("meta_dtype", k.meta_dtype))
+        if k.fit == v.fit:
+            out += [] if k.fit == "minmax" else [("fit", k.fit)]
         else:
-            shown += [f"key_scheme={self.key_method!r}", f"value_scheme={self.value_method!r}"]
-        for kind in ("key", "value"):
-            if _grouped(getattr(self, f"{kind}_method")):
-                shown += [f"{kind}_group_size={getattr(self, f'{kind}_group')!r}",
-                          f"{kind}_axis={getattr(self, f'{kind}_axis')!r}"]  # fmt: skip
-        if self.key_centre:
-            shown.append("key_centre=True")
-        shown.append(f"check_finite={self.check_finite!r}")
-        if self.meta_dtype != "auto":
-            shown.append(f"meta_dtype={self.meta_dtype!r}")
-        shown += self._fit_repr()
-        return f"Quantize({', '.join(shown)})"
+            out += [(f"{kind}_fit", fmt.fit) for kind, fmt in self.roles() if fmt.fit != "minmax"]
+        # the repr leaves a min-max fit out (as it did before fits existed), so the check gives both fits
+        classes = {k.name: type(k), v.name: type(v)}
+        kwargs = {key: classes[val] if key.endswith("scheme") else val for key, val in out if "fit" not in key}
+        try:
+            rebuilt = Quantize(**kwargs, key_fit=k.fit, value_fit=v.fit)
+        except (ConfigError, TypeError, ValueError):
+            return None
+        return out if rebuilt == self else None
 
-    def _group_param(self, kind: str) -> str:
-        """The parameter that set ``kind``'s group size, as the user wrote it."""
-        own = f"{kind}_group_size"
-        if getattr(self, own) is None and self.group_size is not None:
-            return "group_size"
-        return own if getattr(self, own) is not None else f"{own} (default)"
-
+    # ------------------------------------------------------------------ the Action hooks
     def check_backend(self, backend: Backend) -> None:
-        mult = backend.capabilities.group_size_multiple
-        minmax = [kind for kind in ("key", "value") if _grouped(getattr(self, f"{kind}_method"))]
-        for kind in ("key", "value"):
-            if kind not in minmax:
-                backend.check_scheme(getattr(self, f"{kind}_method"), getattr(self, f"{kind}_width"), role=kind)
-        if self.key_centre and not backend.capabilities.codebook_centre:
+        caps = backend.capabilities
+        mult = caps.group_size_multiple
+        for kind, fmt in self.roles():
+            if not fmt.grouped:
+                backend.check_scheme(fmt.name, fmt.bits, role=kind)
+        if self.keys.centre and not caps.codebook_centre:
             raise ConfigError(
                 f"backend {backend.name!r} does not store centred codebook blocks (key_centre=True); backends "
                 "whose capabilities list codebook_centre do (torch, cpu)"
             )
-        for kind, group in (("key", self.key_group), ("value", self.value_group)):
-            if kind not in minmax:
-                continue
-            if group % mult:
+        for kind, fmt in self.roles():
+            if fmt.grouped and fmt.group_size % mult:
                 raise ConfigError(
                     f"backend {backend.name!r} needs group sizes that are multiples of {mult}; got "
-                    f"{self._group_param(kind)}={group}"
+                    f"{self._param(kind, 'group_size')}={fmt.group_size}"
                 )
-        caps = backend.capabilities
+        k, v = self.keys, self.values
         pairs = caps.bit_pairs if caps.bit_pairs is not None else tuple(itertools.product(caps.bits, caps.bits))
-        if len(minmax) == 2 and self.key_width != self.value_width and (self.key_width, self.value_width) not in pairs:
+        if k.grouped and v.grouped and k.bits != v.bits and (k.bits, v.bits) not in pairs:
             raise ConfigError(
-                f"backend {backend.name!r} does not support key_bits={self.key_width}, value_bits={self.value_width}; "
+                f"backend {backend.name!r} does not support key_bits={k.bits}, value_bits={v.bits}; "
                 f"it supports (key_bits, value_bits) in {[tuple(p) for p in pairs]}"
             )
-        if "key" in minmax:
-            backend.check(bits=self.key_width, group_size=self.key_group, axis=self.key_axis, role="key")
-        if "value" in minmax:
-            backend.check(bits=self.value_width, group_size=self.value_group, axis=self.value_axis, role="value")
-        backend.check_meta_dtype(self.meta_dtype)
-        fits = backend.capabilities.fits
-        for kind in ("key", "value"):
-            fit = getattr(self, f"{kind}_fitting")
-            if fit not in fits:
-                own = getattr(self, f"{kind}_fit")
-                param = f"{kind}_fit" if own is not None or self.fit is None else "fit"
-                default = " (the default for min-max keys)" if own is None and self.fit is None else ""
+        for kind, fmt in self.roles():
+            if fmt.grouped:
+                backend.check(bits=fmt.bits, group_size=fmt.group_size, axis=fmt.axis, role=kind)
+        for meta in dict.fromkeys((k.meta_dtype, v.meta_dtype)):
+            backend.check_meta_dtype(meta)
+        for kind, fmt in self.roles():
+            if fmt.fit not in caps.fits:
+                param = self._param(kind, "fit").removesuffix(" (default)")
+                default = " (the default for min-max keys)" if f"{kind}s.fit" in self.defaulted else ""
                 raise ConfigError(
-                    f"backend {backend.name!r} does not fit min-max ranges with {param}={fit!r}{default}; it supports "
-                    f"fit in {list(fits)} (fit='mse': backends 'torch', 'cpu' and 'triton'). Pass "
-                    f"{param}={fits[0]!r} to use backend {backend.name!r}"
+                    f"backend {backend.name!r} does not fit min-max ranges with {param}={fmt.fit!r}{default}; it "
+                    f"supports fit in {list(caps.fits)} (fit='mse': backends 'torch', 'cpu' and 'triton'). Pass "
+                    f"{param}={caps.fits[0]!r} to use backend {backend.name!r}"
                 )
 
     def serving(
@@ -436,49 +382,57 @@ class Quantize(Action):
     ) -> tuple[Quantize, tuple[str, ...]]:
         """Replace the defaults ``backend`` or the head dims cannot serve (see :meth:`Action.serving`).
 
-        - The keys' default fit (:data:`DEFAULT_KEY_FIT`, ``"mse"``) on a backend whose
-          ``capabilities.fits`` lack it (``quanto``, ``hqq``): ``key_fit="minmax"``.
-        - A per-token kind's default group size (64 channels for values) that does not divide its
+        Only options :attr:`defaulted` names are replaced (a format given whole, or an option given as a
+        shortcut, never is):
+
+        - the keys' default fit (:data:`DEFAULT_KEY_FIT`, ``"mse"``) on a backend whose
+          ``capabilities.fits`` lack it (``quanto``, ``hqq``): ``key_fit="minmax"``;
+        - a per-token kind's default group size (64 channels for values) that does not divide its
           head dim: the largest divisor of the head dim below it that is a multiple of the backend's
           ``group_size_multiple`` (head_dim 48: 48, 80: 40, 96: 48), when one exists.
         """
-        changes: dict[str, Any] = {}
+        new = {"keys": self.keys, "values": self.values}
+        left = set(self.defaulted)
         notes: list[str] = []
         fits = backend.capabilities.fits
-        if (self.key_method == "minmax" and self.key_fit is None and self.fit is None
-                and DEFAULT_KEY_FIT not in fits):  # fmt: skip
-            changes["key_fit"] = "minmax"
+        if "keys.fit" in left and self.keys.fit == DEFAULT_KEY_FIT and DEFAULT_KEY_FIT not in fits:
+            new["keys"] = dataclasses.replace(self.keys, fit="minmax")
+            left.discard("keys.fit")
             notes.append(
                 f"key_fit='minmax' (backend {backend.name!r} does not fit ranges with the default {DEFAULT_KEY_FIT!r})"
             )
         mult = backend.capabilities.group_size_multiple
-        for kind, dim in (("key", key_dim), ("value", value_dim)):
-            group = getattr(self, f"{kind}_group")
-            defaulted = getattr(self, f"{kind}_group_size") is None and self.group_size is None
-            if (dim is None or not defaulted or getattr(self, f"{kind}_method") != "minmax"
-                    or getattr(self, f"{kind}_axis") != "token" or dim % group == 0):  # fmt: skip
+        for (role, kind), dim in zip(ROLES.items(), (key_dim, value_dim), strict=True):
+            fmt = new[role]
+            if (dim is None or f"{role}.group_size" not in left or not fmt.grouped or fmt.axis != "token"
+                    or dim % fmt.group_size == 0):  # fmt: skip
                 continue
-            fitting = [g for g in range(mult, min(group, dim) + 1, mult) if dim % g == 0]
+            fitting = [g for g in range(mult, min(fmt.group_size, dim) + 1, mult) if dim % g == 0]
             if fitting:
-                changes[f"{kind}_group_size"] = fitting[-1]
+                new[role] = dataclasses.replace(fmt, group_size=fitting[-1])
+                left.discard(f"{role}.group_size")
                 notes.append(
-                    f"{kind}_group_size={fitting[-1]} (the default {group} does not divide the {kind} head_dim {dim})"
+                    f"{kind}_group_size={fitting[-1]} (the default {fmt.group_size} does not divide the {kind} "
+                    f"head_dim {dim})"
                 )
-        if not changes:
+        if not notes:
             return self, ()
-        return dataclasses.replace(self, **changes), tuple(notes)
+        return self._derived(new["keys"], new["values"], tuple(left)), tuple(notes)
+
+    def with_widths(self, key_bits: int, value_bits: int) -> Quantize:
+        """This action with keys of ``key_bits`` and values of ``value_bits`` bits (a layer's own widths)."""
+        keys, values = dataclasses.replace(self.keys, bits=key_bits), dataclasses.replace(self.values, bits=value_bits)
+        return self._derived(keys, values, self.defaulted)
 
     def check_transform(self, transform: Any) -> None:
         """A codebook kind needs rotated data: refuse the identity transform (see the class docstring)."""
-        methods = {kind: getattr(self, f"{kind}_method") for kind in ("key", "value")}
-        kinds = [kind for kind, method in methods.items() if formats.format_class(method).needs_rotation]
+        kinds = [(kind, fmt) for kind, fmt in self.roles() if fmt.needs_rotation]
         if kinds and getattr(transform, "identity", False):
-            scheme = methods[kinds[0]]
             raise ConfigError(
-                f"Quantize: scheme={scheme!r} for the {' and '.join(kinds)}s assumes rotated coordinates (close to "
-                "Gaussian, which its Lloyd-Max codebook is built for); without a rotation the few outlier channels "
-                "of keys take whole codebook cells. Pass transform='hadamard', or use scheme='minmax'; got "
-                f"transform={transform.name!r}"
+                f"Quantize: scheme={kinds[0][1].name!r} for the {' and '.join(k for k, _ in kinds)}s assumes rotated "
+                "coordinates (close to Gaussian, which its Lloyd-Max codebook is built for); without a rotation the "
+                "few outlier channels of keys take whole codebook cells. Pass transform='hadamard', or use "
+                f"scheme='minmax'; got transform={transform.name!r}"
             )
 
     def check_head_dim(self, head_dim: int, multiple: int = 4, role: str | None = None) -> None:
@@ -488,28 +442,22 @@ class Quantize(Action):
         (``"key"`` or ``"value"``) checks that tensor kind's axis only (models whose keys and values
         have different head dims); ``None`` checks both.
         """
-        kinds = {
-            "key": (self.key_axis, self.key_group),
-            "value": (self.value_axis, self.value_group),
-        }
-        for kind, (axis, group) in kinds.items():
+        for kind, fmt in self.roles():
             if role not in (None, kind):
                 continue
-            method = getattr(self, f"{kind}_method")
-            if not _grouped(method):
-                multiple_of = formats.format_class(method).head_dim_multiple
-                if head_dim % multiple_of:
+            if not fmt.grouped:
+                if head_dim % fmt.head_dim_multiple:
                     raise ConfigError(
-                        f"Quantize: {kind}s with scheme={method!r} need a head_dim that is a multiple of "
-                        f"{multiple_of} (their indices pack into whole bytes); got head_dim={head_dim}"
+                        f"Quantize: {kind}s with scheme={fmt.name!r} need a head_dim that is a multiple of "
+                        f"{fmt.head_dim_multiple} (their indices pack into whole bytes); got head_dim={head_dim}"
                     )
                 continue
-            if axis != "token" or head_dim % group == 0:
+            if fmt.axis != "token" or head_dim % fmt.group_size == 0:
                 continue
             divisors = [g for g in range(multiple, head_dim + 1, multiple) if head_dim % g == 0]
             what = f"the {role} head_dim" if role else "head_dim"
             raise ConfigError(
-                f"Quantize: {self._group_param(kind)}={group} does not divide {what}={head_dim} "
+                f"Quantize: {self._param(kind, 'group_size')}={fmt.group_size} does not divide {what}={head_dim} "
                 f"(per-token groups split each token's channels); choose one of {divisors}"
             )
 
@@ -517,31 +465,127 @@ class Quantize(Action):
         return QuantizedStore(self, backend, layer_idx)
 
 
+def _scheme(given: dict[str, Any], kind: str) -> tuple[str, Any]:
+    """``(parameter, value)`` of ``kind``'s scheme, :data:`DEFAULT_SCHEME` when none is given."""
+    param, value = _pick(given, kind, "scheme")
+    return param, DEFAULT_SCHEME if value is None else value
+
+
+def _pick(given: dict[str, Any], kind: str, option: str) -> tuple[str, Any]:
+    """``(parameter, value)`` of ``kind``'s ``option``: its own keyword, else the shorthand, else ``None``."""
+    own = f"{kind}_{option}"
+    if own in given:
+        return own, given[own]
+    return (option, given[option]) if option in given else (own, None)
+
+
+def _role_format(kind: str, cls: type[Format], other: type[Format], given: dict[str, Any], filled: set[str]) -> Format:
+    """The format the shortcuts ``given`` describe for ``kind`` (``"key"``/``"value"``) in scheme ``cls``
+    (``other``: the other kind's), the defaults filled (their options added to ``filled``)."""
+    role = f"{kind}s"
+    bits_param, bits = _pick(given, kind, "bits")
+    bits = DEFAULT_BITS if bits is None else bits
+    if cls.bits_allowed and bits not in cls.bits_allowed:
+        raise ConfigError(
+            f"Quantize: {bits_param}={bits} with scheme={cls.name!r}; it supports bits in {list(cls.bits_allowed)}"
+        )
+    meta = given.get("meta_dtype", "auto")
+    param, group = _pick(given, kind, "group_size")
+    fit_param, fit = _pick(given, kind, "fit")
+    if not cls.grouped:
+        # a shared group size or fit applies to the grouped kind; given for none, or a kind's own, it is an error
+        if group is not None and (param != "group_size" or not other.grouped):
+            raise ConfigError(
+                f"Quantize: {kind}s quantized with scheme={cls.name!r} hold one scale per token and head; a group "
+                f"size does not apply to them (got {param}={group})"
+            )
+        if fit not in (None, "minmax") and (fit_param != "fit" or not other.grouped):
+            if fit_param == "fit":
+                raise ConfigError(
+                    f"Quantize: fit={fit!r} chooses the range of min-max groups; both keys and values use "
+                    f"scheme={cls.name!r} (one scale per vector, no range to fit). Drop fit, or quantize a "
+                    "kind with scheme='minmax'"
+                )
+            raise ConfigError(
+                f"Quantize: {kind}_fit={fit!r} chooses the range of min-max groups; the {kind}s use "
+                f"scheme={cls.name!r} (one scale per vector, no range to fit)"
+            )
+        centre = bool(given.get("key_centre", False)) if kind == "key" else False
+        if centre and not cls.centred:
+            raise ConfigError(
+                "Quantize: key_centre=True centres codebook keys; the keys' scheme is "
+                f"{cls.name!r}, whose blocks take no centre. Pass key_scheme='codebook', or drop key_centre"
+            )
+        return cls.from_options(bits, None, "token", "minmax", meta, centre)
+    if kind == "key" and given.get("key_centre"):
+        raise ConfigError(
+            "Quantize: key_centre=True centres codebook keys; the keys' scheme is "
+            f"{cls.name!r} (min-max groups carry their own zero-point). Pass key_scheme='codebook', "
+            "or drop key_centre"
+        )
+    axis = given.get(f"{kind}_axis", DEFAULT_AXIS[kind])
+    if group is None:
+        group = DEFAULT_GROUP_SIZE[axis]
+        filled.add(f"{role}.group_size")
+    if fit is None:
+        fit = DEFAULT_KEY_FIT if kind == "key" else "minmax"
+        if kind == "key":
+            filled.add("keys.fit")
+    return cls.from_options(bits, group, axis, fit, meta, False)
+
+
+def _check_shortcuts(given: dict[str, Any]) -> None:
+    """Each shortcut keyword of ``Quantize`` of the right kind and range, and no kind's own contradicting
+    its shorthand."""
+    for param in ("bits", "key_bits", "value_bits", "group_size", "key_group_size", "value_group_size"):
+        if param in given:
+            check_int(param, given[param], 1, "Quantize")
+            if param.endswith("bits") and given[param] > 8:
+                raise ConfigError(f"Quantize: {param} must be between 1 and 8; got {param}={given[param]!r}")
+    for param in ("key_axis", "value_axis"):
+        if param in given and given[param] not in AXES:
+            raise ConfigError(f"Quantize: {param} must be one of {list(AXES)}; got {param}={given[param]!r}")
+    for param in ("scheme", "key_scheme", "value_scheme"):
+        if param in given:
+            _scheme_class(param, given[param])
+    for param in ("fit", "key_fit", "value_fit"):
+        if param in given and given[param] not in FITS:
+            raise ConfigError(f"Quantize: {param} must be one of {list(FITS)}; got {param}={given[param]!r}")
+    for short, kinds in SHORTHANDS.items():
+        for param in kinds:
+            if short in given and param in given and given[param] != given[short]:
+                a = _scheme_class(short, given[short]) if short == "scheme" else given[short]
+                b = _scheme_class(param, given[param]) if short == "scheme" else given[param]
+                if a != b:
+                    raise ConfigError(
+                        f"Quantize: {short}={given[short]!r} (the shorthand for both) contradicts "
+                        f"{param}={given[param]!r}; give {short} alone, or {' and '.join(kinds)}"
+                    )
+    if "key_centre" in given and not isinstance(given["key_centre"], bool):
+        raise ConfigError(f"Quantize: key_centre must be a bool; got key_centre={given['key_centre']!r}")
+    meta = given.get("meta_dtype", "auto")
+    if not isinstance(meta, str) or meta not in META_DTYPES:
+        raise ConfigError(f"Quantize: meta_dtype must be one of {list(META_DTYPES)}; got meta_dtype={meta!r}")
+
+
 class QuantizedStream:
     """Append-only quantized storage of one tensor kind (keys or values) of one layer.
 
-    Tokens are quantized in the order they are appended. With ``axis="channel"`` they first wait
-    in ``staging`` (full precision) until a whole group of ``group_size`` tokens is there. The
-    parameters name the stream's format (:attr:`fmt`, built by the format ``scheme`` names), which
-    ``backend.quantize`` is handed with every block. A stream whose format has no groups (codebook)
-    quantizes every token on arrival (``axis="token"``, no ``group_size``).
+    Tokens are quantized in the order they are appended, to the stream's format :attr:`fmt`, which
+    ``backend.quantize`` is handed with every block. With ``axis="channel"`` they first wait in
+    ``staging`` (full precision) until a whole group of ``group_size`` tokens is there. A stream whose
+    format has no groups (codebook) quantizes every token on arrival (``axis="token"``, no ``group_size``).
     """
 
-    def __init__(
-        self, backend: Backend, bits: int, group_size: int | None, axis: str, meta_dtype: str = "auto",
-        scheme: str = DEFAULT_SCHEME, centre: bool = False, fit: str = "minmax",
-    ) -> None:  # fmt: skip
+    def __init__(self, backend: Backend, fmt: Format) -> None:
         self.backend = backend
-        kind = formats.format_class(scheme)
-        self.fit = fit if kind.grouped else "minmax"
-        self.bits = bits
-        self.scheme = scheme
-        self.centre = centre
-        self.group_size = group_size if kind.grouped else None
-        self.axis = axis if kind.grouped else "token"
-        self.meta_dtype = meta_dtype
         #: what this stream stores: the format spec every block is quantized to
-        self.fmt = kind.from_options(bits, self.group_size, self.axis, self.fit, meta_dtype, centre)
+        self.fmt = fmt
+        self.bits = fmt.bits
+        self.scheme = fmt.name
+        self.centre = fmt.centre
+        self.group_size = fmt.group_size if fmt.grouped else None
+        self.axis = fmt.axis if fmt.grouped else "token"
         self.q: QTensor | None = None
         self.staging: torch.Tensor | None = None
         #: ``centre``: the float32 centre ``(batch, kv_heads, 1, head_dim)`` the first block is quantized
@@ -702,14 +746,8 @@ class QuantizedStore(DemotedStore):
     def __init__(self, action: Quantize, backend: Backend, layer_idx: int) -> None:
         self.action = action
         self.layer_idx = layer_idx
-        self.k = QuantizedStream(
-            backend, action.key_width, action.key_group, action.key_axis, action.meta_dtype, action.key_method,
-            action.key_centre, action.key_fitting,
-        )  # fmt: skip
-        self.v = QuantizedStream(
-            backend, action.value_width, action.value_group, action.value_axis, action.meta_dtype, action.value_method,
-            fit=action.value_fitting,
-        )  # fmt: skip
+        self.k = QuantizedStream(backend, action.keys)
+        self.v = QuantizedStream(backend, action.values)
         self.positions = torch.empty(1, 0, dtype=POSITION_DTYPE)
 
     def _check_finite(self, x: torch.Tensor, what: str) -> None:

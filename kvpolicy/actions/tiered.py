@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvpolicy import formats, state_check
+from kvpolicy import state_check
 from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.actions.quantize import Quantize, QuantizedStore
 from kvpolicy.backends.base import Backend, QTensor
@@ -106,21 +106,20 @@ class Tiered(Action):
                 f"Tiered: keep needs one policy per tier but the last ({len(tiers) - 1}); got {len(keep)}"
             )
         for i, (upper, lower) in enumerate(itertools.pairwise(tiers)):
-            for kind in ("key", "value"):
-                a, b = getattr(upper, f"{kind}_width"), getattr(lower, f"{kind}_width")
+            for (kind, above), (_, below) in zip(upper.roles(), lower.roles(), strict=True):
+                a, b = above.bits, below.bits
                 if b > a:
                     raise ConfigError(
                         f"Tiered: tier widths may not increase downward; tiers[{i + 1}] has {kind}_bits={b} below "
                         f"tiers[{i}] with {kind}_bits={a}"
                     )
         for i, tier in enumerate(tiers[:-1]):
-            for kind in ("key", "value"):
-                grouped = formats.format_class(getattr(tier, f"{kind}_method")).grouped
-                if grouped and getattr(tier, f"{kind}_axis") != "token":
+            for kind, fmt in tier.roles():
+                if fmt.grouped and fmt.axis != "token":
                     raise ConfigError(
                         f"Tiered: tiers[{i}] is a middle tier, whose tokens leave one at a time; its {kind}s must be "
                         f"grouped per token ({kind}_axis='token') or use scheme='codebook'; got "
-                        f"{kind}_axis={getattr(tier, f'{kind}_axis')!r}"
+                        f"{kind}_axis={fmt.axis!r}"
                     )
         for i, policy in enumerate(keep):
             if policy.per_head or policy.needs_scores:

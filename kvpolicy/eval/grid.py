@@ -61,6 +61,7 @@ from typing import Any
 from kvpolicy.errors import ConfigError
 from kvpolicy.eval.caches import CacheSpec
 from kvpolicy.eval.tasks import TASKS, Task, make_task, parse_number
+from kvpolicy.spec import parameter_names
 
 DTYPES = ("float32", "float16", "bfloat16")
 #: the shortest context length a grid runs at
@@ -420,7 +421,7 @@ def cross_specs(cross: dict[str, Any]) -> list[CacheSpec]:
         registry.get("policies", pname)
         for aname, aparams in actions:
             acls = registry.get("actions", aname)
-            fields = {f.name for f in dataclasses.fields(acls)} if dataclasses.is_dataclass(acls) else set()
+            fields = parameter_names(acls)
             bit_list = bits if "bits" in fields and "bits" not in aparams else [None]
             back_list = backends if getattr(acls, "keeps_demoted", True) and acls.compresses else backends[:1]
             for b in bit_list:

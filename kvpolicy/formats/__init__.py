@@ -27,29 +27,14 @@ __all__ = [
     "PackedTensor",
     "QTensor",
     "attend",
-    "format_class",
     "from_arguments",
     "load_block",
     "reference_attend",
 ]
 
-#: the built-in formats by scheme name (registered in :mod:`kvpolicy.builtins` as well)
+#: the built-in formats by scheme name (registered in :mod:`kvpolicy.builtins` as well; a plugin's format is
+#: looked up by name in the registry by :meth:`kvpolicy.spec.CacheSpec.resolve`, never here)
 BUILTIN: dict[str, type[Format]] = {"minmax": MinMax, "codebook": Codebook}
-
-
-def format_class(name: str) -> type[Format]:
-    """The format registered as ``name`` (the built-ins without a registry lookup).
-
-    Raises
-    ------
-    ConfigError
-        If no format of that name is registered (the message lists those that are).
-    """
-    if name in BUILTIN:
-        return BUILTIN[name]
-    from kvpolicy import registry
-
-    return registry.get("formats", name)  # type: ignore[no-any-return]
 
 
 def from_arguments(
@@ -62,15 +47,22 @@ def from_arguments(
     Raises
     ------
     ConfigError
-        Naming ``backend`` when ``fit`` is not one of ``("minmax", "mse")`` or is given with another scheme.
+        Naming ``backend`` when ``scheme`` is not a built-in format's name (a format a plugin registers is
+        passed as its spec), or ``fit`` is not one of ``("minmax", "mse")`` or is given with another scheme.
     """
     from kvpolicy.formats.base import FITS
 
+    if scheme not in BUILTIN:
+        raise ConfigError(
+            f"backend {backend!r}: scheme must be one of {list(BUILTIN)} in the positional form quantize(x, bits, "
+            f"group_size, axis, scheme=...); got scheme={scheme!r} (pass any other format as its spec: "
+            "quantize(x, MyFormat(...)))"
+        )
     if fit not in FITS:
         raise ConfigError(f"backend {backend!r}: fit must be one of {list(FITS)}; got fit={fit!r}")
     if scheme != "minmax" and fit != "minmax":
         raise ConfigError(f"backend {backend!r}: fit={fit!r} applies to scheme='minmax' only; got scheme={scheme!r}")
-    return format_class(scheme).from_options(bits, group_size, axis, fit, meta_dtype)
+    return BUILTIN[scheme].from_options(bits, group_size, axis, fit, meta_dtype)
 
 
 def load_block(state: dict, fmt: Format | None = None) -> QTensor:

@@ -278,6 +278,8 @@ class Format(ABC):
     group_size = None
     #: how a min-max group's range is chosen (``"minmax"`` for formats without ranges to fit)
     fit = "minmax"
+    #: whether blocks are quantized around a stream's centre; :attr:`centred` formats make it a field
+    centre = False
 
     @abstractmethod
     def quantize(self, x: torch.Tensor, backend: Any = "torch", centre: torch.Tensor | None = None) -> QTensor:
