@@ -54,6 +54,9 @@ class CompressedLayer(CacheLayerMixin):
     engine (:class:`~kvpolicy.layer.engine.LayerEngine`, plain torch), which holds the tokens, runs
     the policy, decides what to hand attention and records the path each step took. A left-padded
     batch is an engine of engines (:class:`~kvpolicy.layer.padded.PaddedEngine`) behind the same methods.
+    What the layer holds is read off its engine: ``layer.engine.store``, ``.held``, ``.state``,
+    ``.backend``, ``.action``, ``.length``; the layer itself answers transformers' ``keys``, ``values``
+    and ``is_croppable``.
 
     Contract with transformers:
 
@@ -76,17 +79,6 @@ class CompressedLayer(CacheLayerMixin):
     keys = _engine("keys", "The full-precision segment's keys, ``(batch, kv_heads, n_full, head_dim)``.", True)
     values = _engine("values", "The full-precision segment's values, ``(batch, kv_heads, n_full, head_dim_v)``.", True)
     is_croppable = _engine("is_croppable", "Whether :meth:`crop` can undo the latest update now.")  # type: ignore[assignment]
-    held = _engine("held", "The tokens, by segment (a ``LayerSegments``; None before the first update).")
-    store = _engine("store", "The action's store of demoted tokens (None without compression or before one update).")
-    state = _engine("state", "The policy's state for this layer (None without compression or before one update).")
-    full_pos = _engine("full_pos", "Positions of the full-precision segment (``(1 or kv_heads, n_full)`` int32).")
-    version = _engine("version", "Grows with every change of the held tokens; older hand-offs are refused.")
-    backend = _engine("backend", "The backend (chosen again at the first update with backend='auto').")
-    action = _engine("action", "The action (with the defaults its backend and head dims cannot serve replaced).")
-    length = _engine("length", "Tokens seen (the logical length).")
-    book = _engine("book", "Where a shared policy's demoted positions are held once for the cache's layers.", True)
-    adapted = _engine("adapted", "The defaults replaced for this backend and head dim, shared with the cache.", True)
-
     def __init__(
         self, policy: Policy, action: Action, backend: Backend, layout: str, layer_idx: int, attention: str = "auto",
         auto: bool = False, transform: Transform | None = None,
@@ -108,7 +100,8 @@ class CompressedLayer(CacheLayerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``key_states``/``value_states`` (``(batch, kv_heads, n, head_dim)``) and return
         the keys and values attention must use (``get_mask_sizes`` announced how many)."""
-        position_ids = _position_ids(kwargs)
+        # a decode step of an initialised layer reads no positions (only a first or multi-token update checks padding)
+        position_ids = _position_ids(kwargs) if key_states.shape[-2] > 1 or not self.is_initialized else None
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states, position_ids)
         grad = torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad)
@@ -377,8 +370,8 @@ class CompressedCache(Cache):
                 self.policy, self._layer_actions.get(layer_idx, self.action), self.backend, self.layout, layer_idx,
                 self.attention, self._auto, self.transform,
             )  # fmt: skip
-            layer.book = self._book
-            layer.adapted = self.adapted
+            layer.engine.book = self._book
+            layer.engine.adapted = self.adapted
             return layer
         from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
 
@@ -514,19 +507,18 @@ class CompressedCache(Cache):
             self.check_model_config(config, f"{getattr(config, 'model_type', 'transformers')} model")
         while len(self.layers) <= layer_idx:
             self.layers.append(self._new_layer(len(self.layers)))
-        self._release_before(layer_idx)
+        if self._unreleased:
+            self._release_before(layer_idx)
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         layer = self.layers[layer_idx]
-        multi = key_states.shape[-2] > 1 and isinstance(layer, CompressedLayer) and layer.held is not None
-        if multi and layer.held.pending:
+        multi = key_states.shape[-2] > 1 and isinstance(layer, CompressedLayer) and layer.engine.held is not None
+        if multi and layer.engine.held.pending:
             self._unreleased.append(layer_idx)
         return out
 
     def _release_before(self, layer_idx: int) -> None:
         """Demote the multi-token updates of the layers before ``layer_idx`` in this forward: their
         attention has run (:meth:`CompressedLayer.release`)."""
-        if not self._unreleased:
-            return
         waiting = []
         for i in self._unreleased:
             if i < layer_idx:
@@ -542,7 +534,8 @@ class CompressedCache(Cache):
         :func:`kvpolicy.attention.enable_scores` install a forward hook that calls this, so that the last
         layer's prompt is not left to the first decode step; without it that step demotes it. Calling it
         at any other time changes nothing that the next call would not do."""
-        self._release_before(len(self.layers))
+        if self._unreleased:
+            self._release_before(len(self.layers))
 
     def check_model_config(self, config: Any, model_name: str = "model") -> None:
         """Warn, once per cache, when the model it serves has sliding-window or other non-full-attention

@@ -272,6 +272,8 @@ _LAYER_KEYS = ("initialized", "backend", "cumulative_length", *LayerSegments.STA
 def _share_positions(cache: Any) -> None:
     """Shared policies' demoted positions held once between layers again (as before saving)."""
     for layer in cache.layers:
-        shared = isinstance(layer, cache.layer_class) and layer.store is not None and layer.book is not None
-        if shared and layer.store.positions.shape[0] == 1:
-            layer.store.positions = layer.book.intern(layer.store.positions)
+        if not isinstance(layer, cache.layer_class):
+            continue
+        engine = layer.engine
+        if engine.store is not None and engine.book is not None and engine.store.positions.shape[0] == 1:
+            engine.store.positions = engine.book.intern(engine.store.positions)

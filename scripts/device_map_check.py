@@ -52,9 +52,10 @@ def device_map(first: str) -> dict[str, str]:
 
 def _held(layer) -> list[torch.Tensor]:
     out = [layer.keys, layer.values]
-    if getattr(layer, "full_pos", None) is not None:
-        out.append(layer.full_pos)
-    store = getattr(layer, "store", None)
+    engine = getattr(layer, "engine", None)  # transformers' own layers (sliding) have none
+    if engine is not None and engine.full_pos is not None:
+        out.append(engine.full_pos)
+    store = None if engine is None else engine.store
     if store is not None and hasattr(store, "state_dict"):
         stack = [store.state_dict()]
         while stack:
@@ -92,7 +93,7 @@ def main() -> int:
         for i, layer in enumerate(cache.layers):
             want = torch.device(layer_devices[i])
             wrong = [tuple(t.shape) for t in _held(layer) if t.device != want]
-            devices[i] = f"{want} ({layer.backend.name})"
+            devices[i] = f"{want} ({layer.engine.backend.name})"
             if wrong:
                 failures.append(f"{name}: layer {i} holds tensors off {want}: {wrong}")
         report = cache.memory_report()

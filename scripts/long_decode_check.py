@@ -79,7 +79,8 @@ def check(args: argparse.Namespace, length: int) -> bool:
 
     def fused() -> torch.Tensor:
         parts = layer.fused_parts()
-        return decode_attention(query, layer.keys, layer.values, parts, layer.backend, scale, layer.fused_basis())
+        backend = layer.engine.backend
+        return decode_attention(query, layer.keys, layer.values, parts, backend, scale, layer.fused_basis())
 
     def dequantized() -> torch.Tensor:
         k, v = layer.attention_view("ordered")
@@ -97,7 +98,7 @@ def check(args: argparse.Namespace, length: int) -> bool:
     held = cache.memory_report().total_bytes
     dyn_bytes = 2 * full_k.numel() * full_k.element_size()
     print(
-        f"{length:>7} {args.dtype} {layer.backend.name:<6} fused {t_fused * 1e3:8.3f} ms"
+        f"{length:>7} {args.dtype} {layer.engine.backend.name:<6} fused {t_fused * 1e3:8.3f} ms"
         f"  dequantized {t_deq * 1e3:8.3f} ms  dynamic {t_dyn * 1e3:8.3f} ms"
         f"  fused/dynamic {t_fused / t_dyn:5.2f}  fused/dequantized {t_fused / t_deq:5.2f}"
         f"  held {held / 2**20:8.1f} MiB (dynamic {dyn_bytes / 2**20:8.1f})"

@@ -62,7 +62,7 @@ def test_a_layer_whose_dtype_the_kernel_does_not_take_gets_torch(cpu_kernel):
     g = torch.Generator().manual_seed(0)
     keys, values = (torch.randn(1, 2, 40, 64, generator=g, dtype=torch.float64) for _ in range(2))
     cache.update(keys, values, 0)
-    assert cache.layers[0].backend.name == "torch"
+    assert cache.layers[0].engine.backend.name == "torch"
     assert cache.layers[0].attention_view("ordered")[0].dtype == torch.float64
 
 
@@ -94,7 +94,7 @@ def test_copies_of_a_cache_on_the_cpu_backend_continue_alike(how, cpu_kernel):
         cache = CompressedCache(**KW)
         teacher_forced_logits(model, ids[:, :50], 40, cache)
         twin = copy.deepcopy(cache) if how == "deepcopy" else pickle.loads(pickle.dumps(cache))
-        assert twin.layers[0].backend.name == "cpu"
+        assert twin.layers[0].engine.backend.name == "cpu"
         with torch.inference_mode():
             a = model(ids[:, 50:51], cache=cache, use_cache=True).logits
             b = model(ids[:, 50:51], cache=twin, use_cache=True).logits

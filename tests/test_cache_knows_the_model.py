@@ -116,7 +116,7 @@ def test_the_default_cache_serves_small_and_odd_head_dims(head_dim, group):
             fused_out = model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False)
         finally:
             disable_fused(model)
-    assert [layer.action.values.group_size for layer in cache.layers] == [group, group]
+    assert [layer.engine.action.values.group_size for layer in cache.layers] == [group, group]
     assert f"value_group_size={group} (the default 64 does not divide the value head_dim {head_dim})" in repr(cache)
     assert cache.memory_report().bits_per_element_16bit < 8  # it compresses (16 bits at full precision)
     assert set(cache.attention_paths().values()) == {"fused (cpu)"}
@@ -154,7 +154,7 @@ def test_a_loaded_cache_keeps_the_adapted_group(tmp_path):
     path = tmp_path / "c.kvc"
     cache.save(path)
     copy = CompressedCache.load(path)
-    assert [layer.action.values.group_size for layer in copy.layers] == [48, 48]
+    assert [layer.engine.action.values.group_size for layer in copy.layers] == [48, 48]
     nxt = torch.randn(1, 1, 1, 48), torch.randn(1, 1, 1, 48)
     for i in range(2):
         a, b = cache.update(*nxt, i), copy.update(*nxt, i)

@@ -234,7 +234,7 @@ def test_fitted_ranges_hold_the_same_bytes_and_change_what_is_stored():
     seg = fitted.memory_report().segments
     assert seg == plain.memory_report().segments and seg["codes"] > 0
     assert repr(fitted).count("fit='mse'") == 1 and "fit=" not in repr(plain)
-    held, ref = fitted.layers[0].store, plain.layers[0].store
+    held, ref = fitted.layers[0].engine.store, plain.layers[0].engine.store
     assert not torch.equal(held.k.q.scales, ref.k.q.scales) and not torch.equal(held.v.q.scales, ref.v.q.scales)
 
 
@@ -294,7 +294,7 @@ def test_key_fit_fits_the_keys_alone():
         cache = CompressedCache(policy="recent", window=8, bits=2, backend="torch", group_size=64, **kw)
         cache.update(x, x, 0)
         cache.memory_report()  # demotion is deferred until something reads the store
-        store = cache.layers[0].store
+        store = cache.layers[0].engine.store
         blocks[name] = (store.k.q, store.v.q)
     (pk, pv), (kk, kv), (bk, bv) = blocks["plain"], blocks["keys"], blocks["both"]
     dk, dv = blocks["default"]  # the default: keys fitted, values min-max

@@ -456,7 +456,7 @@ class CacheMachine(RuleBasedStateMachine):
             if self.action == "evict" or not compressed:
                 assert path == "full-precision", f"layer {layer_idx}: {path!r}"
             elif self.fused_model and not self.per_head and self.attention != "materialized":
-                want = f"fused ({self.cache.layers[layer_idx].backend.name})"
+                want = f"fused ({self.cache.layers[layer_idx].engine.backend.name})"
                 assert path == want, f"layer {layer_idx}: {path!r}, expected the fused path"
             else:
                 assert path.startswith("materialized"), f"layer {layer_idx}: {path!r}"

@@ -39,9 +39,9 @@ def test_each_layer_gets_its_widths_and_the_rest_the_action(model):
         policy="log", window=8, bits=2, group_size=16, layer_bits={0: 4, -1: (4, 3)}, config=model.config
     )
     _run(model, cache)
-    widths = [(layer.action.keys.bits, layer.action.values.bits) for layer in cache.layers]
+    widths = [(layer.engine.action.keys.bits, layer.engine.action.values.bits) for layer in cache.layers]
     assert widths == [(4, 4), (2, 2), (2, 2), (4, 3)]
-    assert all(layer.action.keys.group_size == 16 for layer in cache.layers)  # everything else is the action's
+    assert all(layer.engine.action.keys.group_size == 16 for layer in cache.layers)  # everything else is the action's
     assert cache.layer_bits == {0: (4, 4), 3: (4, 3)}
     assert "layer_bits={0: (4, 4), 3: (4, 3)}" in repr(cache)
 

@@ -106,8 +106,8 @@ def test_round_trip_continues_identically(tmp_path_factory, kw, prefill, steps, 
     policy_bytes = sum(
         t.numel() * t.element_size()
         for layer in cache.layers
-        if layer.state is not None
-        for t in layer.state.state_dict().values()
+        if layer.engine.state is not None
+        for t in layer.engine.state.state_dict().values()
         if isinstance(t, torch.Tensor)
     )
     transform_bytes = sum(layer.segments.get("transform", 0) for layer in report.layers)
@@ -143,12 +143,13 @@ def test_backend_auto_and_named_backend_across_devices(tmp_path):
     auto = CompressedCache(policy="log", window=4, group_size=16)
     _fill(model, auto, ids, 30)
     auto.save(tmp_path / "auto.kvc")
-    assert CompressedCache.load(tmp_path / "auto.kvc").layers[0].backend.name == auto.layers[0].backend.name
+    loaded = CompressedCache.load(tmp_path / "auto.kvc")
+    assert loaded.layers[0].engine.backend.name == auto.layers[0].engine.backend.name
     named = CompressedCache(policy="log", window=4, group_size=16, backend="torch")
     _fill(model, named, ids, 30)
     named.save(tmp_path / "torch.kvc")
     loaded = CompressedCache.load(tmp_path / "torch.kvc")
-    assert loaded.backend.name == "torch" and loaded.layers[0].backend.name == "torch"
+    assert loaded.backend.name == "torch" and loaded.layers[0].engine.backend.name == "torch"
 
 
 def test_hybrid_model_layers_come_back_as_transformers_own(tmp_path):
@@ -197,7 +198,7 @@ def test_positions_shared_between_layers_stay_shared(tmp_path):
     _fill(model, cache, _ids(60), 40)
     cache.save(tmp_path / "c.kvc")
     loaded = CompressedCache.load(tmp_path / "c.kvc")
-    stored = [layer.store.positions for layer in loaded.layers]
+    stored = [layer.engine.store.positions for layer in loaded.layers]
     assert len({t.untyped_storage().data_ptr() for t in stored}) == 1
     assert loaded.memory_report().segments["positions"] == cache.memory_report().segments["positions"]
 

@@ -66,7 +66,7 @@ def test_after_a_prefill_each_layer_holds_its_policy_set_plus_the_crop_window(mo
     else:
         window = PROMPT  # flush treats its first append as the prompt: it waits for the next call
     for layer in layers:  # the forward has returned: every layer's attention has read its prompt
-        held = layer.held  # read without settling
+        held = layer.engine.held  # read without settling
         assert held.pending == window
         kept = held.state.full_positions()
         assert held.keys.shape[2] == (kept.shape[-1] if torch.is_tensor(kept) else len(kept)) + window
@@ -86,7 +86,7 @@ def test_without_the_forward_hook_the_last_layer_waits_for_the_next_call(model):
         with torch.inference_mode():
             model(ids[:, :PROMPT], cache=cache, use_cache=True)
             layers = cache.layers
-            assert [layer.held.pending for layer in layers] == [segments.CROP_WINDOW] * 3 + [PROMPT]
+            assert [layer.engine.held.pending for layer in layers] == [segments.CROP_WINDOW] * 3 + [PROMPT]
             model(ids[:, PROMPT:], cache=cache, use_cache=True)
     finally:
         model.set_attn_implementation("sdpa")
@@ -162,10 +162,10 @@ def _fill(cache: CompressedCache, n: int) -> None:
     for count in (300, n):
         cache.update(torch.randn(1, 3, count, 64, generator=g), torch.randn(1, 3, count, 64, generator=g), 0)
         if cache.layers[0].policy.needs_scores:
-            length = cache.layers[0].length  # one score per key returned: demoted and full precision
+            length = cache.layers[0].engine.length  # one score per key returned: demoted and full precision
             cache.layers[0].observe_attention(torch.linspace(0, 1, length).expand(3, -1))
         if count == 300:
-            cache.layers[0].held.settle()
+            cache.layers[0].engine.held.settle()
 
 
 @pytest.mark.parametrize("name", ["one-liner", "kvpolicy-3bit"])
@@ -176,13 +176,13 @@ def test_a_demotion_allocates_within_a_bound_of_one_chunk(name, monkeypatch):
     chunk_bytes = segments.DEMOTE_CHUNK * 3 * 64 * 4 * 2  # fp32 keys and values of one chunk
     cache = CONFIGS[name]()
     _fill(cache, 4096)
-    _, peak = allocation_peak(lambda: cache.layers[0].held.settle())
+    _, peak = allocation_peak(lambda: cache.layers[0].engine.held.settle())
     held = cache.memory_report().total_bytes
     assert peak <= 8 * chunk_bytes + held, (peak, chunk_bytes, held)
     monkeypatch.setattr(segments, "DEMOTE_CHUNK", 10**9)
     whole = CONFIGS[name]()
     _fill(whole, 4096)
-    _, unchunked = allocation_peak(lambda: whole.layers[0].held.settle())
+    _, unchunked = allocation_peak(lambda: whole.layers[0].engine.held.settle())
     assert unchunked > 2 * (8 * chunk_bytes + held)
 
 
@@ -193,9 +193,9 @@ def test_chunked_demotion_stores_what_one_piece_stores(name, monkeypatch):
     monkeypatch.setattr(segments, "DEMOTE_CHUNK", 10**9)
     whole = CONFIGS[name]()
     _fill(whole, 1000)
-    whole.layers[0].held.settle()
+    whole.layers[0].engine.held.settle()
     monkeypatch.setattr(segments, "DEMOTE_CHUNK", 128)
-    cache.layers[0].held.settle()
+    cache.layers[0].engine.held.settle()
     for key, value in cache.positions(0).items():
         assert torch.equal(value, whole.positions(0)[key])
     for got, ref in zip(cache.layers[0].attention_view(), whole.layers[0].attention_view(), strict=True):

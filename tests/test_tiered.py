@@ -25,7 +25,7 @@ BOTTOM = Quantize(bits=2, group_size=16)
 def _tiers(cache: CompressedCache, layer: int = 0) -> tuple[list[int], list[list[int]]]:
     """Full-precision positions and each tier's positions (one row)."""
     full = cache.positions(layer)["full"].flatten().tolist()
-    store = cache.layers[layer].store
+    store = cache.layers[layer].engine.store
     store = getattr(store, "inner", store)  # behind a transform
     return full, [p[0].tolist() for p in store.tier_positions()]
 
@@ -144,7 +144,7 @@ def test_three_tiers_hold_the_middle_between_the_ends():
     x = torch.randn(1, 2, 100, 64, generator=g)
     cache.update(x, x, 0)
     cache.update(x[:, :, :1], x[:, :, :1], 0)
-    store = cache.layers[0].store
+    store = cache.layers[0].engine.store
     errors = []
     for tier in [*store.inner.middles, None]:
         inner = store.inner.bottom if tier is None else tier.inner

@@ -646,8 +646,9 @@ class QuantizedStream:
         ``start`` must be a group boundary of a per-channel stream's quantized part (see :meth:`QTensor.narrow`).
         """
         parts = []
-        if self.q is not None and start < self.q.num_tokens:
-            block = self.q if start == 0 else self.q.narrow(start, self.q.num_tokens - start)
+        n = 0 if self.q is None else self.q.shape[2]
+        if start < n:
+            block = self.q if start == 0 else self.q.narrow(start, n - start)
             parts.append(self.backend.dequantize(block))
         if self.staging is not None:
             parts.append(self.staging)
@@ -811,15 +812,19 @@ class QuantizedStore(DemotedStore):
             other stream still stages them): ``(batch, kv_heads, n - m, head_dim)``, fewer than
             ``group_size`` tokens.
         """
-        nk, nv = self.k.num_quantized, self.v.num_quantized
+        # (num_quantized and len(self), inlined: this runs at every fused decode step)
+        kq, vq = self.k.q, self.v.q
+        nk, nv = (0 if kq is None else kq.shape[2]), (0 if vq is None else vq.shape[2])
         m = min(nk, nv)
         quantized = None
         if m:
-            kq = self.k.q if nk == m else self.k.q.narrow(0, m)
-            vq = self.v.q if nv == m else self.v.q.narrow(0, m)
-            quantized = (kq, vq)
-        tail = (self.k.read_from(m), self.v.read_from(m)) if len(self) > m else None
-        return quantized, tail
+            quantized = (kq if nk == m else kq.narrow(0, m), vq if nv == m else vq.narrow(0, m))
+        if self.positions.shape[-1] == m:
+            return quantized, None
+        # a stream whose quantized tokens all lie before m holds the tail in its staging buffer alone
+        keys = self.k.staging if nk == m and self.k.staging is not None else self.k.read_from(m)
+        values = self.v.staging if nv == m and self.v.staging is not None else self.v.read_from(m)
+        return quantized, (keys, values)
 
     def staged_key_positions(self) -> torch.Tensor:
         """Positions whose keys still wait in the full-precision staging buffer."""

@@ -248,7 +248,8 @@ class LayerEngine:
         that require gradients: such a step gets plain position-ordered tensors (score-based policies
         still go through kvpolicy's wrapper, which materialises above autograd)."""
         segments = self.held
-        held = self.action.keeps_demoted and len(segments.store) > 0  # LayerSegments.holds_demoted, inlined
+        # LayerSegments.holds_demoted, inlined (len(store), inlined)
+        held = self.action.keeps_demoted and segments.store.positions.shape[-1] > 0
         scores = self.policy.needs_scores
         reason = self.plan.fused_reason
         if scores:
