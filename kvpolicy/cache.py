@@ -79,6 +79,7 @@ class CompressedLayer(CacheLayerMixin):
     keys = _engine("keys", "The full-precision segment's keys, ``(batch, kv_heads, n_full, head_dim)``.", True)
     values = _engine("values", "The full-precision segment's values, ``(batch, kv_heads, n_full, head_dim_v)``.", True)
     is_croppable = _engine("is_croppable", "Whether :meth:`crop` can undo the latest update now.")  # type: ignore[assignment]
+
     def __init__(
         self, policy: Policy, action: Action, backend: Backend, layout: str, layer_idx: int, attention: str = "auto",
         auto: bool = False, transform: Transform | None = None,

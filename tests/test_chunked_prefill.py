@@ -75,7 +75,7 @@ def test_a_chunked_prefill_holds_one_chunk_at_full_precision_at_a_time(model, mo
 
     def spy(self, key_states, value_states, *args, **kwargs):
         out = original(self, key_states, value_states, *args, **kwargs)
-        seen.append((self.layer_idx, self.held.keys.shape[2]))
+        seen.append((self.layer_idx, self.engine.held.keys.shape[2]))
         return out
 
     monkeypatch.setattr(CompressedLayer, "update", spy)

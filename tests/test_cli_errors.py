@@ -244,8 +244,10 @@ def test_bench_backends_bad_flag_values(capsys, flag, value, allowed):
 
 @pytest.mark.parametrize(
     ("extra", "dim"),
-    [([], "tokens of --shape 1 8 4096 128 (tokens=4096"),
-     (["--axis", "token", "--shape", "1", "1", "8", "96"], "head_dim")],
+    [
+        ([], "tokens of --shape 1 8 4096 128 (tokens=4096"),
+        (["--axis", "token", "--shape", "1", "1", "8", "96"], "head_dim"),
+    ],
 )
 def test_bench_backends_group_size_that_does_not_split_the_shape(capsys, extra, dim):
     line = _fail(["bench", "backends", "--group-size", "7", *extra], capsys)

@@ -234,7 +234,10 @@ def test_scheme_shorthand_sets_both_kinds_and_equal_actions_compare_equal():
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(scheme="lattice"), r"scheme must be one of \['minmax', 'codebook'\] or a Format class; got scheme='lattice'"),  # noqa: E501
+        (
+            dict(scheme="lattice"),
+            r"scheme must be one of \['minmax', 'codebook'\] or a Format class; got scheme='lattice'",
+        ),
         (dict(key_scheme="nf4"), r"key_scheme must be one of"),
         (dict(scheme="codebook", value_scheme="minmax"), r"scheme='codebook' \(the shorthand for both\) contradicts"),
         (dict(scheme="codebook", group_size=32), r"group size does not apply to them \(got group_size=32\)"),

@@ -30,6 +30,7 @@ PACKAGE = ROOT / "kvpolicy"
 HARNESS_PACKAGES = ("kvpolicy.eval", "kvpolicy.bench", "kvpolicy.commands")
 HARNESS_MODULES = ("kvpolicy.tune", "kvpolicy.cli", "kvpolicy.__main__")
 
+
 @dataclass(frozen=True)
 class Import:
     """One import statement's edge: ``source`` imports ``target`` at ``file:line``."""

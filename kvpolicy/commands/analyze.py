@@ -89,9 +89,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="distribution of high-attention key positions by distance from the query, per layer, with a plot",
     )
     _model_options(a)
-    a.add_argument(
-        "--queries", type=positive_int, default=16, help="decoding queries analysed at the end"
-    )
+    a.add_argument("--queries", type=positive_int, default=16, help="decoding queries analysed at the end")
     a.add_argument("--top-k", type=positive_int, default=8, help="high-attention keys per query and head")
     a.add_argument("--out", type=out_dir, default="attention-analysis", metavar="DIR",
                    help="directory for the plot and JSON")  # fmt: skip

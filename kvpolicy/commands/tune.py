@@ -148,8 +148,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_list(p, "--windows", positive_int, default=[16, 42], metavar="W", help="log windows tried")
     add_list(p, "--key-groups", positive_int, default=[64], metavar="G",
              help="group sizes of the keys (per channel) tried")  # fmt: skip
-    add_list(p, "--key-fits", choices=("minmax", "mse"), default=["minmax", "mse"], metavar="FIT",
-             help="ranges of the min-max keys tried: minmax (min-max), mse (fitted for the least squared error)")
+    add_list(
+        p,
+        "--key-fits",
+        choices=("minmax", "mse"),
+        default=["minmax", "mse"],
+        metavar="FIT",
+        help="ranges of the min-max keys tried: minmax (min-max), mse (fitted for the least squared error)",
+    )
     add_list(p, "--tier-factors", positive_int, default=[4], metavar="FACTOR",
              help="a middle tier keeps what the log rule at FACTOR x the window keeps")  # fmt: skip
     p.add_argument("--rotation", choices=("auto", "hadamard", "none"), default="auto",
