@@ -164,14 +164,6 @@ class CompressedLayer(CacheLayerMixin):
         """The whole history, materialised in position order or as ``[demoted, full-precision]``."""
         return self.engine.view(layout)
 
-    def fused_parts(self) -> Any:
-        """The store's ``attention_parts()``, in the basis of :meth:`fused_basis`."""
-        return self.engine.store.attention_parts()
-
-    def fused_basis(self) -> Transform | None:
-        """The transform :meth:`fused_parts` are expressed in (``None``: the model's own basis)."""
-        return self.engine.store.basis
-
     # ------------------------------------------------------------------ inspection
     def positions(self) -> dict[str, torch.Tensor]:
         """Logical positions held at full precision and in compressed form (sorted int64), after the

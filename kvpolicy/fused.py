@@ -45,7 +45,7 @@ from kvpolicy.attention import register_wrappers, strip_wrapper, unwatch_forward
 from kvpolicy.backends.base import dense_attention
 from kvpolicy.errors import ConfigError
 from kvpolicy.handoff import HandedOff, all_visible, warn_once
-from kvpolicy.layer.parts import Part, store_parts
+from kvpolicy.layer.parts import Part
 from kvpolicy.transforms.store import cast_clamped
 
 PREFIX = "kvpolicy_fused_"
@@ -121,41 +121,10 @@ def attend_parts(query: torch.Tensor, parts: list[Part], scale: float) -> torch.
                 partial.append(dense_attention(q_stored, part.keys, part.values, scale))
             else:
                 partial.append(part.backend.attend(q_stored, part.keys, part.values, scale))
-        out, lse = merge(partial)
+        out, lse = partial[0] if len(partial) == 1 else merge(partial)
         pieces.append((out if basis is None else basis.inverse(out), lse))
-    out, _ = merge(pieces)
+    out = pieces[0][0] if len(pieces) == 1 else merge(pieces)[0]  # merging one piece changes nothing
     return out.reshape(b, hq, nq, out.shape[-1])
-
-
-def decode_attention(
-    query: torch.Tensor, full_keys: torch.Tensor, full_values: torch.Tensor, parts: tuple[Any, Any], backend: Any,
-    scale: float, basis: Any = None,
-) -> torch.Tensor:  # fmt: skip
-    """Attention of decode queries over a full-precision segment and a store's ``attention_parts()``.
-
-    Parameters
-    ----------
-    query : torch.Tensor
-        ``(batch, q_heads, q, head_dim)``.
-    full_keys, full_values : torch.Tensor
-        ``(batch, kv_heads, n_full, head_dim)``.
-    parts : (quantized, tail)
-        From ``QuantizedStore.attention_parts()``: ``(QTensor, QTensor)``, a list of such pairs (one
-        per tier of a :class:`~kvpolicy.actions.tiered.TieredStore`) or None, and full-precision
-        ``(keys, values)`` or None.
-    backend : Backend
-        Computes the quantized parts (``Backend.attend``).
-    scale : float
-        Score scale.
-    basis : Transform, optional
-        The transform the parts are stored in (:mod:`kvpolicy.transforms`).
-
-    Returns
-    -------
-    torch.Tensor
-        ``(batch, q_heads, q, head_dim_v)`` float32: :func:`attend_parts` over these parts.
-    """
-    return attend_parts(query, [*store_parts(parts, basis, backend), Part(full_keys, full_values)], scale)
 
 
 @dataclass(frozen=True)
@@ -236,7 +205,9 @@ def _make(inner_name: str):
                 ticket.fused()
                 # the attention of finite values stays within their range: a float32 result a rounding past
                 # float16's edge is clamped, not made infinite
-                return cast_clamped(out, query.dtype).transpose(1, 2).contiguous(), None
+                if out.dtype != query.dtype:
+                    out = cast_clamped(out, query.dtype)
+                return out.transpose(1, 2).contiguous(), None
             if ticket.strict:
                 raise RuntimeError(
                     f"CompressedCache(attention='fused'): layer {ticket.layer().layer_idx}'s decode step cannot run "

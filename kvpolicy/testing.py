@@ -578,6 +578,8 @@ def check_action(
       widths, its lowest tier's), exact for ``bits=0``;
     - *bytes*: ``nbytes()`` maps roles to ints >= 0 that add up to the bytes of the tensors the store holds
       (found by walking its attributes), more than 0 and fewer than the tokens take at full precision;
+    - *parts*: ``parts()`` (what fused decode attention reads) holds every stored token, and attention over
+      it equals attention over the materialised keys and values (within float32 rounding);
     - *determinism*: a second store given the same tokens holds the same keys and values, bit for bit;
     - *saving*: ``state_dict()`` written to a saved-cache file and read back (:mod:`kvpolicy.persist`),
       loaded into a fresh store, gives the same positions, keys, values and bytes, bit for bit, passes
@@ -652,6 +654,35 @@ def _check_uncompressed(action: Any, backend: Any, head_dim: int, seed: int, dty
     )
 
 
+def _check_parts(store: Any, dtype: torch.dtype, who: str) -> None:
+    """*parts*: attention over ``parts()`` (what fused decode reads) equals attention over the materialised
+    ``keys()`` and ``values()``."""
+    import torch
+
+    from kvpolicy.backends.base import dense_attention
+    from kvpolicy.fused import attend_parts
+    from kvpolicy.layer.parts import Part
+
+    with _clause(who, "parts"):
+        parts = store.parts()
+        keys, values = store.keys(), store.values()
+    assert isinstance(parts, list) and parts and all(isinstance(p, Part) for p in parts), (
+        f"{who}: parts: parts() must return a non-empty list of Part for a store holding tokens; got {parts!r}"
+    )
+    held = sum(p.keys.shape[2] for p in parts)
+    assert held == keys.shape[2], f"{who}: parts: parts() hold {held} tokens, keys() {keys.shape[2]}"
+    query = torch.randn(keys.shape[0], keys.shape[1], 1, keys.shape[-1], generator=torch.Generator().manual_seed(5))
+    with _clause(who, "parts"):
+        empty = Part(keys[:, :, :0], values[:, :, :0])  # the full-precision segment a layer appends
+        got = attend_parts(query.to(dtype), [*parts, empty], 0.125)
+    want, _ = dense_attention(query.to(dtype), keys, values, 0.125)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    err = float((got.float() - want.float()).abs().max())
+    assert err <= tol, (
+        f"{who}: parts: attention over parts() differs from attention over keys()/values() by {err:.3g} (> {tol})"
+    )
+
+
 def _check_store(
     action: Any, backend: Any, head_dim: int, seed: int, dtype: torch.dtype, per_head: bool,
     bounds: tuple[float, float], who: str,
@@ -703,6 +734,7 @@ def _check_store(
         assert fresh.nbytes() == store.nbytes(), f"{who}: saving: nbytes() differs after a state round trip"
         return
     _check_held(store, held, order, keys_all, values_all, bounds, dtype, rows, who)
+    _check_parts(store, dtype, who)
 
     with _clause(who, "determinism"):
         twin = new_store()

@@ -7,7 +7,7 @@ merge) is recorded; a call into a kvpolicy module counts, and a *switch* is a ca
 module other than the one of the kvpolicy call before it. Printed: the counts of the first decode
 step that demotes nothing and of the first that demotes (tokens moved into the store), per cache,
 with the modules visited, and the same counts split into the layer's and attention's calls and the
-stores' own (actions, backends, transforms, kernels: ``attention_parts()``, ``add``).
+stores' own (actions, backends, transforms, kernels: ``parts()``, ``add``).
 
 Usage::
 
@@ -75,7 +75,7 @@ class Counter:
 
     def split(self) -> tuple[int, int, int]:
         """``(calls outside the stores, calls inside them, switches with a store's calls as one module)``:
-        the stores' own work (``attention_parts()``, ``add``: actions, backends, transforms, kernels)
+        the stores' own work (``parts()``, ``add``: actions, backends, transforms, kernels)
         counted apart from the layer's and attention's."""
         outside = [m if not m.startswith(STORE_SIDE) else "store" for m, _ in self.calls]
         inside = sum(m == "store" for m in outside)

@@ -5,7 +5,7 @@ One attention layer with ``--heads`` query heads, ``--kv-heads`` kv heads of ``-
 ``CompressedCache(policy="log", action="quantize", bits=2)`` (``backend="auto"``: ``triton`` on CUDA,
 ``cpu`` on CPU). For each length a decode step's attention is computed three ways:
 
-- ``fused``: kvpolicy's fused decode attention over the packed codes (:func:`kvpolicy.fused.decode_attention`);
+- ``fused``: kvpolicy's fused decode attention over the store's parts (:func:`kvpolicy.fused.attend_parts`);
 - ``dequantized``: the compressed history dequantized, then ``scaled_dot_product_attention`` (what a
   cache without a fused path does every step);
 - ``dynamic``: ``scaled_dot_product_attention`` over the full-precision history (``DynamicCache``).
@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from kvpolicy import CompressedCache
-from kvpolicy.fused import decode_attention
+from kvpolicy.fused import attend_parts
+from kvpolicy.layer.parts import Part
 
 
 def _sync(device: str) -> None:
@@ -78,9 +79,8 @@ def check(args: argparse.Namespace, length: int) -> bool:
     del keys, values
 
     def fused() -> torch.Tensor:
-        parts = layer.fused_parts()
-        backend = layer.engine.backend
-        return decode_attention(query, layer.keys, layer.values, parts, backend, scale, layer.fused_basis())
+        engine = layer.engine
+        return attend_parts(query, [*engine.store.parts(), Part(engine.keys, engine.values)], scale)
 
     def dequantized() -> torch.Tensor:
         k, v = layer.attention_view("ordered")

@@ -687,7 +687,8 @@ def test_fused_decode_with_rotation_reads_rotated_codes_in_the_kernel(monkeypatc
     assert len(queries) >= 3
     assert set(cache.attention_paths().values()) == {"fused (triton)"}
     layer = cache.layers[0]
-    assert layer.fused_basis() == Hadamard() and layer.engine.store.inner.k.q is not None  # rotated codes, read fused
+    store = layer.engine.store
+    assert store.basis == Hadamard() and store.inner.k.q is not None  # rotated codes, read fused
     assert torch.equal(ref.sequences, got.sequences)
     assert torch.allclose(torch.stack(ref.logits), torch.stack(got.logits), rtol=1e-5, atol=1e-5)
 

@@ -12,6 +12,7 @@ import torch
 from kvpolicy import Evict, LogWindow, NoCompression, Quantize, RecentWindow, Tiered
 from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.errors import ConfigError
+from kvpolicy.layer.parts import Part
 from kvpolicy.positions import POSITION_DTYPE
 from kvpolicy.testing import action_error_bound, check_action
 
@@ -147,6 +148,20 @@ class Coarse(ExactStore):
         return (self.k * 10).round() / 10
 
 
+class PartsLoseATail(ExactStore):
+    """Its fused parts leave out the last ten tokens."""
+
+    def parts(self) -> list[Part]:
+        return [Part(self.k[:, :, :-10], self.v[:, :, :-10])]
+
+
+class PartsFromAnotherRow(ExactStore):
+    """Its fused parts swap the batch rows."""
+
+    def parts(self) -> list[Part]:
+        return [Part(self.k.flip(0), self.v.flip(0))]
+
+
 @dataclass(frozen=True)
 class HoardingEvict(KeepExact):
     """Says it evicts, keeps everything."""
@@ -168,9 +183,11 @@ def test_a_whole_plugin_action_passes():
         (KeepExact(Int64Positions), 0, r"positions: expected torch.int32"),
         (KeepExact(Coarse), 8, r"keys and values: keys are off by a relative RMS error"),
         (HoardingEvict(), None, r"flags: an evicting action \(keeps_demoted=False\) must hold nothing"),
+        (KeepExact(PartsLoseATail), 0, r"parts: parts\(\) hold \d+ tokens, keys\(\) \d+"),
+        (KeepExact(PartsFromAnotherRow), 0, r"parts: attention over parts\(\) differs from attention over keys"),
     ],
     ids=["drops-a-tensor-on-save", "nbytes-lies", "keys-out-of-order", "map-batch-ignored", "int64-positions",
-         "coarser-than-its-bits", "evicts-but-keeps"],
+         "coarser-than-its-bits", "evicts-but-keeps", "parts-lose-a-tail", "parts-of-another-row"],
 )  # fmt: skip
 def test_a_broken_store_fails_naming_the_clause(action, bits, clause):
     with pytest.raises(AssertionError, match=clause):

@@ -11,7 +11,8 @@ from kvpolicy.attention import enable_scores
 from kvpolicy.backends.base import dense_attention
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import ConfigError
-from kvpolicy.fused import decode_attention, disable_fused, enable_fused, merge
+from kvpolicy.fused import attend_parts, disable_fused, enable_fused, merge
+from kvpolicy.layer.parts import Part
 
 KW = dict(policy="log", window=8, bits=2, group_size=16)
 
@@ -216,7 +217,7 @@ def test_output_attentions_is_refused_by_fused_and_materialised_by_auto(fresh):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_equals_softmax_over_everything(dtype):
+def test_attend_parts_equals_softmax_over_everything(dtype):
     """The log-sum-exp merge of the parts equals plain attention over all keys (GQA, 3 query heads per kv head)."""
     g = torch.Generator().manual_seed(0)
     be = TorchBackend()
@@ -226,7 +227,7 @@ def test_decode_attention_equals_softmax_over_everything(dtype):
     qv = be.quantize(torch.randn(b, hk, 128, d, generator=g).to(dtype), 4, 32, "token")
     tail = tuple(torch.randn(b, hk, 7, d, generator=g).to(dtype) for _ in range(2))
     query = torch.randn(b, hk * 3, 1, d, generator=g).to(dtype)
-    got = decode_attention(query, full_k, full_v, ((qk, qv), tail), be, 0.125)
+    got = attend_parts(query, [Part(*tail), Part(qk, qv, be), Part(full_k, full_v)], 0.125)
     keys = torch.cat([be.dequantize(qk).float(), tail[0].float(), full_k.float()], dim=2)
     values = torch.cat([be.dequantize(qv).float(), tail[1].float(), full_v.float()], dim=2)
     ref = torch.nn.functional.scaled_dot_product_attention(

@@ -35,8 +35,8 @@ def test_long_decode_check_agrees_and_reports(capsys):
 
 def test_long_decode_check_fails_on_a_wrong_fused_result(monkeypatch, capsys):
     module = _long_decode()
-    real = module.decode_attention
-    monkeypatch.setattr(module, "decode_attention", lambda *a, **k: real(*a, **k) + 1e-2)
+    real = module.attend_parts
+    monkeypatch.setattr(module, "attend_parts", lambda *a, **k: real(*a, **k) + 1e-2)
     assert module.main(SMALL) == 1
     assert "FAILED (> 0.0001)" in capsys.readouterr().out
 

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from kvpolicy import CompressedCache, LogWindow, registry
 from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
-from kvpolicy.fused import decode_attention, disable_fused, enable_fused
+from kvpolicy.fused import attend_parts, disable_fused, enable_fused
+from kvpolicy.layer.parts import Part
 from kvpolicy.testing import check_transform
 from kvpolicy.transforms import Hadamard, NoTransform, Transform, TransformedStore
 from kvpolicy.transforms.hadamard import block_size, walsh_hadamard
@@ -279,7 +280,7 @@ def test_fused_equals_materialized_with_rotation(family, backend, cpu_kernel):
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
 
 
-def test_decode_attention_in_the_rotated_basis_equals_softmax_over_everything():
+def test_attend_parts_in_the_rotated_basis_equals_softmax_over_everything():
     """The fused computation rotates the query once and un-rotates the stored parts' output: it equals
     plain softmax attention over the un-rotated history (quantization aside: 8-bit keys of a tiny grid)."""
     from kvpolicy.backends.torch_backend import TorchBackend
@@ -292,7 +293,7 @@ def test_decode_attention_in_the_rotated_basis_equals_softmax_over_everything():
     qk = be.quantize(h.forward(hist_k[:, :, :32]), 8, 16, "channel")
     qv = be.quantize(h.forward(hist_v[:, :, :32]), 8, 16, "token")
     tail = (h.forward(hist_k[:, :, 32:]), h.forward(hist_v[:, :, 32:]))
-    got = decode_attention(q, full_k, full_v, ((qk, qv), tail), be, 0.125, basis=h)
+    got = attend_parts(q, [Part(*tail, None, h), Part(qk, qv, be, h), Part(full_k, full_v)], 0.125)
     keys = torch.cat([h.inverse(be.dequantize(qk)), hist_k[:, :, 32:], full_k], dim=2)
     values = torch.cat([h.inverse(be.dequantize(qv)), hist_v[:, :, 32:], full_v], dim=2)
     want = torch.softmax(q @ keys.transpose(-1, -2) * 0.125, dim=-1) @ values

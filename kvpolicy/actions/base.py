@@ -16,6 +16,7 @@ import torch
 
 from kvpolicy.backends.base import Backend
 from kvpolicy.errors import ConfigError
+from kvpolicy.layer.parts import Part
 
 if TYPE_CHECKING:
     from kvpolicy.transforms.base import Transform
@@ -32,7 +33,7 @@ class DemotedStore(ABC):
     #: ``(1, n)`` (shared policies) or ``(kv_heads, n)`` (per-head policies) int32 positions of the
     #: stored tokens, in demotion (= storage) order
     positions: torch.Tensor
-    #: the transform whose basis ``attention_parts()`` is expressed in (``None``: the model's own);
+    #: the transform whose basis :meth:`parts` are expressed in (``None``: the model's own);
     #: set by :class:`~kvpolicy.transforms.store.TransformedStore`
     basis: Any = None
 
@@ -85,6 +86,15 @@ class DemotedStore(ABC):
         batch, heads, head dims and dtype to match) and the counts agree (each stream holds
         ``len(self)`` tokens). ``positions`` themselves are checked by the caller (range, uniqueness,
         disjointness from the full-precision positions)."""
+
+    def parts(self) -> list[Part]:
+        """The stored tokens as parts for fused decode attention (:mod:`kvpolicy.layer.parts`), in the
+        basis of :attr:`basis`, without materialising them where the store can avoid it.
+
+        Default: the tokens of :meth:`keys` and :meth:`values` as one full-precision part (correct,
+        not cheaper than materialising); a store with packed blocks returns them as they lie.
+        """
+        return [Part(self.keys(), self.values())]
 
     def staged_key_positions(self) -> torch.Tensor:
         """``(rows, k)`` positions whose keys wait at full precision inside the store (a quantizer's

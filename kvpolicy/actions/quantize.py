@@ -20,6 +20,7 @@ from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.backends.base import AXES, FITS, META_DTYPES, Backend, QTensor, check_metadata, widen_remedy
 from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
 from kvpolicy.formats.base import Format
+from kvpolicy.layer.parts import Part
 from kvpolicy.policies.base import check_int
 from kvpolicy.positions import POSITION_DTYPE
 
@@ -799,32 +800,32 @@ class QuantizedStore(DemotedStore):
     def values(self) -> torch.Tensor:
         return self.v.read()
 
-    def attention_parts(self) -> tuple[tuple[QTensor, QTensor] | None, tuple[torch.Tensor, torch.Tensor] | None]:
-        """The stored tokens split for attention without materialising them (:mod:`kvpolicy.fused`).
+    def parts(self) -> list[Part]:
+        """The stored tokens for fused attention without materialising them (:mod:`kvpolicy.layer.parts`).
 
         Returns
         -------
-        quantized : (QTensor, QTensor) or None
-            Keys and values of the first ``m`` stored tokens, both quantized (``m`` = the smaller
-            quantized count of the two streams).
-        tail : (torch.Tensor, torch.Tensor) or None
-            Keys and values of the remaining tokens at full precision (staged, or dequantized when the
-            other stream still stages them): ``(batch, kv_heads, n - m, head_dim)``, fewer than
-            ``group_size`` tokens.
+        list of Part
+            The tokens after the first ``m`` at full precision (staged, or dequantized when the other
+            stream still stages them; ``(batch, kv_heads, n - m, head_dim)``, fewer than ``group_size``
+            tokens), then keys and values of the first ``m`` stored tokens, both quantized (``m`` = the
+            smaller quantized count of the two streams). Either may be absent.
         """
         # (num_quantized and len(self), inlined: this runs at every fused decode step)
         kq, vq = self.k.q, self.v.q
         nk, nv = (0 if kq is None else kq.shape[2]), (0 if vq is None else vq.shape[2])
         m = min(nk, nv)
-        quantized = None
+        basis = self.basis  # None: a transformed store rebases the parts (TransformedStore.parts)
+        out: list[Part] = []
+        if self.positions.shape[-1] != m:
+            # a stream whose quantized tokens all lie before m holds the tail in its staging buffer alone
+            keys = self.k.staging if nk == m and self.k.staging is not None else self.k.read_from(m)
+            values = self.v.staging if nv == m and self.v.staging is not None else self.v.read_from(m)
+            out.append(Part(keys, values, None, basis))
         if m:
             quantized = (kq if nk == m else kq.narrow(0, m), vq if nv == m else vq.narrow(0, m))
-        if self.positions.shape[-1] == m:
-            return quantized, None
-        # a stream whose quantized tokens all lie before m holds the tail in its staging buffer alone
-        keys = self.k.staging if nk == m and self.k.staging is not None else self.k.read_from(m)
-        values = self.v.staging if nv == m and self.v.staging is not None else self.v.read_from(m)
-        return quantized, (keys, values)
+            out.append(Part(*quantized, self.k.backend, basis))
+        return out
 
     def staged_key_positions(self) -> torch.Tensor:
         """Positions whose keys still wait in the full-precision staging buffer."""

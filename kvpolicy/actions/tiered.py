@@ -30,8 +30,9 @@ import torch
 from kvpolicy import state_check
 from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.actions.quantize import Quantize, QuantizedStore
-from kvpolicy.backends.base import Backend, QTensor
+from kvpolicy.backends.base import Backend
 from kvpolicy.errors import ConfigError
+from kvpolicy.layer.parts import Part
 from kvpolicy.policies.base import Policy, PolicyState
 from kvpolicy.positions import POSITION_DTYPE
 
@@ -265,14 +266,13 @@ class TieredStore(DemotedStore):
     def values(self) -> torch.Tensor:
         return torch.cat([s.values() for s in self._stores() if len(s)], dim=2)
 
-    def attention_parts(self) -> tuple[list[tuple[QTensor, QTensor]] | None, tuple[torch.Tensor, torch.Tensor] | None]:
-        """Every tier's quantized segment (a list: :func:`kvpolicy.fused.decode_attention` merges any
-        number of them) and the last tier's staged tail."""
-        segments = [(t.inner.k.q, t.inner.v.q) for t in self.middles if len(t.inner)]
-        quantized, tail = self.bottom.attention_parts()
-        if quantized is not None:
-            segments.append(quantized)
-        return (segments or None), tail
+    def parts(self) -> list[Part]:
+        """The last tier's staged tail (full precision), then every tier's quantized segment, top first
+        (:func:`kvpolicy.fused.attend_parts` merges any number of them)."""
+        bottom = self.bottom.parts()
+        tail = [p for p in bottom if p.backend is None]
+        middles = [Part(t.inner.k.q, t.inner.v.q, self.backend) for t in self.middles if len(t.inner)]
+        return tail + middles + [p for p in bottom if p.backend is not None]
 
     def staged_key_positions(self) -> torch.Tensor:
         return self.bottom.staged_key_positions()

@@ -105,7 +105,8 @@ class PackedTensor(QTensor):
     def dequantize(self) -> torch.Tensor:
         """``(batch, kv_heads, tokens, head_dim)`` in :attr:`dtype` (float16 clamped to ``±65504``: see
         :func:`~kvpolicy.formats.base.in_dtype`)."""
-        return in_dtype(_ungrouped(dequantize_groups(self), self.axis, self.shape), self.dtype)
+        out = _ungrouped(dequantize_groups(self), self.axis, self.shape)
+        return out if self.dtype == torch.float32 else in_dtype(out, self.dtype)
 
     @classmethod
     def cat(cls, blocks: list[QTensor]) -> PackedTensor:  # type: ignore[override]

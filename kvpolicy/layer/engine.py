@@ -22,7 +22,7 @@ from kvpolicy import handoff, state_check
 from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.backends.base import Backend
 from kvpolicy.layer.padded import PaddedEngine, left_pads
-from kvpolicy.layer.parts import Part, store_parts
+from kvpolicy.layer.parts import Part
 from kvpolicy.layer.path import FULL_PRECISION, HANDED_OUT, StepPath
 from kvpolicy.memory import LayerBytes
 from kvpolicy.policies.base import Policy, PolicyState
@@ -279,8 +279,7 @@ class LayerEngine:
             return self.view("ordered")
         parts = None
         if fusable:  # the store's parts, then the full-precision segment
-            store = segments.store
-            parts = store_parts(store.attention_parts(), store.basis, self.backend)
+            parts = segments.store.parts()
             parts.append(Part(segments.keys, segments.values))
         ticket = handoff.Ticket(
             self, parts=parts, scores=scores, layout=self.layout if agnostic else "ordered",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 from kvpolicy import persist, state_check
 from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.errors import MetadataOverflowError, NonFiniteError
+from kvpolicy.layer.parts import Part
 from kvpolicy.transforms.base import Transform
 
 #: model dtypes whose range a rotated coordinate can exceed, and the dtype their rotated tokens are
@@ -61,9 +63,9 @@ class TransformedStore(DemotedStore):
     :data:`HELD_DTYPE` where the model's dtype could not hold them (float16 tokens: float32, whose
     ``meta_dtype="auto"`` metadata is float16 on the torch, cpu and triton backends, as for float16
     input); ``keys()``/``values()`` come back through ``inverse`` in the model's dtype (the
-    materialised path). ``attention_parts()`` (the fused path) stays in the transformed basis, which
+    materialised path). ``parts()`` (the fused path) stays in the transformed basis, which
     :attr:`basis` names: the reader rotates its query with ``forward`` and maps the attention output
-    back with ``inverse`` (:func:`kvpolicy.fused.decode_attention`).
+    back with ``inverse`` (:func:`kvpolicy.fused.attend_parts`).
     Everything else (bytes, batch operations, staged positions) is the inner store's, through the
     methods :class:`~kvpolicy.actions.base.DemotedStore` declares; the action's own inspection
     attributes (streams, tiers) are reached through :attr:`inner`.
@@ -137,9 +139,9 @@ class TransformedStore(DemotedStore):
         """``inverse(y)`` in the model's dtype; ``y`` ``(batch, kv_heads, n, head_dim)`` rotated."""
         return cast_clamped(self.transform.inverse(y), y.dtype if self._dtype is None else self._dtype)
 
-    def attention_parts(self) -> tuple[Any, Any]:
+    def parts(self) -> list[Part]:
         """The inner store's parts, in the transformed basis (see :attr:`basis`)."""
-        return self.inner.attention_parts()  # type: ignore[attr-defined]
+        return [dataclasses.replace(p, basis=self.transform) for p in self.inner.parts()]
 
     def nbytes(self) -> dict[str, int]:
         return self.inner.nbytes()

@@ -14,7 +14,7 @@ from kvpolicy.actions.quantize import Quantize
 from kvpolicy.actions.tiered import Tiered
 from kvpolicy.backends.base import dense_attention
 from kvpolicy.backends.torch_backend import TorchBackend
-from kvpolicy.fused import attend_parts, decode_attention
+from kvpolicy.fused import attend_parts
 from kvpolicy.handoff import HandedOff, ticket_of
 from kvpolicy.layer.engine import LayerEngine
 from kvpolicy.layer.padded import PaddedEngine
@@ -119,10 +119,11 @@ def test_the_parts_of_every_store_kind_give_the_materialised_attention():
         parts = ticket_of(keys).parts
         assert all(isinstance(p, Part) for p in parts) and parts[-1].backend is None
         got = attend_parts(query, parts, 0.125)
-        legacy = decode_attention(
-            query, engine.keys, engine.values, engine.store.attention_parts(), engine.backend, 0.125, engine.store.basis
-        )
-        assert torch.equal(got, legacy)
+        stored = engine.store.parts()
+        assert [(p.backend, p.basis) for p in parts[:-1]] == [(p.backend, p.basis) for p in stored]
+        assert all(p.basis == engine.store.basis for p in stored)
+        again = attend_parts(query, [*stored, Part(engine.keys, engine.values)], 0.125)
+        assert torch.equal(got, again)
         k, v = engine.view("ordered")
         ref, _ = dense_attention(query.reshape(1, 2, 2, D), k, v, 0.125)
         torch.testing.assert_close(got, ref.reshape(1, 4, 1, D), rtol=0, atol=0.2)  # quantization error only
