@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from kvpolicy.eval.caches import CacheSpec
-from kvpolicy.eval.compare import TeacherForced, example_parser, quality_cells, quality_header
+from kvpolicy_lab.eval.caches import CacheSpec
+from kvpolicy_lab.eval.compare import TeacherForced, example_parser, quality_cells, quality_header
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,9 +16,9 @@ import argparse
 import torch
 
 from kvpolicy import CompressedCache
-from kvpolicy.eval.demo import FIDELITY_FILE, stdlib_source
-from kvpolicy.eval.metrics import next_token_kl, nll, teacher_forced_logits
-from kvpolicy.eval.models import load_smollm2
+from kvpolicy_lab.eval.demo import FIDELITY_FILE, stdlib_source
+from kvpolicy_lab.eval.metrics import next_token_kl, nll, teacher_forced_logits
+from kvpolicy_lab.eval.models import load_smollm2
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 Both quantize demoted tokens to 2 bits (the library's quantizer: keys per channel, values per token);
 they differ in which tokens stay at full precision: a log-spaced set (LogQuant, W = 42, i.e. the
 paper's 128 reserved tokens) or the most recent tokens flushed R at a time (KIVI). KIVI's residual R
-is chosen so that both caches hold the same bytes after the last token (kvpolicy.eval.equal_bytes).
+is chosen so that both caches hold the same bytes after the last token (kvpolicy_lab.eval.equal_bytes).
 
     python examples/logquant_vs_kivi.py            # SmolLM2-135M, 2k context (~3 min on 2 CPU cores)
     python examples/logquant_vs_kivi.py --smoke    # a tiny random model, seconds
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from kvpolicy.eval.caches import CacheSpec
-from kvpolicy.eval.compare import TeacherForced, example_parser, quality_cells, quality_header
-from kvpolicy.eval.equal_bytes import equalize
+from kvpolicy_lab.eval.caches import CacheSpec
+from kvpolicy_lab.eval.compare import TeacherForced, example_parser, quality_cells, quality_header
+from kvpolicy_lab.eval.equal_bytes import equalize
 
 
 def main(argv: list[str] | None = None) -> None:

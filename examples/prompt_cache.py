@@ -23,10 +23,10 @@ from safetensors.torch import save_file
 from transformers import DynamicCache
 
 from kvpolicy import CompressedCache
-from kvpolicy.eval.metrics import greedy_generate
-from kvpolicy.eval.models import load_smollm2
-from kvpolicy.eval.tasks import encode, stdlib_text
 from kvpolicy.fused import enable_fused
+from kvpolicy_lab.eval.metrics import greedy_generate
+from kvpolicy_lab.eval.models import load_smollm2
+from kvpolicy_lab.eval.tasks import encode, stdlib_text
 
 DOCUMENT = "argparse.py"
 QUESTIONS = (

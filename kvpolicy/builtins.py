@@ -62,3 +62,24 @@ def kvpolicy_register_formats() -> dict[str, type]:
     from kvpolicy.formats import BUILTIN
 
     return dict(BUILTIN)
+
+
+#: the core's subcommands (the kvpolicy-lab distribution registers its own through the same hook)
+CORE_COMMANDS = ("list", "plugins", "estimate")
+
+
+def _command(name: str):
+    """``register(subparsers)`` of the module ``kvpolicy.commands.<name>``, imported when the parser is built."""
+
+    def register(sub) -> None:
+        import importlib
+
+        importlib.import_module(f"kvpolicy.commands.{name}").register(sub)
+
+    register.__qualname__ = register.__name__ = f"register_{name}"
+    return register
+
+
+@hookimpl
+def kvpolicy_register_commands() -> dict[str, object]:
+    return {name: _command(name) for name in CORE_COMMANDS}

@@ -1,4 +1,7 @@
-"""The ``kvpolicy`` command: one module per subcommand in :mod:`kvpolicy.commands`.
+"""The ``kvpolicy`` command: one module per subcommand, registered through the plugin hook
+``kvpolicy_register_commands`` (the core's in :mod:`kvpolicy.commands`; the ``kvpolicy-lab``
+distribution adds ``demo``, ``ablate``, ``tune``, ``analyze`` and ``bench``). A lab subcommand without
+the lab installed is one line naming the package to install, exit status 2.
 
 Bad flag values stop at parse time (argparse: ``kvpolicy <command>: error: argument --flag: ...``,
 exit status 2); a :class:`~kvpolicy.errors.ConfigError` raised later, while a command checks its
@@ -13,17 +16,30 @@ kept and that the same command resumes it.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
+from collections.abc import Callable
 
 from kvpolicy.errors import ConfigError
 
-#: subcommand modules under kvpolicy.commands, in help order
-COMMANDS = ("demo", "list", "plugins", "ablate", "tune", "analyze", "bench", "estimate")
+#: the subcommands' order in help (registered commands not listed here follow, by name)
+ORDER = ("demo", "list", "plugins", "ablate", "tune", "analyze", "bench", "estimate")
+#: the subcommands the kvpolicy-lab distribution adds (named here to say what to install without it)
+LAB_COMMANDS = ("demo", "ablate", "tune", "analyze", "bench")
+LAB_PACKAGE = "kvpolicy-lab"
+
+
+def commands() -> list[tuple[str, Callable[[argparse._SubParsersAction], None]]]:
+    """``(name, register)`` of every registered subcommand (:func:`kvpolicy.hookspecs.kvpolicy_register_commands`):
+    the core's, and those of plugins such as the ``kvpolicy-lab`` distribution, in help order."""
+    from kvpolicy import registry
+
+    found = {name: register for name, register, _ in registry.entries("commands")}
+    rank = {name: i for i, name in enumerate(ORDER)}
+    return sorted(found.items(), key=lambda item: (rank.get(item[0], len(ORDER)), item[0]))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``kvpolicy`` parser with every subcommand of :data:`COMMANDS` registered.
+    """The ``kvpolicy`` parser with every registered subcommand (:func:`commands`).
 
     Every parser is a :class:`~kvpolicy.commands._parser.Parser`: defaults shown in ``--help``, and a
     misspelt choice answered with ``did you mean``. The conventions of every subcommand: list flags take
@@ -34,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvpolicy import __version__
     from kvpolicy.commands._parser import Parser
 
+    found = commands()
+    missing = [name for name in LAB_COMMANDS if name not in dict(found)]
+    lab = f" ({', '.join(missing)}: pip install {LAB_PACKAGE})" if missing else ""
     parser = Parser(
         prog="kvpolicy",
         description="Pluggable KV-cache compression for transformers. List flags take space-separated values "
@@ -42,10 +61,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvpolicy {__version__}",
                         help="print the version and exit")  # fmt: skip
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="one of: " + ", ".join(COMMANDS))
-    for name in COMMANDS:
-        importlib.import_module(f"kvpolicy.commands.{name}").register(sub)
+    names = ", ".join(name for name, _ in found)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help=f"one of: {names}{lab}")
+    for _, register in found:
+        register(sub)
     return parser
+
+
+def _lab_missing(argv: list[str]) -> str | None:
+    """The lab subcommand ``argv`` asks for when it is not installed (None: anything else)."""
+    words = [word for word in argv if not word.startswith("-")]
+    if not words or words[0] not in LAB_COMMANDS:
+        return None
+    from kvpolicy import registry
+
+    return None if words[0] in registry.names("commands") else words[0]
 
 
 def _prog(args: argparse.Namespace) -> str:
@@ -69,6 +99,15 @@ def main(argv: list[str] | None = None) -> int:
         interrupted (Ctrl-C; a one-line message), or the command's own status (``kvpolicy ablate``:
         1 when a cell failed).
     """
+    argv = sys.argv[1:] if argv is None else argv
+    missing = _lab_missing(argv)
+    if missing is not None:
+        print(
+            f"kvpolicy {missing}: error: this command comes with the {LAB_PACKAGE} package: pip install {LAB_PACKAGE} "
+            f"(from a clone of kvpolicy: pip install ./lab)",
+            file=sys.stderr,
+        )
+        return 2
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -1,5 +1,5 @@
 """pluggy hook specifications: the one extension surface for policies, actions, backends, transforms,
-presets and quantized tensor formats.
+presets, quantized tensor formats and subcommands of the ``kvpolicy`` command.
 
 The built-in parts register through these same hooks (:mod:`kvpolicy.builtins`); third-party
 distributions implement them in the module an entry point of the group ``kvpolicy`` names
@@ -7,6 +7,9 @@ distributions implement them in the module an entry point of the group ``kvpolic
 """
 
 from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
 
 import pluggy
 
@@ -43,3 +46,10 @@ def kvpolicy_register_presets() -> dict[str, object]:
 def kvpolicy_register_formats() -> dict[str, type]:
     """Return ``{name: Format subclass}`` (a quantized tensor format, :mod:`kvpolicy.formats`; the name is
     the ``scheme`` that selects it in ``Quantize``)."""
+
+
+@hookspec
+def kvpolicy_register_commands() -> dict[str, Callable[[argparse._SubParsersAction], None]]:
+    """Return ``{name: register}``: subcommands of the ``kvpolicy`` command line. ``register(subparsers)``
+    adds the subcommand's parser and sets its ``func`` (see :mod:`kvpolicy.commands`); the
+    ``kvpolicy-lab`` distribution adds its commands (``ablate``, ``tune``, ...) this way."""

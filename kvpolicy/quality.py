@@ -29,6 +29,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from kvpolicy.errors import ConfigError
 
@@ -327,14 +328,55 @@ def _one_text(model: torch.nn.Module, ids: torch.Tensor, prompt: int, candidate:
 
 def _forward(model: torch.nn.Module, ids: torch.Tensor, cache: Any, last: bool = False) -> torch.Tensor:
     """The float32 logits of the last position of ``ids`` (``(1, n)``) fed through ``cache``: ``(1, vocab)``."""
-    extra = {"logits_to_keep": 1} if last and _takes_logits_to_keep(model) else {}
+    extra = last_only(model) if last else {}
     return model(ids, cache=cache, use_cache=True, **extra).logits[:, -1].float()
 
 
-def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
-    """Whether the model's forward takes ``logits_to_keep`` (a prefill then projects one position onto the
-    vocabulary, not all of them)."""
-    return "logits_to_keep" in inspect.signature(type(model).forward).parameters
+def last_only(model: torch.nn.Module) -> dict[str, int]:
+    """``{"logits_to_keep": 1}`` for a model whose forward takes it, else ``{}``.
+
+    A prefill whose logits are used at the last position only need not project every position onto
+    the vocabulary (``generate`` does the same): at 2k tokens that is a ``(2048, vocab)`` float32
+    tensor, 2 GB and most of the prefill's time for Gemma-3's 262k vocabulary."""
+    forward = type(model).forward
+    if forward not in _TAKES_LAST:
+        _TAKES_LAST[forward] = "logits_to_keep" in inspect.signature(forward).parameters
+    return {"logits_to_keep": 1} if _TAKES_LAST[forward] else {}
+
+
+_TAKES_LAST: dict = {}
+
+
+@torch.inference_mode()
+def teacher_forced_logits(
+    model: torch.nn.Module, ids: torch.Tensor, prefill: int, cache: object, progress: str | None = None
+) -> torch.Tensor:
+    """Prefill ``ids[:, :prefill]``, then feed the rest one token at a time through ``cache``.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A causal LM.
+    ids : torch.Tensor
+        ``(batch, length)`` token ids.
+    prefill : int
+        Tokens fed in the first (prefill) call.
+    cache : transformers.Cache
+        The cache to drive (fresh).
+    progress : str, optional
+        Show a progress bar with this label.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(batch, length - prefill, vocab)`` float32: the predictions for positions
+        ``prefill .. length - 1``.
+    """
+    out = model(ids[:, :prefill], cache=cache, use_cache=True, **last_only(model))
+    steps = [out.logits[:, -1:].float()]
+    for t in tqdm(range(prefill, ids.shape[1] - 1), desc=progress, disable=progress is None, leave=False):
+        steps.append(model(ids[:, t : t + 1], cache=cache, use_cache=True).logits.float())
+    return torch.cat(steps, dim=1)
 
 
 # ---------------------------------------------------------------------- the arguments

@@ -38,10 +38,10 @@ import pluggy
 from kvpolicy import builtins, hookspecs
 from kvpolicy.errors import ConfigError, did_you_mean
 
-KINDS = ("policies", "actions", "backends", "transforms", "presets", "formats")
+KINDS = ("policies", "actions", "backends", "transforms", "presets", "formats", "commands")
 _SINGULAR = {
     "policies": "policy", "actions": "action", "backends": "backend", "transforms": "transform", "presets": "preset",
-    "formats": "format",
+    "formats": "format", "commands": "command",
 }  # fmt: skip
 #: what each hook's dict maps names to, for messages
 _EXPECTED = {
@@ -51,6 +51,7 @@ _EXPECTED = {
     "transforms": "Transform subclass",
     "presets": "preset function",
     "formats": "Format subclass",
+    "commands": "function register(subparsers)",
 }
 
 #: entry-point group third-party distributions declare
@@ -281,6 +282,10 @@ def _part_problem(kind: str, obj: object) -> str | None:
         if callable(obj):
             return None
         return f"{_show(obj)} is not callable; a preset is a function returning CompressedCache keyword arguments"
+    if kind == "commands":
+        if callable(obj):
+            return None
+        return f"{_show(obj)} is not callable; a command is a function register(subparsers) adding its parser"
     base = _base_class(kind)
     expected = f"a subclass of {base.__module__}.{base.__qualname__}"
     if not isinstance(obj, type):

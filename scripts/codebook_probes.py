@@ -5,7 +5,7 @@ values kept by the log rule at W′ = 32, 3-bit centred keys and 2-bit values be
 change. Some changes are not options of the library, because they lost: the probe then patches the
 codebook quantizer (:func:`kvpolicy.backends.codebook.quantize`) or the quantized store for its run
 only. Scored like ``kvpolicy tune``'s calibration stage: SmolLM2-135M fp32, ``--context`` tokens of
-three calibration files (:data:`~kvpolicy.eval.tasks.CALIBRATION_FILES`, which no published number is
+three calibration files (:data:`~kvpolicy_lab.eval.tasks.CALIBRATION_FILES`, which no published number is
 measured on) then ``--tokens`` teacher-forced tokens, next-token KL against ``DynamicCache`` (mean ±
 standard error over tokens), top-1 agreement, bits per element with full-precision tensors at 16 bits.
 
@@ -53,10 +53,10 @@ from quantizer_quality import setup  # scripts/: the model, texts and references
 import kvpolicy.actions.quantize as quantize_mod
 import kvpolicy.backends.codebook as codebook
 from kvpolicy import CompressedCache, LogWindow, Quantize, Tiered
-from kvpolicy.eval.caches import baseline_bytes, held_bytes
-from kvpolicy.eval.metrics import next_token_kl, teacher_forced_logits
-from kvpolicy.eval.tasks import CALIBRATION_FILES
 from kvpolicy.transforms import Hadamard
+from kvpolicy_lab.eval.caches import baseline_bytes, held_bytes
+from kvpolicy_lab.eval.metrics import next_token_kl, teacher_forced_logits
+from kvpolicy_lab.eval.tasks import CALIBRATION_FILES
 
 
 def composition(

@@ -27,8 +27,8 @@ import torch
 
 import kvpolicy
 from kvpolicy import CompressedCache
-from kvpolicy.eval.tiny import random_model
 from kvpolicy.fused import disable_fused, enable_fused
+from kvpolicy.tiny import random_model
 
 ROOT = str(Path(kvpolicy.__file__).resolve().parent)
 CACHES: dict[str, Callable[[], CompressedCache]] = {

@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from kvpolicy import CompressedCache
-from kvpolicy.eval.metrics import teacher_forced_logits
-from kvpolicy.eval.tiny import random_model
+from kvpolicy.tiny import random_model
+from kvpolicy_lab.eval.metrics import teacher_forced_logits
 
 COMPOSITIONS = {
     "log 2-bit": dict(policy="log", window=8, bits=2, group_size=16),

@@ -20,8 +20,8 @@ import hashlib
 import torch
 
 from kvpolicy import CompressedCache
-from kvpolicy.eval.models import load_smollm2
 from kvpolicy.fused import disable_fused, enable_fused
+from kvpolicy_lab.eval.models import load_smollm2
 
 CACHES = {
     "one-liner": lambda: CompressedCache(policy="log", action="quantize", bits=2),

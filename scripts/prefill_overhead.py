@@ -21,8 +21,8 @@ import torch
 from transformers import DynamicCache
 
 from kvpolicy import CompressedCache
-from kvpolicy.eval.models import load_smollm2
 from kvpolicy.fused import enable_fused
+from kvpolicy_lab.eval.models import load_smollm2
 
 CACHES = {
     "DynamicCache": DynamicCache,

@@ -18,8 +18,8 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache, QuantizedCache
 
 from kvpolicy import CompressedCache
-from kvpolicy.bench.decode import DTYPES, _fill, load
 from kvpolicy.fused import disable_fused, enable_fused
+from kvpolicy_lab.bench.decode import DTYPES, _fill, load
 
 CACHES = {
     "DynamicCache": (lambda config: DynamicCache(), False),

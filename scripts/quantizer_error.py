@@ -26,9 +26,9 @@ import torch
 from transformers import DynamicCache
 
 from kvpolicy.backends.torch_backend import TorchBackend
-from kvpolicy.eval.models import load_smollm2
-from kvpolicy.eval.tasks import stdlib_text
 from kvpolicy.transforms import Hadamard
+from kvpolicy_lab.eval.models import load_smollm2
+from kvpolicy_lab.eval.tasks import stdlib_text
 
 TEXT = "functools.py"  # a calibration file (scripts/quantizer_quality.py --texts calibration)
 

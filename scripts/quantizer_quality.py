@@ -28,10 +28,10 @@ import torch
 from transformers import DynamicCache
 
 from kvpolicy import CompressedCache
-from kvpolicy.eval.metrics import next_token_kl, nll, teacher_forced_logits
-from kvpolicy.eval.models import load_smollm2
-from kvpolicy.eval.tasks import CALIBRATION_FILES, LM_FILES, stdlib_text
 from kvpolicy.fused import enable_fused
+from kvpolicy_lab.eval.metrics import next_token_kl, nll, teacher_forced_logits
+from kvpolicy_lab.eval.models import load_smollm2
+from kvpolicy_lab.eval.tasks import CALIBRATION_FILES, LM_FILES, stdlib_text
 
 TEXTS = {
     "calibration": CALIBRATION_FILES,

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
 import torch
 from hypothesis import settings
 
-from kvpolicy.eval.metrics import teacher_forced_logits
-from kvpolicy.eval.tiny import random_model
+from kvpolicy.quality import teacher_forced_logits
+from kvpolicy.tiny import random_model, tiny_gemma3  # noqa: F401  (tests import tiny_gemma3 from here)
 
-os.environ.setdefault("KVPOLICY_DISABLE_PLUGIN_AUTOLOAD", "1")
+# No third-party plugin loads by entry point in the tests (each test that needs one registers it), except
+# the lab's subcommands when kvpolicy-lab is installed (its tests drive the kvpolicy command).
+if importlib.util.find_spec("kvpolicy_lab") is not None:
+    os.environ.setdefault("KVPOLICY_PLUGINS", "kvpolicy_lab")
+else:
+    os.environ.setdefault("KVPOLICY_DISABLE_PLUGIN_AUTOLOAD", "1")
 
 # Hypothesis profiles. Tests that set their own ``max_examples`` keep it; the profile sizes the rest,
 # above all the stateful fuzzing of tests/test_fuzz_stateful.py (one run per combination):
@@ -35,25 +41,10 @@ ATTN = ("sdpa", "eager")
 def tiny_model(family: str, attn: str = "sdpa", layers: int = 2, seed: int = 0) -> torch.nn.Module:
     """A tiny random causal LM of ``family`` with head_dim 64 (so default group sizes fit).
 
-    Random init gives near-uniform attention; :func:`kvpolicy.eval.tiny.random_model` sharpens it so
+    Random init gives near-uniform attention; :func:`kvpolicy.tiny.random_model` sharpens it so
     compression errors are visible.
     """
     return random_model(family, layers=layers, seed=seed, attn=attn)
-
-
-def tiny_gemma3(layer_types: list[str] | None = None) -> torch.nn.Module:
-    """Gemma-3's layout in miniature: 6 layers, 5 sliding (window 8) + 1 global (layer 5) unless
-    ``layer_types`` says otherwise, 1 kv head of head_dim 64, QK-norm; seeded weights."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    cfg = Gemma3TextConfig(
-        vocab_size=96, hidden_size=128, intermediate_size=192, num_hidden_layers=6, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=64, sliding_window=8, max_position_embeddings=4096, query_pre_attn_scalar=64,
-        layer_types=layer_types,
-    )  # fmt: skip
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return Gemma3ForCausalLM(cfg).eval()
 
 
 def tiny_qwen3_next_config():

@@ -103,8 +103,8 @@ from kvpolicy.actions.quantize import DEFAULT_KEY_FIT
 from kvpolicy.attention import enable_scores
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import ConfigError
-from kvpolicy.eval.tiny import random_model
 from kvpolicy.fused import enable_fused
+from kvpolicy.tiny import random_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -113,7 +113,7 @@ POLICIES = ("log", "recent", "sink", "h2o")
 ACTIONS = ("quantize", "evict", "none")
 LAYOUTS = ("ordered", "agnostic")
 ATTENTION = ("auto", "fused", "materialized")
-VOCAB = 96  # kvpolicy.eval.tiny.random_model
+VOCAB = 96  # kvpolicy.tiny.random_model
 SEEDS = st.integers(0, 2**16 - 1)
 TOLERANCE = {"quantize": 1e-5, "evict": 1e-5}
 BACKEND = TorchBackend()

@@ -1,4 +1,4 @@
-"""The package's import graph: no import cycle anywhere, and the core never imports the evaluation harness.
+"""The import graph of the library and the lab: no import cycle anywhere, and the library never imports the lab.
 
 The graph is read from the source with :mod:`ast`, not from ``sys.modules``, so an import inside a function counts
 as much as one at the top of a module: both run, only at different times, and a cycle through a function-level
@@ -24,11 +24,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvpolicy"
+#: the evaluation harness, a distribution of its own (kvpolicy-lab): the library never imports it
+LAB = ROOT / "lab" / "kvpolicy_lab"
 
-# The harness: everything that evaluates, benchmarks, tunes or parses a command line. Every other module of the
-# package is the core, which must run without any of these.
-HARNESS_PACKAGES = ("kvpolicy.eval", "kvpolicy.bench", "kvpolicy.commands")
-HARNESS_MODULES = ("kvpolicy.tune", "kvpolicy.cli", "kvpolicy.__main__")
+# The library's command line: everything else in the library runs without it.
+CLI_PACKAGES = ("kvpolicy.commands",)
+CLI_MODULES = ("kvpolicy.cli", "kvpolicy.__main__")
 
 
 @dataclass(frozen=True)
@@ -117,9 +118,10 @@ def imports_of(module: str, path: Path, modules: Mapping[str, Path], root: Path 
     return found
 
 
-def import_graph(package: Path = PACKAGE) -> tuple[dict[str, set[str]], list[Import]]:
-    """The package's modules with the modules each imports, and every import edge with its place."""
-    modules = module_files(package)
+def import_graph(*packages: Path) -> tuple[dict[str, set[str]], list[Import]]:
+    """The modules of ``packages`` (default: the library and the lab) with the modules each imports, and every
+    import edge with its place."""
+    modules = {name: path for package in packages or (PACKAGE, LAB) for name, path in module_files(package).items()}
     edges = [edge for module, path in modules.items() for edge in imports_of(module, path, modules)]
     graph: dict[str, set[str]] = {module: set() for module in modules}
     for edge in edges:
@@ -172,10 +174,16 @@ def strongly_connected(graph: Mapping[str, Iterable[str]]) -> list[frozenset[str
     return components
 
 
-def is_harness(module: str) -> bool:
-    return module in HARNESS_MODULES or any(
-        module == package or module.startswith(package + ".") for package in HARNESS_PACKAGES
-    )
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def is_lab(module: str) -> bool:
+    return _within(module, "kvpolicy_lab")
+
+
+def is_cli(module: str) -> bool:
+    return module in CLI_MODULES or any(_within(module, package) for package in CLI_PACKAGES)
 
 
 def _describe(component: frozenset[str], edges: Iterable[Import]) -> str:
@@ -243,11 +251,13 @@ def test_edges_are_read_from_functions_and_relative_imports_but_not_type_checkin
 # -- the package ----------------------------------------------------------------------------------------------
 
 
-def test_the_graph_sees_the_package():
+def test_the_graph_sees_both_packages():
     graph, edges = import_graph()
-    assert {"kvpolicy.cache", "kvpolicy.eval.cells", "kvpolicy.actions.quantize"} <= set(graph)
-    # a function-level import is an edge (the CLI imports its commands lazily)
+    assert {"kvpolicy.cache", "kvpolicy_lab.eval.cells", "kvpolicy.actions.quantize"} <= set(graph)
+    # a function-level import is an edge (the CLI imports its parser lazily)
     assert any(edge.source == "kvpolicy.cli" and edge.target.startswith("kvpolicy.commands") for edge in edges)
+    # the lab's edges into the library are seen
+    assert any(is_lab(edge.source) and edge.target == "kvpolicy.cache" for edge in edges)
 
 
 def test_no_import_cycle_in_the_package():
@@ -258,15 +268,22 @@ def test_no_import_cycle_in_the_package():
     )
 
 
-def test_the_core_never_imports_the_harness():
+def test_the_library_never_imports_the_lab():
     _, edges = import_graph()
-    offending = [edge for edge in edges if not is_harness(edge.source) and is_harness(edge.target)]
-    assert not offending, "the core imports the evaluation harness:\n    " + "\n    ".join(
+    offending = [edge for edge in edges if not is_lab(edge.source) and is_lab(edge.target)]
+    assert not offending, "the library imports the lab:\n    " + "\n    ".join(sorted(set(map(str, offending))))
+
+
+def test_the_library_runs_without_its_command_line():
+    _, edges = import_graph(PACKAGE)
+    offending = [edge for edge in edges if not is_cli(edge.source) and is_cli(edge.target)]
+    assert not offending, "the library imports its command line:\n    " + "\n    ".join(
         sorted(set(map(str, offending)))
     )
 
 
-def test_harness_membership():
-    assert is_harness("kvpolicy.eval") and is_harness("kvpolicy.eval.cells") and is_harness("kvpolicy.commands.tune")
-    assert is_harness("kvpolicy.tune") and is_harness("kvpolicy.cli") and is_harness("kvpolicy.__main__")
-    assert not is_harness("kvpolicy.evaluation") and not is_harness("kvpolicy.cache") and not is_harness("kvpolicy")
+def test_membership():
+    assert is_lab("kvpolicy_lab") and is_lab("kvpolicy_lab.eval.cells") and is_lab("kvpolicy_lab.commands.tune")
+    assert not is_lab("kvpolicy.cache") and not is_lab("kvpolicy_labs") and not is_lab("kvpolicy")
+    assert is_cli("kvpolicy.cli") and is_cli("kvpolicy.__main__") and is_cli("kvpolicy.commands.estimate")
+    assert not is_cli("kvpolicy.cache") and not is_cli("kvpolicy.commandsx") and not is_cli("kvpolicy")

@@ -9,11 +9,11 @@ from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM, MistralC
 
 from kvpolicy import CompressedCache
 from kvpolicy.attention import enable_scores
-from kvpolicy.eval.metrics import teacher_forced_logits
 from kvpolicy.policies.h2o import HeavyHitters
 from kvpolicy.policies.log import LogWindow
 from kvpolicy.policies.recent import RecentWindow
 from kvpolicy.policies.sink import SinkWindow
+from kvpolicy.quality import teacher_forced_logits
 
 POLICIES = {
     "log": LogWindow(window=4),

@@ -10,9 +10,9 @@ from conftest import tiny_model
 import kvpolicy.segments as segments
 from kvpolicy import CompressedCache
 from kvpolicy.attention import disable_scores, enable_scores
-from kvpolicy.bench.memory import allocation_peak
 from kvpolicy.cache import CompressedLayer
 from kvpolicy.fused import disable_fused, enable_fused
+from kvpolicy_lab.bench.memory import allocation_peak
 
 CONFIGS = {
     "one-liner": lambda: CompressedCache(policy="log", action="quantize", bits=2),

@@ -14,8 +14,8 @@ from transformers import DynamicCache
 
 import kvpolicy
 from kvpolicy import CacheSpec, CompressedCache, ConfigError
-from kvpolicy.eval.tiny import ByteTokenizer
 from kvpolicy.quality import QualityReport, TextQuality, compare
+from kvpolicy.tiny import ByteTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -56,7 +56,7 @@ def summary(tmp_path_factory: pytest.TempPathFactory) -> dict:
         pytest.skip("torch.distributed with the gloo backend is not available in this torch build")
     work = tmp_path_factory.mktemp("tp")
     out = work / "summary.json"
-    env = {k: v for k, v in os.environ.items() if k != "KVPOLICY_DISABLE_PLUGIN_AUTOLOAD"}  # snapkv by entry point
+    env = {k: v for k, v in os.environ.items() if k not in ("KVPOLICY_DISABLE_PLUGIN_AUTOLOAD", "KVPOLICY_PLUGINS")}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),

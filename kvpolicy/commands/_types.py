@@ -13,12 +13,9 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from kvpolicy.errors import ConfigError
-
-if TYPE_CHECKING:
-    from kvpolicy.eval.plan import Shard
 
 T = TypeVar("T")
 
@@ -131,7 +128,7 @@ def model_name(text: str) -> str:
 
     Refused here: an empty name, a local path that does not exist, a directory without ``config.json``.
     Whether a hub id is in the local cache is checked when the command starts
-    (:func:`kvpolicy.eval.grid.check_model_available`).
+    (the command's own check).
     """
     name = text.strip()
     if not name:
@@ -142,16 +139,6 @@ def model_name(text: str) -> str:
     if not path.exists() and (name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1):
         raise argparse.ArgumentTypeError(f"model path {text!r} does not exist")
     return name
-
-
-def shard_spec(text: str) -> Shard:
-    """``I/N``: part ``I`` (0-based) of ``N`` of a grid's cells (``--shard``)."""
-    from kvpolicy.eval.plan import parse_shard
-
-    try:
-        return parse_shard(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def device_name(text: str) -> str:

@@ -18,24 +18,6 @@ from kvpolicy.commands._parser import add_list
 from kvpolicy.commands._types import DTYPES, dtype_name, model_name, positive_int
 from kvpolicy.errors import ConfigError, did_you_mean
 
-#: the built-in models' configs as transformers builds them from their checkpoints, keyword by keyword
-#: (what a cache needs: layers, layer types, kv heads, head dims; the rest for a faithful config)
-SMOLLM2_CONFIG: dict[str, Any] = dict(
-    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-    num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
-    rope_parameters={"rope_theta": 100000.0, "rope_type": "default"}, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-)  # fmt: skip
-GEMMA3_CONFIG: dict[str, Any] = dict(
-    vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
-    num_key_value_heads=1, head_dim=256, sliding_window=512, max_position_embeddings=32768, query_pre_attn_scalar=256,
-    layer_types=[("full_attention" if (i + 1) % 6 == 0 else "sliding_attention") for i in range(18)],
-    rope_parameters={
-        "full_attention": {"rope_theta": 1000000.0, "rope_type": "default"},
-        "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
-    },
-    rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0,
-)  # fmt: skip
-
 
 def model_config(name: str, online: bool = False) -> Any:
     """The transformers config of a model as ``kvpolicy ablate --model`` names it, without its weights.
@@ -58,9 +40,10 @@ def model_config(name: str, online: bool = False) -> Any:
     ConfigError
         One line naming the model and why its config cannot be read.
     """
-    from kvpolicy.eval.gemma import ALIASES as GEMMA3
-    from kvpolicy.eval.models import _SMOLLM2_ALIASES as SMOLLM2
-    from kvpolicy.eval.tiny import parse_tiny, random_model
+    from kvpolicy.reference_models import GEMMA3_ALIASES as GEMMA3
+    from kvpolicy.reference_models import GEMMA3_CONFIG, SMOLLM2_CONFIG
+    from kvpolicy.reference_models import SMOLLM2_ALIASES as SMOLLM2
+    from kvpolicy.tiny import parse_tiny, random_model
 
     key = name.strip().lower()
     if key in SMOLLM2:
