@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpolicy.hookspecs import hookimpl
+from kvpolicy.hookspecs import command, hookimpl
 
 
 @hookimpl
@@ -68,18 +68,6 @@ def kvpolicy_register_formats() -> dict[str, type]:
 CORE_COMMANDS = ("list", "plugins", "estimate")
 
 
-def _command(name: str):
-    """``register(subparsers)`` of the module ``kvpolicy.commands.<name>``, imported when the parser is built."""
-
-    def register(sub) -> None:
-        import importlib
-
-        importlib.import_module(f"kvpolicy.commands.{name}").register(sub)
-
-    register.__qualname__ = register.__name__ = f"register_{name}"
-    return register
-
-
 @hookimpl
 def kvpolicy_register_commands() -> dict[str, object]:
-    return {name: _command(name) for name in CORE_COMMANDS}
+    return {name: command(f"kvpolicy.commands.{name}") for name in CORE_COMMANDS}

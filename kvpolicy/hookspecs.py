@@ -53,3 +53,16 @@ def kvpolicy_register_commands() -> dict[str, Callable[[argparse._SubParsersActi
     """Return ``{name: register}``: subcommands of the ``kvpolicy`` command line. ``register(subparsers)``
     adds the subcommand's parser and sets its ``func`` (see :mod:`kvpolicy.commands`); the
     ``kvpolicy-lab`` distribution adds its commands (``ablate``, ``tune``, ...) this way."""
+
+
+def command(module: str) -> Callable[[argparse._SubParsersAction], None]:
+    """``register(subparsers)`` for :func:`kvpolicy_register_commands` that imports ``module`` (which defines
+    its own ``register``) only when the parser is built: a lookup of a policy never imports a command."""
+
+    def register(sub: argparse._SubParsersAction) -> None:
+        import importlib
+
+        importlib.import_module(module).register(sub)
+
+    register.__qualname__ = register.__name__ = f"register_{module.rpartition('.')[2]}"
+    return register
