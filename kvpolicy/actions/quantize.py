@@ -294,8 +294,8 @@ class Quantize(Action):
         return hash(("quantize", *self._canonical()))
 
     def __repr__(self) -> str:
-        # the shortcut form where the shortcuts build this action (results name caches by it, and their
-        # cell ids hash it): the group sizes in effect, one ``group_size`` when they agree; meta_dtype only
+        # the shortcut form where the shortcuts build this action: the group sizes in effect, one
+        # ``group_size`` when they agree; meta_dtype only
         # when set; the scheme only when a kind is not min-max (its group size and axis are then left out);
         # fit only when it is not "minmax". Otherwise each role's format, whole.
         shown = self._shortcut_form()

@@ -21,6 +21,7 @@ Bytes held are counted from the tensors each cache really holds (:func:`held_byt
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,6 +156,32 @@ class CacheSpec:
                 args["config"] = config
             return CompressedCache.from_preset(name, **args)
         return CompressedCache(config=config, **self.args)
+
+    def canonical(self) -> dict[str, Any]:
+        """What this cache is, as JSON data that does not depend on how it prints; cell ids hash it.
+
+        kvpolicy caches: their spec's dict (:meth:`kvpolicy.spec.CacheSpec.to_dict`) with the backend
+        ``"auto"`` chose on this machine written in, since the backend decides the arithmetic.
+        transformers' caches: the kind and the arguments given.
+
+        Raises
+        ------
+        ConfigError
+            A part of the cache has a parameter that is not a JSON value, so the cache has no canonical form.
+        """
+        if self.kind == "dynamic":
+            return {"kind": "dynamic"}
+        if self.kind == "hf-quantized":
+            return {"kind": "hf-quantized", "args": {k: self.args[k] for k in _HF_ARGS if k in self.args}}
+        cache = self._compressed(None)
+        try:
+            spec = cache.spec.to_dict()
+            spec["backend"] = dataclasses.replace(cache.spec, backend=cache.backend).to_dict()["backend"]
+        except TypeError as exc:
+            raise ConfigError(
+                f"cache {self.label!r}: {exc}; a grid's cache must be data to be given a cell id"
+            ) from None
+        return {"kind": "kvpolicy", "spec": spec}
 
     def describe(self) -> str:
         """The exact ``repr`` of the cache (kvpolicy caches) or its constructor call (transformers')."""

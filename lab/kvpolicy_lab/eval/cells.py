@@ -20,7 +20,7 @@ import torch
 
 from kvpolicy_lab.eval import measure
 from kvpolicy_lab.eval.caches import CacheSpec
-from kvpolicy_lab.eval.grid import SPEED, Grid
+from kvpolicy_lab.eval.grid import CELL_IDS, SPEED, Grid
 from kvpolicy_lab.eval.tasks import LanguageModeling, Task
 
 #: cache kinds that treat the sequences of a batch independently, so that a grid's ``batch`` applies
@@ -78,7 +78,8 @@ def make_row(cid: str, model: str, spec: CacheSpec, eq: bool, context: int | Non
              extra: dict | None = None) -> dict[str, Any]:  # fmt: skip
     """One row of ``results.jsonl`` (see :mod:`kvpolicy_lab.eval.runner`)."""
     return {
-        "cell": cid, "model": model, "cache": spec.label, "kind": spec.kind, "repr": spec.describe(),
+        "cell": cid, "cell_ids": CELL_IDS, "model": model, "cache": spec.label, "kind": spec.kind,
+        "repr": spec.describe(),
         **spec_fields(spec), "equal_bytes": eq, "context": context, "task": task, "metric": metric,
         "value": value, "se": se, "n": n, "rows_in_cell": rows_in_cell, "extra": extra or {},
     }  # fmt: skip

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -125,8 +126,8 @@ def equalize(
 ) -> tuple[list[CacheSpec], list[Sizing]]:
     """Resize each of ``specs`` (not ``anchor``, not uncompressed ones) to hold at most the anchor's bytes.
 
-    ``memo`` (updated in place) maps ``"context|steps|anchor repr|spec repr"`` to ``[value, bytes, target]``
-    of earlier searches, which are then reused (the search is deterministic).
+    ``memo`` (updated in place) maps ``"context|steps|anchor|spec"`` (caches by their canonical dicts) to
+    ``[value, bytes, target]`` of earlier searches, which are then reused (the search is deterministic).
     """
     memo = {} if memo is None else memo
     small = None
@@ -137,7 +138,7 @@ def equalize(
             out.append(spec)
             continue
         size_params(spec)  # raise early for unknown knobs
-        key = f"{context}|{steps}|{anchor.describe()}|{spec.describe()}"
+        key = f"{context}|{steps}|{_named(anchor)}|{_named(spec)}"
         if key in memo:
             value, nbytes, target = memo[key]
             chosen = with_size(spec, value)
@@ -177,6 +178,10 @@ def equalize(
         report.append(Sizing(chosen.label, best, bytes_at(best), target))
         memo[key] = [best, bytes_at(best), target]
     return out, report
+
+
+def _named(spec: CacheSpec) -> str:
+    return json.dumps(spec.canonical(), sort_keys=True)
 
 
 def resizable(spec: CacheSpec, anchor: CacheSpec) -> bool:

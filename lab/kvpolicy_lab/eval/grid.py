@@ -321,11 +321,11 @@ class Grid:
         return context in self.model_contexts.get(model, [context])
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able form (caches with their kind, args, label and exact description)."""
+        """JSON-able form (caches with their kind, args, label, exact description and canonical dict)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "caches"}
         d["caches"] = [
             {"label": c.label, "kind": c.kind, "args": _jsonable(c.args), "size_params": list(c.size_params),
-             "resize": c.resize, "repr": c.describe()}
+             "resize": c.resize, "repr": c.describe(), "canonical": c.canonical()}
             for c in self.caches
         ]  # fmt: skip
         return d
@@ -379,23 +379,40 @@ def _jsonable(x: Any) -> Any:
     return x if isinstance(x, (str, int, float, bool, type(None))) else repr(x)
 
 
-def cell_id(model: str, spec: CacheSpec, context: int | None, task: str, task_params: dict, grid: Grid) -> str:
-    """Stable id of a cell: a hash of everything that determines its result.
+#: the scheme of cell ids that :func:`cell_id` computes; each result row records it as ``cell_ids``. Scheme 1
+#: (rows without ``cell_ids``) hashed the cache's ``repr``; scheme 2 hashes its canonical dict
+#: (:meth:`~kvpolicy_lab.eval.caches.CacheSpec.canonical`). :mod:`kvpolicy_lab.eval.migrate_ids` moves a
+#: directory from 1 to 2.
+CELL_IDS = 2
 
-    ``decode`` enters the id of timing cells only: the fused and the materialised paths compute the
+
+def cell_key(model: str, cache: Any, context: int | None, task: str, task_params: dict, grid: Grid) -> dict[str, Any]:
+    """Everything that determines a cell's result, as JSON data; ``cache`` is what names the cache
+    (its canonical dict; a scheme-1 id had its ``repr`` there).
+
+    ``decode`` enters the key of timing cells only: the fused and the materialised paths compute the
     same attention up to float rounding (tests/test_ablate_runner.py compares the two), so a quality cell
-    measured on either stands for both, while their timings differ. ``batch`` enters no id: a batch
+    measured on either stands for both, while their timings differ. ``batch`` enters no key: a batch
     gives each sample the result it gets alone, up to float rounding (tests/test_measure_batch.py).
     """
-    key_fields = {"model": model, "dtype": grid.dtype, "device": grid.device, "cache": spec.describe(),
-                  "context": context, "task": task, "params": _jsonable(task_params), "seed": grid.seed,
-                  "replay": grid.replay}  # fmt: skip
+    key = {"model": model, "dtype": grid.dtype, "device": grid.device, "cache": cache, "context": context,
+           "task": task, "params": _jsonable(task_params), "seed": grid.seed, "replay": grid.replay}  # fmt: skip
     if task == SPEED:
-        key_fields["decode"] = grid.decode
+        key["decode"] = grid.decode
     elif not grid.attention_error_at(context):
-        key_fields["attention_error"] = False  # rows without attn_error; cells that have it keep their ids
-    key = json.dumps(key_fields, sort_keys=True)
-    return hashlib.sha1(key.encode()).hexdigest()[:16]
+        key["attention_error"] = False  # rows without attn_error; cells that have it keep their ids
+    return key
+
+
+def digest(key: dict[str, Any]) -> str:
+    """The 16 hex digits a cell id is: SHA-1 of ``key`` as sorted JSON."""
+    return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cell_id(model: str, spec: CacheSpec, context: int | None, task: str, task_params: dict, grid: Grid) -> str:
+    """Stable id of a cell: a hash of everything that determines its result (:func:`cell_key`), the
+    cache named by its canonical dict, so that how a cache prints changes no id."""
+    return digest(cell_key(model, spec.canonical(), context, task, task_params, grid))
 
 
 def cross_specs(cross: dict[str, Any]) -> list[CacheSpec]:

@@ -30,7 +30,7 @@ from kvpolicy_lab.eval.runner import (
     done_cells,
     read_config,
     report_rows,
-    scan_rows,
+    run_rows,
     write_whole,
 )
 
@@ -53,7 +53,7 @@ def _load(path: Path) -> _Source:
         raise ConfigError(f"--merge: {str(path)!r} holds no ablation run (no {CONFIG}); give the --out directories "
                           "of the shards")  # fmt: skip
     source = _Source(path, read_config(path))
-    rows, _ = scan_rows(path / RESULTS)
+    rows, _ = run_rows(path)
     source.done = done_cells(rows)
     latest: dict[tuple[str, str], dict[str, Any]] = {}
     for row in rows:
@@ -290,6 +290,6 @@ def write_report(out: Path) -> None:
     from kvpolicy_lab.eval.summary import write_summary
 
     config = read_config(out)
-    rows = report_rows(scan_rows(out / RESULTS)[0], set(config.get("cells", [])))
+    rows = report_rows(run_rows(out)[0], set(config.get("cells", [])))
     write_summary(out, rows, ConfigGrid.of(config), config.get("sizings") or [])
     write_plots(out, rows)

@@ -47,7 +47,7 @@ from kvpolicy import persist
 from kvpolicy.errors import ConfigError
 from kvpolicy_lab.eval.caches import CacheSpec
 from kvpolicy_lab.eval.cells import CellGroup, CellResult
-from kvpolicy_lab.eval.grid import DTYPES, Grid, check_model_available
+from kvpolicy_lab.eval.grid import CELL_IDS, DTYPES, Grid, check_model_available
 from kvpolicy_lab.eval.lock import hold_run_dir
 from kvpolicy_lab.eval.plan import Group, Shard, equal_specs, plan_groups
 from kvpolicy_lab.eval.tasks import Task
@@ -148,9 +148,17 @@ def load_done(path: Path) -> set[str]:
     return done_cells(scan_rows(path)[0])
 
 
+def run_rows(out: Path) -> tuple[list[dict[str, Any]], list[int]]:
+    """:func:`scan_rows` of ``out/results.jsonl``, refused (:func:`check_cell_ids`) when its cells are
+    named by an older scheme of ids; every reader of a run directory but the migration reads through it."""
+    rows, bad = scan_rows(out / RESULTS)
+    check_cell_ids(out, rows)
+    return rows, bad
+
+
 def read_rows(out: Path) -> list[dict[str, Any]]:
     """Every result row of ``out/results.jsonl`` (lines that are not rows are left out)."""
-    return scan_rows(out / RESULTS)[0]
+    return run_rows(out)[0]
 
 
 def current_rows(out: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -255,6 +263,22 @@ def read_config(out: Path) -> dict[str, Any]:
     return config
 
 
+def check_cell_ids(out: Path, rows: list[dict[str, Any]]) -> None:
+    """Refuse rows whose cells are named by another scheme of ids than
+    :data:`~kvpolicy_lab.eval.grid.CELL_IDS` (each row records its scheme as ``cell_ids``; rows without it
+    hashed each cache's ``repr``). A run would not find them and would run the same cells again beside
+    them; a report would show them beside cells they duplicate."""
+    old = [r for r in rows if r.get("cell_ids") != CELL_IDS]
+    if old:
+        schemes = sorted({str(r.get("cell_ids", 1)) for r in old})
+        raise ConfigError(
+            f"{out / RESULTS}: {len(old)} of {len(rows)} rows name their cells by cell-id scheme {', '.join(schemes)} "
+            f"(written by an earlier version, ids hashed from each cache's repr); this version reads scheme "
+            f"{CELL_IDS} only. Migrate the directory once: python -m kvpolicy_lab.eval.migrate_ids {out} "
+            "(or choose another --out)"
+        )
+
+
 class Executor(Protocol):
     """Where a :class:`Runner`'s cells run (see :mod:`kvpolicy_lab.eval.executors`)."""
 
@@ -332,8 +356,8 @@ class Runner:
         # every cell the run can name before loading a model, so that a report after an interruption
         # still covers the finished cells of the groups the run did not reach (a shard numbers its
         # cells as it goes: its list grows group by group)
+        done = self._load_results()  # refuses rows of older cell ids before anything is written
         self._write_config(self._planned_cells(tasks) if self.shard is None else None, fresh=True)
-        done = self._load_results()
         bar = tqdm(total=total, desc="cells", disable=not self.progress, dynamic_ncols=True)
         t0 = time.perf_counter()
         try:
@@ -361,7 +385,7 @@ class Runner:
     def current_rows(self) -> list[dict[str, Any]]:
         """Rows of ``results.jsonl`` that belong to the cells of this grid (latest per cell and metric)."""
         ids = set(read_config(self.out).get("cells", []))
-        rows, bad = scan_rows(self.out / RESULTS)
+        rows, bad = run_rows(self.out)
         self._warn_bad_lines(bad, "the report leaves them out")
         return report_rows(rows, ids)
 
@@ -433,7 +457,7 @@ class Runner:
             if cut:
                 self.log(f"warning: {self.out / name}: dropped its last line ({cut} bytes), cut by an interrupted "
                          "run; that cell runs again")  # fmt: skip
-        rows, bad = scan_rows(self.out / RESULTS)
+        rows, bad = run_rows(self.out)
         self._warn_bad_lines(bad, "cells missing rows run again")
         return done_cells(rows)
 
