@@ -156,10 +156,6 @@ class CompressedLayer(CacheLayerMixin):
         """Attention mass per returned key, ``(kv_heads, keys)`` with keys in ``layout``'s order."""
         self.engine.observe(scores, layout)
 
-    def attention_done(self, scores: torch.Tensor | None, layout: str = "ordered") -> None:
-        """Attention ran over this layer's keys; ``scores`` ``(batch, kv_heads, keys)`` when asked for."""
-        self.engine.report(scores, layout)
-
     def attention_view(self, layout: str = "ordered") -> tuple[torch.Tensor, torch.Tensor]:
         """The whole history, materialised in position order or as ``[demoted, full-precision]``."""
         return self.engine.view(layout)

@@ -25,7 +25,7 @@ import torch
 from kvpolicy import distributed, persist, state_check
 from kvpolicy.errors import CacheFileError
 from kvpolicy.segments import LayerSegments
-from kvpolicy.spec import DICT_KEYS, CacheSpec
+from kvpolicy.spec import CacheSpec
 
 
 def save(cache: Any, path: str | Path, model: Any = None) -> int:
@@ -102,9 +102,8 @@ def _layer_state(layer: Any, idx: int, layer_class: type) -> dict[str, Any]:
     return out
 
 
-#: a header's entries, and those of its ``composition`` (``distributed`` is absent from older files)
+#: a header's entries (``distributed`` is absent from older files)
 HEADER_KEYS = ("composition", "model", "layer_types", "layer_kwargs", "format", "version", "tree", "checksums")
-COMPOSITION_KEYS = DICT_KEYS
 
 
 def load(cls: type, path: str | Path, device: Any = None, model: Any = None) -> Any:

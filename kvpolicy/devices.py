@@ -39,24 +39,7 @@ def parse_device(name: str) -> str:
 
 
 def check_device(name: str) -> str:
-    """Check that ``name`` is a supported device that exists on this machine.
-
-    Parameters
-    ----------
-    name : str
-        A torch device string such as ``"cpu"``, ``"cuda"`` or ``"cuda:1"``.
-
-    Returns
-    -------
-    str
-        ``name`` unchanged.
-
-    Raises
-    ------
-    ConfigError
-        ``name`` is not a supported device (see :func:`parse_device`), or this machine or torch
-        build does not have it.
-    """
+    """:func:`parse_device`, and ``name`` exists on this machine (else a :class:`ConfigError` saying why)."""
     import torch
 
     device = torch.device(parse_device(name))

@@ -39,6 +39,10 @@ MODES = ("fused", "materialized", "scores")
 def attention_implementation(model: torch.nn.Module, name: str | None = None) -> Iterator[None]:
     """Run ``model`` with attention implementation ``name`` inside the block; restore on exit.
 
+    On exit, also when the block raises, the model runs the implementation it ran on entry again, and
+    kvpolicy's forward hook (:func:`kvpolicy.attention.watch_forward`) is installed exactly when it was on
+    entry: one the block installed is removed, one it removed is put back.
+
     Parameters
     ----------
     model : torch.nn.Module
@@ -47,10 +51,6 @@ def attention_implementation(model: torch.nn.Module, name: str | None = None) ->
         An implementation registered with transformers (``"sdpa"``, ``"eager"``, a name registered with
         ``AttentionInterface``); None leaves the implementation as it is, so that the block may switch it
         itself (:func:`decode_mode` does) and still have it restored.
-
-    On exit, also when the block raises, the model runs the implementation it ran on entry again, and
-    kvpolicy's forward hook (:func:`kvpolicy.attention.watch_forward`) is installed exactly when it was on
-    entry: one the block installed is removed, one it removed is put back.
     """
     previous = model.config._attn_implementation
     hooked = getattr(model, attention.HOOK_ATTR, None) is not None

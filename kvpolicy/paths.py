@@ -9,9 +9,9 @@ Two kinds of checks, shared by everything kvpolicy loads from its directories:
 - **Files.** :func:`open_checked` opens a file once, without following a symbolic link, and checks on
   that open descriptor that it is a regular file (not a FIFO, a device or a directory), owned by the
   current user and not writable by others, and not larger than expected. What is hashed is then
-  read from that descriptor, and what is loaded is a private copy (or a hard link to the same
-  inode) made from it (:func:`stage_file`, :func:`staging_dir`): a file swapped in by path after
-  the hash is never the one loaded.
+  read from that descriptor, and what is loaded is a private copy made from it in a
+  :func:`staging_dir` (the lab's ``kvpolicy_lab.eval.wheels.stage_file`` also tries a hard link to
+  the same inode): a file swapped in by path after the hash is never the one loaded.
 """
 
 from __future__ import annotations
@@ -342,53 +342,6 @@ def sha256_fd(fd: int, limit: int | None = None) -> str:
 def read_fd(fd: int, limit: int | None = None) -> bytes:
     """All the bytes of the open file ``fd``, from its start (at most ``limit`` bytes)."""
     return b"".join(iter_fd(fd, limit))
-
-
-def stage_file(fd: int, dest: Path, source: Path | None = None, limit: int | None = None) -> str:
-    """Make ``dest`` hold the very bytes of the open file ``fd``; return their sha256.
-
-    With ``source`` (the path ``fd`` was opened from), ``dest`` is first tried as a hard link to it:
-    kept only if it is the same inode as ``fd`` (a file swapped in at ``source`` since it was opened
-    gives another inode), and then hashed from ``fd``. Otherwise (no ``source``, another file system,
-    a platform without hard links) the bytes are copied from ``fd`` into a new ``0o600`` file while
-    being hashed. Either way the digest returned is of what ``dest`` holds: call it in a directory
-    only this user can write (:func:`staging_dir`).
-
-    Parameters
-    ----------
-    fd : int
-        An open file, checked with :func:`open_checked`.
-    dest : Path
-        A path that does not exist yet, in a private directory.
-    source : Path or None
-        The path ``fd`` was opened from, to try a hard link (no copy) first.
-    limit : int or None
-        The most bytes to read.
-
-    Returns
-    -------
-    str
-        The hex sha256 of the bytes ``dest`` holds.
-    """
-    if source is not None:
-        try:
-            os.link(source, dest, follow_symlinks=False)
-        except (OSError, NotImplementedError):
-            pass
-        else:
-            linked, opened = os.lstat(dest), os.fstat(fd)
-            if (linked.st_dev, linked.st_ino) == (opened.st_dev, opened.st_ino):
-                return sha256_fd(fd, limit)
-            os.unlink(dest)  # another file is at ``source`` now: copy from the descriptor instead
-    digest = hashlib.sha256()
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-    for name in ("O_NOFOLLOW", "O_CLOEXEC", "O_BINARY"):
-        flags |= getattr(os, name, 0)
-    with os.fdopen(os.open(dest, flags, PRIVATE_FILE_MODE), "wb") as out:
-        for chunk in iter_fd(fd, limit):
-            digest.update(chunk)
-            out.write(chunk)
-    return digest.hexdigest()
 
 
 @contextmanager

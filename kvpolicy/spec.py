@@ -54,7 +54,6 @@ ROLES: dict[str, tuple[str, type]] = {
     "backend": ("backends", Backend),
     "transform": ("transforms", Transform),
 }
-_KIND_ROLES = {kind: role for role, (kind, _) in ROLES.items()}
 #: the roles a part's parameter may hold a part of (nested in the saved form): the spec's, and a format
 NESTED_ROLES: dict[str, tuple[str, type]] = {**ROLES, "format": ("formats", Format)}
 #: the entries of a dict :meth:`CacheSpec.to_dict` writes (``layer_bits``, ``type``, ``version``: optional,

@@ -3,7 +3,7 @@
 Each probe is the preset's composition (log W = 4, a middle tier of centred 4-bit codebook keys and
 values kept by the log rule at W′ = 32, 3-bit centred keys and 2-bit values below, Hadamard) with one
 change. Some changes are not options of the library, because they lost: the probe then patches the
-codebook quantizer (:func:`kvpolicy.backends.codebook.quantize`) or the quantized store for its run
+codebook quantizer (:func:`kvpolicy.formats.codebook.quantize`) or the quantized store for its run
 only. Scored like ``kvpolicy tune``'s calibration stage: SmolLM2-135M fp32, ``--context`` tokens of
 three calibration files (:data:`~kvpolicy_lab.eval.tasks.CALIBRATION_FILES`, which no published number is
 measured on) then ``--tokens`` teacher-forced tokens, next-token KL against ``DynamicCache`` (mean ±
@@ -51,7 +51,7 @@ import torch
 from quantizer_quality import setup  # scripts/: the model, texts and references, built the same way
 
 import kvpolicy.actions.quantize as quantize_mod
-import kvpolicy.backends.codebook as codebook
+import kvpolicy.formats.codebook as codebook
 from kvpolicy import CompressedCache, LogWindow, Quantize, Tiered
 from kvpolicy.transforms import Hadamard
 from kvpolicy_lab.eval.caches import baseline_bytes, held_bytes

@@ -11,11 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpolicy import CompressedCache
-from kvpolicy.backends import codebook
 from kvpolicy.backends.base import Backend, QTensor
-from kvpolicy.backends.codebook import CodebookTensor
 from kvpolicy.backends.torch_backend import TorchBackend, unpack
 from kvpolicy.errors import ConfigError
+from kvpolicy.formats import codebook
+from kvpolicy.formats.codebook import CodebookTensor
 from kvpolicy.fused import disable_fused, enable_fused, merge
 from kvpolicy.kernels import cpu_attention
 

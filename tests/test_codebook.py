@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from kvpolicy import CompressedCache
 from kvpolicy.actions.quantize import Quantize
-from kvpolicy.backends import codebook
 from kvpolicy.backends.base import dense_attention
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
+from kvpolicy.formats import codebook
 from kvpolicy.transforms import Hadamard
 
 #: Max (1960), "Quantizing for minimum distortion", Table I: the least mean squared error of a

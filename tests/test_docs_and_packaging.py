@@ -10,9 +10,22 @@ from pathlib import Path
 import pytest
 
 from kvpolicy.cli import main
-from kvpolicy.policies.picture import render
+from kvpolicy.policies.base import Policy
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def render(policy: Policy, lengths: list[int]) -> str:
+    """One row per length ``T`` of ``lengths``: ``#`` where position ``t < T`` is at full precision, else ``.``
+    (``policy`` data-independent: the same selection for every layer, head and row)."""
+    state = policy.new_state()
+    width = len(str(max(lengths)))
+    rows = []
+    for length in sorted(lengths):
+        state.append(length - state.length)
+        kept = set(state.full_positions())
+        rows.append(f"T={length:<{width}} " + "".join("#" if t in kept else "." for t in range(length)))
+    return "\n".join(rows)
 
 
 def test_policies_page_pictures_match_the_code():

@@ -244,8 +244,8 @@ def _worker_module():
 def test_codebook_tie_analysis_proves_a_flip_at_an_edge_and_refuses_a_real_difference() -> None:
     """The codebook branch of the worker's tie analysis: a code flipped by an input moved a hair across a
     codebook edge is a proved tie (its vector's scale may differ); a code moved by a real change is not."""
-    from kvpolicy.backends import codebook
     from kvpolicy.backends.torch_backend import TorchBackend
+    from kvpolicy.formats import codebook
 
     w = _worker_module()
     backend = TorchBackend()

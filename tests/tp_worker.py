@@ -47,10 +47,10 @@ import torch.distributed as dist
 
 from kvpolicy import CompressedCache, Quantize, Tiered, distributed, registry
 from kvpolicy.attention import enable_scores
-from kvpolicy.backends import codebook
-from kvpolicy.backends.codebook import CodebookTensor
 from kvpolicy.backends.torch_backend import PackedTensor, TorchBackend, _grouped, unpack
 from kvpolicy.errors import CacheFileError, ConfigError
+from kvpolicy.formats import codebook
+from kvpolicy.formats.codebook import CodebookTensor
 from kvpolicy.policies import LogWindow, Policy, PolicyState, RecentWindow, SinkWindow
 from kvpolicy.policies.h2o import HeavyHitters, HeavyHittersState
 

@@ -136,7 +136,7 @@ class Quantize(Action):
         of the first keys the layer demotes (usually the prompt's), stored once in the metadata dtype
         and shared by every later key, so the codebook spends its cells on how keys differ rather
         than on the offset they share. Costs ``head_dim`` metadata values per row, head and layer;
-        the fused path reads it at no extra pass (:mod:`kvpolicy.backends.codebook`). Measured in
+        the fused path reads it at no extra pass (:mod:`kvpolicy.formats.codebook`). Measured in
         docs/explanation/quantization.md. Needs keys in a centred format (``key_scheme="codebook"``)
         and a backend whose capabilities list ``codebook_centre`` (``torch``, ``cpu``). Any centre is
         exact (it is stored and added back); how much it helps depends on how well the first block

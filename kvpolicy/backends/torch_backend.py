@@ -15,26 +15,14 @@ from kvpolicy import formats
 from kvpolicy.backends.base import AXES, FITS, META_DTYPES, SCHEMES, Backend, Capabilities, QTensor
 from kvpolicy.errors import ConfigError
 from kvpolicy.formats import codebook
-from kvpolicy.formats.packed import (  # noqa: F401 - re-exported
+from kvpolicy.formats.packed import (  # noqa: F401 - re-exported for the tests and scripts that import them here
     FP16_MAX,
-    META_TORCH_DTYPES,
-    MSE_ROUNDS,
-    MinMax,
     PackedTensor,
     _grouped,
-    _inner_contiguous,
     _ungrouped,
-    dequantize_groups,
     fit_range,
-    meta_dtype,
-    metadata_check,
     pack,
-    packed_from_state,
-    packed_state,
-    per_head_views,
     quantize_groups,
-    quantize_packed,
-    resolve_meta_dtype,
     unpack,
 )
 

@@ -8,63 +8,22 @@ exit status 2, before any model is loaded. Messages name the value and what is a
 from __future__ import annotations
 
 import argparse
-import math
-import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from kvpolicy.errors import ConfigError
-
 T = TypeVar("T")
-
-
-def _int(text: str, minimum: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}; got {text!r}") from None
-    if value < minimum:
-        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}; got {text!r}")
-    return value
 
 
 def positive_int(text: str) -> int:
     """An integer >= 1 (steps, repetitions, threads, token counts)."""
-    return _int(text, 1)
-
-
-def non_negative_int(text: str) -> int:
-    """An integer >= 0 (seeds, warm-up rounds)."""
-    return _int(text, 0)
-
-
-def positive_float(text: str) -> float:
-    """A finite number > 0 (budgets)."""
     try:
-        value = float(text)
+        value = int(text)
     except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0; got {text!r}")
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {text!r}")
     return value
-
-
-def at_least(minimum: int, what: str = "an integer") -> Callable[[str], int]:
-    """A type for one integer >= ``minimum`` (``what`` names it in messages: ``"a context length"``)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be {what} >= {minimum}; got {text!r}")
-        return value
-
-    parse.__name__ = f"int_min_{minimum}"
-    return parse
 
 
 def list_item(convert: Callable[[str], T], flag: str, spec: bool = False) -> Callable[[str], T]:
@@ -139,181 +98,3 @@ def model_name(text: str) -> str:
     if not path.exists() and (name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1):
         raise argparse.ArgumentTypeError(f"model path {text!r} does not exist")
     return name
-
-
-def device_name(text: str) -> str:
-    """A supported torch device name (``cpu``, ``cuda``, ``cuda:N``, ``mps``), present here or not."""
-    from kvpolicy.devices import parse_device
-
-    try:
-        return parse_device(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def available_device(text: str) -> str:
-    """A supported torch device that exists on this machine."""
-    from kvpolicy.devices import check_device
-
-    try:
-        return check_device(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def out_dir(text: str) -> Path:
-    """A directory that exists and is writable, or that can be created (nothing is left behind here)."""
-    path = Path(text).expanduser()
-    problem = output_problem(path, "directory")
-    if problem:
-        raise argparse.ArgumentTypeError(f"{text!r} {problem}; give a directory path (new or existing)")
-    return path
-
-
-def out_file(text: str) -> Path:
-    """A file path to write: a writable file, or a new one in a directory that exists or can be created."""
-    path = Path(text).expanduser()
-    problem = output_problem(path, "file")
-    if problem:
-        raise argparse.ArgumentTypeError(f"{text!r} {problem}; give a file path such as docs/results.md")
-    return path
-
-
-def check_output(flag: str, path: Path, kind: str) -> Path:
-    """Refuse, before any work, an output path that a command derives rather than parses.
-
-    The same check as :func:`out_dir` and :func:`out_file`, for paths such as a default placed next to
-    another flag's value.
-
-    Parameters
-    ----------
-    flag : str
-        What the path is, for the message (``"--runs (default: next to --out)"``).
-    path : Path
-        The path the command will write.
-    kind : {"file", "directory"}
-        What will be written there.
-
-    Returns
-    -------
-    Path
-        ``path``, unchanged.
-
-    Raises
-    ------
-    ConfigError
-        One line naming ``flag``, the path and why it cannot be written.
-    """
-    problem = output_problem(path, kind)
-    if problem:
-        raise ConfigError(f"{flag}: {str(path)!r} {problem}; give a {kind} path this user can write")
-    return path
-
-
-#: the kinds of output :func:`output_problem` checks
-OUTPUT_KINDS = ("file", "directory")
-
-
-def output_problem(path: Path, kind: str) -> str | None:
-    """Why ``path`` cannot be written as an output ``kind``, or ``None`` when it can.
-
-    The one check behind every output flag. A path passes when it already is a ``kind`` this user can
-    write, or when it can be created. Writability is asked of the system (``os.access``) and then
-    tried: a file is opened for appending (its contents untouched) and, for a new path, a temporary
-    file is created and removed in the directory where the first new part would be made. The attempt
-    catches what ``os.access`` cannot see (read-only mounts seen by root, ``/proc`` and ``/sys``,
-    network file systems).
-
-    Parameters
-    ----------
-    path : Path
-        The output path.
-    kind : {"file", "directory"}
-        What will be written there.
-
-    Returns
-    -------
-    str or None
-        A reason such as ``"is an existing file, not a directory"``; ``None`` when the path can be written.
-
-    Raises
-    ------
-    ValueError
-        ``kind`` is not one of :data:`OUTPUT_KINDS`.
-    """
-    if kind not in OUTPUT_KINDS:
-        raise ValueError(f"kind must be one of {list(OUTPUT_KINDS)}; got kind={kind!r}")
-    path = path.absolute()
-    if kind == "directory":
-        return dir_problem(path)
-    try:
-        if path.is_dir():
-            return "is an existing directory, not a file"
-        if path.exists():
-            return _existing_file_problem(path)
-    except OSError as exc:  # e.g. a parent directory that cannot be searched
-        return f"cannot be checked: {exc.strerror}"
-    problem = dir_problem(path.parent)
-    return f"cannot be written: its directory {str(path.parent)!r} {problem}" if problem else None
-
-
-def dir_problem(path: Path) -> str | None:
-    """Why ``path`` cannot be used as an output directory, or ``None`` when it can (see :func:`output_problem`).
-
-    Parameters
-    ----------
-    path : Path
-        An existing directory, or a path whose nearest existing ancestor is a writable directory.
-
-    Returns
-    -------
-    str or None
-        A reason such as ``"is an existing file"``; ``None`` when the path can be written to.
-    """
-    path = path.absolute()
-    try:
-        return _existing_dir_problem(path) if path.exists() else _new_dir_problem(path)
-    except OSError as exc:  # e.g. a parent directory that cannot be searched
-        return f"cannot be checked: {exc.strerror}"
-
-
-def _existing_file_problem(path: Path) -> str | None:
-    if not path.is_file():
-        return "is not a regular file"
-    if not os.access(path, os.W_OK):
-        return "is a file this user cannot write to"
-    try:
-        os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
-    except OSError as exc:
-        return f"is a file that cannot be written ({exc.strerror})"
-    return None
-
-
-def _existing_dir_problem(path: Path) -> str | None:
-    if not path.is_dir():
-        return "is an existing file, not a directory"
-    if not os.access(path, os.W_OK | os.X_OK):
-        return "is a directory this user cannot write to"
-    failed = _write_fails(path)
-    return f"is a directory that cannot be written ({failed})" if failed else None
-
-
-def _new_dir_problem(path: Path) -> str | None:
-    ancestor = next(p for p in path.parents if p.exists())
-    if not ancestor.is_dir():
-        return f"cannot be created: {str(ancestor)!r} is a file"
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        return f"cannot be created: {str(ancestor)!r} is not writable by this user"
-    failed = _write_fails(ancestor)
-    return f"cannot be created: nothing can be written in {str(ancestor)!r} ({failed})" if failed else None
-
-
-def _write_fails(directory: Path) -> str | None:
-    """Why a file cannot be created in ``directory`` (the system's reason), or ``None``; leaves nothing."""
-    try:
-        fd, name = tempfile.mkstemp(prefix=".kvpolicy-write-check-", dir=directory)
-    except OSError as exc:
-        return exc.strerror or type(exc).__name__
-    os.close(fd)
-    os.unlink(name)
-    return None

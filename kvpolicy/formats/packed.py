@@ -185,18 +185,6 @@ class PackedTensor(QTensor):
         return PackedTensor(codes, scales, zeros, bits, group, axis, (b, h, n, d), dtype)
 
 
-def packed_state(q: QTensor) -> dict:
-    """:meth:`PackedTensor.state` of ``q`` (a ``TypeError`` for another block)."""
-    if not isinstance(q, PackedTensor):
-        raise TypeError(f"expected a PackedTensor block; got {type(q).__name__}")
-    return q.state()
-
-
-def packed_from_state(state: dict) -> PackedTensor:
-    """:meth:`PackedTensor.from_state`."""
-    return PackedTensor.from_state(state)
-
-
 def _inner_contiguous(t: torch.Tensor) -> bool:
     """Whether each (batch, head) slice of ``t`` is one contiguous block."""
     expected = 1

@@ -1,8 +1,8 @@
 """Building, verifying and calling the C++ decode-attention kernel of the ``cpu`` backend.
 
 The kernel (``cpu_attention.cpp``, next to this file) reads the ``torch`` backend's
-:class:`~kvpolicy.backends.torch_backend.PackedTensor` directly (keys grouped per channel, values
-grouped per token) and the codebook scheme's :class:`~kvpolicy.backends.codebook.CodebookTensor`
+:class:`~kvpolicy.formats.packed.PackedTensor` directly (keys grouped per channel, values
+grouped per token) and the codebook scheme's :class:`~kvpolicy.formats.codebook.CodebookTensor`
 (one scale per token, indices into a small table of centroids), for keys and values in any
 combination: 2, 3 or 4 bits, float16 / bfloat16 / float32 metadata. It is compiled with
 :func:`torch.utils.cpp_extension.load_inline` (``-O3 -march=native``, OpenMP through
@@ -94,8 +94,6 @@ except Exception as exc:
 
 _lock = threading.Lock()
 _module: Any = None
-#: seconds the last build (or load of an existing build) took in this process; None before
-build_seconds: float | None = None
 #: the object in the kernel cache the loaded module's bytes were read and verified from (the module
 #: itself is imported from those bytes, so its ``__file__`` names a descriptor or a removed copy)
 loaded_from: Path | None = None
@@ -463,14 +461,13 @@ def load() -> Any:
         ``$KVPOLICY_BUILD_LOCK_TIMEOUT`` seconds; if there is no C++ compiler or no ``ninja``, or the build
         fails (the message carries the compiler's error and what to install).
     """
-    global _module, build_seconds, loaded_from
+    global _module, loaded_from
     with _lock:
         if _module is not None:
             return _module
         source = SOURCE.read_text()
         name = extension_name(source)
         library = library_path(name)
-        t0 = time.perf_counter()
         private_dir(library.parent, cache_dir(), _WHAT)
         record = record_path(library)
         private_dir(record.parent, state_dir(), _WHAT + " (its sha256 records)")
@@ -484,7 +481,6 @@ def load() -> Any:
                     )
                     build(name, source, library, record)
         module = import_verified(name, library, record)
-        build_seconds = time.perf_counter() - t0
         _module, loaded_from = module, library
         return module
 

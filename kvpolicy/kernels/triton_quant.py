@@ -4,7 +4,7 @@ Both work on *groups*: ``n_groups`` runs of ``G`` elements that share one scale 
 bfloat16 or float32 metadata).
 Group ``r`` starts at element ``(r // R_DIV) * R_OUTER + r % R_DIV`` of the contiguous input and its
 members are ``E_STRIDE`` elements apart, which covers both layouts of
-:class:`~kvpolicy.backends.torch_backend.PackedTensor` for ``x`` of shape ``(B, H, T, D)``:
+:class:`~kvpolicy.formats.packed.PackedTensor` for ``x`` of shape ``(B, H, T, D)``:
 
 * token axis (channels of one token): ``R_DIV = 1, R_OUTER = G, E_STRIDE = 1``;
 * channel axis (tokens of one channel): ``R_DIV = D, R_OUTER = G * D, E_STRIDE = D``.

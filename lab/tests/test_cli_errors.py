@@ -191,7 +191,7 @@ def test_the_images_directory_of_a_page_is_checked(tmp_path, capsys, flag, image
 
 
 def test_the_write_check_leaves_nothing_behind(tmp_path):
-    from kvpolicy.commands._types import out_dir, out_file
+    from kvpolicy_lab.commands._types import out_dir, out_file
 
     (tmp_path / "page.md").write_text("kept")
     assert out_dir(str(tmp_path / "new" / "run")) == tmp_path / "new" / "run"

@@ -107,14 +107,14 @@ def test_stage_file_links_the_very_inode_or_copies_from_the_descriptor(tmp_path)
     fd = paths.open_checked(src, "x")
     try:
         linked = tmp_path / "linked"
-        assert paths.stage_file(fd, linked, source=src) == hashlib.sha256(b"good weights").hexdigest()
+        assert wheels.stage_file(fd, linked, source=src) == hashlib.sha256(b"good weights").hexdigest()
         assert os.stat(linked).st_ino == os.fstat(fd).st_ino
         # another file swapped in at the source after the open: not linked, the descriptor's bytes are copied
         planted = tmp_path / "planted"
         planted.write_bytes(b"planted weights")
         os.replace(planted, src)
         copied = tmp_path / "copied"
-        assert paths.stage_file(fd, copied, source=src) == hashlib.sha256(b"good weights").hexdigest()
+        assert wheels.stage_file(fd, copied, source=src) == hashlib.sha256(b"good weights").hexdigest()
         assert copied.read_bytes() == b"good weights" and os.stat(copied).st_ino != os.stat(src).st_ino
         assert stat.S_IMODE(copied.stat().st_mode) == 0o600
     finally:

@@ -28,7 +28,8 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``kvpolicy bench backends``; each value is checked at parse time."""
     from kvpolicy.commands._parser import add_list
-    from kvpolicy.commands._types import DTYPES, available_device, dtype_name, list_item, positive_int
+    from kvpolicy.commands._types import DTYPES, dtype_name, list_item, positive_int
+    from kvpolicy_lab.commands._types import available_device
 
     parser.add_argument("--shape", nargs="+", type=list_item(positive_int, "--shape"), action=_Shape,
                         default=(1, 8, 4096, 128), metavar="N",

@@ -430,7 +430,8 @@ def _variant(text: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``kvpolicy bench decode``; each value is checked at parse time."""
     from kvpolicy.commands._parser import add_list
-    from kvpolicy.commands._types import non_negative_int, out_dir, positive_float, positive_int
+    from kvpolicy.commands._types import positive_int
+    from kvpolicy_lab.commands._types import non_negative_int, out_dir, positive_float
 
     parser.add_argument("--mode", choices=("latency", "capacity"), default="latency",
                         help="latency: ms/token and bytes per length and batch; capacity: the largest batch within "
@@ -463,7 +464,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def model_options(parser: argparse.ArgumentParser) -> None:
     """``--model``, ``--dtype``, ``--device`` and ``--online``, shared with ``kvpolicy bench memory``."""
     from kvpolicy.commands._types import DTYPES as NAMES
-    from kvpolicy.commands._types import available_device, dtype_name, model_name
+    from kvpolicy.commands._types import dtype_name, model_name
+    from kvpolicy_lab.commands._types import available_device
 
     parser.add_argument("--model", type=model_name, default="smollm2",
                         help=f"{', '.join(MODELS)} (this benchmark's 4-layer random Llama), any model kvpolicy "

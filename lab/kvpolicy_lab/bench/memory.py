@@ -346,7 +346,8 @@ def _cache(text: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``kvpolicy bench memory``; each value is checked at parse time."""
     from kvpolicy.commands._parser import add_list
-    from kvpolicy.commands._types import non_negative_int, out_dir, positive_int
+    from kvpolicy.commands._types import positive_int
+    from kvpolicy_lab.commands._types import non_negative_int, out_dir
 
     model_options(parser)
     add_list(parser, "--lengths", _length, default=[8192, 16384], metavar="TOKENS",

@@ -13,19 +13,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvpolicy.commands._parser import add_list
-from kvpolicy.commands._types import (
-    DTYPES,
+from kvpolicy.commands._types import DTYPES, dtype_name, positive_int
+from kvpolicy.errors import ConfigError
+from kvpolicy_lab.commands._types import (
     at_least,
     check_output,
     device_name,
-    dtype_name,
     non_negative_int,
     out_dir,
     out_file,
     positive_float,
-    positive_int,
 )
-from kvpolicy.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvpolicy_lab.eval.plan import Shard

@@ -8,15 +8,8 @@ import dataclasses
 import os
 from typing import Any
 
-from kvpolicy.commands._types import (
-    DTYPES,
-    available_device,
-    dtype_name,
-    non_negative_int,
-    out_dir,
-    out_file,
-    positive_int,
-)
+from kvpolicy.commands._types import DTYPES, dtype_name, positive_int
+from kvpolicy_lab.commands._types import available_device, non_negative_int, out_dir, out_file
 
 
 def _open(args: argparse.Namespace) -> tuple[Any, Any]:

@@ -9,17 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvpolicy.commands._parser import add_list
-from kvpolicy.commands._types import (
-    DTYPES,
-    check_output,
-    device_name,
-    dtype_name,
-    out_dir,
-    out_file,
-    positive_float,
-    positive_int,
-)
+from kvpolicy.commands._types import DTYPES, dtype_name, positive_int
 from kvpolicy.errors import ConfigError
+from kvpolicy_lab.commands._types import check_output, device_name, out_dir, out_file, positive_float
 
 if TYPE_CHECKING:
     from kvpolicy_lab.eval.executors import RayExecutor

@@ -19,8 +19,8 @@ safetensors and tokenizers), so the conversion records the sha256 and size of ev
 and the GGUF's sha256 it came from, in a record under the user's *state* directory
 (:func:`conversion_record`; ``0o600`` in ``0o700`` directories), apart from the cache, like the
 ``cpu`` backend's kernel records. Every load opens each recorded file once, stages it from that
-descriptor into a fresh private directory (:func:`kvpolicy.paths.stage_file`), checks the staged
-bytes against the record and loads from there: a file not in the record is never loaded, and a
+descriptor into a fresh private directory (:func:`~kvpolicy_lab.eval.wheels.stage_file`), checks the
+staged bytes against the record and loads from there: a file not in the record is never loaded, and a
 missing record or any mismatch converts again (with a ``RuntimeWarning`` for a mismatch). The cache
 directories pass :func:`kvpolicy.paths.private_dir`.
 
@@ -280,7 +280,7 @@ def stage_conversion(converted: Path, record: Path, dest: Path, warn: bool = Tru
 
     Each recorded file is opened once (:func:`kvpolicy.paths.open_checked`: not through a link, a
     regular file owned by the current user and not writable by others) and staged from that
-    descriptor (:func:`kvpolicy.paths.stage_file`); files not in the record are not staged. A file
+    descriptor (:func:`kvpolicy_lab.eval.wheels.stage_file`); files not in the record are not staged. A file
     that differs warns (``RuntimeWarning``) if ``warn``.
 
     Raises
@@ -302,7 +302,7 @@ def stage_conversion(converted: Path, record: Path, dest: Path, warn: bool = Tru
         try:
             if os.fstat(fd).st_size != pin["size"]:
                 return _mismatch(path, record, f"it has {os.fstat(fd).st_size:,} bytes, not {pin['size']:,}", warn)
-            digest = paths.stage_file(fd, dest / name, source=path, limit=pin["size"])
+            digest = wheels.stage_file(fd, dest / name, source=path, limit=pin["size"])
         finally:
             os.close(fd)
         if digest != pin["sha256"]:

@@ -251,7 +251,7 @@ def staged(path: Path, sha256: str, what: str, remedy: str, max_size: int | None
 
     ``path`` (in a checked private directory) is opened once (:func:`kvpolicy.paths.open_checked`)
     and staged from that descriptor into a fresh ``0o700`` directory beside it
-    (:func:`kvpolicy.paths.stage_file`: a hard link to the same inode, or a copy); the digest is of
+    (:func:`stage_file`: a hard link to the same inode, or a copy); the digest is of
     what the stand-in holds. The directory is removed afterwards.
 
     Raises
@@ -263,8 +263,55 @@ def staged(path: Path, sha256: str, what: str, remedy: str, max_size: int | None
     """
     with open_pinned(path, what, max_size, True, remedy) as fd, paths.staging_dir(path.parent) as stage:
         copy = stage / path.name
-        check_sha256(path, paths.stage_file(fd, copy, source=path, limit=max_size), sha256, what, remedy)
+        check_sha256(path, stage_file(fd, copy, source=path, limit=max_size), sha256, what, remedy)
         yield copy
+
+
+def stage_file(fd: int, dest: Path, source: Path | None = None, limit: int | None = None) -> str:
+    """Make ``dest`` hold the very bytes of the open file ``fd``; return their sha256.
+
+    With ``source`` (the path ``fd`` was opened from), ``dest`` is first tried as a hard link to it:
+    kept only if it is the same inode as ``fd`` (a file swapped in at ``source`` since it was opened
+    gives another inode), and then hashed from ``fd``. Otherwise (no ``source``, another file system,
+    a platform without hard links) the bytes are copied from ``fd`` into a new ``0o600`` file while
+    being hashed. Either way the digest returned is of what ``dest`` holds: call it in a directory
+    only this user can write (:func:`kvpolicy.paths.staging_dir`).
+
+    Parameters
+    ----------
+    fd : int
+        An open file, checked with :func:`kvpolicy.paths.open_checked`.
+    dest : Path
+        A path that does not exist yet, in a private directory.
+    source : Path or None
+        The path ``fd`` was opened from, to try a hard link (no copy) first.
+    limit : int or None
+        The most bytes to read.
+
+    Returns
+    -------
+    str
+        The hex sha256 of the bytes ``dest`` holds.
+    """
+    if source is not None:
+        try:
+            os.link(source, dest, follow_symlinks=False)
+        except (OSError, NotImplementedError):
+            pass
+        else:
+            linked, opened = os.lstat(dest), os.fstat(fd)
+            if (linked.st_dev, linked.st_ino) == (opened.st_dev, opened.st_ino):
+                return paths.sha256_fd(fd, limit)
+            os.unlink(dest)  # another file is at ``source`` now: copy from the descriptor instead
+    digest = hashlib.sha256()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    for name in ("O_NOFOLLOW", "O_CLOEXEC", "O_BINARY"):
+        flags |= getattr(os, name, 0)
+    with os.fdopen(os.open(dest, flags, paths.PRIVATE_FILE_MODE), "wb") as out:
+        for chunk in paths.iter_fd(fd, limit):
+            digest.update(chunk)
+            out.write(chunk)
+    return digest.hexdigest()
 
 
 def _offline_hint(item: WheelMember) -> str:
