@@ -43,7 +43,7 @@ if [ "$MODE" = cuda ]; then
 else
   export TRITON_INTERPRET=1
   echo "== 1. Triton kernels under the interpreter, against torch (reduced)"
-  "$PY" -m pytest -q -p no:randomly -p no:cacheprovider tests/test_backend_triton.py \
+  "$PY" -m pytest -q -n 0 -p no:randomly -p no:cacheprovider tests/test_backend_triton.py \
     -k "quantize_dequantize_match_torch or attend_matches_reference or fused_decode_path_uses_the_kernel"
   echo "== 2. memory benchmark (resident set, tiny Llama)"
   "$PY" -m kvpolicy.cli bench memory --device cpu --model tiny-llama --lengths 256 --steps 2 --threads 1 \

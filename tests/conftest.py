@@ -34,6 +34,28 @@ settings.register_profile(
 settings.register_profile("deep", max_examples=200, stateful_step_count=50, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+
+def _worker_threads() -> int | None:
+    """Torch threads for one pytest-xdist worker: its share of the cores this process may run on (at
+    least 1); None outside xdist or with a single worker (torch's default then).
+
+    Each worker is a process with torch's default thread pool, one thread per core: ``-n auto`` workers
+    would run cores x cores threads, and the tiny models' many small operations spend their time
+    waiting for each other's threads (a test file ran 2x its CPU time and, next to other load on the
+    machine, 100x its wall time so)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // workers)
+
+
+WORKER_THREADS = _worker_threads()
+if WORKER_THREADS is not None:
+    torch.set_num_threads(WORKER_THREADS)
+    # and the Python processes the tests start (torch reads it when it starts)
+    os.environ.setdefault("OMP_NUM_THREADS", str(WORKER_THREADS))
+
 FAMILIES = ("llama", "qwen2", "phi3", "mistral")
 ATTN = ("sdpa", "eager")
 
@@ -67,6 +89,17 @@ def one_thread():
     shared machine. Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def two_threads():
+    """Torch on two threads for a module (restored after), whatever the xdist worker's share of the
+    cores: code that splits its work over torch's thread pool (the ``cpu`` backend's kernel) runs it
+    on several threads. Use with ``pytestmark = pytest.mark.usefixtures("two_threads")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
     yield
     torch.set_num_threads(before)
 

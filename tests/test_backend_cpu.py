@@ -19,7 +19,8 @@ from kvpolicy.formats.codebook import CodebookTensor
 from kvpolicy.fused import disable_fused, enable_fused, merge
 from kvpolicy.kernels import cpu_attention
 
-pytestmark = pytest.mark.usefixtures("cpu_kernel")
+# two threads: the kernel splits its work over torch's thread pool (at::parallel_for)
+pytestmark = pytest.mark.usefixtures("cpu_kernel", "two_threads")
 
 TORCH = TorchBackend()
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -46,18 +46,32 @@ def test_each_layer_gets_its_widths_and_the_rest_the_action(model):
     assert "layer_bits={0: (4, 4), 3: (4, 3)}" in repr(cache)
 
 
+@pytest.fixture(scope="module")
+def uniform_layers(model):
+    """The per-layer memory report of a uniform cache at ``bits`` (run once per width: the runs are
+    deterministic, the same model and tokens for every example)."""
+    reports = {}
+
+    def get(bits: int):
+        if bits not in reports:
+            uniform = CompressedCache(policy="log", window=8, bits=bits, group_size=16, backend="torch")
+            _run(model, uniform)
+            reports[bits] = uniform.memory_report().layers
+        return reports[bits]
+
+    return get
+
+
 @settings(max_examples=15, deadline=None)
 @given(widths=st.dictionaries(st.integers(0, LAYERS - 1), st.sampled_from([2, 3, 4]), max_size=LAYERS))
-def test_bytes_held_per_layer_equal_a_uniform_cache_at_that_layers_widths(model, widths):
+def test_bytes_held_per_layer_equal_a_uniform_cache_at_that_layers_widths(model, uniform_layers, widths):
     """Layer ``i`` of a mixed cache holds exactly the bytes of layer ``i`` of a uniform cache at its
     widths (same policy, same tokens): the map changes widths and nothing else."""
     mixed = CompressedCache(policy="log", window=8, bits=2, group_size=16, layer_bits=widths, backend="torch")
     _run(model, mixed)
     got = mixed.memory_report().layers
     for bits in {2, *widths.values()}:
-        uniform = CompressedCache(policy="log", window=8, bits=bits, group_size=16, backend="torch")
-        _run(model, uniform)
-        want = uniform.memory_report().layers
+        want = uniform_layers(bits)
         for i in range(LAYERS):
             if widths.get(i, 2) == bits:
                 assert got[i].segments == want[i].segments, (i, bits)
