@@ -283,6 +283,9 @@ def _policy_orders(rows: list[dict[str, Any]], models: list[str]) -> list[str]:
 def write_results_doc(run_dir: str | Path, doc: str | Path, command: str) -> Path:
     """Write ``doc`` (e.g. ``docs/results.md``) from ``run_dir``; plots go to ``<doc dir>/img/results``.
 
+    ``command``: what regenerates the page, one command per line, shown in the page's header (as in
+    :func:`~kvpolicy_lab.eval.frontier_report.write_frontier_doc`).
+
     Each section has one part per model of the run; with two models or more the page ends with their
     orderings compared (:func:`_policy_orders`)."""
     run = Path(run_dir)
@@ -307,7 +310,7 @@ def write_results_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pat
     many = len(models) > 1
     ctx = ", ".join(str(c) for c in config["contexts"])
     lm = config["tasks"].get("lm", {})
-    from kvpolicy_lab.eval.frontier_report import MODEL_NOTES
+    from kvpolicy_lab.eval.frontier_report import GENERATED, MODEL_NOTES
 
     notes = "; ".join(f"**{m}** ({_title(m)}: {MODEL_NOTES[m]})" if m in MODEL_NOTES else f"**{m}**" for m in models)
     if any(r["metric"] == "bits_per_element_16_global" for r in all_rows):
@@ -317,10 +320,10 @@ def write_results_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pat
         "# Results",
         "",
         '!!! note "Generated"',
-        "    This page is written by the ablation runner; do not edit it by hand. Regenerate with:",
+        f"    {GENERATED}",
         "",
         "    ```bash",
-        f"    {command}",
+        *(f"    {line}" for line in command.splitlines()),
         "    ```",
         "",
         f"    Grid: `examples/configs/results.toml` — {len(ids)} cells, {done} finished in this run directory"

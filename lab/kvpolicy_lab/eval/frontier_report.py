@@ -26,6 +26,9 @@ from kvpolicy_lab.eval.summary import PASS_RATE_NOTE, fmt
 #: where the page's plots go, relative to the page's directory (the links in the page use it as written)
 IMAGE_DIR = "img/frontier"
 
+#: the first line of a generated page's note, above the commands that regenerate it
+GENERATED = ("This page is generated from the rows of an ablation run; do not edit it by hand. Regenerate it with "
+             "(the first command runs the cells the directory lacks, the second writes the page):")  # fmt: skip
 #: the quality metrics of the table, in order: (task, metric)
 COLUMNS = (
     ("lm", "delta_nll"), ("lm", "kl"), ("lm", "top1"), ("passkey", "accuracy"), ("greedy", "identical"),
@@ -408,7 +411,10 @@ def orderings(first: list[Point], other: list[Point], names: tuple[str, str]) ->
 
 
 def write_frontier_doc(run_dir: str | Path, doc: str | Path, command: str) -> Path:
-    """Write ``doc`` (``docs/frontier.md``) from ``run_dir``; plots go to ``<doc dir>/img/frontier``."""
+    """Write ``doc`` (``docs/frontier.md``) from ``run_dir``; plots go to ``<doc dir>/img/frontier``.
+
+    ``command``: what regenerates the page, one command per line (``scripts/write_pages.py`` gives the
+    ablation run and its own command line), shown in the page's header."""
     run, doc = Path(run_dir), Path(doc)
     config, rows = current_rows(run)
     failed = [r for r in report_rows(read_rows(run), set(config.get("cells", []))) if r["metric"] == "error"]
@@ -423,10 +429,10 @@ def write_frontier_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pa
         "# Quality per byte: the frontier",
         "",
         '!!! note "Generated"',
-        "    This page is written by `kvpolicy ablate --frontier-doc`; do not edit it by hand. Regenerate with:",
+        f"    {GENERATED}",
         "",
         "    ```bash",
-        f"    {command}",
+        *(f"    {line}" for line in command.splitlines()),
         "    ```",
         "",
         f"    Grid: `examples/configs/frontier.toml` — {len(config.get('caches', []))} caches, "
