@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     misspelt choice answered with ``did you mean``. The conventions of every subcommand: list flags take
     space-separated values and may be repeated (``--bits 2 4``), dtypes are torch's names (``float32``,
     ``bfloat16``, ``float16``), ``--out`` is always a directory, and a flag that writes one file is named
-    for what it writes (``--json``, ``--preset-file``, ``--docs``).
+    for what it writes (``--json``, ``--preset-file``).
     """
     from kvpolicy import __version__
     from kvpolicy.commands._parser import Parser

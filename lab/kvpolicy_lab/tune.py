@@ -302,11 +302,11 @@ def preset_toml(candidate: Candidate, info: dict[str, Any]) -> str:
 
 def frontier_table(rows: list[Candidate], chosen: Candidate) -> str:
     """A markdown table of the evaluated candidates, the chosen one marked ★."""
-    lines = [
-        "| composition | bits/el (simulated) | bits/el (measured) | calibration KL | held-out KL (± s.e.) "
-        "| held-out top-1 |",
-        "|---|---|---|---|---|---|",
-    ]
+    from kvpolicy_lab.eval.markdown import md_table
+
+    head = ["composition", "bits/el (simulated)", "bits/el (measured)", "calibration KL", "held-out KL (± s.e.)",
+            "held-out top-1"]  # fmt: skip
+    body = []
     for c in sorted(rows, key=lambda c: c.bits):
         cal = c.scores.get("calibration", {})
         if not cal:
@@ -315,8 +315,6 @@ def frontier_table(rows: list[Candidate], chosen: Candidate) -> str:
         mark = " ★" if c is chosen else ""
         held_kl = f"{held['kl']:.4f} ± {held.get('kl_se', math.nan):.4f}" if "kl" in held else "–"
         top1 = f"{100 * held['top1']:.1f} %" if "top1" in held else "–"
-        lines.append(
-            f"| `{c.label}`{mark} | {c.bits:.3f} | {measured_bits(c):.3f} | {cal.get('kl', math.nan):.4f} | {held_kl} "
-            f"| {top1} |"
-        )
-    return "\n".join(lines)
+        body.append([f"`{c.label}`{mark}", f"{c.bits:.3f}", f"{measured_bits(c):.3f}", f"{cal.get('kl', math.nan):.4f}",
+                     held_kl, top1])  # fmt: skip
+    return md_table(head, body)

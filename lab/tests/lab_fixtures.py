@@ -4,11 +4,18 @@ would shadow that one for ``from conftest import ...`` in the same pytest proces
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+import types
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import settings
+
+#: the repository's root (the lab's tests run from a checkout: they read its scripts and committed rows)
+ROOT = Path(__file__).resolve().parents[2]
 
 # Only the lab's own entry point loads (its subcommands); other installed plugins stay out of the tests.
 os.environ.setdefault("KVPOLICY_PLUGINS", "kvpolicy_lab")
@@ -36,3 +43,14 @@ def quanto_extension():
     from kvpolicy.backends.quanto_backend import QuantoBackend
 
     QuantoBackend().load_cpu_extension()
+
+
+def write_pages() -> types.ModuleType:
+    """``scripts/write_pages.py`` (the maintainer script that writes docs/results.md and docs/frontier.md),
+    imported as the module ``write_pages``."""
+    if "write_pages" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("write_pages", ROOT / "scripts" / "write_pages.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["write_pages"] = module  # its dataclass resolves its annotations through sys.modules
+        spec.loader.exec_module(module)
+    return sys.modules["write_pages"]

@@ -178,7 +178,7 @@ def test_out_is_always_a_directory_and_file_flags_name_what_they_write():
             if "--out" in action.option_strings:
                 assert action.metavar == "DIR", path
             if action.metavar == "FILE" and action.type is not None and action.type.__name__ == "out_file":
-                assert action.option_strings[0] in ("--preset-file", "--json", "--docs", "--frontier-doc"), path
+                assert action.option_strings[0] in ("--preset-file", "--json"), path
     tune = build_parser().parse_args(["tune", "--budget-bits", "3", "--preset-file", "x.toml", "--out", "runs"])
     assert (str(tune.preset), str(tune.out)) == ("x.toml", "runs")
 

@@ -111,11 +111,6 @@ def test_out_in_an_unwritable_directory(tmp_path, capsys, monkeypatch):
     assert "argument --out:" in line and "cannot write" in line
 
 
-def test_ablate_docs_that_is_a_directory(tmp_path, capsys):
-    line = _fail([*ABLATE, "--out", str(tmp_path / "run"), "--docs", str(tmp_path)], capsys)
-    assert "argument --docs:" in line and "existing directory" in line
-
-
 @pytest.fixture
 def unwritable(tmp_path):
     """A directory where creating a file really fails: a read-only one (when the permission bits bind
@@ -142,8 +137,6 @@ TUNE = ["tune", "--budget-bits", "3", "--model", "tiny-llama"]
 #: every output flag of every command: (arguments before it, the flag, the name written under the directory)
 OUTPUT_FLAGS = [
     ([*ABLATE, "--out", "{ok}/run"], "--out", "run"),
-    ([*ABLATE, "--out", "{ok}/run"], "--docs", "results.md"),
-    ([*ABLATE, "--out", "{ok}/run"], "--frontier-doc", "frontier.md"),
     ([*TUNE, "--out", "{ok}/runs"], "--preset-file", "preset.toml"),
     ([*TUNE, "--preset-file", "{ok}/preset.toml"], "--out", "runs"),
     (["analyze", "attention", "--model", "tiny-llama"], "--out", "attention"),
@@ -163,8 +156,7 @@ def test_every_output_flag_is_checked_before_any_work(tmp_path, unwritable, caps
 
 @pytest.mark.parametrize(
     ("argv", "flag"),
-    [([*ABLATE, "--out", "{ok}/run", "--docs"], "--docs"), ([*TUNE, "--preset-file"], "--preset-file"),
-     (["analyze", "rotation", "--json"], "--json")],
+    [([*TUNE, "--preset-file"], "--preset-file"), (["analyze", "rotation", "--json"], "--json")],
 )  # fmt: skip
 def test_an_existing_file_that_cannot_be_written_is_refused(tmp_path, a_file, capsys, monkeypatch, argv, flag):
     real_access = os.access
@@ -179,15 +171,6 @@ def test_the_default_runs_directory_of_tune_is_checked(tmp_path, capsys):
     line = _fail([*TUNE, "--preset-file", str(tmp_path / "preset.toml")], capsys)
     assert "--out (default: next to --preset-file)" in line and str(tmp_path / "preset-runs") in line
     assert "existing file, not a directory" in line
-
-
-@pytest.mark.parametrize(("flag", "images"), [("--docs", "img/results"), ("--frontier-doc", "img/frontier")])
-def test_the_images_directory_of_a_page_is_checked(tmp_path, capsys, flag, images):
-    (tmp_path / "docs" / images).parent.mkdir(parents=True)
-    (tmp_path / "docs" / images).write_text("not a directory")
-    line = _fail([*ABLATE, "--out", str(tmp_path / "run"), flag, str(tmp_path / "docs" / "page.md")], capsys)
-    assert f"{flag} " in line and "images directory" in line and str(tmp_path / "docs" / images) in line
-    assert not (tmp_path / "run").exists()
 
 
 def test_the_write_check_leaves_nothing_behind(tmp_path):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,11 +16,9 @@ from kvpolicy.commands._types import DTYPES, dtype_name, positive_int
 from kvpolicy.errors import ConfigError
 from kvpolicy_lab.commands._types import (
     at_least,
-    check_output,
     device_name,
     non_negative_int,
     out_dir,
-    out_file,
     positive_float,
 )
 
@@ -100,7 +97,6 @@ def _run(args: argparse.Namespace) -> int:
 
     executor = make_executor(args.executor, args.address, args.cpus_per_cell, args.gpus_per_cell, args.threads)
     grid = grid_from_dict(_build_config(args))
-    _check_pages(args)
     if args.threads:
         import torch
 
@@ -111,7 +107,6 @@ def _run(args: argparse.Namespace) -> int:
         failed = 0
     else:
         failed = runner.run()  # holds OUT's lock while it writes (kvpolicy_lab.eval.lock)
-    _write_docs(args)
     return 1 if failed else 0
 
 
@@ -128,35 +123,9 @@ def _merge(args: argparse.Namespace) -> int:
         raise ConfigError(f"--merge combines finished shard directories; it cannot be used with {', '.join(others)}")
     from kvpolicy_lab.eval.merge import merge_runs, write_report
 
-    _check_pages(args)
     merge_runs(args.out, args.merge)  # holds --out's lock while it reads and writes it (kvpolicy_lab.eval.lock)
     write_report(args.out)
-    _write_docs(args)
     return 0
-
-
-def _check_pages(args: argparse.Namespace) -> None:
-    """Refuse, before any work, a ``--docs`` or ``--frontier-doc`` page whose images directory cannot be
-    written (the pages themselves are checked when the flags are parsed)."""
-    from kvpolicy_lab.eval import docs_report, frontier_report
-
-    for flag, page, images in (("--docs", args.docs, docs_report.IMAGE_DIR),
-                               ("--frontier-doc", args.frontier_doc, frontier_report.IMAGE_DIR)):  # fmt: skip
-        if page is not None:
-            check_output(f"{flag} {str(page)!r}: its images directory", page.parent / images, "directory")
-
-
-def _write_docs(args: argparse.Namespace) -> None:
-    """``--docs`` and ``--frontier-doc``: pages written from the run directory."""
-    command = " ".join(["kvpolicy", *sys.argv[1:]]) if args.command_line is None else args.command_line
-    if args.docs:
-        from kvpolicy_lab.eval.docs_report import write_results_doc
-
-        write_results_doc(args.out, args.docs, command=command)
-    if args.frontier_doc:
-        from kvpolicy_lab.eval.frontier_report import write_frontier_doc
-
-        write_frontier_doc(args.out, args.frontier_doc, command=command)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -206,11 +175,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=positive_int, help="torch CPU threads (with --executor ray: in each worker)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--report-only", action="store_true", help="rewrite summary.md and plots from results.jsonl")
-    p.add_argument("--docs", type=out_file, metavar="FILE",
-                   help="also write a results page (e.g. docs/results.md) from --out")  # fmt: skip
-    p.add_argument("--frontier-doc", type=out_file, metavar="FILE",
-                   help="also write a quality-per-byte page (e.g. docs/frontier.md: bits/element vs KL, the Pareto "
-                   "frontier) from OUT")  # fmt: skip
     p.add_argument("--executor", choices=("local", "ray"), default="local",
                    help="where the cells run: here, one after another, or on Ray workers, one per slot of "
                    'the cluster (pip install "kvpolicy-lab[ray]"); results come back here and only this process writes '
@@ -230,7 +194,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_list(p, "--merge", Path, metavar="SHARD_DIR",
              help="instead of running, merge these shard run directories into --out (same grid required; each cell "
              "once) and write its report")  # fmt: skip
-    p.add_argument("--command-line", help=argparse.SUPPRESS)
     p.set_defaults(func=_run, resumes="out")  # kvpolicy.cli: an interrupted run resumes from OUT
 
 

@@ -28,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvpolicy.modes import attention_implementation
+from kvpolicy_lab.eval.markdown import md_table
 from kvpolicy_lab.eval.metrics import last_only
 from kvpolicy_lab.eval.tasks import LanguageModeling
 
@@ -79,24 +80,20 @@ class AttentionAnalysis:
         n = sum(totals) or 1
         layers = len(self.histogram)
         pick = sorted({0, layers // 2, layers - 1})
-        head = ("| distance | " + " | ".join(["all layers", *[f"layer {self.layer_name(i)}" for i in pick]])
-                + " | density (per token) |")  # fmt: skip
-        lines = [head, "|" + "---|" * (len(pick) + 3)]
+        head = ["distance", "all layers", *[f"layer {self.layer_name(i)}" for i in pick], "density (per token)"]
         dens = self.density()
+        body = []
         for b in range(nbins):
             cols = [f"{totals[b] / n:.1%}"]
             for i in pick:
                 li = sum(self.histogram[i]) or 1
                 cols.append(f"{self.histogram[i][b] / li:.1%}")
-            lines.append(f"| {self.bin_label(b)} | " + " | ".join(cols) + f" | {dens[b]:.2e} |")
-        cov = [
-            "",
-            f"| policy (same full-precision count as log W={self.window}) "
-            "| high-attention keys kept | attention mass kept |",
-            "|---|---|---|",
-        ]
-        for label, v in self.coverage.items():
-            cov.append(f"| `{label}` | {v['topk']:.1%} | {v['mass']:.1%} |")
+            body.append([self.bin_label(b), *cols, f"{dens[b]:.2e}"])
+        lines = [md_table(head, body)]
+        cov_head = [f"policy (same full-precision count as log W={self.window})", "high-attention keys kept",
+                    "attention mass kept"]  # fmt: skip
+        cov_body = [[f"`{label}`", f"{v['topk']:.1%}", f"{v['mass']:.1%}"] for label, v in self.coverage.items()]
+        cov = ["", md_table(cov_head, cov_body)]
         intro = []
         if self.layers and self.layers != list(range(len(self.layers))):
             intro = [f"Full-attention layers {', '.join(map(str, self.layers))} (the ones a cache compresses; the "

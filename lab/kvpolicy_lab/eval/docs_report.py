@@ -12,8 +12,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from kvpolicy_lab.eval.markdown import md_table
 from kvpolicy_lab.eval.runner import current_rows, read_rows, report_rows
-from kvpolicy_lab.eval.summary import depth_table, fmt, table
+from kvpolicy_lab.eval.summary import PASS_RATE_NOTE, depth_table, fmt, table
 
 #: where the page's plots go, relative to the page's directory (the links in the page use it as written)
 IMAGE_DIR = "img/results"
@@ -282,6 +283,9 @@ def _policy_orders(rows: list[dict[str, Any]], models: list[str]) -> list[str]:
 def write_results_doc(run_dir: str | Path, doc: str | Path, command: str) -> Path:
     """Write ``doc`` (e.g. ``docs/results.md``) from ``run_dir``; plots go to ``<doc dir>/img/results``.
 
+    ``command``: what regenerates the page, one command per line, shown in the page's header (as in
+    :func:`~kvpolicy_lab.eval.frontier_report.write_frontier_doc`).
+
     Each section has one part per model of the run; with two models or more the page ends with their
     orderings compared (:func:`_policy_orders`)."""
     run = Path(run_dir)
@@ -306,7 +310,7 @@ def write_results_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pat
     many = len(models) > 1
     ctx = ", ".join(str(c) for c in config["contexts"])
     lm = config["tasks"].get("lm", {})
-    from kvpolicy_lab.eval.frontier_report import MODEL_NOTES
+    from kvpolicy_lab.eval.frontier_report import GENERATED, MODEL_NOTES
 
     notes = "; ".join(f"**{m}** ({_title(m)}: {MODEL_NOTES[m]})" if m in MODEL_NOTES else f"**{m}**" for m in models)
     if any(r["metric"] == "bits_per_element_16_global" for r in all_rows):
@@ -316,10 +320,10 @@ def write_results_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pat
         "# Results",
         "",
         '!!! note "Generated"',
-        "    This page is written by the ablation runner; do not edit it by hand. Regenerate with:",
+        f"    {GENERATED}",
         "",
         "    ```bash",
-        f"    {command}",
+        *(f"    {line}" for line in command.splitlines()),
         "    ```",
         "",
         f"    Grid: `examples/configs/results.toml` — {len(ids)} cells, {done} finished in this run directory"
@@ -330,7 +334,8 @@ def write_results_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pat
         f"(0.5× of a 16-bit cache). {'The same caches and tasks on each model. ' if many else ''}Context {ctx} "
         f"tokens of Python standard-library source, then {lm.get('tokens', 64)} teacher-forced tokens scored against "
         "the uncompressed cache. Quantization: keys per channel, values per token, groups of 64, the torch backend. "
-        "Small models, one text, short continuation: read differences smaller than two standard errors as noise. "
+        "Small models, one text, short continuation: read differences smaller than two standard errors as noise; "
+        f"{PASS_RATE_NOTE}. "
         "Bits per element: `bits/el` counts every byte held as held (full-precision tensors in float32); "
         "`bits/el (16-bit FP)` counts the full-precision tensors at 16 bits, as a 16-bit model holds them, and is "
         "the figure to compare methods by (runs made before these columns existed show only bytes held).",
@@ -393,16 +398,12 @@ def write_results_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pat
                   *_policy_orders(all_rows, models[:2]), ""]  # fmt: skip
     sizing = config.get("sizings") or []
     if sizing:
-        parts += ["## Equal-bytes sizing", "", "| model | cache | size parameter | bytes/layer | anchor bytes/layer |",
-                  "|---|---|---|---|---|"]  # fmt: skip
-        seen = set()
+        body: dict[tuple[Any, str], list[str]] = {}  # each (model, cache) once, its first sizing
         for s in sizing:
-            key = (s.get("model"), s["label"])
-            if key not in seen:
-                seen.add(key)
-                parts.append(f"| {s.get('model', '–')} | `{s['label']}` | {s['value']} | {s['bytes']} | "
-                             f"{s['target']} |")  # fmt: skip
-        parts.append("")
+            body.setdefault((s.get("model"), s["label"]), [str(s.get("model", "–")), f"`{s['label']}`",
+                            str(s["value"]), str(s["bytes"]), str(s["target"])])  # fmt: skip
+        head = ["model", "cache", "size parameter", "bytes/layer", "anchor bytes/layer"]
+        parts += ["## Equal-bytes sizing", "", md_table(head, list(body.values())), ""]
     parts += ["Exact cache configurations (`repr`):", ""]
     parts += [f"- `{c['label']}`: `{c['repr']}`" for c in config["caches"]]
     parts += ["", HOWTO]
@@ -437,11 +438,12 @@ def _model_sections(sections: list[list[str]], model: str, rows: list[dict[str, 
         if aq is None and ae is None:
             continue
         ratio = f"{ae / aq:.2f}×" if aq and ae else "–"
-        pairs.append(f"| {name} | {fmt('attn_error', aq)} | {fmt('attn_error', ae)} | {ratio} | "
-                     f"{fmt('delta_nll', dq)} | {fmt('delta_nll', de)} |")  # fmt: skip
+        pairs.append([name, fmt("attn_error", aq), fmt("attn_error", ae), ratio, fmt("delta_nll", dq),
+                      fmt("delta_nll", de)])  # fmt: skip
     if pairs:
-        sections[2] += [*head, "| selection | attn error, quantize | attn error, evict | evict / quantize | "
-                        "ΔNLL quantize | ΔNLL evict |", "|---|---|---|---|---|---|", *pairs, ""]  # fmt: skip
+        columns = ["selection", "attn error, quantize", "attn error, evict", "evict / quantize", "ΔNLL quantize",
+                   "ΔNLL evict"]  # fmt: skip
+        sections[2] += [*head, md_table(columns, pairs), ""]
         for name in pngs:
             if name.startswith(f"attn_error_layers_{slug}_"):
                 sections[2] += [f"![attention error per layer]({pngs[name]})", ""]

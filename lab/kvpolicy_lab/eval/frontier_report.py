@@ -12,19 +12,23 @@ Pareto plots and each verdict are computed from ``results.jsonl``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvpolicy_lab.eval.cache_names import PRESET_CELLS, PRESET_NAMES, composition_names
+from kvpolicy_lab.eval.markdown import md_table
 from kvpolicy_lab.eval.plots import _pyplot, _save
 from kvpolicy_lab.eval.runner import current_rows, read_rows, report_rows
-from kvpolicy_lab.eval.summary import fmt
+from kvpolicy_lab.eval.stats import spearman
+from kvpolicy_lab.eval.summary import PASS_RATE_NOTE, fmt
 
 #: where the page's plots go, relative to the page's directory (the links in the page use it as written)
 IMAGE_DIR = "img/frontier"
 
+#: the first line of a generated page's note, above the commands that regenerate it
+GENERATED = ("This page is generated from the rows of an ablation run; do not edit it by hand. Regenerate it with "
+             "(the first command runs the cells the directory lacks, the second writes the page):")  # fmt: skip
 #: the quality metrics of the table, in order: (task, metric)
 COLUMNS = (
     ("lm", "delta_nll"), ("lm", "kl"), ("lm", "top1"), ("passkey", "accuracy"), ("greedy", "identical"),
@@ -56,7 +60,8 @@ class Point:
 
     cache: str
     bits: float
-    values: dict[tuple[str, str], tuple[float, float | None]]
+    #: (task, metric) -> (value, standard error, samples)
+    values: dict[tuple[str, str], tuple[float, float | None, int | None]]
     #: the whole cache's bits per element where :attr:`bits` counts a hybrid model's global layers only
     whole_bits: float | None = None
 
@@ -87,7 +92,7 @@ def points(rows: list[dict[str, Any]], context: int, model: str | None = None) -
         mine = {(r["task"], r["metric"]): r for r in mine_rows if r["cache"] == cache}
         if ("lm", BITS) not in mine or ("lm", "kl") not in mine:
             continue
-        values = {key: (mine[key]["value"], mine[key].get("se")) for key in COLUMNS if key in mine}
+        values = {key: (mine[key]["value"], mine[key].get("se"), mine[key].get("n")) for key in COLUMNS if key in mine}
         if ("lm", GLOBAL_BITS) in mine:
             out.append(Point(cache, mine[("lm", GLOBAL_BITS)]["value"], values, mine[("lm", BITS)]["value"]))
         else:
@@ -236,7 +241,7 @@ def _table(pts: list[Point]) -> str:
     whole = any(p.whole_bits is not None for p in pts)
     head = ["cache", "bits/el, global layers" if whole else "bits/el", *(["bits/el, whole cache"] if whole else []),
             *[names[m] for _, m in present]]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    body = []
     for p in pts:
         label = f"**`{p.cache}`** ★" if p.cache in on else f"`{p.cache}`"
         if p.cache in PRESET_NAMES:
@@ -245,10 +250,10 @@ def _table(pts: list[Point]) -> str:
         if whole:
             cells.append("–" if p.whole_bits is None else f"{p.whole_bits:.2f}")
         for key in present:
-            value, se = p.values.get(key, (None, None))
-            cells.append(fmt(key[1], value, se if key[1] != "kl" else None))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            value, se, n = p.values.get(key, (None, None, None))
+            cells.append(fmt(key[1], value, se if key[1] != "kl" else None, n))
+        body.append(cells)
+    return md_table(head, body)
 
 
 #: issue 11's quality targets by context: (bits per element, KL at most, top-1 at least or None)
@@ -356,29 +361,6 @@ def _decode_sentence(rows: list[dict[str, Any]]) -> str:
 POLICY_CELLS = {"log": "log42-k2v2-rot", "sink": "sink42-k2v2-rot", "recent": "recent42-k2v2-rot"}
 
 
-def _spearman(a: list[float], b: list[float]) -> float:
-    """Spearman's rank correlation of two equally long lists (average ranks for ties)."""
-
-    def ranks(x: list[float]) -> list[float]:
-        order = sorted(range(len(x)), key=lambda i: x[i])
-        out = [0.0] * len(x)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                out[order[k]] = (i + j) / 2
-            i = j + 1
-        return out
-
-    ra, rb = ranks(a), ranks(b)
-    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
-    var = math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
-    return cov / var if var else float("nan")
-
-
 def orderings(first: list[Point], other: list[Point], names: tuple[str, str]) -> list[str]:
     """Table and sentences comparing two models' KL on the caches both measured (compressed ones)."""
     a = {p.cache: p for p in first if p.kl > 0}
@@ -388,11 +370,11 @@ def orderings(first: list[Point], other: list[Point], names: tuple[str, str]) ->
         return [f"Fewer than two compressed caches were measured on both {names[0]} and {names[1]}."]
     shared.sort(key=lambda c: a[c].kl)
     where = " (global layers)" if any(b[c].whole_bits is not None for c in shared) else ""
-    out = [f"| cache | {names[0]} bits/el | {names[0]} KL | {names[1]} bits/el{where} | {names[1]} KL | "
-           f"KL {names[1]} / {names[0]} |", "|---|---|---|---|---|---|"]  # fmt: skip
-    for c in shared:
-        out.append(f"| `{c}` | {a[c].bits:.2f} | {a[c].kl:.4f} | {b[c].bits:.2f} | {b[c].kl:.4f} | "
-                   f"{b[c].kl / a[c].kl:.1f}× |")  # fmt: skip
+    head = ["cache", f"{names[0]} bits/el", f"{names[0]} KL", f"{names[1]} bits/el{where}", f"{names[1]} KL",
+            f"KL {names[1]} / {names[0]}"]  # fmt: skip
+    body = [[f"`{c}`", f"{a[c].bits:.2f}", f"{a[c].kl:.4f}", f"{b[c].bits:.2f}", f"{b[c].kl:.4f}",
+             f"{b[c].kl / a[c].kl:.1f}×"] for c in shared]  # fmt: skip
+    out = md_table(head, body).split("\n")
     pairs = [(x, y) for i, x in enumerate(shared) for y in shared[i + 1 :]]
     flipped = [(x, y) for x, y in pairs if (a[x].kl - a[y].kl) * (b[x].kl - b[y].kl) < 0]
 
@@ -400,7 +382,7 @@ def orderings(first: list[Point], other: list[Point], names: tuple[str, str]) ->
         return abs(p[x].kl - p[y].kl) > max(p[x].kl_se, p[y].kl_se)
 
     real = [(x, y) for x, y in flipped if clear(a, x, y) and clear(b, x, y)]
-    rho = _spearman([a[c].kl for c in shared], [b[c].kl for c in shared])
+    rho = spearman([a[c].kl for c in shared], [b[c].kl for c in shared])
     out += ["", f"- Rank correlation of KL over the {len(shared)} caches measured on both (Spearman): {rho:.2f}."]
     if not flipped:
         out.append(f"- {names[1]} orders every pair of them as {names[0]} does.")
@@ -429,7 +411,10 @@ def orderings(first: list[Point], other: list[Point], names: tuple[str, str]) ->
 
 
 def write_frontier_doc(run_dir: str | Path, doc: str | Path, command: str) -> Path:
-    """Write ``doc`` (``docs/frontier.md``) from ``run_dir``; plots go to ``<doc dir>/img/frontier``."""
+    """Write ``doc`` (``docs/frontier.md``) from ``run_dir``; plots go to ``<doc dir>/img/frontier``.
+
+    ``command``: what regenerates the page, one command per line (``scripts/write_pages.py`` gives the
+    ablation run and its own command line), shown in the page's header."""
     run, doc = Path(run_dir), Path(doc)
     config, rows = current_rows(run)
     failed = [r for r in report_rows(read_rows(run), set(config.get("cells", []))) if r["metric"] == "error"]
@@ -444,10 +429,10 @@ def write_frontier_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pa
         "# Quality per byte: the frontier",
         "",
         '!!! note "Generated"',
-        "    This page is written by `kvpolicy ablate --frontier-doc`; do not edit it by hand. Regenerate with:",
+        f"    {GENERATED}",
         "",
         "    ```bash",
-        f"    {command}",
+        *(f"    {line}" for line in command.splitlines()),
         "    ```",
         "",
         f"    Grid: `examples/configs/frontier.toml` — {len(config.get('caches', []))} caches, "
@@ -470,7 +455,8 @@ def write_frontier_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pa
         "scored against the uncompressed cache (ΔNLL ± standard error over tokens, KL, top-1 agreement). "
         f"`greedy`: {greedy.get('samples_per_context', '?')} of those contexts continued greedily for "
         f"{greedy.get('tokens', '?')} tokens, compared token by token with the uncompressed cache's continuation "
-        "(share identical; tokens before the first difference). `passkey`: a 5-digit key at depths 10/50/90 %.",
+        "(share identical; tokens before the first difference). `passkey`: a 5-digit key at depths 10/50/90 %; "
+        f"{PASS_RATE_NOTE}.",
         "",
         _decode_sentence(rows),
         "",

@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 from kvpolicy_lab.eval.caches import baseline_bytes, global_layers, held_bytes
 from kvpolicy_lab.eval.metrics import last_only, next_token_kl, nll
 from kvpolicy_lab.eval.probes import AttentionErrorProbe
+from kvpolicy_lab.eval.stats import mean_se
 from kvpolicy_lab.eval.tasks import Sample, Task
 
 
@@ -211,9 +212,9 @@ def _finish_bytes(cache: Any, model: torch.nn.Module, tokens: int) -> list[Metri
 
 
 def _mean_se(x: torch.Tensor) -> tuple[float, float]:
-    x = x.double().flatten()
-    se = float(x.std() / math.sqrt(x.numel())) if x.numel() > 1 else float("nan")
-    return float(x.mean()), se
+    """The mean of ``x``'s elements and its standard error (:func:`~kvpolicy_lab.eval.stats.mean_se`: ``ddof=1``,
+    NaN for one element)."""
+    return mean_se(x.detach().double().flatten().cpu().numpy())
 
 
 def batches(samples: list[Sample], batch: int) -> list[list[int]]:

@@ -30,6 +30,7 @@ import torch
 
 from kvpolicy.errors import ConfigError
 from kvpolicy.transforms.base import Transform
+from kvpolicy_lab.eval.markdown import md_table
 
 #: channels counted as "the widest" in the query-energy share
 WIDE_CHANNELS = 8
@@ -107,13 +108,18 @@ class RotationAnalysis:
     def markdown(self) -> str:
         head = (f"{self.model}: {self.bits}-bit keys per channel in groups of {self.group_size}, {self.context} "
                 f"tokens of context, {self.queries} queries; plain vs {self.transform}")  # fmt: skip
-        lines = [head, "", "| layer | key error | score RMS | attention KL | query energy on the "
-                 f"{WIDE_CHANNELS} widest channels |", "|---:|---|---|---|---:|"]  # fmt: skip
-        for r in self.layers:
-            lines.append(f"| {r.layer} | {r.key_error[0]:.3f} → {r.key_error[1]:.3f} | {r.score_rms[0]:.3f} → "
-                         f"{r.score_rms[1]:.3f} | {r.attention_kl[0]:.4f} → {r.attention_kl[1]:.4f} | "
-                         f"{r.wide_share:.1%} |")  # fmt: skip
-        return "\n".join([*lines, "", self.verdict()])
+        columns = [
+            "layer",
+            "key error",
+            "score RMS",
+            "attention KL",
+            f"query energy on the {WIDE_CHANNELS} widest channels",
+        ]
+        body = [[str(r.layer), f"{r.key_error[0]:.3f} → {r.key_error[1]:.3f}",
+                 f"{r.score_rms[0]:.3f} → {r.score_rms[1]:.3f}", f"{r.attention_kl[0]:.4f} → {r.attention_kl[1]:.4f}",
+                 f"{r.wide_share:.1%}"] for r in self.layers]  # fmt: skip
+        table = md_table(columns, body, align=["right", "left", "left", "left", "right"])
+        return "\n".join([head, "", table, "", self.verdict()])
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "transform": self.transform, "bits": self.bits, "group_size": self.group_size,

@@ -6,6 +6,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from kvpolicy_lab.eval.markdown import md_table
+from kvpolicy_lab.eval.stats import successes, wilson
+
 #: column order and headers
 METRICS = {
     "delta_nll": "ΔNLL (nats)",
@@ -28,10 +31,33 @@ METRICS = {
     "prefill_ms": "prefill ms",
     "decode_ms": "decode ms/tok",
 }
+#: the metrics that are shares of samples scored 0 or 1 (a retrieved key, an exact line, the same answer):
+#: :func:`fmt` gives them a binomial interval, which stays inside [0, 1] at a handful of samples
+PASS_RATES = ("accuracy", "exact_match", "agreement")
+#: how the pages say what the brackets after a pass rate are
+PASS_RATE_NOTE = "pass rates show their 95 % Wilson score interval over samples in brackets"
 
 
-def fmt(metric: str, value: float | None, se: float | None = None) -> str:
-    """A cell of a table."""
+def fmt(metric: str, value: float | None, se: float | None = None, n: int | None = None) -> str:
+    """A cell of a table.
+
+    Parameters
+    ----------
+    metric
+        The metric's name (a key of :data:`METRICS`); it picks the format.
+    value
+        The value; None or NaN is written ``–``.
+    se
+        Its standard error, written ``± se`` where given.
+    n
+        The samples behind it: a pass rate (:data:`PASS_RATES`) over ``n`` samples scored 0 or 1 is
+        written with its 95 % Wilson score interval, ``67% (21–94%)``, instead of ``± se``.
+
+    Returns
+    -------
+    str
+        The cell's text.
+    """
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "–"
     if metric == "bytes_held":
@@ -44,6 +70,9 @@ def fmt(metric: str, value: float | None, se: float | None = None) -> str:
         return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
     if metric == "first_divergence":
         return f"{value:.0f}" + (f" ± {se:.0f}" if se is not None and not math.isnan(se) and se > 0 else "")
+    if metric in PASS_RATES and n is not None and (k := successes(value, n)) is not None:
+        low, high = wilson(k, n)
+        return f"{value:.0%} ({low * 100:.0f}–{high:.0%})"
     if metric in ("top1", "accuracy", "exact_match", "identical", "agreement"):
         text = f"{value:.0%}"
         return text + (f" ± {se:.0%}" if se is not None and not math.isnan(se) and se > 0 else "")
@@ -70,14 +99,15 @@ def table(rows: list[dict[str, Any]], caches: list[str] | None = None) -> str:
     present = [m for m in METRICS if any(m in v for v in by_cache.values())]
     has_error = any("error" in v for v in by_cache.values())
     head = ["cache", *[METRICS[m] for m in present]] + (["error"] if has_error else [])
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    body = []
     for cache in order:
         cells = by_cache[cache]
-        vals = [fmt(m, cells[m]["value"], cells[m].get("se")) if m in cells else "–" for m in present]
+        vals = [fmt(m, cells[m]["value"], cells[m].get("se"), cells[m].get("n")) if m in cells else "–"
+                for m in present]  # fmt: skip
         if has_error:
             vals.append(cells["error"]["extra"].get("error", "")[:80] if "error" in cells else "")
-        lines.append(f"| `{cache}` | " + " | ".join(vals) + " |")
-    return "\n".join(lines)
+        body.append([f"`{cache}`", *vals])
+    return md_table(head, body)
 
 
 def depth_table(rows: list[dict[str, Any]], metric: str = "accuracy") -> str | None:
@@ -88,10 +118,8 @@ def depth_table(rows: list[dict[str, Any]], metric: str = "accuracy") -> str | N
     if not data:
         return None
     depths = sorted({d for v in data.values() for d in v}, key=float)
-    lines = ["| cache | " + " | ".join(f"depth {d}" for d in depths) + " |", "|" + "---|" * (len(depths) + 1)]
-    for cache, v in data.items():
-        lines.append(f"| `{cache}` | " + " | ".join(f"{v[d]:.0%}" if d in v else "–" for d in depths) + " |")
-    return "\n".join(lines)
+    body = [[f"`{cache}`", *(f"{v[d]:.0%}" if d in v else "–" for d in depths)] for cache, v in data.items()]
+    return md_table(["cache", *(f"depth {d}" for d in depths)], body)
 
 
 def write_summary(out: Path, rows: list[dict[str, Any]], grid: Any, sizings: list[dict[str, Any]]) -> Path:
@@ -106,7 +134,8 @@ def write_summary(out: Path, rows: list[dict[str, Any]], grid: Any, sizings: lis
         "",
         "ΔNLL, KL and top-1 are teacher-forced against the uncompressed cache on the same tokens (± standard "
         "error over tokens); attention error is the per-layer relative error of the attention output on the same "
-        "input, averaged over layers; bytes held are counted from the tensors the cache holds after the last token.",
+        "input, averaged over layers; bytes held are counted from the tensors the cache holds after the last token; "
+        f"{PASS_RATE_NOTE}.",
     ]
     for (model, task, context), grp in groups(rows).items():
         parts += [
@@ -120,17 +149,13 @@ def write_summary(out: Path, rows: list[dict[str, Any]], grid: Any, sizings: lis
             if d:
                 parts += ["", f"{metric} by needle depth:", "", d]
     if sizings:
-        parts += ["", "## Equal bytes", "",
-                  "| model | context | anchor | cache | size parameter | bytes/layer | anchor bytes/layer |",
-                  "|---|---|---|---|---|---|---|"]  # fmt: skip
-        seen = set()
+        body: dict[tuple[Any, ...], list[str]] = {}  # each (model, context, cache) once, the first sizing
         for s in sizings:
-            key = (s.get("model"), s["context"], s["label"])
-            if key in seen:
-                continue
-            seen.add(key)
-            parts.append(f"| {s.get('model', '–')} | {s['context']} | `{s['anchor']}` | `{s['label']}` | "
-                         f"{s['value']} | {s['bytes']} | {s['target']} |")  # fmt: skip
+            body.setdefault((s.get("model"), s["context"], s["label"]),
+                            [str(s.get("model", "–")), str(s["context"]), f"`{s['anchor']}`", f"`{s['label']}`",
+                             str(s["value"]), str(s["bytes"]), str(s["target"])])  # fmt: skip
+        head = ["model", "context", "anchor", "cache", "size parameter", "bytes/layer", "anchor bytes/layer"]
+        parts += ["", "## Equal bytes", "", md_table(head, list(body.values()))]
     path = out / "summary.md"
     path.write_text("\n".join(parts) + "\n", encoding="utf-8")
     return path
