@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
 from transformers import DynamicCache
 
+import kvpolicy_lab.bench.decode as decode
 from kvpolicy import CompressedCache
 from kvpolicy.cli import main
 from kvpolicy.errors import ConfigError
@@ -29,8 +31,10 @@ def test_latency_mode_smoke(tmp_path):
         for batch in (1, 2):
             dyn = by[(length, batch, "dynamic")]
             assert dyn["ratio_ms"] == 1.0
-            # fp32 DynamicCache: (length + steps) tokens x 4 layers x 2 kv heads x 64 x (k, v) x 4 bytes x batch
-            assert dyn["bytes_held"] == (length + 1) * 4 * 2 * 64 * 2 * 4 * batch
+            # one round of the Timer's 2 warm-up steps and 1 timed step
+            assert dyn["tokens_held"] == length + 3
+            # fp32 DynamicCache: tokens x 4 layers x 2 kv heads x 64 x (k, v) x 4 bytes x batch
+            assert dyn["bytes_held"] == (length + 3) * 4 * 2 * 64 * 2 * 4 * batch
             assert (dyn["bits_per_element"], dyn["bits16"]) == (pytest.approx(32.0), pytest.approx(16.0))
             log = by[(length, batch, "log-2-torch-agnostic-fused")]
             assert log["bits16"] < log["bits_per_element"] < 32
@@ -51,6 +55,7 @@ def test_capacity_mode_smoke(tmp_path):
     assert log["bytes_per_sequence"] < dyn["bytes_per_sequence"]
     assert log["batch"] > dyn["batch"]
     assert dyn["within_budget"] and log["tokens_per_s"] > 0
+    assert dyn["decode_iqr_ms"] == 0.0  # one measured rep
 
 
 def test_held_bytes_counts_dynamic_cache():
@@ -141,3 +146,78 @@ def test_preset_variants_build_the_file_and_run_fused(tmp_path):
     rows = json.loads((out / "decode.json").read_text())["rows"]
     assert [r["variant"] for r in rows] == ["dynamic", f"preset:{preset}"]
     assert rows[1]["paths"] == "fused (cpu)" and 0 < rows[1]["bytes_held"] < rows[0]["bytes_held"]
+
+
+class DecodeLog:
+    """A forward pre-hook on the model: each call's cache, input length and torch thread count."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, int]] = []
+
+    def __call__(self, module, args, kwargs) -> None:
+        ids = args[0] if args else kwargs["input_ids"]
+        self.calls.append((id(kwargs.get("cache")), ids.shape[1], torch.get_num_threads()))
+
+
+def _log_forwards(monkeypatch) -> DecodeLog:
+    """Make ``kvpolicy bench decode`` load the tiny Llama with a :class:`DecodeLog` on it; the log."""
+    log = DecodeLog()
+
+    def logged(model, dtype, device, online=False):
+        m = tiny_llama(dtype)
+        m.register_forward_pre_hook(log, with_kwargs=True)
+        return m
+
+    monkeypatch.setattr(decode, "load", logged)
+    return log
+
+
+def test_latency_decode_is_interleaved_warmed_up_and_on_the_threads_asked_for(tmp_path, monkeypatch, capsys):
+    log = _log_forwards(monkeypatch)
+    before = torch.get_num_threads()
+    threads = 1 if before == 2 else 2
+    try:
+        rc = main(["bench", "decode", "--model", "tiny-llama", "--lengths", "40", "--steps", "2", "--reps", "3",
+                   "--warmup", "1", "--threads", str(threads), "--window", "8",
+                   "--caches", "dynamic", "log-2-torch-ordered-fused", "--out", str(tmp_path)])  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    assert rc == 0
+    # prefills: a 16-token warm-up forward through a throwaway cache, then the timed 40-token one, per variant
+    assert [n for _, n, _ in log.calls if n > 1] == [16, 40, 16, 40]
+    caches = [c for c, n, _ in log.calls if n == 40]
+    a, b = caches
+    decodes = [c for c, n, _ in log.calls if n == 1]
+    # 4 rounds (1 warm-up + 3 measured) of 2 untimed + 2 timed steps per cache, alternating, order rotating
+    per = [a] * 4, [b] * 4
+    assert decodes == [*per[0], *per[1], *per[1], *per[0], *per[0], *per[1], *per[1], *per[0]]
+    assert {t for _, _, t in log.calls} == {threads}
+
+    data = json.loads((tmp_path / "decode.json").read_text())
+    meta = data["meta"]
+    assert (meta["threads"], meta["timer"]) == (threads, "torch.utils.benchmark.Timer")
+    assert (meta["steps"], meta["reps"], meta["warmup_rounds"], meta["warmup_steps_per_rep"]) == (2, 3, 1, 2)
+    for row in data["rows"]:
+        assert len(row["decode_ms_all"]) == 3 and all(t > 0 for t in row["decode_ms_all"])
+        assert row["decode_ms"] == pytest.approx(statistics.median(row["decode_ms_all"]))
+        q1, _, q3 = statistics.quantiles(row["decode_ms_all"], n=4, method="inclusive")
+        assert row["decode_iqr_ms"] == pytest.approx(q3 - q1)
+        assert row["tokens_held"] == 40 + 4 * (2 + 2)
+        assert row["prefill_ms"] > 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("length"))
+    assert header.split()[:8] == ["length", "batch", "cache", "prefill", "ms", "decode", "ms/tok", "IQR"]
+
+
+def test_without_threads_decode_runs_on_torchs_count(tmp_path, monkeypatch):
+    log = _log_forwards(monkeypatch)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        rc = main(["bench", "decode", "--model", "tiny-llama", "--lengths", "24", "--steps", "1", "--reps", "1",
+                   "--warmup", "0", "--caches", "dynamic", "--out", str(tmp_path)])  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    assert rc == 0
+    assert {t for _, _, t in log.calls} == {2}  # not the Timer's default of one thread
+    assert json.loads((tmp_path / "decode.json").read_text())["meta"]["threads"] == 2

@@ -342,8 +342,10 @@ def test_bench_decode_runs_a_saved_model_directory(saved_model, tmp_path, monkey
     data = json.loads((tmp_path / "decode.json").read_text())
     assert data["meta"]["model"] == str(saved_model) and data["meta"]["dtype"] == "float32"
     rows = {r["variant"]: r for r in data["rows"]}
-    # float32 DynamicCache of this model: (24 + 2) tokens x 2 layers x 2 kv heads x 64 x (k, v) x 4 bytes
-    assert rows["dynamic"]["bytes_held"] == (24 + 2) * 2 * 2 * 64 * 2 * 4
+    # float32 DynamicCache of this model: (24 + 2 untimed + 2 timed steps) tokens x 2 layers x 2 kv heads x 64
+    # x (k, v) x 4 bytes
+    assert rows["dynamic"]["tokens_held"] == 24 + 2 + 2
+    assert rows["dynamic"]["bytes_held"] == (24 + 2 + 2) * 2 * 2 * 64 * 2 * 4
     assert 0 < rows["log-2-torch-ordered-fused"]["bytes_held"] < rows["dynamic"]["bytes_held"]
 
 

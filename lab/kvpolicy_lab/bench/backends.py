@@ -1,24 +1,26 @@
 """``kvpolicy bench backends``: quantize / dequantize throughput of every available backend.
 
 Throughput is GB/s of the 16-bit input (``numel * 2`` bytes, whatever the dtype measured), next to a
-plain copy (``clone``) of the same tensor. Everything runs in one process; repetitions are
-interleaved (each round times every backend once) and the median is reported, so machine noise
-hits all rows alike and the ratios to ``clone`` are the numbers to compare. ``mean |err|`` is the
+plain copy (``clone``) of the same tensor. Everything runs in one process, timed by
+``torch.utils.benchmark.Timer`` (:func:`kvpolicy_lab.bench.timing.interleaved`) on torch's current
+thread count; repetitions are interleaved (each round times every call once: the copy, and each
+backend's quantize and dequantize, in an order that rotates from round to round), each timed call
+follows two untimed ones, and the median is reported, so machine noise hits all rows alike and the
+ratios to ``clone`` are the numbers to compare. ``mean |err|`` is the
 mean absolute reconstruction error on the benchmark tensor (standard normal values).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
+from functools import partial
 
 import torch
 
 from kvpolicy import registry
 from kvpolicy.errors import ConfigError
 from kvpolicy.formats import MinMax
+from kvpolicy_lab.bench.timing import device_clock, interleaved
 
 HELP = "quantize/dequantize throughput (GB/s of 16-bit input) per backend, next to a plain copy"
 
@@ -58,21 +60,6 @@ class _Shape(argparse.Action):
                 self, f"must be four integers batch kv_heads tokens head_dim (e.g. 1 8 4096 128); got {len(values)}"
             )
         setattr(namespace, self.dest, tuple(values))
-
-
-def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    def timed(fn: Callable[[], object]) -> float:
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        return time.perf_counter() - start
-
-    return timed
 
 
 def _check_grouping(args: argparse.Namespace) -> None:
@@ -129,19 +116,13 @@ def run(args: argparse.Namespace) -> int:
     names = args.backends or registry.names("backends")
     backends, blocks, skipped = _available(names, x, args)
     fmt = MinMax(args.bits, args.group_size, args.axis) if backends else None
-    timed = _timer(device)
-    for name, be in backends.items():  # warm-up: lazy compilation, caches, allocator
-        be.dequantize(blocks[name])
-    times: dict[str, list[float]] = {"clone": []}
-    for name in backends:
-        times[f"{name}.q"], times[f"{name}.dq"] = [], []
-    for _ in range(args.repeats):
-        times["clone"].append(timed(x.clone))
-        for name, be in backends.items():
-            times[f"{name}.q"].append(timed(lambda be=be: be.quantize(x, fmt)))
-            times[f"{name}.dq"].append(timed(lambda be=be, name=name: be.dequantize(blocks[name])))
+    calls = {"clone": x.clone}
+    for name, be in backends.items():
+        calls[f"{name}.q"] = partial(be.quantize, x, fmt)
+        calls[f"{name}.dq"] = partial(be.dequantize, blocks[name])
+    measured = interleaved(calls, number=1, repeats=args.repeats, clock=device_clock(device))
     gb = x.numel() * 2 / 1e9
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {k: m.median for k, m in measured.items()}
     clone = gb / med["clone"]
     print(
         f"kvpolicy bench backends: shape={shape} dtype={args.dtype} device={device.type} bits={args.bits} "

@@ -4,17 +4,25 @@ Two modes:
 
 ``latency`` (default)
     For each context length and batch size, every cache variant is prefilled with the same random
-    prompt (prefill ms: one timed forward), then decode steps are timed in rounds: each round runs
-    ``--steps`` decode steps of every variant, one variant after the other, in a rotated order, so
-    all variants see the same machine load. Decode ms/token is the median over rounds. Bytes held
-    are counted from the tensors each cache holds after the last step. With ``--fill synthetic``
-    the caches are filled by ``Cache.update`` with random keys and values instead of a prefill
-    (decode cost does not depend on the values held; prefill time is then not measured).
+    prompt (prefill ms: one timed forward, after an untimed 16-token forward through a throwaway cache
+    of the same variant), then decode steps are timed in rounds by ``torch.utils.benchmark.Timer``
+    (:func:`kvpolicy_lab.bench.timing.interleaved`): each round measures every variant once, one
+    variant after the other, in a rotated order, so all variants see the same machine load. A
+    measurement is the Timer's warm-up (two untimed decode steps; from 300 ``--steps`` up, a hundredth
+    of them), then ``--steps`` timed steps, on ``--threads`` torch threads. The first ``--warmup``
+    rounds are discarded. Decode ms/token is the median over the ``--reps`` measured rounds of (time
+    of the ``--steps`` steps) / ``--steps``; the spread shown is their interquartile range. Each step
+    appends to its cache, so a context grows by ``(--warmup + --reps) x (--steps + warm-up steps)``
+    tokens through the run; bytes held are counted from the tensors each cache holds after the last
+    step (``tokens_held`` tokens). With ``--fill synthetic`` the caches are filled by ``Cache.update``
+    with random keys and values instead of a prefill (decode cost does not depend on the values held;
+    prefill time is then not measured).
 ``capacity``
     At a fixed cache budget (``--budget-gib``), the largest batch of ``--context``-token sequences
     that fits, for ``DynamicCache`` and for each compressed variant, from the bytes per sequence
     measured at batch 1; then confirmed by filling caches of that batch size and running decode
-    steps (whole-batch tokens/s).
+    steps (whole-batch tokens/s): ``--reps`` Timer measurements of ``--steps`` steps, one variant
+    after the other (each fills the budget alone, so they are not held at once to alternate).
 
 Cache variants are named by short strings:
 
@@ -44,9 +52,8 @@ import argparse
 import json
 import platform
 import re
-import statistics
-import time
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +61,7 @@ from typing import Any
 import torch
 
 from kvpolicy.errors import ConfigError
+from kvpolicy_lab.bench.timing import device_clock, interleaved, warmup_calls
 from kvpolicy_lab.eval.caches import baseline_bytes, held_bytes
 from kvpolicy_lab.eval.metrics import last_only
 
@@ -236,6 +244,7 @@ class Row:
     variant: str
     prefill_ms: float
     decode_ms: float
+    #: ms/token of each measured round, in round order (``decode_ms`` is their median)
     decode_ms_all: list[float] = field(default_factory=list)
     bytes_held: int = 0
     paths: str = ""
@@ -244,11 +253,14 @@ class Row:
     #: 8 x bytes held per cached element; ``bits16``: full-precision tensors counted at 16 bits
     bits_per_element: float = float("nan")
     bits16: float = float("nan")
+    #: interquartile range of ``decode_ms_all`` (0 with one round)
+    decode_iqr_ms: float = float("nan")
+    #: tokens each cache holds after the last step: the context plus every decode step run, untimed ones too
+    tokens_held: int = 0
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+#: tokens of the untimed forward that precedes each timed prefill
+PREFILL_WARMUP_TOKENS = 16
 
 
 def _attention(model: torch.nn.Module, variant: Variant) -> AbstractContextManager[None]:
@@ -261,64 +273,114 @@ def _attention(model: torch.nn.Module, variant: Variant) -> AbstractContextManag
     return decode_mode(model, "fused" if variant.fused else "scores")
 
 
+@contextmanager
+def _decoding(model: torch.nn.Module, variant: Variant) -> Iterator[None]:
+    """The attention mode of ``variant`` (:func:`_attention`) and inference mode, around a measurement."""
+    with _attention(model, variant), torch.inference_mode():
+        yield
+
+
 @torch.inference_mode()
-def _prefill(model: torch.nn.Module, variant: Variant, ids: torch.Tensor, args: argparse.Namespace):
-    with _attention(model, variant):
+def _prefill(
+    model: torch.nn.Module, variant: Variant, ids: torch.Tensor, args: argparse.Namespace
+) -> tuple[Any, torch.Tensor, float]:
+    """A cache of ``variant`` holding ``ids``, the greedy next token, and the prefill ms (NaN when synthetic).
+
+    The prefill is timed by hand, not by a ``Timer``: it must run exactly once into an empty cache, and
+    ``Timer.timeit`` runs its statement at least twice untimed first (a second prefill into the same
+    cache would attend over twice the context; one into a fresh cache would triple the slowest part of
+    the run). A short untimed forward through a throwaway cache of the same variant warms the code
+    paths first, so the first variant measured does not carry the process's first-call costs. The clock
+    is the one the Timers read (:func:`kvpolicy_lab.bench.timing.device_clock`).
+    """
+    with _decoding(model, variant):
         cache = variant.build(model.config, args.window)
         if args.fill == "synthetic":
             _fill(model, cache, ids.shape[0], ids.shape[1], args.device, DTYPES[args.dtype])
             return cache, ids[:, -1:], float("nan")
-        _sync(args.device)
-        t0 = time.perf_counter()
+        warm = variant.build(model.config, args.window)
+        model(ids[:, :PREFILL_WARMUP_TOKENS], cache=warm, use_cache=True, **last_only(model))
+        del warm
+        clock = device_clock(args.device)
+        start = clock()
         out = model(ids, cache=cache, use_cache=True, **last_only(model))  # as generate() does
-        _sync(args.device)
-        ms = (time.perf_counter() - t0) * 1e3
+        ms = (clock() - start) * 1e3
     return cache, out.logits[:, -1:].argmax(-1), ms
 
 
-@torch.inference_mode()
-def _decode(model: torch.nn.Module, variant: Variant, cache: Any, token: torch.Tensor, steps: int, device: str):
-    with _attention(model, variant):
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        _sync(device)
-        ms = (time.perf_counter() - t0) * 1e3 / steps
-    return token, ms
+class DecodeStep:
+    """One greedy decode step through a cache, as a statement for a ``Timer``: each call feeds the token
+    the previous call chose and appends one token per sequence to ``cache``.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The causal LM.
+    cache : Any
+        The cache the steps extend (already holding the context).
+    token : torch.Tensor
+        ``(batch, 1)`` token ids for the first step.
+    """
+
+    def __init__(self, model: torch.nn.Module, cache: Any, token: torch.Tensor) -> None:
+        self.model, self.cache, self.token = model, cache, token
+
+    def __call__(self) -> None:
+        self.token = self.model(self.token, cache=self.cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+
+def _threads(args: argparse.Namespace) -> int:
+    """The torch thread count to time on: ``--threads``, else torch's current count."""
+    return getattr(args, "threads", None) or torch.get_num_threads()
 
 
 def latency(args: argparse.Namespace, model: torch.nn.Module, variants: list[Variant]) -> list[Row]:
+    """Prefill ms, decode ms/token (interleaved Timer rounds) and bytes held per length, batch and variant.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        The parsed flags of ``kvpolicy bench decode`` (see the module docstring).
+    model : torch.nn.Module
+        The loaded model.
+    variants : list[Variant]
+        The caches to compare; all of one length and batch are measured in the same rounds.
+
+    Returns
+    -------
+    list[Row]
+        One row per length, batch and variant, with ratios to ``dynamic`` where it was measured.
+    """
     rows: list[Row] = []
     vocab = model.config.vocab_size
+    by_name = {v.name: v for v in variants}
     for length in args.lengths:
         for batch in args.batch:
             g = torch.Generator().manual_seed(length + batch)
             ids = torch.randint(3, vocab, (batch, length), generator=g).to(args.device)
-            state = {}
+            steps: dict[str, DecodeStep] = {}
+            prefill: dict[str, float] = {}
             for v in variants:
-                cache, token, ms = _prefill(model, v, ids, args)
-                state[v.name] = [cache, token, ms, []]
-                print(f"  prefill {length:>6} x{batch} {v.name:<30} {ms:10.1f} ms", flush=True)
-            for r in range(args.warmup + args.reps):
-                order = variants[r % len(variants) :] + variants[: r % len(variants)]
-                for v in order:
-                    s = state[v.name]
-                    s[1], ms = _decode(model, v, s[0], s[1], args.steps, args.device)
-                    if r >= args.warmup:
-                        s[3].append(ms)
+                cache, token, prefill[v.name] = _prefill(model, v, ids, args)
+                steps[v.name] = DecodeStep(model, cache, token)
+                print(f"  prefill {length:>6} x{batch} {v.name:<30} {prefill[v.name]:10.1f} ms", flush=True)
+            measured = interleaved(
+                steps, number=args.steps, repeats=args.reps, warmup=args.warmup, threads=_threads(args),
+                around=lambda name: _decoding(model, by_name[name]), clock=device_clock(args.device),
+            )  # fmt: skip
             for v in variants:
-                cache, _, pre, times = state[v.name]
+                cache, m = steps[v.name].cache, measured[v.name]
                 paths = sorted(set(getattr(cache, "attention_paths", dict)().values()) - {None})
-                base = baseline_bytes(model.config, cache.get_seq_length(), batch)
+                tokens = cache.get_seq_length()
+                base = baseline_bytes(model.config, tokens, batch)
                 held = held_bytes(cache)
                 rows.append(
-                    Row(args.model, args.dtype, args.device, length, batch, v.name, pre, statistics.median(times),
-                        times, held, "; ".join(str(p) for p in paths),
-                        bits_per_element=16 * held / base,
-                        bits16=16 * held_bytes(cache, at_16bit=True) / base)
+                    Row(args.model, args.dtype, args.device, length, batch, v.name, prefill[v.name], m.median * 1e3,
+                        [t * 1e3 for t in m.times], held, "; ".join(str(p) for p in paths),
+                        bits_per_element=16 * held / base, bits16=16 * held_bytes(cache, at_16bit=True) / base,
+                        decode_iqr_ms=m.iqr * 1e3, tokens_held=tokens)
                 )  # fmt: skip
-            del state
+            del steps
     _ratios(rows)
     return rows
 
@@ -363,16 +425,14 @@ def capacity(args: argparse.Namespace, model: torch.nn.Module, variants: list[Va
         fit = max(1, budget // per_seq) if args.max_batch is None else min(max(1, budget // per_seq), args.max_batch)
         cache = v.build(model.config, args.window)
         _fill(model, cache, fit, n, args.device, dtype)
-        tokens = torch.randint(3, vocab, (fit, 1), device=args.device)
-        tokens, _ = _decode(model, v, cache, tokens, 1, args.device)  # warm-up step
-        times = []
-        for _ in range(args.reps):
-            tokens, ms = _decode(model, v, cache, tokens, args.steps, args.device)
-            times.append(ms)
-        ms = statistics.median(times)
+        step = DecodeStep(model, cache, torch.randint(3, vocab, (fit, 1), device=args.device))
+        m = interleaved({v.name: step}, number=args.steps, repeats=args.reps, threads=_threads(args),
+                        around=lambda _, v=v: _decoding(model, v), clock=device_clock(args.device))[v.name]  # fmt: skip
+        ms = m.median * 1e3
         held = held_bytes(cache)
         row = dict(variant=v.name, context=n, bytes_per_sequence=per_seq, batch=fit, bytes_held=held,
-                   within_budget=held <= budget, decode_ms=ms, tokens_per_s=fit * 1e3 / ms)  # fmt: skip
+                   within_budget=held <= budget, decode_ms=ms, tokens_per_s=fit * 1e3 / ms,
+                   decode_iqr_ms=m.iqr * 1e3)  # fmt: skip
         out.append(row)
         print(
             f"  {v.name:<30} {per_seq / 2**20:9.2f} MiB/seq  batch {fit:>4}  held {held / 2**30:6.3f} GiB  "
@@ -385,14 +445,16 @@ def capacity(args: argparse.Namespace, model: torch.nn.Module, variants: list[Va
 
 # ---------------------------------------------------------------------- output
 def table(rows: list[Row]) -> str:
+    """The latency rows as a text table (``IQR``: the interquartile range of the decode ms/token rounds)."""
     head = (
-        f"{'length':>7} {'batch':>5} {'cache':<30} {'prefill ms':>11} {'decode ms/tok':>14} {'x dyn':>6} "
+        f"{'length':>7} {'batch':>5} {'cache':<30} {'prefill ms':>11} {'decode ms/tok':>14} {'IQR':>6} {'x dyn':>6} "
         f"{'MiB held':>9} {'x dyn':>6} {'bits/el':>8} {'@16-bit':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.length:>7} {r.batch:>5} {r.variant:<30} {r.prefill_ms:>11.1f} {r.decode_ms:>14.2f} {r.ratio_ms:>6.2f} "
+            f"{r.length:>7} {r.batch:>5} {r.variant:<30} {r.prefill_ms:>11.1f} {r.decode_ms:>14.2f} "
+            f"{r.decode_iqr_ms:>6.2f} {r.ratio_ms:>6.2f} "
             f"{r.bytes_held / 2**20:>9.1f} {r.ratio_bytes:>6.3f} {r.bits_per_element:>8.2f} {r.bits16:>8.2f}"
         )
     return "\n".join(lines)
@@ -448,9 +510,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="latency mode: prefill with the model (timed), or fill caches with random keys/values "
                         "by Cache.update (no prefill time; for long contexts on slow machines)")  # fmt: skip
     parser.add_argument("--window", type=positive_int, default=42, help="policy window (log: W; recent: window)")
-    parser.add_argument("--steps", type=positive_int, default=4, help="decode steps per variant per round")
-    parser.add_argument("--reps", type=positive_int, default=5, help="timed rounds (median)")
-    parser.add_argument("--warmup", type=non_negative_int, default=1, help="untimed rounds first")
+    parser.add_argument("--steps", type=positive_int, default=4,
+                        help="timed decode steps per variant per round (after 2 untimed ones)")  # fmt: skip
+    parser.add_argument("--reps", type=positive_int, default=5, help="timed rounds (median, IQR)")
+    parser.add_argument("--warmup", type=non_negative_int, default=1, help="latency mode: untimed rounds first")
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch CPU threads (default: torch's choice)")  # fmt: skip
     parser.add_argument("--budget-gib", type=positive_float, default=1.0, help="capacity mode: cache budget in GiB")
@@ -498,8 +561,11 @@ def run(args: argparse.Namespace) -> int:
             v.build(None, args.window)
     model = load(args.model, DTYPES[args.dtype], args.device, args.online)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = dict(model=args.model, dtype=args.dtype, device=args.device, threads=torch.get_num_threads(),
-                torch=torch.__version__, machine=platform.processor() or platform.machine())  # fmt: skip
+    meta = dict(model=args.model, dtype=args.dtype, device=args.device, threads=_threads(args),
+                torch=torch.__version__, machine=platform.processor() or platform.machine(),
+                timer="torch.utils.benchmark.Timer", steps=args.steps, reps=args.reps,
+                warmup_rounds=args.warmup if args.mode == "latency" else 0,
+                warmup_steps_per_rep=warmup_calls(args.steps))  # fmt: skip
     if args.mode == "capacity":
         print(f"capacity: {args.context} tokens/sequence, budget {args.budget_gib} GiB, {args.model} {args.dtype}")
         rows = capacity(args, model, variants)

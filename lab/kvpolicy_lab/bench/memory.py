@@ -24,6 +24,11 @@ Cache variants are those of ``kvpolicy bench decode`` (``dynamic``, ``one-liner`
 ``hf-quanto-2``, ``<policy>-<bits>-<backend>-<layout>-<fused|mat>``), plus ``none``: the same prompt
 with no cache at all (``use_cache=False``, no decode steps), the floor of the model's own temporaries.
 
+The times are read around single calls by hand, not by ``torch.utils.benchmark.Timer`` (which ``kvpolicy
+bench decode`` uses): each span here happens once, in the order a user meets it (a prompt into an empty
+cache, then the first step after it, cold), and a Timer's untimed warm-up calls would both change what the
+first step measures and add to the memory peak this benchmark is about.
+
 Where the platform has neither ``/proc/self/status`` nor ``getrusage`` (Windows) and the device is not
 CUDA, the peak is reported as unavailable with a message; the other columns are still measured.
 """
