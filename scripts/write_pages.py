@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpolicy.commands._types import check_output, out_file
 from kvpolicy.errors import ConfigError
+from kvpolicy_lab.commands._types import check_output, out_file
 
 
 @dataclass(frozen=True)
