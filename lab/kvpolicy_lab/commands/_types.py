@@ -51,7 +51,7 @@ def positive_float(text: str) -> float:
 
 def device_name(text: str) -> str:
     """A supported torch device name (``cpu``, ``cuda``, ``cuda:N``, ``mps``), present here or not."""
-    from kvpolicy.devices import parse_device
+    from kvpolicy_lab.devices import parse_device
 
     try:
         return parse_device(text)
@@ -61,7 +61,7 @@ def device_name(text: str) -> str:
 
 def available_device(text: str) -> str:
     """A supported torch device that exists on this machine."""
-    from kvpolicy.devices import check_device
+    from kvpolicy_lab.devices import check_device
 
     try:
         return check_device(text)

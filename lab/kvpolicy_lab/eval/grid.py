@@ -237,7 +237,7 @@ class Grid:
 
     def _check_types(self) -> None:
         """Every key has the type of its field (config files can hold anything)."""
-        from kvpolicy.devices import parse_device
+        from kvpolicy_lab.devices import parse_device
 
         self.models = require_list("models", self.models, str, "model names or paths")
         self.contexts = require_list("contexts", self.contexts, int, "integers")

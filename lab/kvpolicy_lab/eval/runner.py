@@ -593,7 +593,7 @@ class Runner:
 
 
 def _check_device(device: str) -> None:
-    from kvpolicy.devices import check_device
+    from kvpolicy_lab.devices import check_device
 
     try:
         check_device(device)
