@@ -103,15 +103,22 @@ def test_an_interrupted_ablation_says_so_and_resumes(tmp_path, capsys, monkeypat
 
 
 def _slow_ablate(out: Path, call: int, seconds: float) -> list[str]:
-    """A ``kvpolicy ablate`` process whose ``call``-th cell first sleeps ``seconds`` (to be caught at it)."""
+    """A ``kvpolicy ablate`` process whose ``call``-th cell first sleeps ``seconds`` (to be caught at it).
+
+    The sleep is cut in 0.05 s naps, as a real cell runs Python between its torch calls: a pending
+    ``KeyboardInterrupt`` is raised at the next nap even if the signal did not cut a nap short. SIGUSR1
+    makes the process print every thread's stack (the tests send it before they give up on a process)."""
     driver = (
-        "import sys, time\n"
+        "import faulthandler, signal, sys, time\n"
+        "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
         "import kvpolicy_lab.eval.cells as cells\n"
         "real, calls = cells.CellGroup.run, []\n"
         "def run(self, *args, **kwargs):\n"
         "    calls.append(1)\n"
         f"    if len(calls) == {call}:\n"
-        f"        time.sleep({seconds})\n"
+        f"        end = time.monotonic() + {seconds}\n"
+        "        while time.monotonic() < end:\n"
+        "            time.sleep(0.05)\n"
         "    return real(self, *args, **kwargs)\n"
         "cells.CellGroup.run = run\n"
         "from kvpolicy.cli import main\n"
@@ -134,7 +141,13 @@ def test_ctrl_c_in_a_real_process(tmp_path):
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.5)  # into the second cell's sleep (an interruption anywhere after the first row says the same)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # where it hangs: every thread's stack, on its stderr
+            time.sleep(2)
+            proc.kill()
+            pytest.fail(f"still running 60 s after SIGINT; its stacks and output:\n{proc.communicate()}")
     finally:
         if proc.poll() is None:
             proc.kill()
