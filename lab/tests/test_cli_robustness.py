@@ -105,11 +105,14 @@ def test_an_interrupted_ablation_says_so_and_resumes(tmp_path, capsys, monkeypat
 def _slow_ablate(out: Path, call: int, seconds: float) -> list[str]:
     """A ``kvpolicy ablate`` process whose ``call``-th cell first sleeps ``seconds`` (to be caught at it).
 
-    The sleep is cut in 0.05 s naps, as a real cell runs Python between its torch calls: a pending
-    ``KeyboardInterrupt`` is raised at the next nap even if the signal did not cut a nap short. SIGUSR1
-    makes the process print every thread's stack (the tests send it before they give up on a process)."""
+    The process starts with Python's own SIGINT handler, as from a terminal: a child inherits an ignored
+    SIGINT from its parent, and a pytest worker's may be ignored by what ran in it before (a full run
+    once caught the process napping in its slow cell 60 s after SIGINT). The sleep is cut in 0.05 s
+    naps, as a real cell runs Python between its torch calls. SIGUSR1 makes the process print every
+    thread's stack (the tests send it before they give up on a process)."""
     driver = (
         "import faulthandler, signal, sys, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
         "import kvpolicy_lab.eval.cells as cells\n"
         "real, calls = cells.CellGroup.run, []\n"
