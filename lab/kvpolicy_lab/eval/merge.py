@@ -26,6 +26,7 @@ from kvpolicy_lab.eval.lock import hold_run_dir
 from kvpolicy_lab.eval.runner import (
     CONFIG,
     RESULTS,
+    RUN_KEYS,
     SAMPLES,
     done_cells,
     read_config,
@@ -35,7 +36,7 @@ from kvpolicy_lab.eval.runner import (
 )
 
 #: config keys that may differ between the shards of one grid (``batch`` changes float rounding only)
-_PER_SHARD = ("cells", "sizings", "shard", "torch", "transformers", "online", "batch")
+_PER_SHARD = (*RUN_KEYS, "online", "batch")
 
 
 @dataclass

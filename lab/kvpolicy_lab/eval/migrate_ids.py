@@ -35,10 +35,8 @@ from kvpolicy_lab.eval.equal_bytes import with_size
 from kvpolicy_lab.eval.grid import CELL_IDS, Grid, cell_key, digest, grid_from_dict
 from kvpolicy_lab.eval.lock import hold_run_dir
 from kvpolicy_lab.eval.plan import plan_groups
-from kvpolicy_lab.eval.runner import CONFIG, RESULTS, SAMPLES, scan_rows, write_whole
+from kvpolicy_lab.eval.runner import CONFIG, RESULTS, RUN_KEYS, SAMPLES, scan_rows, write_whole
 
-#: config.json entries that are not grid settings (see :meth:`Runner._write_config`)
-_RUN_KEYS = ("cells", "sizings", "shard", "torch", "transformers")
 #: what Grid.to_dict adds to each cache entry beyond what a grid file gives
 _DESCRIPTIVE = ("repr", "canonical")
 
@@ -58,7 +56,7 @@ class Cell:
 
 def grid_of(config: dict[str, Any]) -> Grid:
     """The grid a run directory's ``config.json`` records."""
-    d = {k: v for k, v in config.items() if k not in _RUN_KEYS}
+    d = {k: v for k, v in config.items() if k not in RUN_KEYS}
     caches = d.get("caches", [])
     if not isinstance(caches, list) or not all(isinstance(c, dict) for c in caches):
         raise ConfigError(f"config.json: caches must be a list of objects; got {caches!r:.120}")

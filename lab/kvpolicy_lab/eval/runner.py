@@ -55,6 +55,8 @@ from kvpolicy_lab.eval.tasks import Task
 RESULTS = "results.jsonl"
 SAMPLES = "samples.jsonl"
 CONFIG = "config.json"
+#: what :meth:`Runner._write_config` adds to the grid's own settings in ``config.json``
+RUN_KEYS = ("cells", "sizings", "shard", "torch", "transformers")
 
 
 def open_model(name: str, dtype: str = "float32", device: str = "cpu", online: bool = False) -> tuple[Any, Any]:
