@@ -214,3 +214,25 @@ def test_measurements_run_without_autograd():
     assert all("autograd" not in str(p) for p in cache.attention_paths().values())
     gen = greedy_generate(model, ids[:, :30], CompressedCache(policy="log", window=4, bits=2, group_size=16), 3)
     assert len(gen.tokens) == 3
+
+
+def test_worst_text_names_the_damaged_sample():
+    """``kl_worst`` is the largest per-text mean KL: damage one text of three and it is that text's."""
+    model, tok = tiny_model(TinySpec("llama", layers=2))
+    samples = LanguageModeling(samples_per_context=3, tokens=12).samples(tok, 96, seed=0)
+    refs = [measure.reference(model, s) for s in samples]
+    made = []
+
+    def make():  # one cache per sample (batch=1): the second one is damaged
+        made.append(None)
+        return GarbledCache() if len(made) == 2 else DynamicCache(config=model.config)
+
+    m = {x.name: x for x in measure.teacher_forced(model, samples, refs, make, attention_error=False)}
+    per_text = m["kl_worst"].extra["per_text"]
+    assert list(per_text) == [s.sample_id for s in samples]
+    assert per_text[samples[0].sample_id] == pytest.approx(0.0, abs=1e-6)
+    assert per_text[samples[2].sample_id] == pytest.approx(0.0, abs=1e-6)
+    assert m["kl_worst"].value == per_text[samples[1].sample_id] > 0.01
+    # the mean over tokens of equal-length texts is the mean of the texts' means
+    assert m["kl"].value == pytest.approx(m["kl_worst"].value / 3, rel=1e-5)
+    assert m["kl_worst"].n == 3

@@ -31,8 +31,8 @@ GENERATED = ("This page is generated from the rows of an ablation run; do not ed
              "(the first command runs the cells the directory lacks, the second writes the page):")  # fmt: skip
 #: the quality metrics of the table, in order: (task, metric)
 COLUMNS = (
-    ("lm", "delta_nll"), ("lm", "kl"), ("lm", "top1"), ("passkey", "accuracy"), ("greedy", "identical"),
-    ("greedy", "first_divergence"),
+    ("lm", "delta_nll"), ("lm", "kl"), ("lm", "kl_worst"), ("lm", "top1"), ("passkey", "accuracy"),
+    ("greedy", "identical"), ("greedy", "first_divergence"),
 )  # fmt: skip
 #: the bits column: full-precision tensors at 16 bits (the model runs in float32 on CPU)
 BITS = "bits_per_element_16"
@@ -236,7 +236,8 @@ def plot(path: Path, pts: list[Point], context: int, title: str = "SmolLM2-135M"
 def _table(pts: list[Point]) -> str:
     on = {p.cache for p in frontier(pts)}
     present = [key for key in COLUMNS if any(key in p.values for p in pts)]
-    names = {"delta_nll": "ΔNLL (nats)", "kl": "KL (nats)", "top1": "top-1", "accuracy": "passkey",
+    names = {"delta_nll": "ΔNLL (nats)", "kl": "KL (nats)", "kl_worst": "KL, worst text", "top1": "top-1",
+             "accuracy": "passkey",
              "identical": "greedy identical", "first_divergence": "first divergence"}  # fmt: skip
     whole = any(p.whole_bits is not None for p in pts)
     head = ["cache", "bits/el, global layers" if whole else "bits/el", *(["bits/el, whole cache"] if whole else []),
@@ -251,7 +252,7 @@ def _table(pts: list[Point]) -> str:
             cells.append("–" if p.whole_bits is None else f"{p.whole_bits:.2f}")
         for key in present:
             value, se, n = p.values.get(key, (None, None, None))
-            cells.append(fmt(key[1], value, se if key[1] != "kl" else None, n))
+            cells.append(fmt(key[1], value, se if key[1] not in ("kl", "kl_worst") else None, n))
         body.append(cells)
     return md_table(head, body)
 

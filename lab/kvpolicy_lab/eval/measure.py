@@ -295,6 +295,7 @@ def teacher_forced(
         Metric("nll", *_mean_se(torch.cat(nlls)), n=d.numel()),
         Metric("kl", *_mean_se(kl), n=kl.numel()),
         Metric("top1", *_mean_se(top1), n=top1.numel()),
+        _worst_text(samples, kls),
     ]
     if layer_err:
         per_layer = [statistics.fmean(v) for v in zip(*layer_err, strict=True)]
@@ -303,6 +304,16 @@ def teacher_forced(
         cache.batch_select_indices(torch.tensor([len(group) - 1], device=device))  # the last sample's row
     # the last token is a target only: the cache has seen every token but that one
     return out + _finish_bytes(cache, model, len(samples[-1].ids) - 1)
+
+
+def _worst_text(samples: list[Sample], kls: list[torch.Tensor]) -> Metric:
+    """``kl_worst``: the largest of the samples' mean next-token KLs (a mean over texts hides a tail).
+
+    ``kls[i]`` is sample ``i``'s per-token KL, ``(tokens,)``; ``extra["per_text"]`` maps each sample's id
+    to its mean, in the samples' order.
+    """
+    means = {s.sample_id: float(k.mean()) for s, k in zip(samples, kls, strict=True)}
+    return Metric("kl_worst", max(means.values()), n=len(means), extra={"per_text": means})
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from kvpolicy_lab.eval.stats import successes, wilson
 METRICS = {
     "delta_nll": "ΔNLL (nats)",
     "kl": "KL (nats)",
+    "kl_worst": "KL, worst text",
     "top1": "top-1",
     "attn_error": "attn rel. err",
     "accuracy": "accuracy",
