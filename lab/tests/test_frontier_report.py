@@ -190,3 +190,25 @@ def test_the_plot_names_the_frontier_the_anchors_and_the_presets_only():
            _p("b", 4.0, 0.01)]  # fmt: skip
     # "behind" is beaten by "a" with fewer bits: a grey, unnamed dot; the preset's cell is named for the preset
     assert plot_labels(pts) == {"a": "a", "hf-quanto-4b": "hf-quanto-4b", cell: name, "b": "b"}
+
+
+def test_presets_show_their_worst_text_and_part_3_targets_are_judged():
+    from kvpolicy_lab.eval.frontier_report import _verdicts
+
+    def point(cache, bits, kl, worst, top1):
+        return Point(cache, bits, {("lm", "kl"): (kl, None), ("lm", "kl_worst"): (worst, None),
+                                   ("lm", "top1"): (top1, None)})  # fmt: skip
+
+    pts = [point("log4-k3cmv2c-t44x32", 2.97, 0.0314, 0.0468, 0.93),
+           point("log4-k3cmv3c-t44x32", 3.45, 0.0215, 0.0500, 0.94),
+           point("low", 2.45, 0.039, 0.05, 0.9)]  # fmt: skip
+    lines = "\n".join(_verdicts(pts))
+    assert "KL 0.0314 (worst text 0.0468, 1.5× the mean: within 2×), top-1 93.0%" in lines
+    assert "KL 0.0215 (worst text 0.0500, 2.3× the mean: **over** 2×)" in lines
+    assert "- Part 3: Fewest bits meeting it at ≤ 2.5 bits per element: `low` (2.45 bits)" in lines
+    assert ("- Part 3: Best at ≤ 3.0 bits per element: `log4-k3cmv2c-t44x32` (2.97 bits), KL 0.031, top-1 93.0% "
+            "(target KL ≤ 0.015, top-1 ≥ 95%: not met)") in lines  # fmt: skip
+    # a cell without the worst text (measured before it was recorded) gets no clause, and 8k its own target
+    assert "worst text" not in "\n".join(_verdicts([_p("log4-k3cmv2c-t44x32", 2.97, 0.03, 0.93)]))
+    at8k = "\n".join(_verdicts([_p("a", 1.9, 0.05, 0.85)], 8192))
+    assert "- Part 3: Fewest bits meeting it at ≤ 2.0 bits per element: `a` (1.90 bits)" in at8k

@@ -76,6 +76,11 @@ class Point:
         return 0.0 if se is None or se != se else se
 
     @property
+    def kl_worst(self) -> float:
+        """The largest per-text mean KL (NaN when the cell did not record it)."""
+        return self.values.get(("lm", "kl_worst"), (float("nan"), None))[0]
+
+    @property
     def top1(self) -> float:
         return self.values.get(("lm", "top1"), (float("nan"), None))[0]
 
@@ -261,6 +266,10 @@ def _table(pts: list[Point]) -> str:
 TARGETS = {2048: ((3.5, 0.08, 0.88), (4.5, 0.015, 0.96)), 8192: ((2.9, 0.1, None),)}
 #: issue 14's target at 2k ("2-bit memory at 4-bit quality")
 PART2_TARGET = (3.0, 0.02, 0.95)
+#: the part 3 targets by context (below 2.5 bits; 2-bit memory at better than transformers' 4-bit quality)
+PART3_TARGETS = {2048: ((2.5, 0.04, None), (3.0, 0.015, 0.95)), 8192: ((2.0, 0.06, None),)}
+#: the largest worst-text KL a shipped preset may have, as a multiple of its mean KL
+WORST_TEXT_FACTOR = 2.0
 
 
 def _target_line(pts: list[Point], bits: float, kl_max: float, top_min: float | None, prefix: str = "") -> str:
@@ -311,6 +320,7 @@ def _verdicts(pts: list[Point], context: int = 2048) -> list[str]:
                        f"`{p.cache}` has a lower KL ({p.kl:.4f}) with {saved:.0%} fewer bits.")  # fmt: skip
     if context == 2048:
         out.append(_target_line(pts, *PART2_TARGET, prefix="Part 2, 2-bit memory at 4-bit quality: "))
+    out += [_target_line(pts, *target, prefix="Part 3: ") for target in PART3_TARGETS.get(context, ())]
     return out + _preset_lines(pts)
 
 
@@ -338,8 +348,17 @@ def _preset_lines(pts: list[Point]) -> list[str]:
         else:
             rank = f"**`{best.cache}` has a lower KL** there ({best.kl:.4f} at {best.bits:.2f} bits)"
         out.append(f"- Preset `{name}` = `{cell}`: {mine.bits:.2f} bits ({within} its {budget}-bit budget), "
-                   f"KL {mine.kl:.4f}, top-1 {mine.top1:.1%}; {rank}.")  # fmt: skip
+                   f"KL {mine.kl:.4f}{_worst_clause(mine)}, top-1 {mine.top1:.1%}; {rank}.")  # fmt: skip
     return out
+
+
+def _worst_clause(p: Point) -> str:
+    """``" (worst text 0.0468, 1.5× the mean: within 2×)"``, or ``""`` when the cell did not record it."""
+    if p.kl_worst != p.kl_worst or p.kl <= 0:
+        return ""
+    factor = p.kl_worst / p.kl
+    verdict = "within" if factor <= WORST_TEXT_FACTOR else "**over**"
+    return f" (worst text {p.kl_worst:.4f}, {factor:.1f}× the mean: {verdict} {WORST_TEXT_FACTOR:g}×)"
 
 
 def _decode_sentence(rows: list[dict[str, Any]]) -> str:
