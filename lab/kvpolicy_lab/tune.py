@@ -163,8 +163,11 @@ def simulated_bits(
     """The most bits per element a composition holds after ``context + e`` tokens, for each ``e`` of
     ``extra`` (full-precision tensors counted at 16 bits), fed random keys and values of the model's
     shape (one batch row). None of the searched policies looks at the data, so this is what a model
-    run of those lengths holds."""
+    run of those lengths holds. A hybrid model's figure counts its full-attention layers, the ones a cache
+    compresses (:func:`~kvpolicy_lab.eval.caches.budget_bits`: the sliding-window layers stay transformers'
+    own at 16 bits whatever the composition)."""
     from kvpolicy.cache import CompressedCache
+    from kvpolicy_lab.eval.caches import budget_bits
 
     text = config.get_text_config(decoder=True)
     heads = text.num_key_value_heads
@@ -179,7 +182,7 @@ def simulated_bits(
             cache.update(x, x, i)
         length = target
         if target > context or not extra:
-            most = max(most, cache.memory_report().bits_per_element_16bit)
+            most = max(most, budget_bits(cache, config, target))
     return most
 
 
@@ -280,9 +283,10 @@ def grid(
 
 
 def read_scores(run_dir: Path) -> dict[str, dict[str, float]]:
-    """``{cache label: {"kl", "kl_se", "top1", "bits"}}`` from a run directory's results."""
+    """``{cache label: {"kl", "kl_se", "top1", "bits"}}`` from a run directory's results; ``bits`` counts a hybrid
+    model's full-attention layers (``bits_per_element_16_global``), as the budget does."""
     out: dict[str, dict[str, float]] = {}
-    names = {"kl": "kl", "top1": "top1", "bits_per_element_16": "bits"}
+    names = {"kl": "kl", "top1": "top1", "bits_per_element_16": "bits", "bits_per_element_16_global": "global"}
     for line in (run_dir / "results.jsonl").read_text().splitlines():
         row = json.loads(line)
         if row.get("task") == "lm" and row.get("metric") in names:
@@ -290,6 +294,9 @@ def read_scores(run_dir: Path) -> dict[str, dict[str, float]]:
             entry[names[row["metric"]]] = float(row["value"])
             if row["metric"] == "kl" and row.get("se") is not None:
                 entry["kl_se"] = float(row["se"])
+    for entry in out.values():
+        if "global" in entry:
+            entry["bits"] = entry.pop("global")
     return out
 
 

@@ -243,3 +243,26 @@ def test_the_8k_preset_holds_at_most_2_5_bits_at_8k_and_centres_its_keys():
     args = tomllib.loads(path.read_text())["cache"]
     bits = simulated_bits(args, config, 8192, extra=(128,))
     assert 2.3 < bits <= 2.5
+
+
+def test_a_hybrid_model_budget_counts_its_full_attention_layers():
+    """On Gemma-3's layout the sliding-window layers stay transformers' own at 16 bits: the budget counts the
+    full-attention layer that a composition compresses, with the bytes the ablation records for it."""
+    import torch
+
+    from kvpolicy.tiny import tiny_gemma3
+    from kvpolicy_lab.eval.caches import baseline_bytes, held_bytes
+
+    config = tiny_gemma3().config
+    args = {"policy": "log", "window": 4, "bits": 2, "group_size": 16}
+    bits = simulated_bits(args, config, 200, (1,))
+    cache = CompressedCache(**args, config=config, backend="torch")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):  # 200 tokens, then 1: the figure after the longer run
+        step = 200 if not cache.get_seq_length() else 1
+        for i in range(len(cache.layers)):
+            x = torch.randn(1, 1, step, 64, generator=g)
+            cache.update(x, x, i)
+    global_16 = 16 * held_bytes(cache, at_16bit=True, layers=[5]) / baseline_bytes(config, 201, layers=[5])
+    assert bits == pytest.approx(global_16, rel=1e-12)
+    assert 2 < bits < cache.memory_report().bits_per_element_16bit - 1  # the whole cache: the windows weigh in

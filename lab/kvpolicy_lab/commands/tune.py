@@ -121,7 +121,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="smollm2",
                    help="smollm2, gemma3-270m, tiny-<llama|qwen2|mistral>[-LAYERS], a local path or a hub id "
                    "(a hub id not in the local cache needs --online)")  # fmt: skip
-    p.add_argument("--budget-bits", type=positive_float, required=True, help="bits per element, everything held")
+    p.add_argument(
+        "--budget-bits",
+        type=positive_float,
+        required=True,
+        help="bits per element, everything held (a hybrid model's: over its full-attention layers)",
+    )
     p.add_argument("--context", type=positive_int, default=2048, help="context tokens")
     p.add_argument("--preset-file", dest="preset", type=out_file, required=True, metavar="FILE",
                    help="the preset file to write (.toml; CompressedCache.from_config reads it)")  # fmt: skip

@@ -244,6 +244,26 @@ def global_layers(config: Any) -> list[int] | None:
     return [i for i, kind in enumerate(kinds) if kind == "full_attention"]
 
 
+def budget_bits(cache: Any, config: Any, tokens: int) -> float:
+    """The bits per element a budget counts, full-precision tensors at 16 bits: over a hybrid model's
+    full-attention layers (:func:`global_layers`, the layers a cache compresses), else over every layer
+    (the cache's memory report).
+
+    Parameters
+    ----------
+    cache : Any
+        A cache after ``tokens`` tokens of one batch row.
+    config : Any
+        The model's configuration.
+    tokens : int
+        Tokens the cache has seen.
+    """
+    layers = global_layers(config)
+    if not layers:
+        return float(cache.memory_report().bits_per_element_16bit)
+    return 16 * held_bytes(cache, at_16bit=True, layers=layers) / baseline_bytes(config, tokens, layers=layers)
+
+
 def analysed_layers(config: Any, analysis: str) -> list[int] | None:
     """:func:`global_layers` for an analysis of compressed history (``analysis``, e.g. ``"analyze
     attention"``): ``None`` (every layer), or a hybrid model's full-attention layers.
