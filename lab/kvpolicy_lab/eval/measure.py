@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from kvpolicy_lab.eval.caches import baseline_bytes, global_layers, held_bytes
+from kvpolicy_lab.eval.caches import baseline_bytes, budget_bits, global_layers, held_bytes
 from kvpolicy_lab.eval.metrics import last_only, next_token_kl, nll
 from kvpolicy_lab.eval.probes import AttentionErrorProbe
 from kvpolicy_lab.eval.stats import mean_se
@@ -205,8 +205,7 @@ def _finish_bytes(cache: Any, model: torch.nn.Module, tokens: int) -> list[Metri
     ]
     layers = global_layers(model.config)
     if layers:
-        wide = baseline_bytes(model.config, tokens, layers=layers)
-        out.append(Metric("bits_per_element_16_global", 16 * held_bytes(cache, at_16bit=True, layers=layers) / wide,
+        out.append(Metric("bits_per_element_16_global", budget_bits(cache, model.config, tokens),
                           extra={"layers": layers}))  # fmt: skip
     return out
 
