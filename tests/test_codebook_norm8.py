@@ -54,6 +54,23 @@ def test_decoded_scales_are_within_the_documented_bound(top, spread, seed):
     assert float(err.max()) <= NORM_REL_ERROR + F32
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.floats(min_value=2.0**-126, max_value=2.0**127.98, allow_subnormal=False))
+def test_any_normal_float32_scale_alone_in_its_row_decodes_within_the_bound(scale):
+    s = torch.tensor([[[scale, 0.0]]], dtype=torch.float32)
+    codes, base = codebook.encode_scales(s)
+    decoded = codebook.decode_scales(codes, base).double()
+    assert int(codes[0, 0, 1]) == 0 and float(decoded[0, 0, 1]) == 0.0
+    assert abs(float(decoded[0, 0, 0]) / float(s[0, 0, 0]) - 1) <= NORM_REL_ERROR + F32
+    assert codebook.BASE_MIN <= int(base) <= codebook.BASE_MAX
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, torch.finfo(torch.float32).max])
+def test_encoding_refuses_scales_no_code_holds(bad):
+    with pytest.raises(ValueError, match="one-byte scales hold finite scales"):
+        codebook.encode_scales(torch.tensor([[[1.0, bad]]]))
+
+
 def test_the_bound_is_reached_just_above_a_midpoint_between_grid_points():
     """``log2 s`` goes to the nearest 1/32: a scale just short of halfway below a grid point decodes to
     that point, off by (almost exactly) the bound."""

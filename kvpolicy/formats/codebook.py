@@ -169,7 +169,7 @@ def scale_grid(scales: torch.Tensor) -> torch.Tensor:
 
 
 def encode_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One-byte log-scale codes of finite, non-negative float32 ``scales`` ``(B, H, n)``.
+    """One-byte log-scale codes of float32 ``scales`` ``(B, H, n)`` (one host synchronisation, for the check).
 
     The largest scale of each batch row and head takes code :data:`NORM_TOP`; code ``c ≥ 1`` stands for
     ``2^((β + c) / NORM_STEPS)``; a zero scale, or one more than ``NORM_TOP − 1`` steps below the largest
@@ -183,8 +183,21 @@ def encode_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     base : torch.Tensor
         ``β``, ``(B, H, 1)`` int16 in ``[BASE_MIN, BASE_MAX]`` (``BASE_MIN``: a row and head without a
         nonzero scale).
+
+    Raises
+    ------
+    ValueError
+        If a scale is NaN, infinite, negative or at least ``2^((GRID_MAX + 0.5) / NORM_STEPS)`` (just
+        below float32's maximum: it would decode to infinity); nothing is encoded.
     """
     grid = scale_grid(scales)
+    bad = ~torch.isfinite(scales) | (scales < 0) | (grid > GRID_MAX)
+    if bool(bad.any()):
+        worst = scales[bad][0].item()
+        raise ValueError(
+            f"one-byte scales hold finite scales in [0, 2^{(GRID_MAX + 0.5) / NORM_STEPS:.4f}); got "
+            f"{int(bad.sum())} outside it (e.g. {worst!r})"
+        )
     if grid.shape[-1]:
         top = grid.amax(dim=-1, keepdim=True).clamp_(GRID_MIN, GRID_MAX)
     else:
@@ -406,24 +419,22 @@ def quantize(x: torch.Tensor, bits: int, mdtype: torch.dtype, backend: Any = "to
 
 
 def _one_byte_scales(x: torch.Tensor, scales: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`encode_scales` of the float32 ``scales`` of ``x``, refusing what a code cannot hold (one host
-    synchronisation)."""
-    grid = scale_grid(scales)
-    bad = ~torch.isfinite(scales) | (grid > GRID_MAX)
-    if bool(bad.any()):
+    """:func:`encode_scales` of the float32 ``scales`` of ``x``; what a code cannot hold is refused with the
+    error that says why (non-finite input, or a norm beyond float32)."""
+    try:
+        return encode_scales(scales)
+    except ValueError as exc:
         if not bool(torch.isfinite(x).all()):
             raise NonFiniteError(
                 f"backend {backend!r}: codebook vectors holding NaN or Inf reached the quantizer; one-byte scales "
                 "(norm_bits=8) have no code for a non-finite scale. Fix the model inputs/dtype, or keep "
                 "Quantize(check_finite=True), which refuses them first"
-            )
+            ) from None
         raise MetadataOverflowError(
-            f"backend {backend!r}: {int(bad.sum())} finite codebook vector(s) have a norm beyond float32's range "
-            f"(largest |value| {float(x.detach().abs().amax()):.4g}); one-byte scales (norm_bits=8) decode in "
-            "float32 and hold scales below 2^128. The model's keys/values are overflowing; check the model and "
-            "the dtype it runs in"
-        )
-    return encode_scales(scales)
+            f"backend {backend!r}: finite codebook vectors have a norm beyond float32's range (largest |value| "
+            f"{float(x.detach().abs().amax()):.4g}): {exc}; one-byte scales (norm_bits=8) decode in float32. The "
+            "model's keys/values are overflowing; check the model and the dtype it runs in"
+        ) from None
 
 
 def unit_vectors(q: CodebookTensor) -> torch.Tensor:
