@@ -146,11 +146,12 @@ class Quantize(Action):
     norm_bits : {16, 8}, optional
         Codebook kinds only: the bits of each vector's scale (default 16, the metadata dtype). 8 stores
         a one-byte log-scale code (``bits + 8 / head_dim`` bits per element instead of
-        ``bits + 16 / head_dim``): each scale within 1.09 % of its exact value, for vectors within a
-        factor of about 245 of the longest of their batch row and head; shorter ones are stored as
-        zeros (:class:`~kvpolicy.formats.Codebook`). Applies to every codebook kind (with a min-max
-        kind beside it, to the codebook kind alone; with no codebook kind it is an error). Needs a
-        backend whose capabilities list 8 in ``codebook_norm_bits`` (``torch``, ``cpu``).
+        ``bits + 16 / head_dim``): each scale within 0.54 % of its exact value for vectors within a
+        factor 7.9 of the longest of their batch row and head, within 2.75 % down to a factor of about
+        120; shorter ones are stored as zeros (:mod:`kvpolicy.formats.scale_codes`). Applies to every
+        codebook kind (with a min-max kind beside it, to the codebook kind alone; with no codebook kind
+        it is an error). Needs a backend whose capabilities list 8 in ``codebook_norm_bits``
+        (``torch``, ``cpu``).
     fit : {"minmax", "mse"}, optional
         How each min-max group's range is chosen, for keys and values alike (the shorthand for
         ``key_fit`` and ``value_fit``). Default: ``"mse"`` for keys, ``"minmax"`` for values

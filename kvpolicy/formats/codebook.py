@@ -16,10 +16,8 @@ per-group zero-point: bits per element are ``bits + 16 / head_dim`` (2.25 at 2 b
 ``head_dim=64``), against ``bits + 32 / G`` for min-max groups of ``G``.
 
 With ``norm_bits=8`` (:class:`Codebook`) the scale is a one-byte log-scale code instead
-(``bits + 8 / head_dim`` bits per element, plus one 16-bit base per batch row and head of a stream):
-code ``c ≥ 1`` stands for ``s = 2^((β + c) / 16)``, ``c = 0`` for ``s = 0``, where ``β``
-(:attr:`CodebookTensor.scale_base`) is shared by the stream's tokens of one batch row and head
-(:func:`encode_scales`, :func:`decode_scales`).
+(``bits + 8 / head_dim`` bits per element, plus one 16-bit base per batch row and head of a stream,
+:attr:`CodebookTensor.scale_base`; :mod:`kvpolicy.formats.scale_codes`).
 
 This is TurboQuant's MSE stage (arXiv 2504.19874) with the norm correction of vLLM's implementation.
 Decode attention reads the codes directly (:func:`attend`): scores are the rotated query against the
@@ -67,25 +65,12 @@ from kvpolicy.formats.base import (
     widen_remedy,
 )
 from kvpolicy.formats.packed import pack, unpack
+from kvpolicy.formats.scale_codes import BASE_MAX, BASE_MIN, decode_scales, encode_scales, rebase
 
 #: code widths the codebook scheme serves
 CODEBOOK_BITS = (2, 3, 4)
 #: widths of the per-vector scale: the metadata dtype (16 bits) or a one-byte log-scale code
 NORM_BITS = (16, 8)
-#: one-byte log-scale codes: steps per octave (``log2 s`` is rounded to a multiple of ``1 / NORM_STEPS``)
-NORM_STEPS = 32
-#: the largest one-byte code; a batch row and head's largest scale takes it
-NORM_TOP = 255
-#: the relative error bound of a one-byte scale: ``|ŝ / s − 1| ≤ 2^(1 / (2 · NORM_STEPS)) − 1`` (1.09 %)
-#: plus float32 rounding, for scales within ``2^(−(NORM_TOP − 1) / NORM_STEPS)`` (about 1 / 245) of
-#: the largest of their batch row and head
-NORM_REL_ERROR = 2.0 ** (1.0 / (2 * NORM_STEPS)) - 1.0
-#: grid indices ``round(NORM_STEPS · log2 s)`` of float32 scales: the smallest positive float32 (2^-149)
-#: gives the lowest; the highest decodes below float32's maximum (``2^((e + 0.5) / 16) < 2^128``)
-GRID_MIN, GRID_MAX = -149 * NORM_STEPS, 128 * NORM_STEPS - 1
-#: the range of :attr:`CodebookTensor.scale_base` (``β = top − NORM_TOP``); ``BASE_MIN`` marks a batch
-#: row and head with no nonzero scale (every code 0), so that concatenation ignores it
-BASE_MIN, BASE_MAX = GRID_MIN - NORM_TOP, GRID_MAX - NORM_TOP
 #: Lloyd iterations: the cells of a 4-bit codebook settle to float64 precision well before this
 _ITERATIONS = 3000
 
@@ -151,84 +136,6 @@ def centroids(bits: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return _tables(bits, str(torch.device(device)))[0]
 
 
-@functools.cache
-def _octave_steps(device: str) -> torch.Tensor:
-    """``2^(j / NORM_STEPS)`` for ``j < NORM_STEPS``, float32 on ``device`` (rounded once, from float64)."""
-    return torch.tensor([2.0 ** (j / NORM_STEPS) for j in range(NORM_STEPS)], dtype=torch.float32, device=device)
-
-
-def scale_grid(scales: torch.Tensor) -> torch.Tensor:
-    """``round(NORM_STEPS · log2 s)`` of positive float32 scales, int32 (zeros: ``GRID_MIN − 1``).
-
-    Rounding ``log2 s`` to the nearest grid point is the one-byte code's only error: the decoded
-    scale is within a factor ``2^(±1 / (2 · NORM_STEPS))`` of ``s``. Non-finite scales give
-    meaningless indices; :func:`quantize` refuses them first.
-    """
-    grid = torch.round(scales.double().log2() * NORM_STEPS)
-    return torch.where(scales > 0, grid, GRID_MIN - 1).to(torch.int32)
-
-
-def encode_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One-byte log-scale codes of float32 ``scales`` ``(B, H, n)`` (one host synchronisation, for the check).
-
-    The largest scale of each batch row and head takes code :data:`NORM_TOP`; code ``c ≥ 1`` stands for
-    ``2^((β + c) / NORM_STEPS)``; a zero scale, or one more than ``NORM_TOP − 1`` steps below the largest
-    (a vector about 245 times shorter than the longest of its row and head), is code 0 (``s = 0``:
-    the vector comes back as zeros, off by no more than its own norm).
-
-    Returns
-    -------
-    codes : torch.Tensor
-        ``(B, H, n)`` uint8.
-    base : torch.Tensor
-        ``β``, ``(B, H, 1)`` int16 in ``[BASE_MIN, BASE_MAX]`` (``BASE_MIN``: a row and head without a
-        nonzero scale).
-
-    Raises
-    ------
-    ValueError
-        If a scale is NaN, infinite, negative or at least ``2^((GRID_MAX + 0.5) / NORM_STEPS)`` (just
-        below float32's maximum: it would decode to infinity); nothing is encoded.
-    """
-    grid = scale_grid(scales)
-    bad = ~torch.isfinite(scales) | (scales < 0) | (grid > GRID_MAX)
-    if bool(bad.any()):
-        worst = scales[bad][0].item()
-        raise ValueError(
-            f"one-byte scales hold finite scales in [0, 2^{(GRID_MAX + 0.5) / NORM_STEPS:.4f}); got "
-            f"{int(bad.sum())} outside it (e.g. {worst!r})"
-        )
-    if grid.shape[-1]:
-        top = grid.amax(dim=-1, keepdim=True).clamp_(GRID_MIN, GRID_MAX)
-    else:
-        top = grid.new_full((*grid.shape[:-1], 1), GRID_MIN)
-    base = top - NORM_TOP
-    codes = grid - base
-    codes = torch.where(codes >= 1, codes, 0)
-    return codes.to(torch.uint8), base.to(torch.int16)
-
-
-def decode_scales(codes: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-    """The float32 scales ``(B, H, n)`` of one-byte codes ``(B, H, n)`` uint8 around ``base`` ``(B, H, 1)``
-    int16 (:func:`encode_scales`): ``2^((β + c) / NORM_STEPS)``, zero for code 0.
-
-    Computed as a table entry ``2^(j / NORM_STEPS)`` times an exact power of two, so every device
-    decodes the same float32 bits (kernels decode through this function).
-    """
-    k = base.to(torch.int32) + codes.to(torch.int32)
-    octave = torch.div(k, NORM_STEPS, rounding_mode="floor")
-    step = k - octave * NORM_STEPS
-    out = _octave_steps(str(codes.device))[step.long()] * torch.exp2(octave.to(torch.float32))
-    return torch.where(codes == 0, 0.0, out)
-
-
-def rebase(codes: torch.Tensor, base: torch.Tensor, new_base: torch.Tensor) -> torch.Tensor:
-    """``codes`` around ``base`` re-expressed around ``new_base >= base`` (both ``(B, H, 1)``): exact for
-    every code that stays ``>= 1``; codes that fall below become 0 (see :func:`encode_scales`)."""
-    shifted = codes.to(torch.int32) - (new_base.to(torch.int32) - base.to(torch.int32))
-    return torch.where((codes > 0) & (shifted >= 1), shifted, 0).to(torch.uint8)
-
-
 @dataclass
 class CodebookTensor(QTensor):
     """Bit-packed Lloyd-Max indices with one scale per vector.
@@ -240,7 +147,8 @@ class CodebookTensor(QTensor):
         `~kvpolicy.formats.packed.pack` packs).
     scales : torch.Tensor
         ``(batch, kv_heads, tokens)`` in the metadata dtype: ``‖x − μ‖ / ‖C[codes]‖``; with 8-bit norms
-        (:attr:`scale_base` set) ``uint8`` one-byte log-scale codes of it (:func:`encode_scales`).
+        (:attr:`scale_base` set) ``uint8`` one-byte log-scale codes of it
+        (:func:`~kvpolicy.formats.scale_codes.encode_scales`).
     centre : torch.Tensor or None
         ``(batch, kv_heads, 1, head_dim)`` in the metadata dtype: ``μ``, shared by every token of the
         block (``None``: no centre, ``μ = 0``).
@@ -369,8 +277,8 @@ def quantize(x: torch.Tensor, bits: int, mdtype: torch.dtype, backend: Any = "to
         ``mdtype``; the rounded ``μ`` is the one subtracted, so ``x̂ = μ + s · C[codes]`` holds for
         the stored ``μ``).
     norm_bits : {16, 8}
-        16: scales in ``mdtype``; 8: one-byte log-scale codes (:func:`encode_scales`), each decoded
-        scale within a factor ``2^(±1/64)`` of ``‖x − μ‖ / ‖C[codes]‖`` (:data:`NORM_REL_ERROR`).
+        16: scales in ``mdtype``; 8: one-byte log-scale codes of ``‖x − μ‖ / ‖C[codes]‖``
+        (:mod:`kvpolicy.formats.scale_codes`, whose docstring gives the error bounds).
 
     Raises
     ------
@@ -480,8 +388,7 @@ def cat(blocks: list[CodebookTensor]) -> CodebookTensor:
     """Concatenate blocks of the same width along the token axis.
 
     Blocks of one-byte scales are re-expressed around the largest base of each batch row and head
-    (:func:`rebase`: exact, except that a scale more than ``NORM_TOP − 1`` steps below the new largest
-    becomes 0, as if quantized together).
+    (:func:`~kvpolicy.formats.scale_codes.rebase`: the codes quantizing all their vectors together gives).
     """
     if len(blocks) == 1:
         return blocks[0]
@@ -600,12 +507,13 @@ class Codebook(Format):
     norm_bits : {16, 8}
         Bits of each vector's scale. 16: the scale in the metadata dtype (``bits + 16 / head_dim`` bits
         per element; 32 with ``meta_dtype="float32"``). 8: a one-byte log-scale code
-        (``bits + 8 / head_dim``; :func:`encode_scales`): ``log2 s`` rounded to the nearest 1/32, so
-        each decoded scale is within a factor ``2^(±1/64)`` of the norm-corrected scale (relative error
-        at most 1.09 %, :data:`NORM_REL_ERROR`), for every scale within a factor of about 245 of the
-        largest of its batch row and head in the stream; shorter vectors are stored as zeros (off by no
-        more than their own norm). The grid's base is held once per batch row and head (16 bits).
-        ``meta_dtype`` then sets the centre's dtype alone.
+        (``bits + 8 / head_dim``; :mod:`kvpolicy.formats.scale_codes`): ``log2 s`` on a grid of 1/64
+        octave relative to the largest scale of its batch row and head in the stream, so each decoded
+        scale is within 0.54 % of the norm-corrected scale for scales within 2.98 octaves of that largest,
+        within 2.75 % down to about 6.9 octaves (1/16-octave steps there), and vectors shorter still
+        (about 120 times shorter than the longest) are stored as zeros (off by no more than their own
+        norm). The grid's base is held once per batch row and head (16 bits). ``meta_dtype`` then sets
+        the centre's dtype alone.
     """
 
     bits: int
