@@ -871,7 +871,8 @@ ATTEND_TOLERANCE = {"float64": 1e-6, "float32": 1e-4, "float16": 2e-2, "bfloat16
 def backend_formats(backend: Any) -> list[Any]:
     """The formats :func:`check_backend` checks by default: min-max groups at every width and axis the
     backend's capabilities list (one group size each: 32, or the smallest multiple of its granularity
-    dividing the head dim), and codebook formats at every codebook width when ``"codebook"`` is served."""
+    dividing the head dim), and codebook formats at every codebook width when ``"codebook"`` is served (with
+    one-byte scales too where ``codebook_norm_bits`` lists 8)."""
     from kvpolicy.formats import Codebook, MinMax
 
     caps = backend.capabilities
@@ -882,6 +883,8 @@ def backend_formats(backend: Any) -> list[Any]:
         out += [MinMax(bits, group, axis) for bits in caps.bits for axis in caps.axes]
     if "codebook" in caps.schemes:
         out += [Codebook(bits) for bits in caps.codebook_bits]
+        if 8 in caps.codebook_norm_bits:
+            out += [Codebook(bits, norm_bits=8) for bits in caps.codebook_bits]
     return out
 
 

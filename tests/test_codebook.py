@@ -187,12 +187,13 @@ def test_cache_bytes_are_codes_scales_and_positions_with_no_staging():
     assert seg["zeros"] == 0 and seg["staging"] == 0
 
 
+@pytest.mark.parametrize("norm_bits", [16, 8])  # 8: one-byte scales (also tests/test_codebook_norm8.py)
 @pytest.mark.parametrize("key_centre", [False, True])
-def test_saved_cache_continues_identically(tmp_path, key_centre):
+def test_saved_cache_continues_identically(tmp_path, key_centre, norm_bits):
     model = tiny_model("llama")
     ids = torch.randint(3, 96, (2, 40), generator=torch.Generator().manual_seed(2))
     cache = CompressedCache(policy="log", window=4, key_bits=3, value_bits=2, scheme="codebook", transform="hadamard",
-                            key_centre=key_centre)  # fmt: skip
+                            key_centre=key_centre, norm_bits=norm_bits)  # fmt: skip
     with torch.no_grad():
         model(ids[:, :30], cache=cache, use_cache=True)
     path = tmp_path / "c.kvc"

@@ -32,6 +32,12 @@ COMPOSITIONS = [
     dict(bits=2, layer_bits={0: 4, 3: (4, 3)}, backend="torch", layout="agnostic", attention="materialized"),
     dict(action="tiered", tiers=[{"bits": 4, "scheme": "codebook"}, {"bits": 2, "scheme": "codebook"}],
          keep=[{"name": "log", "window": 32}], transform="hadamard"),
+    dict(policy="log", window=8, key_bits=3, value_bits=2, scheme="codebook", key_centre=True, norm_bits=8,
+         transform="hadamard"),
+    dict(policy="log", key_bits=4, value_bits=2, value_scheme="codebook", norm_bits=8, transform="hadamard"),
+    dict(action="tiered", tiers=[{"bits": 4, "scheme": "codebook", "norm_bits": 8},
+                                 {"key_bits": 3, "value_bits": 2, "scheme": "codebook", "key_centre": True}],
+         keep=[{"name": "log", "window": 32}], transform="hadamard"),
 ]  # fmt: skip
 
 
@@ -119,6 +125,14 @@ def test_from_dict_refuses_what_it_cannot_trust(edit, error, match):
     edit(data)
     with pytest.raises(error, match=match):
         CacheSpec.from_dict(data, "cache.kvc")
+
+
+@pytest.mark.parametrize("value", [12, "8", True, None])
+def test_from_dict_refuses_a_codebook_norm_width_it_does_not_have(value):
+    data = CacheSpec.resolve(scheme="codebook", norm_bits=8, transform="hadamard").to_dict()
+    data["action"]["params"]["values"]["part"]["params"]["norm_bits"] = value
+    with pytest.raises(ConfigError, match=rf"norm_bits must be one of \[16, 8\]; got norm_bits={value!r}"):
+        CacheSpec.from_dict(json.loads(json.dumps(data)))
 
 
 def test_parts_must_be_parts():

@@ -20,6 +20,7 @@ from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.backends.base import AXES, FITS, META_DTYPES, Backend, QTensor, check_metadata, widen_remedy
 from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
 from kvpolicy.formats.base import Format
+from kvpolicy.formats.codebook import check_norm_bits
 from kvpolicy.layer.parts import Part
 from kvpolicy.policies.base import check_int
 from kvpolicy.positions import POSITION_DTYPE
@@ -142,6 +143,15 @@ class Quantize(Action):
         exact (it is stored and added back); how much it helps depends on how well the first block
         stands for later keys: a left-padded row's mean includes its padding tokens' keys, and a first
         demotion of a few tokens gives a noisy mean. Values are never centred.
+    norm_bits : {16, 8}, optional
+        Codebook kinds only: the bits of each vector's scale (default 16, the metadata dtype). 8 stores
+        a one-byte log-scale code (``bits + 8 / head_dim`` bits per element instead of
+        ``bits + 16 / head_dim``): each scale within 0.54 % of its exact value for vectors within a
+        factor 7.9 of the longest of their batch row and head, within 2.75 % down to a factor of about
+        120; shorter ones are stored as zeros (:mod:`kvpolicy.formats.scale_codes`). Applies to every
+        codebook kind (with a min-max kind beside it, to the codebook kind alone; with no codebook kind
+        it is an error). Needs a backend whose capabilities list 8 in ``codebook_norm_bits``
+        (``torch``, ``cpu``).
     fit : {"minmax", "mse"}, optional
         How each min-max group's range is chosen, for keys and values alike (the shorthand for
         ``key_fit`` and ``value_fit``). Default: ``"mse"`` for keys, ``"minmax"`` for values
@@ -190,15 +200,15 @@ class Quantize(Action):
         value_bits: int | None = None, scheme: str | type[Format] | None = None,
         key_scheme: str | type[Format] | None = None, value_scheme: str | type[Format] | None = None,
         key_centre: bool | None = None, fit: str | None = None, key_fit: str | None = None,
-        value_fit: str | None = None, *, keys: Format | None = None, values: Format | None = None,
-        defaulted: tuple[str, ...] | list[str] | None = None,
+        value_fit: str | None = None, norm_bits: int | None = None, *, keys: Format | None = None,
+        values: Format | None = None, defaulted: tuple[str, ...] | list[str] | None = None,
     ) -> None:  # fmt: skip
         given = {
             "bits": bits, "group_size": group_size, "key_axis": key_axis, "value_axis": value_axis,
             "meta_dtype": meta_dtype, "key_group_size": key_group_size, "value_group_size": value_group_size,
             "key_bits": key_bits, "value_bits": value_bits, "scheme": scheme, "key_scheme": key_scheme,
             "value_scheme": value_scheme, "key_centre": key_centre, "fit": fit, "key_fit": key_fit,
-            "value_fit": value_fit,
+            "value_fit": value_fit, "norm_bits": norm_bits,
         }  # fmt: skip
         given = {name: value for name, value in given.items() if value is not None}
         if given.get("key_centre") is False:
@@ -236,6 +246,12 @@ class Quantize(Action):
                 continue
             other = classes["values" if role == "keys" else "keys"]
             built[role] = _role_format(kind, classes[role], other, given, filled)
+        if "norm_bits" in given and not any(_has_norm_bits(type(f)) for f in built.values()):
+            raise ConfigError(
+                f"Quantize: norm_bits={given['norm_bits']!r} sets the width of codebook scales; neither kind is "
+                f"quantized with scheme='codebook' (keys: {built['keys'].name!r}, values: {built['values'].name!r}). "
+                "Pass scheme='codebook', or drop norm_bits"
+            )
         if defaulted is not None:
             if isinstance(defaulted, str) or not isinstance(defaulted, (tuple, list)):
                 raise ConfigError(f"Quantize: defaulted must be a list of {list(DEFAULTABLE)}; got {defaulted!r}")
@@ -322,6 +338,8 @@ class Quantize(Action):
                     out += [(f"{kind}_group_size", fmt.group_size), (f"{kind}_axis", fmt.axis)]
             if k.centre:
                 out.append(("key_centre", True))
+            if any(getattr(f, "norm_bits", 16) != 16 for f in (k, v)):
+                out.append(("norm_bits", max(getattr(f, "norm_bits", 16) for f in (k, v))))  # type: ignore[type-var]
             out.append(("check_finite", self.check_finite))
         if k.meta_dtype != "auto":
             out.append(("meta_dtype", k.meta_dtype))
@@ -345,6 +363,13 @@ class Quantize(Action):
         for kind, fmt in self.roles():
             if not fmt.grouped:
                 backend.check_scheme(fmt.name, fmt.bits, role=kind)
+        for kind, fmt in self.roles():
+            norm = getattr(fmt, "norm_bits", 16)
+            if norm not in caps.codebook_norm_bits:
+                raise ConfigError(
+                    f"backend {backend.name!r} does not read codebook {kind}s with norm_bits={norm}; it supports "
+                    f"norm_bits in {list(caps.codebook_norm_bits)} (norm_bits=8: backends 'torch' and 'cpu')"
+                )
         if self.keys.centre and not caps.codebook_centre:
             raise ConfigError(
                 f"backend {backend.name!r} does not store centred codebook blocks (key_centre=True); backends "
@@ -517,6 +542,8 @@ def _role_format(kind: str, cls: type[Format], other: type[Format], given: dict[
                 "Quantize: key_centre=True centres codebook keys; the keys' scheme is "
                 f"{cls.name!r}, whose blocks take no centre. Pass key_scheme='codebook', or drop key_centre"
             )
+        if "norm_bits" in given and _has_norm_bits(cls):
+            return cls.from_options(bits, None, "token", "minmax", meta, centre, norm_bits=given["norm_bits"])
         return cls.from_options(bits, None, "token", "minmax", meta, centre)
     if kind == "key" and given.get("key_centre"):
         raise ConfigError(
@@ -533,6 +560,11 @@ def _role_format(kind: str, cls: type[Format], other: type[Format], given: dict[
         if kind == "key":
             filled.add("keys.fit")
     return cls.from_options(bits, group, axis, fit, meta, False)
+
+
+def _has_norm_bits(cls: type[Format]) -> bool:
+    """Whether a format class has a ``norm_bits`` parameter (the width of a per-vector scale)."""
+    return dataclasses.is_dataclass(cls) and any(f.name == "norm_bits" for f in dataclasses.fields(cls))
 
 
 def _check_shortcuts(given: dict[str, Any]) -> None:
@@ -564,6 +596,8 @@ def _check_shortcuts(given: dict[str, Any]) -> None:
                     )
     if "key_centre" in given and not isinstance(given["key_centre"], bool):
         raise ConfigError(f"Quantize: key_centre must be a bool; got key_centre={given['key_centre']!r}")
+    if "norm_bits" in given:
+        check_norm_bits("Quantize", "norm_bits", given["norm_bits"])
     meta = given.get("meta_dtype", "auto")
     if not isinstance(meta, str) or meta not in META_DTYPES:
         raise ConfigError(f"Quantize: meta_dtype must be one of {list(META_DTYPES)}; got meta_dtype={meta!r}")

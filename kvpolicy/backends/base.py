@@ -71,6 +71,9 @@ class Capabilities:
     codebook_centre : bool
         Whether codebook blocks may carry a centre (``quantize(x, Codebook(..., centre=True), centre=μ)``,
         read back by ``dequantize`` and ``attend``): what ``Quantize(key_centre=True)`` needs.
+    codebook_norm_bits : tuple of int
+        Widths of codebook scales read back by ``dequantize`` and ``attend`` (``Codebook(norm_bits=...)``):
+        16 (the metadata dtype), and 8 (one-byte log-scale codes) where listed.
     fits : tuple of str
         How min-max groups may choose their range (see :data:`FITS`): the ``fit`` of the
         :class:`~kvpolicy.formats.MinMax` specs ``quantize`` is handed. The stored block is
@@ -94,6 +97,7 @@ class Capabilities:
     schemes: tuple[str, ...] = ("minmax",)
     codebook_bits: tuple[int, ...] = ()
     codebook_centre: bool = False
+    codebook_norm_bits: tuple[int, ...] = (16,)
     fits: tuple[str, ...] = ("minmax",)
     reference_formats: bool = False
 

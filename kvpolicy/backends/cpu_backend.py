@@ -17,7 +17,9 @@ one scale per token, Lloyd-Max indices) are read by the same kernel: codebook ke
 
 The kernel covers: **keys** min-max grouped per channel (the default, KIVI's) or codebook; **values**
 min-max grouped per token or codebook; **2, 3 or 4 bits** (any key/value pair), with float16, bfloat16 or
-float32 metadata (every ``meta_dtype``, the same for keys and values). Other min-max layouts or widths are
+float32 metadata (every ``meta_dtype``, the same for keys and values), and codebook blocks with one-byte
+scales (``norm_bits=8``), whose small ``(B, H, n)`` scale vector is decoded to float32 before the kernel runs
+(the other role's metadata is then read as float32 too, exactly). Other min-max layouts or widths are
 refused when a cache is built (``check``), not run some other way: use ``backend="torch"`` for them.
 Nothing falls back to the ``torch`` computation at decode time.
 """
@@ -44,6 +46,11 @@ AXIS_BY_ROLE = {"key": "channel", "value": "token"}
 CODEBOOK_TILE = 64
 
 
+def _decoded(*blocks: QTensor) -> bool:
+    """Whether a block holds one-byte codebook scales (read by the kernel as decoded float32 scales)."""
+    return any(getattr(b, "scale_base", None) is not None for b in blocks)
+
+
 class CpuBackend(TorchBackend):
     """``torch`` storage plus a compiled C++ ``attend`` (see the module docstring).
 
@@ -65,6 +72,7 @@ class CpuBackend(TorchBackend):
         schemes=SCHEMES,
         codebook_bits=codebook.CODEBOOK_BITS,
         codebook_centre=True,
+        codebook_norm_bits=codebook.NORM_BITS,
         fits=FITS,
     )
 
@@ -107,6 +115,10 @@ class CpuBackend(TorchBackend):
     def _codebook_args(self, q: CodebookTensor, role: str) -> tuple:
         self.check_scheme("codebook", q.bits, role=role)
         codes, scales = q.codes, q.scales
+        if q.scale_base is not None:
+            # one-byte log-scale codes (norm_bits=8): the kernel reads float scales, so the (B, H, n) vector
+            # is decoded first, by the format's own decoder (bit for bit the reference's scales)
+            scales = q.scale_values()
         if codes.device.type != "cpu" or scales.device.type != "cpu":
             raise ConfigError(f"backend 'cpu' runs on CPU tensors; got {role}s on {codes.device.type!r}")
         b, h, n, d = q.shape
@@ -194,6 +206,9 @@ class CpuBackend(TorchBackend):
             raise ConfigError(
                 f"backend 'cpu': values of shape {values.shape} do not hold the tokens of keys {keys.shape}"
             )
+        if ks.dtype != vs.dtype and torch.float32 in (ks.dtype, vs.dtype) and _decoded(keys, values):
+            # decoded one-byte scales are float32: the other role's metadata widens exactly to it
+            ks, kz, vs, vz = (None if t is None else t.float() for t in (ks, kz, vs, vz))
         if ks.dtype != vs.dtype:
             raise ConfigError(
                 f"backend 'cpu': keys and values must share their metadata dtype; got {ks.dtype} and {vs.dtype}"

@@ -47,6 +47,7 @@ class TorchBackend(Backend):
         schemes=SCHEMES,
         codebook_bits=codebook.CODEBOOK_BITS,
         codebook_centre=True,
+        codebook_norm_bits=codebook.NORM_BITS,
         fits=FITS,
         reference_formats=True,
     )

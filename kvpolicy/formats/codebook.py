@@ -15,6 +15,10 @@ and the reconstruction's norm is biased low by the quantization's lost energy). 
 per-group zero-point: bits per element are ``bits + 16 / head_dim`` (2.25 at 2 bits with
 ``head_dim=64``), against ``bits + 32 / G`` for min-max groups of ``G``.
 
+With ``norm_bits=8`` (:class:`Codebook`) the scale is a one-byte log-scale code instead
+(``bits + 8 / head_dim`` bits per element, plus one 16-bit base per batch row and head of a stream,
+:attr:`CodebookTensor.scale_base`; :mod:`kvpolicy.formats.scale_codes`).
+
 This is TurboQuant's MSE stage (arXiv 2504.19874) with the norm correction of vLLM's implementation.
 Decode attention reads the codes directly (:func:`attend`): scores are the rotated query against the
 centroid values, times each key's scale; the output is the probabilities times each value's scale
@@ -46,7 +50,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvpolicy import state_check
-from kvpolicy.errors import ConfigError
+from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
 from kvpolicy.formats.base import (
     Format,
     QTensor,
@@ -61,9 +65,12 @@ from kvpolicy.formats.base import (
     widen_remedy,
 )
 from kvpolicy.formats.packed import pack, unpack
+from kvpolicy.formats.scale_codes import BASE_MAX, BASE_MIN, decode_scales, encode_scales, rebase
 
 #: code widths the codebook scheme serves
 CODEBOOK_BITS = (2, 3, 4)
+#: widths of the per-vector scale: the metadata dtype (16 bits) or a one-byte log-scale code
+NORM_BITS = (16, 8)
 #: Lloyd iterations: the cells of a 4-bit codebook settle to float64 precision well before this
 _ITERATIONS = 3000
 
@@ -139,10 +146,15 @@ class CodebookTensor(QTensor):
         ``uint8``, ``(batch, kv_heads, tokens, head_dim * bits // 8)`` (packed as
         `~kvpolicy.formats.packed.pack` packs).
     scales : torch.Tensor
-        ``(batch, kv_heads, tokens)`` in the metadata dtype: ``‖x − μ‖ / ‖C[codes]‖``.
+        ``(batch, kv_heads, tokens)`` in the metadata dtype: ``‖x − μ‖ / ‖C[codes]‖``; with 8-bit norms
+        (:attr:`scale_base` set) ``uint8`` one-byte log-scale codes of it
+        (:func:`~kvpolicy.formats.scale_codes.encode_scales`).
     centre : torch.Tensor or None
         ``(batch, kv_heads, 1, head_dim)`` in the metadata dtype: ``μ``, shared by every token of the
         block (``None``: no centre, ``μ = 0``).
+    scale_base : torch.Tensor or None
+        ``(batch, kv_heads, 1)`` int16: ``β`` of the one-byte scale codes, shared by every token of a
+        batch row and head (``None``: scales held in the metadata dtype).
     """
 
     codes: torch.Tensor
@@ -151,26 +163,43 @@ class CodebookTensor(QTensor):
     shape: tuple[int, int, int, int]
     dtype: torch.dtype
     centre: torch.Tensor | None = None
+    scale_base: torch.Tensor | None = None
+
+    @property
+    def norm_bits(self) -> int:
+        """Bits of each stored scale: 8 (one-byte log-scale codes) or 16 (the metadata dtype; 32 with
+        float32 metadata)."""
+        return 8 if self.scale_base is not None else 16
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Codes and scales; the centre, an offset shared by every token, under ``zeros`` (the
-        zero-points of memory reports)."""
+        zero-points of memory reports); the one-byte scales' base under ``scale_base``."""
         out = {"codes": self.codes, "scales": self.scales}
         if self.centre is not None:
             out["zeros"] = self.centre
+        if self.scale_base is not None:
+            out["scale_base"] = self.scale_base
         return out
+
+    def scale_values(self) -> torch.Tensor:
+        """The scales ``s`` as float32 ``(batch, kv_heads, tokens)`` (one-byte codes decoded)."""
+        if self.scale_base is None:
+            return self.scales.float()
+        return decode_scales(self.scales, self.scale_base)
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> CodebookTensor:
         codes, scales = fn(self.codes), fn(self.scales)
         centre = None if self.centre is None else fn(self.centre)
-        return CodebookTensor(codes, scales, self.bits, (codes.shape[0], *self.shape[1:]), self.dtype, centre)
+        base = None if self.scale_base is None else fn(self.scale_base)
+        shape = (codes.shape[0], *self.shape[1:])
+        return CodebookTensor(codes, scales, self.bits, shape, self.dtype, centre, base)
 
     def select(self, index: torch.Tensor) -> CodebookTensor:
         """Tokens ``index`` (a 1-D index into the token axis), in that order; the centre is kept."""
         shape = (*self.shape[:2], int(index.numel()), self.shape[3])
         return CodebookTensor(
             self.codes.index_select(2, index), self.scales.index_select(2, index), self.bits, shape, self.dtype,
-            self.centre,
+            self.centre, self.scale_base,
         )  # fmt: skip
 
     def narrow(self, start: int, length: int) -> CodebookTensor:
@@ -180,7 +209,7 @@ class CodebookTensor(QTensor):
         sl = slice(start, start + length)
         return CodebookTensor(
             self.codes[:, :, sl], self.scales[:, :, sl], self.bits, (*self.shape[:2], length, self.shape[3]),
-            self.dtype, self.centre,
+            self.dtype, self.centre, self.scale_base,
         )  # fmt: skip
 
     def dequantize(self) -> torch.Tensor:
@@ -200,7 +229,7 @@ class CodebookTensor(QTensor):
         """The probabilities times each value's scale against the value centroids, plus ``μ`` (:func:`value_mix`)."""
         return value_mix(probs, self)
 
-    layouts: ClassVar[tuple[str, ...]] = ("codebook-v1", "codebook-v2")
+    layouts: ClassVar[tuple[str, ...]] = ("codebook-v1", "codebook-v2", "codebook-v3")
 
     def state(self) -> dict:
         """:func:`state`."""
@@ -227,7 +256,7 @@ def scales_may_overflow(dtype: torch.dtype, mdtype: torch.dtype) -> bool:
 
 def quantize(x: torch.Tensor, bits: int, mdtype: torch.dtype, backend: Any = "torch",
              remedy: Callable[[torch.dtype], str] | None = None,
-             centre: torch.Tensor | None = None) -> CodebookTensor:  # fmt: skip
+             centre: torch.Tensor | None = None, norm_bits: int = 16) -> CodebookTensor:  # fmt: skip
     """Quantize ``x`` ``(batch, kv_heads, tokens, head_dim)`` to a :class:`CodebookTensor`.
 
     Parameters
@@ -247,12 +276,18 @@ def quantize(x: torch.Tensor, bits: int, mdtype: torch.dtype, backend: Any = "to
         ``μ``, ``(batch, kv_heads, 1, head_dim)``: quantize ``x − μ`` and keep ``μ`` (stored in
         ``mdtype``; the rounded ``μ`` is the one subtracted, so ``x̂ = μ + s · C[codes]`` holds for
         the stored ``μ``).
+    norm_bits : {16, 8}
+        16: scales in ``mdtype``; 8: one-byte log-scale codes of ``‖x − μ‖ / ‖C[codes]‖``
+        (:mod:`kvpolicy.formats.scale_codes`, whose docstring gives the error bounds).
 
     Raises
     ------
     MetadataOverflowError
         If a finite vector's scale, or the centre, does not fit ``mdtype``; checked wherever it can
-        (:func:`scales_may_overflow`: always with float16 metadata, float16 input included).
+        (:func:`scales_may_overflow`: always with float16 metadata, float16 input included). With 8-bit
+        norms: a finite vector whose norm overflows float32 (within a small factor of 3.4e38).
+    NonFiniteError
+        With 8-bit norms, a vector holding NaN or Inf (a one-byte code has no NaN to store).
     """
     d = x.shape[-1]
     if (d * bits) % 8 or (bits == 3 and d % 8):
@@ -272,16 +307,42 @@ def quantize(x: torch.Tensor, bits: int, mdtype: torch.dtype, backend: Any = "to
     u = xf * (math.sqrt(d) / norm.clamp_min(torch.finfo(torch.float32).tiny)).unsqueeze(-1)
     codes = torch.bucketize(u, edges, right=True).to(torch.uint8)
     recon_norm = torch.linalg.vector_norm(table[codes.long()], dim=-1)
-    scales = (norm / recon_norm).to(mdtype)  # recon_norm > 0: no centroid is 0 at an even level count
+    exact = norm / recon_norm  # recon_norm > 0: no centroid is 0 at an even level count
+    base = None
+    if norm_bits == 8:
+        scales, base = _one_byte_scales(x, exact, backend_name(backend))
+    else:
+        scales = exact.to(mdtype)
     if scales_may_overflow(x.dtype, mdtype):
         if remedy is not None:
             why = remedy(mdtype)
         else:
             why = widen_remedy(mdtype, ("float32",) if isinstance(backend, str) else backend_meta_dtypes(backend))
-        meta = {"scales": scales} if centre is None else {"scales": scales, "centre": centre}
+        meta = {} if base is not None else {"scales": scales}
+        if centre is not None:
+            meta["centre"] = centre
         check_metadata(backend_name(backend), x, meta, why)
     shape: tuple[int, int, int, int] = tuple(x.shape)  # type: ignore[assignment]
-    return CodebookTensor(pack(codes, bits).contiguous(), scales.contiguous(), bits, shape, x.dtype, centre)
+    return CodebookTensor(pack(codes, bits).contiguous(), scales.contiguous(), bits, shape, x.dtype, centre, base)
+
+
+def _one_byte_scales(x: torch.Tensor, scales: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`encode_scales` of the float32 ``scales`` of ``x``; what a code cannot hold is refused with the
+    error that says why (non-finite input, or a norm beyond float32)."""
+    try:
+        return encode_scales(scales)
+    except ValueError as exc:
+        if not bool(torch.isfinite(x).all()):
+            raise NonFiniteError(
+                f"backend {backend!r}: codebook vectors holding NaN or Inf reached the quantizer; one-byte scales "
+                "(norm_bits=8) have no code for a non-finite scale. Fix the model inputs/dtype, or keep "
+                "Quantize(check_finite=True), which refuses them first"
+            ) from None
+        raise MetadataOverflowError(
+            f"backend {backend!r}: finite codebook vectors have a norm beyond float32's range (largest |value| "
+            f"{float(x.detach().abs().amax()):.4g}): {exc}; one-byte scales (norm_bits=8) decode in float32. The "
+            "model's keys/values are overflowing; check the model and the dtype it runs in"
+        ) from None
 
 
 def unit_vectors(q: CodebookTensor) -> torch.Tensor:
@@ -291,7 +352,7 @@ def unit_vectors(q: CodebookTensor) -> torch.Tensor:
 
 def dequantize(q: CodebookTensor) -> torch.Tensor:
     """``μ + s · C[codes]`` in float32, ``(batch, kv_heads, tokens, head_dim)``."""
-    out = unit_vectors(q).mul_(q.scales.float().unsqueeze(-1))
+    out = unit_vectors(q).mul_(q.scale_values().unsqueeze(-1))
     return out if q.centre is None else out.add_(q.centre.float())
 
 
@@ -311,7 +372,7 @@ def key_scores(query: torch.Tensor, keys: CodebookTensor) -> torch.Tensor:
 
     ``query`` ``(B, H, nq, D)`` float32 (already scaled); returns ``(B, H, nq, n)`` float32.
     """
-    scores = torch.matmul(query, unit_vectors(keys).transpose(-1, -2)).mul_(keys.scales.float().unsqueeze(-2))
+    scores = torch.matmul(query, unit_vectors(keys).transpose(-1, -2)).mul_(keys.scale_values().unsqueeze(-2))
     shift = centre_score(query, keys)
     return scores if shift is None else scores.add_(shift.unsqueeze(-1))
 
@@ -319,12 +380,16 @@ def key_scores(query: torch.Tensor, keys: CodebookTensor) -> torch.Tensor:
 def value_mix(probs: torch.Tensor, values: CodebookTensor) -> torch.Tensor:
     """``probs @ v̂`` from the codes: ``(probs · s) @ C[codes] + μ``; ``probs`` ``(B, H, nq, n)`` float32,
     each row summing to one (a block's own softmax: the centre enters once per row)."""
-    out = torch.matmul(probs * values.scales.float().unsqueeze(-2), unit_vectors(values))
+    out = torch.matmul(probs * values.scale_values().unsqueeze(-2), unit_vectors(values))
     return out if values.centre is None else out.add_(values.centre.float())
 
 
 def cat(blocks: list[CodebookTensor]) -> CodebookTensor:
-    """Concatenate blocks of the same width along the token axis."""
+    """Concatenate blocks of the same width along the token axis.
+
+    Blocks of one-byte scales are re-expressed around the largest base of each batch row and head
+    (:func:`~kvpolicy.formats.scale_codes.rebase`: the codes quantizing all their vectors together gives).
+    """
     if len(blocks) == 1:
         return blocks[0]
     first = blocks[0]
@@ -334,32 +399,48 @@ def cat(blocks: list[CodebookTensor]) -> CodebookTensor:
         )
         if not same:
             raise ValueError("codebook: blocks with different centres cannot be concatenated (a stream keeps one)")
+        if b.norm_bits != first.norm_bits:
+            raise ValueError(
+                f"codebook: blocks with {first.norm_bits}-bit and {b.norm_bits}-bit norms cannot be concatenated"
+            )
     shape = (*first.shape[:2], sum(b.shape[2] for b in blocks), first.shape[3])
+    base = None
+    if first.scale_base is not None:
+        base = torch.stack([b.scale_base for b in blocks]).amax(dim=0)  # type: ignore[misc]
+        scales = torch.cat([rebase(b.scales, b.scale_base, base) for b in blocks], dim=2)  # type: ignore[arg-type]
+    else:
+        scales = torch.cat([b.scales for b in blocks], dim=2)
     return CodebookTensor(
-        torch.cat([b.codes for b in blocks], dim=2), torch.cat([b.scales for b in blocks], dim=2), first.bits,
-        shape, first.dtype, first.centre,
-    )  # fmt: skip
+        torch.cat([b.codes for b in blocks], dim=2), scales, first.bits, shape, first.dtype, first.centre, base
+    )
 
 
 #: saved block layouts: ``codebook-v1`` without a centre, ``codebook-v2`` with one (a reader that
-#: knows only v1 refuses a centred block instead of dropping its centre)
-LAYOUTS = ("codebook-v1", "codebook-v2")
+#: knows only v1 refuses a centred block instead of dropping its centre), ``codebook-v3`` with one-byte
+#: scales and their ``scale_base`` (a centre optional; older readers refuse it instead of misreading
+#: the codes as scales)
+LAYOUTS = ("codebook-v1", "codebook-v2", "codebook-v3")
 
 
 def state(q: CodebookTensor) -> dict:
-    """``q`` as JSON values and tensors (layout ``codebook-v1``, or ``codebook-v2`` with a centre)."""
+    """``q`` as JSON values and tensors (layout ``codebook-v1``, ``codebook-v2`` with a centre, or
+    ``codebook-v3`` with one-byte scales)."""
     out = {
         "layout": "codebook-v1", "codes": q.codes, "scales": q.scales, "bits": q.bits, "shape": list(q.shape),
         "dtype": str(q.dtype).removeprefix("torch."),
     }  # fmt: skip
     if q.centre is not None:
         out.update(layout="codebook-v2", centre=q.centre)
+    if q.scale_base is not None:
+        out.update(layout="codebook-v3", scale_base=q.scale_base)
     return out
 
 
 def from_state(saved: dict) -> CodebookTensor:
     """The block :func:`state` described, its tensor shapes checked."""
-    state_check.entries(saved, "codebook block", ("layout", "codes", "scales", "bits", "shape", "dtype"), ("centre",))
+    state_check.entries(
+        saved, "codebook block", ("layout", "codes", "scales", "bits", "shape", "dtype"), ("centre", "scale_base")
+    )
     layout = state_check.choice(saved["layout"], "block layout", LAYOUTS)
     bits = state_check.choice(saved["bits"], "codebook block bits", CODEBOOK_BITS)
     b, h, n, d = state_check.shape4(saved["shape"], "a block's shape")
@@ -377,13 +458,37 @@ def from_state(saved: dict) -> CodebookTensor:
         raise ValueError(f"block codes must be uint8; got {codes.dtype}")
     if layout == "codebook-v1" and "centre" in saved:
         raise ValueError("a codebook-v1 block has no centre (codebook-v2 blocks do)")
-    centre = saved.get("centre") if layout == "codebook-v2" else None
-    if layout == "codebook-v2" and (not isinstance(centre, torch.Tensor) or tuple(centre.shape) != (b, h, 1, d)):
+    if layout != "codebook-v3" and "scale_base" in saved:
+        raise ValueError(f"a {layout} block has no scale_base (codebook-v3 blocks do)")
+    centre = saved.get("centre")
+    if (layout == "codebook-v2" or centre is not None) and (
+        not isinstance(centre, torch.Tensor) or tuple(centre.shape) != (b, h, 1, d)
+    ):
         got = tuple(centre.shape) if isinstance(centre, torch.Tensor) else type(centre).__name__
+        raise ValueError(f"a {layout} block of shape {(b, h, n, d)} needs a centre of shape {(b, h, 1, d)}; got {got}")
+    base = _saved_scale_base(saved, (b, h, n)) if layout == "codebook-v3" else None
+    if base is None and not scales.is_floating_point():
+        raise ValueError(f"{layout} block scales must be floating point; got {scales.dtype}")
+    return CodebookTensor(codes, scales, bits, (b, h, n, d), dtype, centre, base)
+
+
+def _saved_scale_base(saved: dict, shape: tuple[int, int, int]) -> torch.Tensor:
+    """The ``scale_base`` of a saved ``codebook-v3`` block (scales ``shape``), checked: int16 ``(B, H, 1)``
+    within ``[BASE_MIN, BASE_MAX]``, its scales uint8."""
+    b, h, _ = shape
+    if saved["scales"].dtype != torch.uint8:
+        raise ValueError(f"codebook-v3 block scales must be uint8 one-byte codes; got {saved['scales'].dtype}")
+    base = state_check.tensor(saved.get("scale_base"), "block scale_base")
+    if base.dtype != torch.int16 or tuple(base.shape) != (b, h, 1):
         raise ValueError(
-            f"a codebook-v2 block of shape {(b, h, n, d)} needs a centre of shape {(b, h, 1, d)}; got {got}"
+            f"a codebook-v3 block needs an int16 scale_base of shape {(b, h, 1)}; got {base.dtype} {tuple(base.shape)}"
         )
-    return CodebookTensor(codes, scales, bits, (b, h, n, d), dtype, centre)
+    if base.numel() and not (int(base.min()) >= BASE_MIN and int(base.max()) <= BASE_MAX):
+        raise ValueError(
+            f"codebook-v3 block scale_base holds values in [{int(base.min())}, {int(base.max())}]; one-byte scales "
+            f"allow [{BASE_MIN}, {BASE_MAX}]"
+        )
+    return base
 
 
 @dataclass(frozen=True)
@@ -399,11 +504,22 @@ class Codebook(Format):
     centre : bool
         Whether blocks are quantized around a centre ``μ`` that :meth:`quantize` is given (a stream
         passes the mean of its first block).
+    norm_bits : {16, 8}
+        Bits of each vector's scale. 16: the scale in the metadata dtype (``bits + 16 / head_dim`` bits
+        per element; 32 with ``meta_dtype="float32"``). 8: a one-byte log-scale code
+        (``bits + 8 / head_dim``; :mod:`kvpolicy.formats.scale_codes`): ``log2 s`` on a grid of 1/64
+        octave relative to the largest scale of its batch row and head in the stream, so each decoded
+        scale is within 0.54 % of the norm-corrected scale for scales within 2.98 octaves of that largest,
+        within 2.75 % down to about 6.9 octaves (1/16-octave steps there), and vectors shorter still
+        (about 120 times shorter than the longest) are stored as zeros (off by no more than their own
+        norm). The grid's base is held once per batch row and head (16 bits). ``meta_dtype`` then sets
+        the centre's dtype alone.
     """
 
     bits: int
     meta_dtype: str = "auto"
     centre: bool = False
+    norm_bits: int = 16
 
     name: ClassVar[str] = "codebook"
     block: ClassVar[type[QTensor]] = CodebookTensor
@@ -417,16 +533,26 @@ class Codebook(Format):
         check_meta_dtype_option("Codebook", self.meta_dtype)
         if not isinstance(self.centre, bool):
             raise ConfigError(f"Codebook: centre must be a bool; got centre={self.centre!r}")
+        check_norm_bits("Codebook", "norm_bits", self.norm_bits)
 
     @classmethod
     def from_options(
         cls, bits: int, group_size: int | None, axis: str, fit: str = "minmax", meta_dtype: str = "auto",
-        centre: bool = False,
+        centre: bool = False, norm_bits: int = 16,
     ) -> Codebook:  # fmt: skip
-        return cls(bits, meta_dtype, centre)
+        return cls(bits, meta_dtype, centre, norm_bits)
 
     def quantize(self, x: torch.Tensor, backend: Any = "torch", centre: torch.Tensor | None = None) -> CodebookTensor:
-        """:func:`quantize` with the scales in the metadata dtype, centred on ``centre`` when given."""
+        """:func:`quantize` with the scales in the metadata dtype (or one-byte codes, ``norm_bits=8``),
+        centred on ``centre`` when given."""
         mdt = resolve_meta_dtype(self.meta_dtype, x.dtype)
         offered = backend_meta_dtypes(backend)
-        return quantize(x, self.bits, mdt, backend_name(backend), lambda d: widen_remedy(d, offered), centre)
+        return quantize(
+            x, self.bits, mdt, backend_name(backend), lambda d: widen_remedy(d, offered), centre, self.norm_bits
+        )
+
+
+def check_norm_bits(owner: str, param: str, value: object) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is one of :data:`NORM_BITS`."""
+    if isinstance(value, bool) or value not in NORM_BITS:
+        raise ConfigError(f"{owner}: {param} must be one of {list(NORM_BITS)}; got {param}={value!r}")
