@@ -4,8 +4,9 @@ A generic, format-blind scheme: a tensor is viewed as bytes and split into byte 
 byte of its dtype: a ``float16`` tensor's low bytes, then its high bytes; an ``int64`` tensor's
 eight planes). Each plane is read as a little-endian bit stream cut into ``width``-bit symbols
 (``width`` 8 for every dtype wider than a byte; for one-byte tensors, the width among
-:data:`WIDTHS` whose empirical entropy is smallest: packed 2-, 3- and 4-bit codes are then coded
-code by code) and coded with an order-0 categorical model by an ANS coder of the
+:data:`WIDTHS` whose empirical entropy is smallest, or a wider one within :data:`WIDTH_TOLERANCE`
+of it: packed 3-bit codes, which straddle bytes, are then coded code by code) and coded with an
+order-0 categorical model by an ANS coder of the
 `constriction <https://bamler-lab.github.io/constriction/>`_ library. The model's frequency table,
 quantized to sum to ``2**PRECISION``, is stored with the plane; a plane that would not shrink is
 stored raw.

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from kvpolicy import CompressedCache
+from kvpolicy.attention import enable_scores
 from kvpolicy.presets import BUILTIN_PRESETS
 
 
@@ -67,6 +68,7 @@ def main() -> None:
     from kvpolicy_lab.eval.tasks import LM_FILES, encode, stdlib_text
 
     model, tokenizer = load_smollm2(dtype=getattr(torch, args.dtype))
+    enable_scores(model)  # h2o's attention scores; outputs unchanged
     ids = torch.tensor([encode(tokenizer, stdlib_text(LM_FILES[0]))[: args.tokens]])
     if ids.shape[1] < args.tokens:
         raise SystemExit(f"{LM_FILES[0]} has only {ids.shape[1]} tokens")
