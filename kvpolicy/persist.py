@@ -9,6 +9,11 @@ replaced by a reference, as a JSON header in the safetensors metadata (key ``"kv
     {"format": "kvpolicy-cache", "version": 1, ..., "tree": {..., "keys": {"$tensor": "t3", ...}},
      "checksums": {"t3": "<sha256 of t3's bytes>", ...}}
 
+With ``entropy_coding=True`` a stored tensor that codes smaller is stored as its coded payload
+(:mod:`kvpolicy.entropy`) and listed under ``"coding"`` with the dtype, shape and symbol width it
+decodes to; such a file is version 2. Its checksum is the decoded tensor's: what is loaded is what
+is checked.
+
 Tensors that share storage (positions a shared policy's layers hold once between them) are stored
 once: a group of views is written as the span of storage they cover when that is smaller than their
 copies, and each view is rebuilt with ``as_strided``, so a loaded cache shares what the saved one
@@ -28,11 +33,17 @@ from typing import Any
 
 import torch
 
+from kvpolicy import entropy
 from kvpolicy.errors import CacheFileError
 
 FORMAT = "kvpolicy-cache"
-#: the version this code writes and reads; a file of another version is refused
+#: the version of a file whose tensors are stored as they are held (this code reads it and writes it
+#: without entropy coding, so older readers load it)
 VERSION = 1
+#: the version of a file with entropy-coded tensors (:mod:`kvpolicy.entropy`; older readers refuse it)
+CODED_VERSION = 2
+#: the versions this code reads; a file of another version is refused
+VERSIONS = (VERSION, CODED_VERSION)
 _META_KEY = "kvpolicy"
 
 _DTYPES = {
@@ -67,19 +78,34 @@ def dtype_of(name: Any, what: str = "dtype") -> torch.dtype:
 
 
 # ---------------------------------------------------------------------------------------- writing
-def write(path: str | Path, header: dict[str, Any], tree: Any) -> int:
-    """Write ``header`` (JSON values) and ``tree`` (JSON values and tensors) to ``path`` atomically.
+def write(path: str | Path, header: dict[str, Any], tree: Any, entropy_coding: bool = False) -> int:
+    """Write ``header`` (JSON values) and ``tree`` (JSON values and tensors) to ``path`` atomically,
+    each stored tensor entropy-coded where that makes it smaller when ``entropy_coding``.
 
     Returns the file's size in bytes.
+
+    Raises
+    ------
+    ImportError
+        ``entropy_coding`` without the constriction package (the message says what to install).
     """
     from safetensors.torch import save_file
 
+    if entropy_coding:
+        entropy.require()
     tensors: list[torch.Tensor] = []
     skeleton = _strip(tree, tensors)
     stored, refs = _pack(tensors)
     skeleton = _fill(skeleton, refs)
     checksums = {name: _sha256(t) for name, t in stored.items()}
-    meta = {**header, "format": FORMAT, "version": VERSION, "tree": skeleton, "checksums": checksums}
+    coding: dict[str, dict[str, Any]] = {}
+    for name, t in list(stored.items()) if entropy_coding else []:
+        coded = entropy.encode(t)
+        if coded is not None:
+            coding[name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "width": coded[0]}
+            stored[name] = coded[1]
+    version = {"version": CODED_VERSION, "coding": coding} if coding else {"version": VERSION}
+    meta = {**header, "format": FORMAT, **version, "tree": skeleton, "checksums": checksums}
     text = json.dumps(meta, separators=(",", ":"), allow_nan=False)
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
@@ -184,13 +210,16 @@ def read(path: str | Path, device: str | torch.device | None = None) -> tuple[di
     a shape of non-negative sizes (an empty reference: no elements), and, for a view, strides that
     neither repeat an element nor reach beyond the stored tensor. The distinct views of one stored
     tensor declare at most as many bytes as it holds times the number of layers in the file (only
-    positions that several layers hold once are stored so). Nothing is allocated from a declared shape.
+    positions that several layers hold once are stored so). Nothing is allocated from a declared shape;
+    an entropy-coded tensor is decoded only after its payload is checked to be able to hold it (see
+    :func:`kvpolicy.entropy.decode`), and its checksum is checked on the decoded bytes.
 
     Raises
     ------
     CacheFileError
         The file is missing, truncated, not a saved cache, of another format version, its header is
-        malformed, or a tensor's bytes do not match its checksum.
+        malformed, a coded payload is corrupted, a tensor's (decoded) bytes do not match its checksum,
+        or the file is entropy-coded and constriction is not installed (the message says what to install).
     """
     from safetensors import safe_open
 
@@ -217,14 +246,15 @@ def read(path: str | Path, device: str | torch.device | None = None) -> tuple[di
     header = _parse(meta[_META_KEY], where)
     if header.get("format") != FORMAT:
         raise CacheFileError(f"{where!r}: header format is not {FORMAT!r}")
-    if header.get("version") != VERSION:
+    if header.get("version") not in VERSIONS or isinstance(header.get("version"), bool):
         raise CacheFileError(
-            f"{where!r}: format version {header.get('version')!r} is not supported; this kvpolicy reads "
-            f"version {VERSION} (save the cache again with the kvpolicy that will load it)"
+            f"{where!r}: format version {header.get('version')!r:.40} is not supported; this kvpolicy reads "
+            f"versions {', '.join(map(str, VERSIONS))} (save the cache again with the kvpolicy that will load it)"
         )
     checksums = header.get("checksums")
     if not isinstance(checksums, dict) or set(checksums) != set(tensors):
         raise CacheFileError(f"{where!r}: the tensors in the file do not match the header's list")
+    tensors = _decoded(header, tensors, where)
     for name, t in tensors.items():
         if _sha256(t) != checksums[name]:
             raise CacheFileError(f"{where!r}: tensor {name!r} is corrupted (its sha256 does not match the header)")
@@ -234,6 +264,32 @@ def read(path: str | Path, device: str | torch.device | None = None) -> tuple[di
     device = torch.device("cpu" if device is None else device)
     tensors = {name: t.to(device) for name, t in tensors.items()}
     return header, _rebuild(tree, tensors, device)
+
+
+def _decoded(header: dict[str, Any], tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """``tensors`` with the entropy-coded ones decoded: every coding entry is checked (a stored tensor,
+    an allowed dtype, a shape of at most :data:`MAX_DIMS` sizes) before any is decoded, and each
+    payload by :func:`kvpolicy.entropy.decode` before it allocates."""
+    coded = header["version"] == CODED_VERSION
+    coding = header.get("coding")
+    if not coded:
+        if "coding" in header:
+            raise CacheFileError(f"{where!r}: a version {VERSION} file lists entropy-coded tensors")
+        return tensors
+    if not isinstance(coding, dict) or not coding or not set(coding) <= set(tensors):
+        raise CacheFileError(f"{where!r}: its 'coding' entry is not a mapping of stored tensors to their coding")
+    plans = []
+    for name, entry in coding.items():
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "width"}:
+            raise CacheFileError(f"{where!r}: the coding of tensor {name!r} is not a mapping of dtype, shape, width")
+        dtype = dtype_of(entry["dtype"], f"the coded dtype of tensor {name!r}")
+        plans.append((name, dtype, _ints(entry["shape"], "shape", where, 0), entry["width"]))
+    if not entropy.available():
+        raise CacheFileError(f"{where!r} holds entropy-coded tensors; loading it needs constriction: {entropy.INSTALL}")
+    out = dict(tensors)
+    for name, dtype, shape, width in plans:
+        out[name] = entropy.decode(tensors[name], dtype, shape, width, f"{where!r}: tensor {name!r}")
+    return out
 
 
 def _parse(text: str, where: str) -> dict[str, Any]:

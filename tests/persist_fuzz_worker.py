@@ -10,6 +10,11 @@ file. The outcome of every edit must be one of:
 Anything else (another exception, different logits, a step over 20 s, memory beyond the cap set
 on this process's address space) is written to ``--out`` as a failure.
 
+Each composition is saved twice, as it is and entropy-coded (``entropy_coding=True``). An
+entropy-coded file's edits also reach its ``coding`` entries (dtype, shape, symbol width of each
+coded tensor), and may instead change its coded payloads (bytes replaced, bits flipped, the payload
+cut short or lengthened), under a header left as written.
+
 What an edit may be: a value replaced by one of another JSON type (numbers, strings, null, lists,
 mappings, deep nesting), a key removed or added, and, outside the ``composition``, a value changed
 within its type (integers moved, strings replaced, booleans flipped, list entries dropped or
@@ -168,6 +173,24 @@ def edits(draw: Any, header: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return f"{path}: {value!r:.40} -> {new!r:.40} (within its type)", edited
 
 
+@st.composite
+def payload_edits(draw: Any, header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[str, dict]:
+    """``tensors`` with one coded payload changed, and a description of the change."""
+    name = draw(st.sampled_from(sorted(header["coding"])))
+    payload = tensors[name].clone()
+    op = draw(st.sampled_from(["byte", "bit", "cut", "extend"]))
+    at = draw(st.integers(0, payload.numel() - 1))
+    if op == "byte":
+        payload[at] = draw(st.integers(0, 255).filter(lambda v: v != payload[at].item()))
+    elif op == "bit":
+        payload[at] ^= 1 << draw(st.integers(0, 7))
+    elif op == "cut":
+        payload = payload[:at].clone()
+    else:
+        payload = torch.cat([payload, torch.randint(0, 256, (draw(st.integers(1, 64)),), dtype=torch.uint8)])
+    return f"payload {name}: {op} at {at}", {**tensors, name: payload}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -187,12 +210,14 @@ def main() -> int:
             model(ids[:, :30], cache=cache, use_cache=True)
             for t in range(30, 40):
                 model(ids[:, t : t + 1], cache=cache, use_cache=True)
-        path = work / f"{name}.kvc"
-        cache.save(path, model=model)
-        with safe_open(str(path), framework="pt") as f:
-            header = json.loads(f.metadata()["kvpolicy"])
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
-        cases.append((name, header, tensors, _steps(model, CompressedCache.load(path), nxt)))
+        for coded in (False, True):
+            path = work / f"{name}{'.coded' if coded else ''}.kvc"
+            cache.save(path, model=model, entropy_coding=coded)
+            with safe_open(str(path), framework="pt") as f:
+                header = json.loads(f.metadata()["kvpolicy"])
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+            label = f"{name}{' (coded)' if coded else ''}"
+            cases.append((label, header, tensors, _steps(model, CompressedCache.load(path), nxt)))
 
     # from here on the address space is capped: a file that makes load or decode reserve more fails
     used = int(Path("/proc/self/status").read_text().split("VmSize:")[1].split()[0]) * 1024
@@ -207,7 +232,11 @@ def main() -> int:
     @given(st.data())
     def one(data: Any) -> None:
         name, header, tensors, reference = data.draw(st.sampled_from(cases))
-        what, edited = data.draw(edits(header))
+        if "coding" in header and data.draw(st.booleans()):
+            what, tensors = data.draw(payload_edits(header, tensors))
+            edited = header
+        else:
+            what, edited = data.draw(edits(header))
         report["examples"] += 1
         target = work / "edited.kvc"
         try:

@@ -269,10 +269,11 @@ def test_corrupted_header(saved, tmp_path):
 
 
 def test_wrong_format_version(saved, tmp_path):
-    bad = tmp_path / "v2.kvc"
-    _rewrite_header(saved, bad, lambda h: h.update(version=2))
-    with pytest.raises(CacheFileError, match=r"format version 2 is not supported; this kvpolicy reads version 1"):
-        CompressedCache.load(bad)
+    for version in (3, 0, "1", True, None):
+        bad = tmp_path / "v.kvc"
+        _rewrite_header(saved, bad, lambda h, v=version: h.update(version=v))
+        with pytest.raises(CacheFileError, match=r"version .* is not supported; this kvpolicy reads versions 1, 2"):
+            CompressedCache.load(bad)
 
 
 def test_not_a_saved_cache(tmp_path):

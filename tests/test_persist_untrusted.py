@@ -357,20 +357,23 @@ def test_valid_files_still_continue_exactly(files, model, tmp_path):
 
 # ---------------------------------------------------------------------------------- fuzzing
 def test_header_fuzzing_in_a_child_process_under_a_memory_limit(files, tmp_path):
-    """Random edits of valid headers (values, types, shapes, nesting; checksums still valid): each
-    is refused with a CacheFileError or loads and continues exactly as the original, each within
-    20 s, in a process whose address space is capped (see tests/persist_fuzz_worker.py)."""
+    """Random edits of valid headers (values, types, shapes, nesting; checksums still valid) and of
+    entropy-coded files' payloads: each is refused with a CacheFileError or loads and continues
+    exactly as the original, each within 20 s, in a process whose address space is capped (see
+    tests/persist_fuzz_worker.py)."""
     out = tmp_path / "fuzz.json"
-    env = {**os.environ, "KVPOLICY_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    # the worker imports the kvpolicy of this checkout, not whichever one is installed
+    path = os.pathsep.join([str(HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "KVPOLICY_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONPATH": path}
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, str(HERE / "persist_fuzz_worker.py"), "--out", str(out), "--examples", "120"],
+        [sys.executable, str(HERE / "persist_fuzz_worker.py"), "--out", str(out), "--examples", "200"],
         capture_output=True, text=True, timeout=900, env=env, cwd=HERE,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["failures"] == [], report["failures"][:5]
-    assert report["examples"] >= 120
+    assert report["examples"] >= 200
     # the edits reach both outcomes: files refused and edits that load and continue exactly
     assert report["refused"] > 0 and report["continued"] > 0, report
     assert time.perf_counter() - start < 900
