@@ -871,8 +871,9 @@ ATTEND_TOLERANCE = {"float64": 1e-6, "float32": 1e-4, "float16": 2e-2, "bfloat16
 def backend_formats(backend: Any) -> list[Any]:
     """The formats :func:`check_backend` checks by default: min-max groups at every width and axis the
     backend's capabilities list (one group size each: 32, or the smallest multiple of its granularity
-    dividing the head dim), and codebook formats at every codebook width when ``"codebook"`` is served."""
-    from kvpolicy.formats import Codebook, MinMax
+    dividing the head dim), codebook formats at every codebook width when ``"codebook"`` is served, and lattice
+    formats at every lattice width when ``"lattice"`` is served."""
+    from kvpolicy.formats import Codebook, Lattice, MinMax
 
     caps = backend.capabilities
     out: list[Any] = []
@@ -882,6 +883,8 @@ def backend_formats(backend: Any) -> list[Any]:
         out += [MinMax(bits, group, axis) for bits in caps.bits for axis in caps.axes]
     if "codebook" in caps.schemes:
         out += [Codebook(bits) for bits in caps.codebook_bits]
+    if "lattice" in caps.schemes:
+        out += [Lattice(bits) for bits in Lattice.bits_allowed]
     return out
 
 

@@ -130,8 +130,10 @@ def centroids(bits: int, device: torch.device | str = "cpu") -> torch.Tensor:
 
 
 @dataclass
-class CodebookTensor(QTensor):
-    """Bit-packed Lloyd-Max indices with one scale per vector.
+class ScaledBlock(QTensor):
+    """Per-token codes with one scale per vector and an optional centre shared by the block's tokens: the
+    storage of codebook and lattice blocks (:class:`CodebookTensor`,
+    :class:`~kvpolicy.formats.lattice.LatticeTensor`), whose subclasses say what the codes mean.
 
     Attributes
     ----------
@@ -139,7 +141,7 @@ class CodebookTensor(QTensor):
         ``uint8``, ``(batch, kv_heads, tokens, head_dim * bits // 8)`` (packed as
         `~kvpolicy.formats.packed.pack` packs).
     scales : torch.Tensor
-        ``(batch, kv_heads, tokens)`` in the metadata dtype: ``‖x − μ‖ / ‖C[codes]‖``.
+        ``(batch, kv_heads, tokens)`` in the metadata dtype.
     centre : torch.Tensor or None
         ``(batch, kv_heads, 1, head_dim)`` in the metadata dtype: ``μ``, shared by every token of the
         block (``None``: no centre, ``μ = 0``).
@@ -160,37 +162,75 @@ class CodebookTensor(QTensor):
             out["zeros"] = self.centre
         return out
 
-    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> CodebookTensor:
+    def unit_vectors(self) -> torch.Tensor:
+        """The vectors the codes name before scaling: ``(batch, kv_heads, tokens, head_dim)`` float32."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement unit_vectors()")
+
+    def dequantize(self) -> torch.Tensor:
+        """``μ + s · unit_vectors()`` in :attr:`dtype` (float16 clamped to ``±65504``)."""
+        return in_dtype(scaled(self.unit_vectors(), self), self.dtype)
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> ScaledBlock:
         codes, scales = fn(self.codes), fn(self.scales)
         centre = None if self.centre is None else fn(self.centre)
-        return CodebookTensor(codes, scales, self.bits, (codes.shape[0], *self.shape[1:]), self.dtype, centre)
+        return type(self)(codes, scales, self.bits, (codes.shape[0], *self.shape[1:]), self.dtype, centre)
 
-    def select(self, index: torch.Tensor) -> CodebookTensor:
+    def select(self, index: torch.Tensor) -> ScaledBlock:
         """Tokens ``index`` (a 1-D index into the token axis), in that order; the centre is kept."""
         shape = (*self.shape[:2], int(index.numel()), self.shape[3])
-        return CodebookTensor(
+        return type(self)(
             self.codes.index_select(2, index), self.scales.index_select(2, index), self.bits, shape, self.dtype,
             self.centre,
         )  # fmt: skip
 
-    def narrow(self, start: int, length: int) -> CodebookTensor:
+    def narrow(self, start: int, length: int) -> ScaledBlock:
         """Tokens ``[start, start + length)`` as a view (any range: every token stands alone)."""
         if start < 0 or length < 0 or start + length > self.shape[2]:
             raise ValueError(f"narrow(start={start}, length={length}) on a block of {self.shape[2]} tokens")
         sl = slice(start, start + length)
-        return CodebookTensor(
+        return type(self)(
             self.codes[:, :, sl], self.scales[:, :, sl], self.bits, (*self.shape[:2], length, self.shape[3]),
             self.dtype, self.centre,
         )  # fmt: skip
 
-    def dequantize(self) -> torch.Tensor:
-        """``μ + s · C[codes]`` in :attr:`dtype` (float16 clamped to ``±65504``)."""
-        return in_dtype(dequantize(self), self.dtype)
-
     @classmethod
-    def cat(cls, blocks: list[QTensor]) -> CodebookTensor:  # type: ignore[override]
-        """Blocks of one width and centre along the token axis (:func:`cat`)."""
-        return cat(blocks)  # type: ignore[arg-type]
+    def cat(cls, blocks: list[QTensor]) -> ScaledBlock:  # type: ignore[override]
+        """Blocks of one width and one centre concatenated along the token axis.
+
+        Raises
+        ------
+        ValueError
+            If the blocks differ in width or centre (a stream keeps one).
+        """
+        if len(blocks) == 1:
+            return blocks[0]  # type: ignore[return-value]
+        first: ScaledBlock = blocks[0]  # type: ignore[assignment]
+        for b in blocks[1:]:
+            assert isinstance(b, ScaledBlock)
+            same = (b.centre is None) == (first.centre is None) and (
+                b.centre is None or b.centre is first.centre or torch.equal(b.centre, first.centre)  # type: ignore[arg-type]
+            )
+            if b.bits != first.bits:
+                raise ValueError(f"{cls.__name__}: blocks of {first.bits} and {b.bits} bits cannot be concatenated")
+            if not same:
+                raise ValueError(
+                    f"{cls.__name__}: blocks with different centres cannot be concatenated (a stream keeps one)"
+                )
+        shape = (*first.shape[:2], sum(b.shape[2] for b in blocks), first.shape[3])
+        return cls(
+            torch.cat([b.codes for b in blocks], dim=2), torch.cat([b.scales for b in blocks], dim=2),  # type: ignore[attr-defined]
+            first.bits, shape, first.dtype, first.centre,
+        )  # fmt: skip
+
+
+@dataclass
+class CodebookTensor(ScaledBlock):
+    """Bit-packed Lloyd-Max indices with one scale per vector (:class:`ScaledBlock`): ``scales`` are
+    ``‖x − μ‖ / ‖C[codes]‖``."""
+
+    def unit_vectors(self) -> torch.Tensor:
+        """The centroid vectors ``C[codes]`` (:func:`unit_vectors`)."""
+        return unit_vectors(self)
 
     def scores(self, query: torch.Tensor) -> torch.Tensor:
         """The query against the centroid values times each key's scale, plus ``q · μ`` (:func:`key_scores`)."""
@@ -223,6 +263,63 @@ def scales_may_overflow(dtype: torch.dtype, mdtype: torch.dtype) -> bool:
     (their norm overflows float32 itself), which are left to ``Quantize(check_finite=True)``.
     """
     return mdtype == torch.float16 or metadata_may_overflow(dtype, mdtype)
+
+
+def unit_variance(
+    x: torch.Tensor, mdtype: torch.dtype, centre: torch.Tensor | None, what: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``x − μ`` scaled to unit variance per coordinate, as a scaled-block quantizer starts.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``(batch, kv_heads, tokens, head_dim)``.
+    mdtype : torch.dtype
+        The metadata dtype the centre is stored in (the rounded centre is the one subtracted).
+    centre : torch.Tensor or None
+        ``(batch, kv_heads, 1, head_dim)``, or ``None``.
+    what : str
+        The format's name, for the message.
+
+    Returns
+    -------
+    u : torch.Tensor
+        ``(x − μ) · √D / ‖x − μ‖`` float32, same shape as ``x`` (zero vectors stay zero).
+    norm : torch.Tensor
+        ``‖x − μ‖``, ``(batch, kv_heads, tokens)`` float32.
+    centre : torch.Tensor or None
+        The centre in ``mdtype``, contiguous.
+    """
+    d = x.shape[-1]
+    xf = x.float()
+    if centre is not None:
+        want = (*x.shape[:2], 1, d)
+        if tuple(centre.shape) != want:
+            raise ValueError(f"{what}: a centre for vectors of shape {tuple(x.shape)} has shape {want}; got "
+                             f"{tuple(centre.shape)}")  # fmt: skip
+        centre = centre.to(mdtype).contiguous()
+        xf = xf - centre.float()
+    norm = torch.linalg.vector_norm(xf, dim=-1)  # (B, H, n)
+    u = xf * (math.sqrt(d) / norm.clamp_min(torch.finfo(torch.float32).tiny)).unsqueeze(-1)
+    return u, norm, centre
+
+
+def check_scales(
+    x: torch.Tensor, scales: torch.Tensor, centre: torch.Tensor | None, backend: Any,
+    remedy: Callable[[torch.dtype], str] | None,
+) -> None:  # fmt: skip
+    """Raise :class:`~kvpolicy.errors.MetadataOverflowError` if finite ``x`` gave non-finite scales or a
+    non-finite centre, wherever that can happen (:func:`scales_may_overflow`); ``remedy(mdtype)`` says what
+    to do (default: :func:`~kvpolicy.formats.base.widen_remedy` over ``backend``'s metadata dtypes)."""
+    mdtype = scales.dtype
+    if not scales_may_overflow(x.dtype, mdtype):
+        return
+    if remedy is not None:
+        why = remedy(mdtype)
+    else:
+        why = widen_remedy(mdtype, ("float32",) if isinstance(backend, str) else backend_meta_dtypes(backend))
+    meta = {"scales": scales} if centre is None else {"scales": scales, "centre": centre}
+    check_metadata(backend_name(backend), x, meta, why)
 
 
 def quantize(x: torch.Tensor, bits: int, mdtype: torch.dtype, backend: Any = "torch",
@@ -260,26 +357,11 @@ def quantize(x: torch.Tensor, bits: int, mdtype: torch.dtype, backend: Any = "to
             f"codebook: head_dim={d} with bits={bits} does not pack into whole bytes; head_dim must be a multiple of 8"
         )
     table, edges = _tables(bits, str(x.device))
-    xf = x.float()
-    if centre is not None:
-        want = (*x.shape[:2], 1, d)
-        if tuple(centre.shape) != want:
-            raise ValueError(f"codebook: a centre for vectors of shape {tuple(x.shape)} has shape {want}; got "
-                             f"{tuple(centre.shape)}")  # fmt: skip
-        centre = centre.to(mdtype).contiguous()
-        xf = xf - centre.float()
-    norm = torch.linalg.vector_norm(xf, dim=-1)  # (B, H, n)
-    u = xf * (math.sqrt(d) / norm.clamp_min(torch.finfo(torch.float32).tiny)).unsqueeze(-1)
+    u, norm, centre = unit_variance(x, mdtype, centre, "codebook")
     codes = torch.bucketize(u, edges, right=True).to(torch.uint8)
     recon_norm = torch.linalg.vector_norm(table[codes.long()], dim=-1)
     scales = (norm / recon_norm).to(mdtype)  # recon_norm > 0: no centroid is 0 at an even level count
-    if scales_may_overflow(x.dtype, mdtype):
-        if remedy is not None:
-            why = remedy(mdtype)
-        else:
-            why = widen_remedy(mdtype, ("float32",) if isinstance(backend, str) else backend_meta_dtypes(backend))
-        meta = {"scales": scales} if centre is None else {"scales": scales, "centre": centre}
-        check_metadata(backend_name(backend), x, meta, why)
+    check_scales(x, scales, centre, backend, remedy)
     shape: tuple[int, int, int, int] = tuple(x.shape)  # type: ignore[assignment]
     return CodebookTensor(pack(codes, bits).contiguous(), scales.contiguous(), bits, shape, x.dtype, centre)
 
@@ -289,10 +371,16 @@ def unit_vectors(q: CodebookTensor) -> torch.Tensor:
     return centroids(q.bits, q.codes.device)[unpack(q.codes, q.bits).long()]
 
 
+def scaled(unit: torch.Tensor, q: ScaledBlock) -> torch.Tensor:
+    """``μ + s · unit`` in float32 (``unit``: ``q``'s unit vectors, ``(batch, kv_heads, tokens, head_dim)``,
+    overwritten)."""
+    out = unit.mul_(q.scales.float().unsqueeze(-1))
+    return out if q.centre is None else out.add_(q.centre.float())
+
+
 def dequantize(q: CodebookTensor) -> torch.Tensor:
     """``μ + s · C[codes]`` in float32, ``(batch, kv_heads, tokens, head_dim)``."""
-    out = unit_vectors(q).mul_(q.scales.float().unsqueeze(-1))
-    return out if q.centre is None else out.add_(q.centre.float())
+    return scaled(unit_vectors(q), q)
 
 
 def centre_score(query: torch.Tensor, keys: CodebookTensor) -> torch.Tensor | None:
@@ -321,24 +409,6 @@ def value_mix(probs: torch.Tensor, values: CodebookTensor) -> torch.Tensor:
     each row summing to one (a block's own softmax: the centre enters once per row)."""
     out = torch.matmul(probs * values.scales.float().unsqueeze(-2), unit_vectors(values))
     return out if values.centre is None else out.add_(values.centre.float())
-
-
-def cat(blocks: list[CodebookTensor]) -> CodebookTensor:
-    """Concatenate blocks of the same width along the token axis."""
-    if len(blocks) == 1:
-        return blocks[0]
-    first = blocks[0]
-    for b in blocks[1:]:
-        same = (b.centre is None) == (first.centre is None) and (
-            b.centre is None or b.centre is first.centre or torch.equal(b.centre, first.centre)  # type: ignore[arg-type]
-        )
-        if not same:
-            raise ValueError("codebook: blocks with different centres cannot be concatenated (a stream keeps one)")
-    shape = (*first.shape[:2], sum(b.shape[2] for b in blocks), first.shape[3])
-    return CodebookTensor(
-        torch.cat([b.codes for b in blocks], dim=2), torch.cat([b.scales for b in blocks], dim=2), first.bits,
-        shape, first.dtype, first.centre,
-    )  # fmt: skip
 
 
 #: saved block layouts: ``codebook-v1`` without a centre, ``codebook-v2`` with one (a reader that
@@ -387,7 +457,59 @@ def from_state(saved: dict) -> CodebookTensor:
 
 
 @dataclass(frozen=True)
-class Codebook(Format):
+class ScaledFormat(Format):
+    """A format of :class:`ScaledBlock` blocks: one scale per vector, optionally around a centre; a
+    subclass names its bits, its block and its quantizer (:meth:`quantize_scaled`).
+
+    Parameters
+    ----------
+    bits : int
+        Code width, one of the subclass's :attr:`~kvpolicy.formats.base.Format.bits_allowed`.
+    meta_dtype : {"auto", "float16", "bfloat16", "float32"}
+        The dtype of the per-vector scales (and the centre).
+    centre : bool
+        Whether blocks are quantized around a centre ``μ`` that :meth:`quantize` is given (a stream
+        passes the mean of its first block).
+    """
+
+    bits: int
+    meta_dtype: str = "auto"
+    centre: bool = False
+
+    head_dim_multiple: ClassVar[int] = 8
+    needs_rotation: ClassVar[bool] = True
+    centred: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        check_bits(owner, self.bits, self.bits_allowed)
+        check_meta_dtype_option(owner, self.meta_dtype)
+        if not isinstance(self.centre, bool):
+            raise ConfigError(f"{owner}: centre must be a bool; got centre={self.centre!r}")
+
+    @classmethod
+    def from_options(
+        cls, bits: int, group_size: int | None, axis: str, fit: str = "minmax", meta_dtype: str = "auto",
+        centre: bool = False,
+    ) -> ScaledFormat:  # fmt: skip
+        return cls(bits, meta_dtype, centre)
+
+    def quantize(self, x: torch.Tensor, backend: Any = "torch", centre: torch.Tensor | None = None) -> ScaledBlock:
+        """:meth:`quantize_scaled` with the scales in the metadata dtype, centred on ``centre`` when given."""
+        mdt = resolve_meta_dtype(self.meta_dtype, x.dtype)
+        offered = backend_meta_dtypes(backend)
+        return self.quantize_scaled(x, mdt, backend_name(backend), lambda d: widen_remedy(d, offered), centre)
+
+    def quantize_scaled(
+        self, x: torch.Tensor, mdtype: torch.dtype, backend: str, remedy: Callable[[torch.dtype], str],
+        centre: torch.Tensor | None,
+    ) -> ScaledBlock:  # fmt: skip
+        """The format's quantizer, ``quantize(x, bits, mdtype, backend, remedy, centre)`` of its module."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Codebook(ScaledFormat):
     """Lloyd-Max indices with one scale per vector (:class:`CodebookTensor`), optionally around a centre.
 
     Parameters
@@ -401,32 +523,13 @@ class Codebook(Format):
         passes the mean of its first block).
     """
 
-    bits: int
-    meta_dtype: str = "auto"
-    centre: bool = False
-
     name: ClassVar[str] = "codebook"
     block: ClassVar[type[QTensor]] = CodebookTensor
     bits_allowed: ClassVar[tuple[int, ...]] = CODEBOOK_BITS
-    head_dim_multiple: ClassVar[int] = 8
-    needs_rotation: ClassVar[bool] = True
-    centred: ClassVar[bool] = True
 
-    def __post_init__(self) -> None:
-        check_bits("Codebook", self.bits, CODEBOOK_BITS)
-        check_meta_dtype_option("Codebook", self.meta_dtype)
-        if not isinstance(self.centre, bool):
-            raise ConfigError(f"Codebook: centre must be a bool; got centre={self.centre!r}")
-
-    @classmethod
-    def from_options(
-        cls, bits: int, group_size: int | None, axis: str, fit: str = "minmax", meta_dtype: str = "auto",
-        centre: bool = False,
-    ) -> Codebook:  # fmt: skip
-        return cls(bits, meta_dtype, centre)
-
-    def quantize(self, x: torch.Tensor, backend: Any = "torch", centre: torch.Tensor | None = None) -> CodebookTensor:
-        """:func:`quantize` with the scales in the metadata dtype, centred on ``centre`` when given."""
-        mdt = resolve_meta_dtype(self.meta_dtype, x.dtype)
-        offered = backend_meta_dtypes(backend)
-        return quantize(x, self.bits, mdt, backend_name(backend), lambda d: widen_remedy(d, offered), centre)
+    def quantize_scaled(
+        self, x: torch.Tensor, mdtype: torch.dtype, backend: str, remedy: Callable[[torch.dtype], str],
+        centre: torch.Tensor | None,
+    ) -> CodebookTensor:  # fmt: skip
+        """:func:`quantize`."""
+        return quantize(x, self.bits, mdtype, backend, remedy, centre)
