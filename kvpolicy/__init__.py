@@ -23,6 +23,7 @@ _EXPORTS = {
     "CacheSpec": "kvpolicy.spec",
     "Codebook": "kvpolicy.formats.codebook",
     "MinMax": "kvpolicy.formats.packed",
+    "Lattice": "kvpolicy.formats.lattice",
     "CompressedCache": "kvpolicy.cache",
     "CompressedLayer": "kvpolicy.cache",
     "ConfigError": "kvpolicy.errors",
@@ -56,6 +57,7 @@ __all__ = [
     "Evict",
     "Hadamard",
     "HeavyHitters",
+    "Lattice",
     "LogWindow",
     "MemoryReport",
     "MetadataOverflowError",
@@ -86,6 +88,7 @@ if TYPE_CHECKING:
     from kvpolicy.errors import ConfigError, MetadataOverflowError, MissingDependencyError, NonFiniteError
     from kvpolicy.estimation import estimate
     from kvpolicy.formats.codebook import Codebook
+    from kvpolicy.formats.lattice import Lattice
     from kvpolicy.formats.packed import MinMax
     from kvpolicy.layer_bits import boundary
     from kvpolicy.memory import MemoryReport

@@ -871,9 +871,10 @@ ATTEND_TOLERANCE = {"float64": 1e-6, "float32": 1e-4, "float16": 2e-2, "bfloat16
 def backend_formats(backend: Any) -> list[Any]:
     """The formats :func:`check_backend` checks by default: min-max groups at every width and axis the
     backend's capabilities list (one group size each: 32, or the smallest multiple of its granularity
-    dividing the head dim), and codebook formats at every codebook width when ``"codebook"`` is served (with
-    one-byte scales too where ``codebook_norm_bits`` lists 8)."""
-    from kvpolicy.formats import Codebook, MinMax
+    dividing the head dim), codebook formats at every codebook width when ``"codebook"`` is served (with
+    one-byte scales too where ``codebook_norm_bits`` lists 8), and lattice formats at every lattice width when
+    ``"lattice"`` is served."""
+    from kvpolicy.formats import Codebook, Lattice, MinMax
 
     caps = backend.capabilities
     out: list[Any] = []
@@ -885,6 +886,10 @@ def backend_formats(backend: Any) -> list[Any]:
         out += [Codebook(bits) for bits in caps.codebook_bits]
         if 8 in caps.codebook_norm_bits:
             out += [Codebook(bits, norm_bits=8) for bits in caps.codebook_bits]
+    if "lattice" in caps.schemes:
+        out += [Lattice(bits) for bits in Lattice.bits_allowed]
+        if 8 in caps.codebook_norm_bits:
+            out += [Lattice(bits, norm_bits=8) for bits in Lattice.bits_allowed]
     return out
 
 

@@ -26,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from kvpolicy.backends.torch_backend import TorchBackend
+from kvpolicy.formats import Lattice
 from kvpolicy.transforms import Hadamard
 from kvpolicy_lab.eval.models import load_smollm2
 from kvpolicy_lab.eval.tasks import stdlib_text
@@ -39,6 +40,8 @@ SCHEMES = {
     "minmax token G=64": dict(group_size=64, axis="token", scheme="minmax"),
     "codebook": dict(group_size=None, axis="token", scheme="codebook"),
     "codebook centred": dict(group_size=None, axis="token", scheme="codebook", centred=True),
+    "lattice": dict(group_size=None, axis="token", scheme="lattice"),
+    "lattice centred": dict(group_size=None, axis="token", scheme="lattice", centred=True),
 }
 
 
@@ -82,6 +85,8 @@ def main() -> None:
     print(f"{'bits':>4}  {'scheme':<22} {'bits/el':>8} {'keys':>9} {'values':>9}")
     for bits in (2, 3, 4):
         for label, kw in SCHEMES.items():
+            if kw["scheme"] == "lattice" and bits not in Lattice.bits_allowed:
+                continue
             b, ek = _error(be, keys, bits=bits, **kw)
             _, ev = _error(be, values, bits=bits, **kw)
             print(f"{bits:>4}  {label:<22} {b:8.3f} {ek:9.4f} {ev:9.4f}")

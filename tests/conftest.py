@@ -173,3 +173,25 @@ def fused_and_materialized(family: str = "llama", length: int = 75, **kw):
     finally:
         disable_fused(model)
     return got, ref, cache
+
+
+def saved_cache_continues(tmp_path, **kw):
+    """A cache built from ``CompressedCache`` keywords ``kw``, filled with 30 tokens of a tiny llama, saved and
+    loaded: asserts the loaded one equals it and continues with the very logits of a copy of it; returns
+    ``(cache, loaded)``."""
+    import copy
+
+    from kvpolicy import CompressedCache
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 96, (2, 40), generator=torch.Generator().manual_seed(2))
+    cache = CompressedCache(**kw)
+    with torch.no_grad():
+        model(ids[:, :30], cache=cache, use_cache=True)
+    path = tmp_path / "c.kvc"
+    cache.save(path, model=model)
+    loaded = CompressedCache.load(path, model=model)
+    assert loaded.action == cache.action and repr(loaded) == repr(cache)
+    want = teacher_forced_logits(model, ids[:, 30:], 1, copy.deepcopy(cache))
+    assert torch.equal(teacher_forced_logits(model, ids[:, 30:], 1, loaded), want)
+    return cache, loaded

@@ -20,6 +20,7 @@ from kvpolicy.backends.base import Capabilities
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
 from kvpolicy.formats import Codebook, MinMax, codebook, scale_codes
+from kvpolicy.formats.codebook import CodebookTensor
 from kvpolicy.formats.scale_codes import COARSE_ERROR, FINE_ERROR
 
 #: float32 rounding of a decoded scale (the table entry and the exact scale are each rounded once)
@@ -180,7 +181,7 @@ def test_blocks_quantized_apart_and_concatenated_equal_one_block(cuts, spread, s
     whole = fmt.quantize(x)
     edges = [0, *sorted(cuts), 40]
     parts = [fmt.quantize(x[:, :, a:b]) for a, b in itertools.pairwise(edges)]
-    joined = codebook.cat(parts)
+    joined = CodebookTensor.cat(parts)
     assert torch.equal(joined.scales, whole.scales) and torch.equal(joined.scale_base, whole.scale_base)
     assert torch.equal(joined.codes, whole.codes)
 
@@ -199,7 +200,7 @@ def test_narrow_select_map_batch_and_saved_state_keep_the_scales():
     back = codebook.from_state(saved)
     assert back.norm_bits == 8 and torch.equal(back.dequantize(), xh)
     with pytest.raises(ValueError, match="8-bit and 16-bit norms"):
-        codebook.cat([q, Codebook(4, centre=True).quantize(x, centre=q.centre)])
+        CodebookTensor.cat([q, Codebook(4, centre=True).quantize(x, centre=q.centre)])
 
 
 def _saved_block() -> dict:

@@ -248,9 +248,9 @@ class Quantize(Action):
             built[role] = _role_format(kind, classes[role], other, given, filled)
         if "norm_bits" in given and not any(_has_norm_bits(type(f)) for f in built.values()):
             raise ConfigError(
-                f"Quantize: norm_bits={given['norm_bits']!r} sets the width of codebook scales; neither kind is "
-                f"quantized with scheme='codebook' (keys: {built['keys'].name!r}, values: {built['values'].name!r}). "
-                "Pass scheme='codebook', or drop norm_bits"
+                f"Quantize: norm_bits={given['norm_bits']!r} sets the width of per-vector scales; neither kind is "
+                f"quantized with scheme='codebook' or 'lattice' (keys: {built['keys'].name!r}, values: "
+                f"{built['values'].name!r}). Pass scheme='codebook' or 'lattice', or drop norm_bits"
             )
         if defaulted is not None:
             if isinstance(defaulted, str) or not isinstance(defaulted, (tuple, list)):
@@ -367,7 +367,7 @@ class Quantize(Action):
             norm = getattr(fmt, "norm_bits", 16)
             if norm not in caps.codebook_norm_bits:
                 raise ConfigError(
-                    f"backend {backend.name!r} does not read codebook {kind}s with norm_bits={norm}; it supports "
+                    f"backend {backend.name!r} does not read {fmt.name} {kind}s with norm_bits={norm}; it supports "
                     f"norm_bits in {list(caps.codebook_norm_bits)} (norm_bits=8: backends 'torch' and 'cpu')"
                 )
         if self.keys.centre and not caps.codebook_centre:

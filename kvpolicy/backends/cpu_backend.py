@@ -31,7 +31,7 @@ from typing import ClassVar
 
 import torch
 
-from kvpolicy.backends.base import FITS, META_DTYPES, SCHEMES, Capabilities, QTensor
+from kvpolicy.backends.base import FITS, META_DTYPES, Capabilities, QTensor
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import ConfigError
 from kvpolicy.formats import codebook
@@ -69,7 +69,9 @@ class CpuBackend(TorchBackend):
         devices=("cpu",),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         meta_dtypes=META_DTYPES,
-        schemes=SCHEMES,
+        # the kernel reads min-max and codebook blocks; other formats (``"lattice"``) are refused when a cache
+        # is built (check_scheme), not run some other way
+        schemes=("minmax", "codebook"),
         codebook_bits=codebook.CODEBOOK_BITS,
         codebook_centre=True,
         codebook_norm_bits=codebook.NORM_BITS,

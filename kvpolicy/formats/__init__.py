@@ -3,7 +3,9 @@
 - :mod:`kvpolicy.formats.packed`: :class:`MinMax` specs, :class:`PackedTensor` blocks (asymmetric
   min-max groups, bit-packed; the ``"minmax"`` scheme);
 - :mod:`kvpolicy.formats.codebook`: :class:`Codebook` specs, :class:`CodebookTensor` blocks
-  (Lloyd-Max indices with a per-vector scale; the ``"codebook"`` scheme).
+  (Lloyd-Max indices with a per-vector scale; the ``"codebook"`` scheme);
+- :mod:`kvpolicy.formats.lattice`: :class:`Lattice` specs, :class:`LatticeTensor` blocks (D4 lattice
+  indices, four channels each, with a per-vector scale; the ``"lattice"`` scheme).
 
 A new format is one file: a frozen :class:`~kvpolicy.formats.base.Format` spec and its
 :class:`~kvpolicy.formats.base.QTensor` block, registered under its :attr:`~Format.name` through the
@@ -16,6 +18,7 @@ from __future__ import annotations
 from kvpolicy.errors import ConfigError
 from kvpolicy.formats.base import Format, QTensor, attend, reference_attend
 from kvpolicy.formats.codebook import Codebook, CodebookTensor
+from kvpolicy.formats.lattice import Lattice, LatticeTensor
 from kvpolicy.formats.packed import MinMax, PackedTensor
 
 __all__ = [
@@ -23,6 +26,8 @@ __all__ = [
     "Codebook",
     "CodebookTensor",
     "Format",
+    "Lattice",
+    "LatticeTensor",
     "MinMax",
     "PackedTensor",
     "QTensor",
@@ -34,7 +39,7 @@ __all__ = [
 
 #: the built-in formats by scheme name (registered in :mod:`kvpolicy.builtins` as well; a plugin's format is
 #: looked up by name in the registry by :meth:`kvpolicy.spec.CacheSpec.resolve`, never here)
-BUILTIN: dict[str, type[Format]] = {"minmax": MinMax, "codebook": Codebook}
+BUILTIN: dict[str, type[Format]] = {"minmax": MinMax, "codebook": Codebook, "lattice": Lattice}
 
 
 def from_arguments(

@@ -15,9 +15,9 @@ and the reconstruction's norm is biased low by the quantization's lost energy). 
 per-group zero-point: bits per element are ``bits + 16 / head_dim`` (2.25 at 2 bits with
 ``head_dim=64``), against ``bits + 32 / G`` for min-max groups of ``G``.
 
-With ``norm_bits=8`` (:class:`Codebook`) the scale is a one-byte log-scale code instead
-(``bits + 8 / head_dim`` bits per element, plus one 16-bit base per batch row and head of a stream,
-:attr:`CodebookTensor.scale_base`; :mod:`kvpolicy.formats.scale_codes`).
+With ``norm_bits=8`` (:class:`Codebook`, and the lattice format) the scale is a one-byte log-scale code
+instead (``bits + 8 / head_dim`` bits per element, plus one 16-bit base per batch row and head of a stream,
+:attr:`ScaledBlock.scale_base`; :mod:`kvpolicy.formats.scale_codes`).
 
 This is TurboQuant's MSE stage (arXiv 2504.19874) with the norm correction of vLLM's implementation.
 Decode attention reads the codes directly (:func:`attend`): scores are the rotated query against the
@@ -137,8 +137,10 @@ def centroids(bits: int, device: torch.device | str = "cpu") -> torch.Tensor:
 
 
 @dataclass
-class CodebookTensor(QTensor):
-    """Bit-packed Lloyd-Max indices with one scale per vector.
+class ScaledBlock(QTensor):
+    """Per-token codes with one scale per vector and an optional centre shared by the block's tokens: the
+    storage of codebook and lattice blocks (:class:`CodebookTensor`,
+    :class:`~kvpolicy.formats.lattice.LatticeTensor`), whose subclasses say what the codes mean.
 
     Attributes
     ----------
@@ -146,9 +148,8 @@ class CodebookTensor(QTensor):
         ``uint8``, ``(batch, kv_heads, tokens, head_dim * bits // 8)`` (packed as
         `~kvpolicy.formats.packed.pack` packs).
     scales : torch.Tensor
-        ``(batch, kv_heads, tokens)`` in the metadata dtype: ``‖x − μ‖ / ‖C[codes]‖``; with 8-bit norms
-        (:attr:`scale_base` set) ``uint8`` one-byte log-scale codes of it
-        (:func:`~kvpolicy.formats.scale_codes.encode_scales`).
+        ``(batch, kv_heads, tokens)`` in the metadata dtype; with 8-bit norms (:attr:`scale_base` set)
+        ``uint8`` one-byte log-scale codes of them (:func:`~kvpolicy.formats.scale_codes.encode_scales`).
     centre : torch.Tensor or None
         ``(batch, kv_heads, 1, head_dim)`` in the metadata dtype: ``μ``, shared by every token of the
         block (``None``: no centre, ``μ = 0``).
@@ -187,39 +188,91 @@ class CodebookTensor(QTensor):
             return self.scales.float()
         return decode_scales(self.scales, self.scale_base)
 
-    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> CodebookTensor:
+    def unit_vectors(self) -> torch.Tensor:
+        """The vectors the codes name before scaling: ``(batch, kv_heads, tokens, head_dim)`` float32."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement unit_vectors()")
+
+    def dequantize(self) -> torch.Tensor:
+        """``μ + s · unit_vectors()`` in :attr:`dtype` (float16 clamped to ``±65504``)."""
+        return in_dtype(scaled(self.unit_vectors(), self), self.dtype)
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> ScaledBlock:
         codes, scales = fn(self.codes), fn(self.scales)
         centre = None if self.centre is None else fn(self.centre)
         base = None if self.scale_base is None else fn(self.scale_base)
-        shape = (codes.shape[0], *self.shape[1:])
-        return CodebookTensor(codes, scales, self.bits, shape, self.dtype, centre, base)
+        return type(self)(codes, scales, self.bits, (codes.shape[0], *self.shape[1:]), self.dtype, centre, base)
 
-    def select(self, index: torch.Tensor) -> CodebookTensor:
+    def select(self, index: torch.Tensor) -> ScaledBlock:
         """Tokens ``index`` (a 1-D index into the token axis), in that order; the centre is kept."""
         shape = (*self.shape[:2], int(index.numel()), self.shape[3])
-        return CodebookTensor(
+        return type(self)(
             self.codes.index_select(2, index), self.scales.index_select(2, index), self.bits, shape, self.dtype,
             self.centre, self.scale_base,
         )  # fmt: skip
 
-    def narrow(self, start: int, length: int) -> CodebookTensor:
+    def narrow(self, start: int, length: int) -> ScaledBlock:
         """Tokens ``[start, start + length)`` as a view (any range: every token stands alone)."""
         if start < 0 or length < 0 or start + length > self.shape[2]:
             raise ValueError(f"narrow(start={start}, length={length}) on a block of {self.shape[2]} tokens")
         sl = slice(start, start + length)
-        return CodebookTensor(
+        return type(self)(
             self.codes[:, :, sl], self.scales[:, :, sl], self.bits, (*self.shape[:2], length, self.shape[3]),
             self.dtype, self.centre, self.scale_base,
         )  # fmt: skip
 
-    def dequantize(self) -> torch.Tensor:
-        """``μ + s · C[codes]`` in :attr:`dtype` (float16 clamped to ``±65504``)."""
-        return in_dtype(dequantize(self), self.dtype)
-
     @classmethod
-    def cat(cls, blocks: list[QTensor]) -> CodebookTensor:  # type: ignore[override]
-        """Blocks of one width and centre along the token axis (:func:`cat`)."""
-        return cat(blocks)  # type: ignore[arg-type]
+    def cat(cls, blocks: list[QTensor]) -> ScaledBlock:  # type: ignore[override]
+        """Blocks of one width and one centre concatenated along the token axis.
+
+        Blocks of one-byte scales are re-expressed around the largest base of each batch row and head
+        (:func:`~kvpolicy.formats.scale_codes.rebase`: the codes quantizing all their vectors together
+        gives).
+
+        Raises
+        ------
+        ValueError
+            If the blocks differ in width, scale width or centre (a stream keeps one).
+        """
+        if len(blocks) == 1:
+            return blocks[0]  # type: ignore[return-value]
+        first: ScaledBlock = blocks[0]  # type: ignore[assignment]
+        for b in blocks[1:]:
+            assert isinstance(b, ScaledBlock)
+            same = (b.centre is None) == (first.centre is None) and (
+                b.centre is None or b.centre is first.centre or torch.equal(b.centre, first.centre)  # type: ignore[arg-type]
+            )
+            if b.bits != first.bits:
+                raise ValueError(f"{cls.__name__}: blocks of {first.bits} and {b.bits} bits cannot be concatenated")
+            if not same:
+                raise ValueError(
+                    f"{cls.__name__}: blocks with different centres cannot be concatenated (a stream keeps one)"
+                )
+            if b.norm_bits != first.norm_bits:
+                raise ValueError(
+                    f"{cls.__name__}: blocks with {first.norm_bits}-bit and {b.norm_bits}-bit norms cannot be "
+                    "concatenated"
+                )
+        shape = (*first.shape[:2], sum(b.shape[2] for b in blocks), first.shape[3])
+        parts: list[ScaledBlock] = blocks  # type: ignore[assignment]
+        base = None
+        if first.scale_base is not None:
+            base = torch.stack([b.scale_base for b in parts]).amax(dim=0)  # type: ignore[misc]
+            scales = torch.cat([rebase(b.scales, b.scale_base, base) for b in parts], dim=2)  # type: ignore[arg-type]
+        else:
+            scales = torch.cat([b.scales for b in parts], dim=2)
+        return cls(
+            torch.cat([b.codes for b in parts], dim=2), scales, first.bits, shape, first.dtype, first.centre, base
+        )
+
+
+@dataclass
+class CodebookTensor(ScaledBlock):
+    """Bit-packed Lloyd-Max indices with one scale per vector (:class:`ScaledBlock`): ``scales`` are
+    ``‖x − μ‖ / ‖C[codes]‖``."""
+
+    def unit_vectors(self) -> torch.Tensor:
+        """The centroid vectors ``C[codes]`` (:func:`unit_vectors`)."""
+        return unit_vectors(self)
 
     def scores(self, query: torch.Tensor) -> torch.Tensor:
         """The query against the centroid values times each key's scale, plus ``q · μ`` (:func:`key_scores`)."""
@@ -252,6 +305,120 @@ def scales_may_overflow(dtype: torch.dtype, mdtype: torch.dtype) -> bool:
     (their norm overflows float32 itself), which are left to ``Quantize(check_finite=True)``.
     """
     return mdtype == torch.float16 or metadata_may_overflow(dtype, mdtype)
+
+
+def unit_variance(
+    x: torch.Tensor, mdtype: torch.dtype, centre: torch.Tensor | None, what: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``x − μ`` scaled to unit variance per coordinate, as a scaled-block quantizer starts.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``(batch, kv_heads, tokens, head_dim)``.
+    mdtype : torch.dtype
+        The metadata dtype the centre is stored in (the rounded centre is the one subtracted).
+    centre : torch.Tensor or None
+        ``(batch, kv_heads, 1, head_dim)``, or ``None``.
+    what : str
+        The format's name, for the message.
+
+    Returns
+    -------
+    u : torch.Tensor
+        ``(x − μ) · √D / ‖x − μ‖`` float32, same shape as ``x`` (zero vectors stay zero).
+    norm : torch.Tensor
+        ``‖x − μ‖``, ``(batch, kv_heads, tokens)`` float32.
+    centre : torch.Tensor or None
+        The centre in ``mdtype``, contiguous.
+    """
+    d = x.shape[-1]
+    xf = x.float()
+    if centre is not None:
+        want = (*x.shape[:2], 1, d)
+        if tuple(centre.shape) != want:
+            raise ValueError(f"{what}: a centre for vectors of shape {tuple(x.shape)} has shape {want}; got "
+                             f"{tuple(centre.shape)}")  # fmt: skip
+        centre = centre.to(mdtype).contiguous()
+        xf = xf - centre.float()
+    norm = torch.linalg.vector_norm(xf, dim=-1)  # (B, H, n)
+    u = xf * (math.sqrt(d) / norm.clamp_min(torch.finfo(torch.float32).tiny)).unsqueeze(-1)
+    return u, norm, centre
+
+
+def store_scales(
+    x: torch.Tensor, exact: torch.Tensor, mdtype: torch.dtype, centre: torch.Tensor | None, backend: Any,
+    remedy: Callable[[torch.dtype], str] | None, norm_bits: int = 16,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """The scales of ``x`` as a scaled-block quantizer stores them, checked.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        The vectors quantized, ``(batch, kv_heads, tokens, head_dim)``.
+    exact : torch.Tensor
+        Their float32 scales, ``(batch, kv_heads, tokens)``.
+    mdtype : torch.dtype
+        The metadata dtype (of the scales with ``norm_bits=16``, of the centre always).
+    centre : torch.Tensor or None
+        The centre held, in ``mdtype``.
+    backend : Backend or str
+        The backend (or its name) error messages name.
+    remedy : callable or None
+        ``remedy(mdtype)`` says what to do on overflow (default:
+        :func:`~kvpolicy.formats.base.widen_remedy` over ``backend``'s metadata dtypes).
+    norm_bits : {16, 8}
+        16: ``exact`` in ``mdtype``; 8: one-byte codes (:func:`~kvpolicy.formats.scale_codes.encode_scales`).
+
+    Returns
+    -------
+    scales : torch.Tensor
+        ``(batch, kv_heads, tokens)``: ``mdtype``, or ``uint8`` codes.
+    base : torch.Tensor or None
+        The codes' base, ``(batch, kv_heads, 1)`` int16 (``None`` with ``norm_bits=16``).
+
+    Raises
+    ------
+    MetadataOverflowError
+        If finite ``x`` gave non-finite scales or a non-finite centre, wherever that can happen
+        (:func:`scales_may_overflow`); with 8-bit norms, a finite vector whose norm overflows float32.
+    NonFiniteError
+        With 8-bit norms, a vector holding NaN or Inf (a one-byte code has no NaN to store).
+    """
+    base = None
+    if norm_bits == 8:
+        scales, base = _one_byte_scales(x, exact, backend_name(backend))
+    else:
+        scales = exact.to(mdtype)
+    if scales_may_overflow(x.dtype, mdtype):
+        if remedy is not None:
+            why = remedy(mdtype)
+        else:
+            why = widen_remedy(mdtype, ("float32",) if isinstance(backend, str) else backend_meta_dtypes(backend))
+        meta = {} if base is not None else {"scales": scales}
+        if centre is not None:
+            meta["centre"] = centre
+        check_metadata(backend_name(backend), x, meta, why)
+    return scales.contiguous(), base
+
+
+def _one_byte_scales(x: torch.Tensor, scales: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`encode_scales` of the float32 ``scales`` of ``x``; what a code cannot hold is refused with the
+    error that says why (non-finite input, or a norm beyond float32)."""
+    try:
+        return encode_scales(scales)
+    except ValueError as exc:
+        if not bool(torch.isfinite(x).all()):
+            raise NonFiniteError(
+                f"backend {backend!r}: vectors holding NaN or Inf reached the quantizer; one-byte scales "
+                "(norm_bits=8) have no code for a non-finite scale. Fix the model inputs/dtype, or keep "
+                "Quantize(check_finite=True), which refuses them first"
+            ) from None
+        raise MetadataOverflowError(
+            f"backend {backend!r}: finite vectors have a norm beyond float32's range (largest |value| "
+            f"{float(x.detach().abs().amax()):.4g}): {exc}; one-byte scales (norm_bits=8) decode in float32. The "
+            "model's keys/values are overflowing; check the model and the dtype it runs in"
+        ) from None
 
 
 def quantize(x: torch.Tensor, bits: int, mdtype: torch.dtype, backend: Any = "torch",
@@ -295,54 +462,13 @@ def quantize(x: torch.Tensor, bits: int, mdtype: torch.dtype, backend: Any = "to
             f"codebook: head_dim={d} with bits={bits} does not pack into whole bytes; head_dim must be a multiple of 8"
         )
     table, edges = _tables(bits, str(x.device))
-    xf = x.float()
-    if centre is not None:
-        want = (*x.shape[:2], 1, d)
-        if tuple(centre.shape) != want:
-            raise ValueError(f"codebook: a centre for vectors of shape {tuple(x.shape)} has shape {want}; got "
-                             f"{tuple(centre.shape)}")  # fmt: skip
-        centre = centre.to(mdtype).contiguous()
-        xf = xf - centre.float()
-    norm = torch.linalg.vector_norm(xf, dim=-1)  # (B, H, n)
-    u = xf * (math.sqrt(d) / norm.clamp_min(torch.finfo(torch.float32).tiny)).unsqueeze(-1)
+    u, norm, centre = unit_variance(x, mdtype, centre, "codebook")
     codes = torch.bucketize(u, edges, right=True).to(torch.uint8)
     recon_norm = torch.linalg.vector_norm(table[codes.long()], dim=-1)
     exact = norm / recon_norm  # recon_norm > 0: no centroid is 0 at an even level count
-    base = None
-    if norm_bits == 8:
-        scales, base = _one_byte_scales(x, exact, backend_name(backend))
-    else:
-        scales = exact.to(mdtype)
-    if scales_may_overflow(x.dtype, mdtype):
-        if remedy is not None:
-            why = remedy(mdtype)
-        else:
-            why = widen_remedy(mdtype, ("float32",) if isinstance(backend, str) else backend_meta_dtypes(backend))
-        meta = {} if base is not None else {"scales": scales}
-        if centre is not None:
-            meta["centre"] = centre
-        check_metadata(backend_name(backend), x, meta, why)
+    scales, base = store_scales(x, exact, mdtype, centre, backend, remedy, norm_bits)
     shape: tuple[int, int, int, int] = tuple(x.shape)  # type: ignore[assignment]
-    return CodebookTensor(pack(codes, bits).contiguous(), scales.contiguous(), bits, shape, x.dtype, centre, base)
-
-
-def _one_byte_scales(x: torch.Tensor, scales: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`encode_scales` of the float32 ``scales`` of ``x``; what a code cannot hold is refused with the
-    error that says why (non-finite input, or a norm beyond float32)."""
-    try:
-        return encode_scales(scales)
-    except ValueError as exc:
-        if not bool(torch.isfinite(x).all()):
-            raise NonFiniteError(
-                f"backend {backend!r}: codebook vectors holding NaN or Inf reached the quantizer; one-byte scales "
-                "(norm_bits=8) have no code for a non-finite scale. Fix the model inputs/dtype, or keep "
-                "Quantize(check_finite=True), which refuses them first"
-            ) from None
-        raise MetadataOverflowError(
-            f"backend {backend!r}: finite codebook vectors have a norm beyond float32's range (largest |value| "
-            f"{float(x.detach().abs().amax()):.4g}): {exc}; one-byte scales (norm_bits=8) decode in float32. The "
-            "model's keys/values are overflowing; check the model and the dtype it runs in"
-        ) from None
+    return CodebookTensor(pack(codes, bits).contiguous(), scales, bits, shape, x.dtype, centre, base)
 
 
 def unit_vectors(q: CodebookTensor) -> torch.Tensor:
@@ -350,10 +476,16 @@ def unit_vectors(q: CodebookTensor) -> torch.Tensor:
     return centroids(q.bits, q.codes.device)[unpack(q.codes, q.bits).long()]
 
 
+def scaled(unit: torch.Tensor, q: ScaledBlock) -> torch.Tensor:
+    """``μ + s · unit`` in float32 (``unit``: ``q``'s unit vectors, ``(batch, kv_heads, tokens, head_dim)``,
+    overwritten)."""
+    out = unit.mul_(q.scale_values().unsqueeze(-1))
+    return out if q.centre is None else out.add_(q.centre.float())
+
+
 def dequantize(q: CodebookTensor) -> torch.Tensor:
     """``μ + s · C[codes]`` in float32, ``(batch, kv_heads, tokens, head_dim)``."""
-    out = unit_vectors(q).mul_(q.scale_values().unsqueeze(-1))
-    return out if q.centre is None else out.add_(q.centre.float())
+    return scaled(unit_vectors(q), q)
 
 
 def centre_score(query: torch.Tensor, keys: CodebookTensor) -> torch.Tensor | None:
@@ -382,37 +514,6 @@ def value_mix(probs: torch.Tensor, values: CodebookTensor) -> torch.Tensor:
     each row summing to one (a block's own softmax: the centre enters once per row)."""
     out = torch.matmul(probs * values.scale_values().unsqueeze(-2), unit_vectors(values))
     return out if values.centre is None else out.add_(values.centre.float())
-
-
-def cat(blocks: list[CodebookTensor]) -> CodebookTensor:
-    """Concatenate blocks of the same width along the token axis.
-
-    Blocks of one-byte scales are re-expressed around the largest base of each batch row and head
-    (:func:`~kvpolicy.formats.scale_codes.rebase`: the codes quantizing all their vectors together gives).
-    """
-    if len(blocks) == 1:
-        return blocks[0]
-    first = blocks[0]
-    for b in blocks[1:]:
-        same = (b.centre is None) == (first.centre is None) and (
-            b.centre is None or b.centre is first.centre or torch.equal(b.centre, first.centre)  # type: ignore[arg-type]
-        )
-        if not same:
-            raise ValueError("codebook: blocks with different centres cannot be concatenated (a stream keeps one)")
-        if b.norm_bits != first.norm_bits:
-            raise ValueError(
-                f"codebook: blocks with {first.norm_bits}-bit and {b.norm_bits}-bit norms cannot be concatenated"
-            )
-    shape = (*first.shape[:2], sum(b.shape[2] for b in blocks), first.shape[3])
-    base = None
-    if first.scale_base is not None:
-        base = torch.stack([b.scale_base for b in blocks]).amax(dim=0)  # type: ignore[misc]
-        scales = torch.cat([rebase(b.scales, b.scale_base, base) for b in blocks], dim=2)  # type: ignore[arg-type]
-    else:
-        scales = torch.cat([b.scales for b in blocks], dim=2)
-    return CodebookTensor(
-        torch.cat([b.codes for b in blocks], dim=2), scales, first.bits, shape, first.dtype, first.centre, base
-    )
 
 
 #: saved block layouts: ``codebook-v1`` without a centre, ``codebook-v2`` with one (a reader that
@@ -466,39 +567,42 @@ def from_state(saved: dict) -> CodebookTensor:
     ):
         got = tuple(centre.shape) if isinstance(centre, torch.Tensor) else type(centre).__name__
         raise ValueError(f"a {layout} block of shape {(b, h, n, d)} needs a centre of shape {(b, h, 1, d)}; got {got}")
-    base = _saved_scale_base(saved, (b, h, n)) if layout == "codebook-v3" else None
+    base = saved_scale_base(saved, (b, h, n), layout) if layout == "codebook-v3" else None
     if base is None and not scales.is_floating_point():
         raise ValueError(f"{layout} block scales must be floating point; got {scales.dtype}")
     return CodebookTensor(codes, scales, bits, (b, h, n, d), dtype, centre, base)
 
 
-def _saved_scale_base(saved: dict, shape: tuple[int, int, int]) -> torch.Tensor:
-    """The ``scale_base`` of a saved ``codebook-v3`` block (scales ``shape``), checked: int16 ``(B, H, 1)``
-    within ``[BASE_MIN, BASE_MAX]``, its scales uint8."""
+def saved_scale_base(saved: dict, shape: tuple[int, int, int], layout: str) -> torch.Tensor:
+    """The ``scale_base`` of a saved block of one-byte scales (scales ``shape``, layout ``layout`` for
+    the messages), checked: int16 ``(B, H, 1)`` within ``[BASE_MIN, BASE_MAX]``, its scales uint8."""
     b, h, _ = shape
-    if saved["scales"].dtype != torch.uint8:
-        raise ValueError(f"codebook-v3 block scales must be uint8 one-byte codes; got {saved['scales'].dtype}")
+    scales = saved["scales"]
+    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.uint8:
+        got = scales.dtype if isinstance(scales, torch.Tensor) else type(scales).__name__
+        raise ValueError(f"{layout} block scales must be uint8 one-byte codes; got {got}")
     base = state_check.tensor(saved.get("scale_base"), "block scale_base")
     if base.dtype != torch.int16 or tuple(base.shape) != (b, h, 1):
         raise ValueError(
-            f"a codebook-v3 block needs an int16 scale_base of shape {(b, h, 1)}; got {base.dtype} {tuple(base.shape)}"
+            f"a {layout} block needs an int16 scale_base of shape {(b, h, 1)}; got {base.dtype} {tuple(base.shape)}"
         )
     if base.numel() and not (int(base.min()) >= BASE_MIN and int(base.max()) <= BASE_MAX):
         raise ValueError(
-            f"codebook-v3 block scale_base holds values in [{int(base.min())}, {int(base.max())}]; one-byte scales "
+            f"{layout} block scale_base holds values in [{int(base.min())}, {int(base.max())}]; one-byte scales "
             f"allow [{BASE_MIN}, {BASE_MAX}]"
         )
     return base
 
 
 @dataclass(frozen=True)
-class Codebook(Format):
-    """Lloyd-Max indices with one scale per vector (:class:`CodebookTensor`), optionally around a centre.
+class ScaledFormat(Format):
+    """A format of :class:`ScaledBlock` blocks: one scale per vector, optionally around a centre; a
+    subclass names its bits, its block and its quantizer (:meth:`quantize_scaled`).
 
     Parameters
     ----------
     bits : int
-        Index width, one of :data:`CODEBOOK_BITS`.
+        Code width, one of the subclass's :attr:`~kvpolicy.formats.base.Format.bits_allowed`.
     meta_dtype : {"auto", "float16", "bfloat16", "float32"}
         The dtype of the per-vector scales (and the centre).
     centre : bool
@@ -521,38 +625,71 @@ class Codebook(Format):
     centre: bool = False
     norm_bits: int = 16
 
-    name: ClassVar[str] = "codebook"
-    block: ClassVar[type[QTensor]] = CodebookTensor
-    bits_allowed: ClassVar[tuple[int, ...]] = CODEBOOK_BITS
     head_dim_multiple: ClassVar[int] = 8
     needs_rotation: ClassVar[bool] = True
     centred: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        check_bits("Codebook", self.bits, CODEBOOK_BITS)
-        check_meta_dtype_option("Codebook", self.meta_dtype)
+        owner = type(self).__name__
+        check_bits(owner, self.bits, self.bits_allowed)
+        check_meta_dtype_option(owner, self.meta_dtype)
         if not isinstance(self.centre, bool):
-            raise ConfigError(f"Codebook: centre must be a bool; got centre={self.centre!r}")
-        check_norm_bits("Codebook", "norm_bits", self.norm_bits)
+            raise ConfigError(f"{owner}: centre must be a bool; got centre={self.centre!r}")
+        check_norm_bits(owner, "norm_bits", self.norm_bits)
 
     @classmethod
     def from_options(
         cls, bits: int, group_size: int | None, axis: str, fit: str = "minmax", meta_dtype: str = "auto",
         centre: bool = False, norm_bits: int = 16,
-    ) -> Codebook:  # fmt: skip
+    ) -> ScaledFormat:  # fmt: skip
         return cls(bits, meta_dtype, centre, norm_bits)
 
-    def quantize(self, x: torch.Tensor, backend: Any = "torch", centre: torch.Tensor | None = None) -> CodebookTensor:
-        """:func:`quantize` with the scales in the metadata dtype (or one-byte codes, ``norm_bits=8``),
+    def quantize(self, x: torch.Tensor, backend: Any = "torch", centre: torch.Tensor | None = None) -> ScaledBlock:
+        """:meth:`quantize_scaled` with the scales in the metadata dtype (or one-byte codes, ``norm_bits=8``),
         centred on ``centre`` when given."""
         mdt = resolve_meta_dtype(self.meta_dtype, x.dtype)
         offered = backend_meta_dtypes(backend)
-        return quantize(
-            x, self.bits, mdt, backend_name(backend), lambda d: widen_remedy(d, offered), centre, self.norm_bits
-        )
+        return self.quantize_scaled(x, mdt, backend_name(backend), lambda d: widen_remedy(d, offered), centre)
+
+    def quantize_scaled(
+        self, x: torch.Tensor, mdtype: torch.dtype, backend: str, remedy: Callable[[torch.dtype], str],
+        centre: torch.Tensor | None,
+    ) -> ScaledBlock:  # fmt: skip
+        """The format's quantizer, ``quantize(x, bits, mdtype, backend, remedy, centre, norm_bits)`` of its
+        module."""
+        raise NotImplementedError
 
 
 def check_norm_bits(owner: str, param: str, value: object) -> None:
     """Raise :class:`ConfigError` unless ``value`` is one of :data:`NORM_BITS`."""
     if isinstance(value, bool) or value not in NORM_BITS:
         raise ConfigError(f"{owner}: {param} must be one of {list(NORM_BITS)}; got {param}={value!r}")
+
+
+@dataclass(frozen=True)
+class Codebook(ScaledFormat):
+    """Lloyd-Max indices with one scale per vector (:class:`CodebookTensor`), optionally around a centre.
+
+    Parameters
+    ----------
+    bits : int
+        Index width, one of :data:`CODEBOOK_BITS`.
+    meta_dtype : {"auto", "float16", "bfloat16", "float32"}
+        The dtype of the per-vector scales (and the centre).
+    centre : bool
+        Whether blocks are quantized around a centre ``μ`` that :meth:`quantize` is given (a stream
+        passes the mean of its first block).
+    norm_bits : {16, 8}
+        Bits of each vector's scale (:class:`ScaledFormat`).
+    """
+
+    name: ClassVar[str] = "codebook"
+    block: ClassVar[type[QTensor]] = CodebookTensor
+    bits_allowed: ClassVar[tuple[int, ...]] = CODEBOOK_BITS
+
+    def quantize_scaled(
+        self, x: torch.Tensor, mdtype: torch.dtype, backend: str, remedy: Callable[[torch.dtype], str],
+        centre: torch.Tensor | None,
+    ) -> CodebookTensor:  # fmt: skip
+        """:func:`quantize`."""
+        return quantize(x, self.bits, mdtype, backend, remedy, centre, self.norm_bits)
