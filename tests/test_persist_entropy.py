@@ -158,6 +158,8 @@ COMPOSITIONS = [
     dict(policy="log", window=4, key_bits=4, value_bits=2, scheme="codebook", transform="hadamard"),
     dict(policy="h2o", heavy=4, recent=4, bits=2, group_size=16),
     dict(policy="sink", sinks=2, window=6, action="evict"),
+    dict(policy="log", window=4, bits=3, scheme="codebook", transform="hadamard", key_centre=True, norm_bits=8),
+    dict(policy="log", window=4, key_bits=3, value_bits=2, scheme="lattice", transform="hadamard", norm_bits=8),
 ]
 
 
