@@ -231,8 +231,8 @@ class LayerSegments:
         idx = torch.searchsorted(self.full_pos, pos)
         probe.add(take(self.keys, idx), take(self.values, idx), pos)
         for mine, theirs in zip(_streams(self.store), _streams(probe), strict=True):
-            if mine.centre and mine.q is None and theirs.first_centre is not None:
-                mine.first_centre = theirs.first_centre
+            if mine.centre and mine.q is None and theirs.stream_centre is not None:
+                mine.first_centre = theirs.stream_centre
 
     def _positions(self, demoted: list[int] | torch.Tensor) -> torch.Tensor:
         """What ``PolicyState.append`` returned, as ``(rows, k)`` int32 positions on the layer's device."""

@@ -50,12 +50,6 @@ def test_16_bit_tokens(action, dtype):
     check_action(action, dtype=dtype, per_head=True, seed=3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Quantize(key_centre=True): each keys stream also holds the float32 centre of its first block "
-    "(QuantizedStream.first_centre, batch x kv_heads x head_dim x 4 bytes), which nbytes() does not count; "
-    "only the block's stored (16-bit) centre is counted",
-)
 def test_a_centred_codebook_counts_every_byte_it_holds():
     check_action(Quantize(bits=3, key_scheme="codebook", key_centre=True), per_head=False)
 

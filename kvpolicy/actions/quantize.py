@@ -623,10 +623,10 @@ class QuantizedStream:
         self.axis = fmt.axis if fmt.grouped else "token"
         self.q: QTensor | None = None
         self.staging: torch.Tensor | None = None
-        #: ``centre``: the float32 centre ``(batch, kv_heads, 1, head_dim)`` the first block is quantized
-        #: around; ``None`` until the first block is committed (it is then that block's mean), unless set
-        #: before it arrives (:meth:`kvpolicy.segments.LayerSegments.release` sets the mean of the first
-        #: block an unsplit demotion would have made)
+        #: ``centre``: the float32 centre ``(batch, kv_heads, 1, head_dim)`` the first block is to be
+        #: quantized around, when set before it arrives (:meth:`kvpolicy.segments.LayerSegments.release`
+        #: sets the mean of the first block an unsplit demotion would have made); ``None`` otherwise, and
+        #: again once the first block is held (the block holds its centre: :attr:`stream_centre`)
         self.first_centre: torch.Tensor | None = None
         self._proposed_centre: torch.Tensor | None = None
 
@@ -654,10 +654,20 @@ class QuantizedStream:
     def commit(self, block: QTensor | None, staging: torch.Tensor | None) -> None:
         """Store what :meth:`prepare` returned."""
         if block is not None:
-            if self.q is None and self.centre and self.first_centre is None:
-                self.first_centre = self._proposed_centre
             self.q = block if self.q is None else self.backend.cat([self.q, block])
+            # the held block now carries the centre (rounded to the metadata dtype, as every later block
+            # is quantized around): the float32 one is dropped, so nbytes() counts every byte held
+            self.first_centre = self._proposed_centre = None
         self.staging = staging
+
+    @property
+    def stream_centre(self) -> torch.Tensor | None:
+        """The centre every block of this stream is quantized around, ``(batch, kv_heads, 1, head_dim)``:
+        the held block's (in the metadata dtype) once there is one, else the one set for the first
+        block (:attr:`first_centre`, float32), else ``None``."""
+        if self.q is not None:
+            return self.q.centre  # type: ignore[attr-defined]
+        return self.first_centre
 
     def _quantize(self, x: torch.Tensor) -> QTensor:
         centre = None
