@@ -292,9 +292,9 @@ def test_without_a_rotation_is_refused():
         CompressedCache(policy="recent", window=2, bits=2, scheme="lattice", backend="torch")
 
 
-@pytest.mark.parametrize("backend", ["cpu", "quanto", "hqq"])
+@pytest.mark.parametrize("backend", ["quanto", "hqq"])
 def test_backends_without_the_scheme_refuse_it(backend):
-    pytest.importorskip({"cpu": "torch", "quanto": "optimum.quanto", "hqq": "hqq"}[backend])
+    pytest.importorskip({"quanto": "optimum.quanto", "hqq": "hqq"}[backend])
     with pytest.raises(ConfigError, match=rf"backend {backend!r} does not support (key_)?scheme='lattice'"):
         CompressedCache(policy="recent", window=2, bits=2, scheme="lattice", transform="hadamard", backend=backend)
 
@@ -302,35 +302,41 @@ def test_backends_without_the_scheme_refuse_it(backend):
 # ------------------------------------------------------------------ through a cache
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("norm_bits", [16, 8])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_fused_equals_materialized(family, norm_bits):
+def test_fused_equals_materialized(family, norm_bits, backend):
     got, ref, cache = fused_and_materialized(
-        family, group_size=None, key_bits=3, value_bits=2, scheme="lattice", transform="hadamard", backend="torch",
+        family, group_size=None, key_bits=3, value_bits=2, scheme="lattice", transform="hadamard", backend=backend,
         norm_bits=norm_bits,
     )  # fmt: skip
-    assert set(cache.attention_paths().values()) == {"fused (torch)"}
+    assert set(cache.attention_paths().values()) == {f"fused ({backend})"}
     assert isinstance(cache.layers[0].engine.store.inner.k.q, LatticeTensor)
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
 
 
-def test_fused_equals_materialized_across_moves_between_centred_tiers():
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_fused_equals_materialized_across_moves_between_centred_tiers(backend):
     from kvpolicy.actions.tiered import Tiered
     from kvpolicy.policies.log import LogWindow
 
-    tiers = [Quantize(bits=3, scheme="lattice", key_centre=True), Quantize(bits=2, scheme="lattice", key_centre=True)]
+    tiers = [Quantize(bits=4, scheme="codebook", key_centre=True, norm_bits=8),
+             Quantize(bits=3, scheme="lattice", key_centre=True, norm_bits=8),
+             Quantize(bits=2, scheme="lattice", key_centre=True)]  # fmt: skip
     got, ref, cache = fused_and_materialized(
-        group_size=None, action=Tiered(tiers=tiers, keep=[LogWindow(4)]), transform="hadamard", backend="torch"
-    )
-    assert set(cache.attention_paths().values()) == {"fused (torch)"}
+        group_size=None, action=Tiered(tiers=tiers, keep=[LogWindow(8), LogWindow(4)]), transform="hadamard",
+        backend=backend,
+    )  # fmt: skip
+    assert set(cache.attention_paths().values()) == {f"fused ({backend})"}
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
 
 
-def test_fused_equals_materialized_with_minmax_keys_and_lattice_values():
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_fused_equals_materialized_with_minmax_keys_and_lattice_values(backend):
     got, ref, cache = fused_and_materialized(
-        transform="hadamard", key_bits=4, value_bits=2, value_scheme="lattice", backend="torch"
+        transform="hadamard", key_bits=4, value_bits=2, value_scheme="lattice", backend=backend
     )
-    assert set(cache.attention_paths().values()) == {"fused (torch)"}
+    assert set(cache.attention_paths().values()) == {f"fused ({backend})"}
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
 
 
@@ -357,6 +363,53 @@ def test_lattice_stays_close_to_uncompressed_and_closer_with_more_bits():
     assert kl[3] < kl[2] < 5e-3
 
 
-def test_torch_backend_passes_check_backend():
-    formats = [Lattice(2), Lattice(3), Lattice(3, meta_dtype="float32"), Lattice(2, norm_bits=8)]
-    check_backend(TorchBackend(), formats=formats, bound="reference")
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_backends_pass_check_backend(backend):
+    from kvpolicy import registry
+
+    formats = [Lattice(2), Lattice(3), Lattice(2, norm_bits=8), Lattice(3, norm_bits=8)]
+    if backend == "torch":  # the cpu kernel reads one metadata dtype for keys and values (checked below)
+        formats.append(Lattice(3, meta_dtype="float32"))
+    check_backend(registry.get("backends", backend)(), formats=formats, bound="reference")
+
+
+def test_the_cpu_kernel_scores_and_mixes_lattice_codes_as_the_reference_does():
+    """Every scheme pair with a lattice role, odd token counts (a tile's AVX2 eight and the scalar rest), several
+    queries, a centre and one-byte scales: the kernel's output and log-sum-exp against the torch backend's."""
+    from kvpolicy.backends.cpu_backend import CpuBackend
+    from kvpolicy.formats import Codebook, MinMax
+
+    cpu, ref = CpuBackend(), TorchBackend()
+    cpu.tile = 16
+    gen = torch.Generator().manual_seed(4)
+    pairs = [(Lattice(2), Lattice(2)), (Lattice(3, "float32"), Lattice(3, "float32")),
+             (Lattice(2, norm_bits=8), Codebook(3, norm_bits=8)), (Codebook(2), Lattice(3)),
+             (MinMax(4, 32, "channel", meta_dtype="float16"), Lattice(2, "float16")),
+             (Lattice(3, centre=True, norm_bits=8), MinMax(2, 32, "token"))]  # fmt: skip
+    for kf, vf in pairs:
+        for n in (1, 9, 64, 131):
+            if isinstance(kf, MinMax):
+                n = 32 * (n // 32 + 1)
+            k, v = torch.randn(2, 2, n, 64, generator=gen), torch.randn(2, 2, n, 64, generator=gen)
+            q = torch.randn(2, 2, 3, 64, generator=gen)
+            mu = torch.randn(2, 2, 1, 64, generator=gen) if getattr(kf, "centre", False) else None
+            kq = kf.quantize(k, centre=mu) if mu is not None else kf.quantize(k)
+            vq = vf.quantize(v)
+            out, lse = cpu.attend(q, kq, vq, 0.125)
+            want_out, want_lse = ref.attend(q, kq, vq, 0.125)
+            where = f"{kf} {vf} n={n}"
+            torch.testing.assert_close(out, want_out, rtol=1e-5, atol=2e-6, msg=lambda m, w=where: f"{w}: {m}")
+            torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=2e-6, msg=lambda m, w=where: f"{w}: {m}")
+
+
+def test_the_cpu_kernel_refuses_lattice_tables_that_do_not_fit_the_codes():
+    from kvpolicy.backends.cpu_backend import CpuBackend
+
+    cpu = CpuBackend()
+    kq = Lattice(2).quantize(torch.randn(1, 1, 5, 64))
+    args = [torch.randn(1, 1, 1, 64), kq.codes, kq.scales.float(), None]
+    rest = [2, 16, kq.codes, kq.scales.float(), None, lattice.points(2), 2, 0, 1]
+    with pytest.raises(RuntimeError, match=r"the lattice table must be \(256, 4\) contiguous float32 points"):
+        cpu._kernel.attend(*args, lattice.points(3), *rest)
+    with pytest.raises(RuntimeError, match=r"lattice rows are 2 or 3 bits per coordinate; got 4"):
+        cpu._kernel.attend(*args, torch.zeros(1 << 16, 4), 4, *rest[1:])

@@ -13,13 +13,17 @@ Codebook blocks (``Quantize(scheme="codebook")``, :class:`~kvpolicy.formats.code
 one scale per token, Lloyd-Max indices) are read by the same kernel: codebook keys score
 ``s_t · (q · C[codes_t])`` eight tokens at a time where AVX2 and FMA allow (tiles of
 :attr:`CpuBackend.tile` tokens), codebook values add
-``(p · s_t) · C[codes_t]`` (a table lookup, no zero term). Any key scheme goes with any value scheme.
+``(p · s_t) · C[codes_t]`` (a table lookup, no zero term). Lattice blocks (``Quantize(scheme="lattice")``,
+:class:`~kvpolicy.formats.lattice.LatticeTensor`: one scale per token, one D4 table index per four channels)
+take the same paths with each index decoded to its four table coordinates: keys score
+``s_t · (q · P[codes_t])``, values add ``(p · s_t) · P[codes_t]``. Any key scheme goes with any value scheme.
 
-The kernel covers: **keys** min-max grouped per channel (the default, KIVI's) or codebook; **values**
-min-max grouped per token or codebook; **2, 3 or 4 bits** (any key/value pair), with float16, bfloat16 or
-float32 metadata (every ``meta_dtype``, the same for keys and values), and codebook blocks with one-byte
-scales (``norm_bits=8``), whose small ``(B, H, n)`` scale vector is decoded to float32 before the kernel runs
-(the other role's metadata is then read as float32 too, exactly). Other min-max layouts or widths are
+The kernel covers: **keys** min-max grouped per channel (the default, KIVI's), codebook or lattice;
+**values** min-max grouped per token, codebook or lattice; **2, 3 or 4 bits** (lattice: 2 or 3; any
+key/value pair), with float16, bfloat16 or float32 metadata (every ``meta_dtype``, the same for keys and
+values), and codebook and lattice blocks with one-byte scales (``norm_bits=8``), whose small ``(B, H, n)``
+scale vector is decoded to float32 before the kernel runs (the other role's metadata is then read as float32
+too, exactly). Other min-max layouts or widths are
 refused when a cache is built (``check``), not run some other way: use ``backend="torch"`` for them.
 Nothing falls back to the ``torch`` computation at decode time.
 """
@@ -34,9 +38,10 @@ import torch
 from kvpolicy.backends.base import FITS, META_DTYPES, Capabilities, QTensor
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import ConfigError
-from kvpolicy.formats import codebook
+from kvpolicy.formats import codebook, lattice
 from kvpolicy.formats.base import META_TORCH_DTYPES
 from kvpolicy.formats.codebook import CodebookTensor
+from kvpolicy.formats.lattice import LatticeTensor
 from kvpolicy.formats.packed import PackedTensor, _inner_contiguous, per_head_views
 from kvpolicy.kernels import cpu_attention
 
@@ -47,7 +52,7 @@ CODEBOOK_TILE = 64
 
 
 def _decoded(*blocks: QTensor) -> bool:
-    """Whether a block holds one-byte codebook scales (read by the kernel as decoded float32 scales)."""
+    """Whether a block holds one-byte scales (read by the kernel as decoded float32 scales)."""
     return any(getattr(b, "scale_base", None) is not None for b in blocks)
 
 
@@ -69,9 +74,7 @@ class CpuBackend(TorchBackend):
         devices=("cpu",),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         meta_dtypes=META_DTYPES,
-        # the kernel reads min-max and codebook blocks; other formats (``"lattice"``) are refused when a cache
-        # is built (check_scheme), not run some other way
-        schemes=("minmax", "codebook"),
+        schemes=("minmax", "codebook", "lattice"),
         codebook_bits=codebook.CODEBOOK_BITS,
         codebook_centre=True,
         codebook_norm_bits=codebook.NORM_BITS,
@@ -114,8 +117,10 @@ class CpuBackend(TorchBackend):
         codes, scales, zeros = per_head_views(q)
         return (codes, scales, zeros, None, q.bits, q.group_size), None
 
-    def _codebook_args(self, q: CodebookTensor, role: str) -> tuple:
-        self.check_scheme("codebook", q.bits, role=role)
+    def _codebook_args(self, q: CodebookTensor | LatticeTensor, role: str, check: bool = True) -> tuple:
+        if check:
+            self.check_scheme("codebook", q.bits, role=role)
+        what = "codebook" if check else "lattice"
         codes, scales = q.codes, q.scales
         if q.scale_base is not None:
             # one-byte log-scale codes (norm_bits=8): the kernel reads float scales, so the (B, H, n) vector
@@ -127,12 +132,12 @@ class CpuBackend(TorchBackend):
         want = (b, h, n, d * q.bits // 8)
         if codes.dtype != torch.uint8 or tuple(codes.shape) != want or (d * q.bits) % 8:
             raise ConfigError(
-                f"backend 'cpu': codebook {role}s of shape {q.shape} at {q.bits} bits need uint8 codes of shape "
+                f"backend 'cpu': {what} {role}s of shape {q.shape} at {q.bits} bits need uint8 codes of shape "
                 f"{want}; got {codes.dtype} {tuple(codes.shape)}"
             )
         if scales.dtype not in META_TORCH_DTYPES.values() or tuple(scales.shape) != (b, h, n):
             raise ConfigError(
-                f"backend 'cpu': codebook {role}s need one float16, bfloat16 or float32 scale per token, shape "
+                f"backend 'cpu': {what} {role}s need one float16, bfloat16 or float32 scale per token, shape "
                 f"{(b, h, n)}; got {scales.dtype} {tuple(scales.shape)}"
             )
         if not _inner_contiguous(codes):
@@ -142,9 +147,20 @@ class CpuBackend(TorchBackend):
         group = max(1, int(self.tile)) if role == "key" else 0
         return (codes, scales, None, codebook.centroids(q.bits), q.bits, group), q.centre
 
+    def _lattice_args(self, q: LatticeTensor, role: str) -> tuple:
+        """As :meth:`_codebook_args`, with the lattice's table of points ``(2**(4 · bits), 4)`` (a 2-d table
+        tells the kernel the scheme)."""
+        self.check_scheme("lattice", q.bits, role=role)
+        (codes, scales, _, _, bits, group), centre = self._codebook_args(q, role, check=False)
+        return (codes, scales, None, lattice.points(q.bits), bits, group), centre
+
     #: how the kernel reads each format's blocks: ``{block class: method(self, q, role) -> (kernel arguments,
     #: centre or None)}`` (a centre, ``(B, H, 1, D)``, enters after the kernel, which reads the codes alone)
-    readers: ClassVar[dict[type, Callable[..., tuple]]] = {PackedTensor: _packed_args, CodebookTensor: _codebook_args}
+    readers: ClassVar[dict[type, Callable[..., tuple]]] = {
+        PackedTensor: _packed_args,
+        CodebookTensor: _codebook_args,
+        LatticeTensor: _lattice_args,
+    }
 
     def _kernel_args(self, q: QTensor, role: str) -> tuple[tuple, torch.Tensor | None]:
         """``(codes, scales, minimums or None, codebook table or None, bits, group)`` of one role's block as
@@ -161,7 +177,8 @@ class CpuBackend(TorchBackend):
         reader = self.readers.get(type(q))
         if reader is None:
             raise ConfigError(
-                f"backend 'cpu' reads PackedTensor and CodebookTensor containers; got {role}s={type(q).__name__}"
+                f"backend 'cpu' reads PackedTensor, CodebookTensor and LatticeTensor containers; got "
+                f"{role}s={type(q).__name__}"
             )
         return reader(self, q, role)
 
@@ -174,10 +191,10 @@ class CpuBackend(TorchBackend):
         ----------
         query : torch.Tensor
             ``(B, H, q, D)``, float32 / float16 / bfloat16 (converted to float32 and scaled).
-        keys : PackedTensor or CodebookTensor
-            ``(B, H, n, D)``: min-max per channel, or codebook; 2, 3 or 4 bits.
-        values : PackedTensor or CodebookTensor
-            ``(B, H, n, Dv)``: min-max per token, or codebook; 2, 3 or 4 bits.
+        keys : PackedTensor, CodebookTensor or LatticeTensor
+            ``(B, H, n, D)``: min-max per channel, codebook or lattice; 2, 3 or 4 bits (lattice: 2 or 3).
+        values : PackedTensor, CodebookTensor or LatticeTensor
+            ``(B, H, n, Dv)``: min-max per token, codebook or lattice; 2, 3 or 4 bits (lattice: 2 or 3).
         scale : float
             Score scale.
 

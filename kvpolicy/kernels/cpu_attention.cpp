@@ -1,11 +1,15 @@
 // Decode attention over bit-packed keys and values on CPU (kvpolicy's "cpu" backend).
 //
-// Storage, for keys and for values independently, one of two schemes:
+// Storage, for keys and for values independently, one of three schemes:
 // - min-max (the "torch" backend's PackedTensor), x = s * code + z. Keys grouped per channel: codes
 //   (B, H, n/GK, D, GK*KB/8), scales/minimums (B, H, n/GK, D); values grouped per token: codes
 //   (B, H, n, DV/GV, GV*VB/8), scales/minimums (B, H, n, DV/GV).
 // - codebook (CodebookTensor), x[t, d] = s_t * C[code_{t,d}]: codes per token (B, H, n, D*bits/8), one
 //   scale per token (B, H, n), and the codebook C (2^bits float32 centroids, a small table).
+// - lattice (LatticeTensor), x[t, 4g:4g+4] = s_t * P[i_{t,g}]: per token and sub-vector g of four channels the
+//   index i of a point of the table P ((2^(4 bits), 4) float32: 256 points at 2 bits, 4096 at 3), packed as
+//   4 * bits bits (2 bits: one byte per sub-vector; 3 bits: two sub-vectors per three bytes, a little-endian
+//   24-bit word, the first in its low 12 bits); one scale per token (B, H, n). A 2-d table marks the scheme.
 // Any key scheme goes with any value scheme. Codes are packed 8/bits per byte, lowest bits first (3 bits:
 // eight codes per three bytes, a little-endian bit stream); widths 2, 3 and 4 bits; metadata is float16,
 // bfloat16 or float32 (keys and values alike). Each (batch, head) slice must be contiguous; batch and
@@ -20,8 +24,9 @@
 // the values of the tile: min-max values accumulate (p*s)·codes with p·z kept per value group (with AVX2 at 2
 // and 4 bits in registers, value_block: eight bytes of each token's group over all the tile's tokens);
 // codebook values (p*s_t)·C[codes_t], the row one group and no zero term. Codes are decoded in
-// planar order (see expand): centred (code - MID) for min-max, looked up in C for the codebook; nothing is
-// dequantized into memory.
+// planar order (see expand): centred (code - MID) for min-max, looked up in C for the codebook; lattice rows
+// are decoded in their natural order, four table coordinates per index, and take the codebook's paths
+// (scores s_t * (q·P[codes_t]), values (p*s_t)·P[codes_t]); nothing is dequantized into memory.
 // Partial results of the splits of one (batch, head) are merged through their log-sum-exp.
 // Accumulation is float32 throughout.
 
@@ -44,7 +49,7 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-enum Scheme { kMinMax, kCodebook };
+enum Scheme { kMinMax, kCodebook, kLattice };
 
 // What a code decodes to. Min-max: centred, code - MID with MID = (2^BITS - 1) / 2 (exact in float32);
 // a group's values are then s * (code - MID) + (z + s * MID): the per-group constant sits near the
@@ -55,13 +60,16 @@ struct Decode {
   static constexpr float MID = ((1 << BITS) - 1) * 0.5f;
   static constexpr uint32_t MASK = (1u << BITS) - 1;
   static constexpr bool kLookup = S == kCodebook;
+  static constexpr bool kPoints = S == kLattice;
   float table[16] = {};  // the codebook's 2^BITS centroids, zero-padded to 16 (codebook only)
+  const float* points = nullptr;  // the lattice table P, (2^(4 BITS), 4) (lattice only)
 #if defined(__AVX2__)
   __m256 lo, hi;  // table[0..8), table[8..16)
 #endif
 
   explicit Decode(const float* centroids) {
     if constexpr (S == kCodebook) std::copy(centroids, centroids + (1 << BITS), table);
+    if constexpr (S == kLattice) points = centroids;
 #if defined(__AVX2__)
     lo = _mm256_loadu_ps(table);
     hi = _mm256_loadu_ps(table + 8);
@@ -98,7 +106,22 @@ inline uint32_t word3(const uint8_t* p) {
   return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) | (static_cast<uint32_t>(p[2]) << 16);
 }
 
-// The decoded codes of a row of nb bytes in *planar* order. 2 and 4 bits: dst[k * nb + j] = code k of
+// A lattice row of nb bytes decoded in natural order: dst[4g + j] = P[i_g][j] (see the header)
+template <int BITS>
+inline void expand_points(const uint8_t* __restrict src, int nb, float* __restrict dst, const float* __restrict P) {
+  if constexpr (BITS == 2) {
+    for (int g = 0; g < nb; ++g) std::memcpy(dst + 4 * g, P + 4 * static_cast<int64_t>(src[g]), 4 * sizeof(float));
+  } else {
+    static_assert(BITS == 3, "lattice rows are 2 or 3 bits per coordinate");
+    for (int c = 0; c < nb / 3; ++c) {
+      const uint32_t w = word3(src + 3 * c);
+      std::memcpy(dst + 8 * c, P + 4 * static_cast<int64_t>(w & 0xFFFu), 4 * sizeof(float));
+      std::memcpy(dst + 8 * c + 4, P + 4 * static_cast<int64_t>((w >> 12) & 0xFFFu), 4 * sizeof(float));
+    }
+  }
+}
+
+// The decoded codes of a row of nb bytes in *planar* order (lattice rows: natural order, expand_points). 2 and 4 bits: dst[k * nb + j] = code k of
 // byte j, i.e. element PER * j + k of the row lands at k * nb + j; blocks of 16 bytes, one shift-and-mask
 // per plane, which the compiler vectorises. 3 bits: code k of run c (three bytes) lands at k * R + c
 // (R = nb / 3 runs); blocks of eight runs, their words first, then per plane one fixed-width
@@ -106,7 +129,9 @@ inline uint32_t word3(const uint8_t* p) {
 // back in place at the end (see planar).
 template <int BITS, class Dec>
 inline void expand(const uint8_t* __restrict src, int nb, float* __restrict dst, const Dec& dec) {
-  if constexpr (BITS == 3) {
+  if constexpr (Dec::kPoints) {
+    if constexpr (BITS == 2 || BITS == 3) expand_points<BITS>(src, nb, dst, dec.points);
+  } else if constexpr (BITS == 3) {
     const int R = nb / 3;
     int c0 = 0;
     for (; c0 + 8 <= R; c0 += 8) {
@@ -147,6 +172,16 @@ inline int64_t planar(int64_t e, int64_t nb) {
   } else {
     constexpr int PER = 8 / BITS;
     return (e % PER) * nb + e / PER;
+  }
+}
+
+// where element e of a row of nb bytes of scheme S lands when decoded (lattice: in place)
+template <Scheme S, int BITS>
+inline int64_t row_order(int64_t e, int64_t nb) {
+  if constexpr (S == kLattice) {
+    return e;
+  } else {
+    return planar<BITS>(e, nb);
   }
 }
 
@@ -328,7 +363,7 @@ struct Meta {
   }
 };
 
-// One role's storage (see the header); zeros and table: min-max and codebook only, respectively.
+// One role's storage (see the header); zeros: min-max only; table: the codebook's or the lattice's.
 struct Packed {
   const uint8_t* codes;
   const void* scales;
@@ -344,7 +379,7 @@ struct Packed {
   }
 };
 
-// tile: tokens per tile (min-max keys: the key group GK); gv: value group (codebook values: DV)
+// tile: tokens per tile (min-max keys: the key group GK); gv: value group (codebook and lattice values: DV)
 struct Shape {
   int64_t heads, nq, d, dv, n, tile, gv;
 };
@@ -362,13 +397,13 @@ void run_item(const float* q, const Packed& K, const Packed& V, const Shape& s, 
   const uint8_t* vc = V.codes + b * V.c0 + h * V.c1;
   const Meta vs = V.slice(V.scales, b, h), vz = V.slice(V.zeros, b, h);  // zeros: min-max only
 
-  std::vector<float> qs(nq * D), sc(nq * T), cf(std::max({T, D, GV})), c8(KS == kCodebook ? 8 * D : 0);
+  std::vector<float> qs(nq * D), sc(nq * T), cf(std::max({T, D, GV})), c8(KS != kMinMax ? 8 * D : 0);
   // metadata of a tile: keys' scales and minimums (min-max: per channel; codebook: scales per token), values'
   std::vector<float> sd(std::max(D, T)), zd(D), sv(T * J), zv(T * J);
   std::vector<float> m(nq, kNegInf), l(nq, 0.f), acc(nq * DV, 0.f), zacc(nq * J, 0.f), wv(nq * T);
-  if constexpr (KS == kCodebook) {  // the query in the planar order of a key row, once
+  if constexpr (KS != kMinMax) {  // the query in the order of a decoded key row, once
     for (int64_t i = 0; i < nq; ++i)
-      for (int64_t e = 0; e < D; ++e) qs[i * D + planar<KB>(e, krow)] = q[i * D + e];
+      for (int64_t e = 0; e < D; ++e) qs[i * D + row_order<KS, KB>(e, krow)] = q[i * D + e];
   }
 
   for (int64_t tile = tile0; tile < tile1; ++tile) {
@@ -395,7 +430,7 @@ void run_item(const float* q, const Packed& K, const Packed& V, const Shape& s, 
           expand<KB>(row + d * krow, krow, cf.data(), kdec);
           for (int64_t i = 0; i < nq; ++i) axpy(&sc[i * T], cf.data(), qs[i * D + d], static_cast<int>(T));
         }
-    } else {  // scores s_t * (q · C[codes_t]): eight tokens at a time, then the rest token by token
+    } else {  // scores s_t * (q · C[codes_t]) (lattice: q · P[codes_t]): eight tokens at a time, then one by one
       ks.read(tok0, len, sd.data());
       int64_t t = 0;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -481,7 +516,7 @@ void run_item(const float* q, const Packed& K, const Packed& V, const Shape& s, 
     const float inv = 1.f / l[i];
     for (int64_t j = 0; j < J; ++j)
       for (int64_t e = 0; e < GV; ++e)
-        out[i * DV + j * GV + e] = (acc[i * DV + j * GV + planar<VB>(e, vgb)] + zacc[i * J + j]) * inv;
+        out[i * DV + j * GV + e] = (acc[i * DV + j * GV + row_order<VS, VB>(e, vgb)] + zacc[i * J + j]) * inv;
     lse[i] = m[i] + std::log(l[i]);
   }
 }
@@ -508,23 +543,36 @@ struct Args {
   float *po, *pl;
 };
 
+// lattice roles come at 2 and 3 bits only: no kernel is compiled for 4-bit lattice rows
+template <Scheme S, int BITS>
+constexpr bool served = S != kLattice || BITS != 4;
+
 template <Scheme KS, Scheme VS>
 void dispatch_bits(int64_t kb, int64_t vb, const Args& a) {
 #define KVPOLICY_PAIR(K_, V_)                                                                          \
-  if (kb == K_ && vb == V_)                                                                            \
-    return run_all<KS, K_, VS, V_>(a.q, a.K, a.V, a.s, a.bh, a.n_tiles, a.per, a.splits, a.po, a.pl);
+  if constexpr (served<KS, K_> && served<VS, V_>) {                                                    \
+    if (kb == K_ && vb == V_)                                                                          \
+      return run_all<KS, K_, VS, V_>(a.q, a.K, a.V, a.s, a.bh, a.n_tiles, a.per, a.splits, a.po, a.pl); \
+  }
   KVPOLICY_PAIR(2, 2) KVPOLICY_PAIR(2, 3) KVPOLICY_PAIR(2, 4)
   KVPOLICY_PAIR(3, 2) KVPOLICY_PAIR(3, 3) KVPOLICY_PAIR(3, 4)
   KVPOLICY_PAIR(4, 2) KVPOLICY_PAIR(4, 3) KVPOLICY_PAIR(4, 4)
 #undef KVPOLICY_PAIR
-  TORCH_CHECK(false, "cpu_attention: bits must be 2, 3 or 4; got key bits ", kb, ", value bits ", vb);
+  TORCH_CHECK(false, "cpu_attention: bits must be 2, 3 or 4 (lattice: 2 or 3); got key bits ", kb, ", value bits ",
+              vb);
 }
 
-void dispatch(bool kcb, bool vcb, int64_t kb, int64_t vb, const Args& a) {
-  if (!kcb && !vcb) return dispatch_bits<kMinMax, kMinMax>(kb, vb, a);
-  if (!kcb && vcb) return dispatch_bits<kMinMax, kCodebook>(kb, vb, a);
-  if (kcb && !vcb) return dispatch_bits<kCodebook, kMinMax>(kb, vb, a);
-  return dispatch_bits<kCodebook, kCodebook>(kb, vb, a);
+template <Scheme KS>
+void dispatch_values(Scheme vs, int64_t kb, int64_t vb, const Args& a) {
+  if (vs == kMinMax) return dispatch_bits<KS, kMinMax>(kb, vb, a);
+  if (vs == kCodebook) return dispatch_bits<KS, kCodebook>(kb, vb, a);
+  return dispatch_bits<KS, kLattice>(kb, vb, a);
+}
+
+void dispatch(Scheme ks, Scheme vs, int64_t kb, int64_t vb, const Args& a) {
+  if (ks == kMinMax) return dispatch_values<kMinMax>(vs, kb, vb, a);
+  if (ks == kCodebook) return dispatch_values<kCodebook>(vs, kb, vb, a);
+  return dispatch_values<kLattice>(vs, kb, vb, a);
 }
 
 // whether each (batch, head) slice of t (dims 2 and up) is one contiguous block
@@ -537,10 +585,11 @@ bool inner_contiguous(const at::Tensor& t) {
   return true;
 }
 
-// One role's block as the kernel reads it. Min-max when `zeros` is given, codebook when `table` is.
+// One role's block as the kernel reads it. Min-max when `zeros` is given, codebook when `table` is a 1-d
+// table of centroids, lattice when it is a 2-d table of points.
 struct Block {
   Packed p;
-  bool codebook;
+  Scheme scheme;
   int64_t tokens, width;  // n, and D (keys) or DV (values)
 };
 
@@ -548,9 +597,10 @@ Block read_block(const at::Tensor& codes, const at::Tensor& scales, const c10::o
                  const c10::optional<at::Tensor>& table, int64_t bits, int64_t group, bool keys) {
   const char* what = keys ? "keys" : "values";
   TORCH_CHECK(zeros.has_value() != table.has_value(), what,
-              ": give minimums (min-max) or a codebook table (codebook), not both or neither");
+              ": give minimums (min-max) or a table (codebook, lattice), not both or neither");
   TORCH_CHECK(bits >= 2 && bits <= 4, what, ": bits must be 2, 3 or 4; got ", bits);
   const bool cb = table.has_value();
+  const bool lat = cb && table->dim() == 2;
   TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kByte && codes.dim() == (cb ? 4 : 5), what,
               ": codes must be a ", cb ? 4 : 5, "-d uint8 CPU tensor");
   TORCH_CHECK(inner_contiguous(codes) && inner_contiguous(scales), what,
@@ -560,8 +610,22 @@ Block read_block(const at::Tensor& codes, const at::Tensor& scales, const c10::o
               ": metadata must be float16, bfloat16 or float32");
   Block blk{{codes.data_ptr<uint8_t>(), scales.data_ptr(), nullptr, nullptr, meta, codes.stride(0),
              codes.stride(1), scales.stride(0), scales.stride(1)},
-            cb, 0, 0};
-  if (cb) {
+            lat ? kLattice : (cb ? kCodebook : kMinMax), 0, 0};
+  if (lat) {
+    const at::Tensor& c = *table;
+    TORCH_CHECK(bits == 2 || bits == 3, what, ": lattice rows are 2 or 3 bits per coordinate; got ", bits);
+    TORCH_CHECK(c.scalar_type() == at::kFloat && c.is_contiguous() && c.size(0) == (int64_t{1} << (4 * bits)) &&
+                    c.size(1) == 4,
+                what, ": the lattice table must be (", int64_t{1} << (4 * bits), ", 4) contiguous float32 points");
+    TORCH_CHECK(scales.dim() == 3 && scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) &&
+                    scales.size(2) == codes.size(2),
+                what, ": lattice scales must be (batch, heads, tokens) like the codes");
+    TORCH_CHECK((codes.size(3) * 8) % (4 * bits) == 0 && (bits != 3 || codes.size(3) % 3 == 0), what, ": ",
+                codes.size(3), " bytes per token do not hold whole sub-vectors of four ", bits, "-bit coordinates");
+    blk.p.table = c.data_ptr<float>();
+    blk.tokens = codes.size(2);
+    blk.width = codes.size(3) * 8 / bits;
+  } else if (cb) {
     const at::Tensor& c = *table;
     TORCH_CHECK(c.scalar_type() == at::kFloat && c.is_contiguous() && c.dim() == 1 && c.numel() == (1 << bits),
                 what, ": the codebook table must be ", 1 << bits, " contiguous float32 centroids");
@@ -590,9 +654,9 @@ Block read_block(const at::Tensor& codes, const at::Tensor& scales, const c10::o
 }  // namespace
 
 // q: (B, H, nq, D) float32 contiguous, already multiplied by the score scale. Per role: codes, scales, and
-// either minimums (min-max) or the codebook table (codebook), the width and: keys, the tokens per tile
-// (min-max: the key group GK; codebook: any tile size >= 1); values, the value group GV (min-max; a
-// codebook row is one group).
+// either minimums (min-max) or the table (codebook: 1-d centroids; lattice: 2-d points), the width and:
+// keys, the tokens per tile (min-max: the key group GK; codebook, lattice: any tile size >= 1); values, the
+// value group GV (min-max; a codebook or lattice row is one group).
 // Returns {out (B, H, nq, DV) float32, lse (B, H, nq) float32}.
 std::vector<at::Tensor> attend(at::Tensor q, at::Tensor kc, at::Tensor ks, c10::optional<at::Tensor> kz,
                                c10::optional<at::Tensor> ktable, int64_t kbits, int64_t ktile, at::Tensor vc,
@@ -607,7 +671,7 @@ std::vector<at::Tensor> attend(at::Tensor q, at::Tensor kc, at::Tensor ks, c10::
   const int64_t n = K.tokens, DV = V.width;
   TORCH_CHECK(kc.size(0) == B && kc.size(1) == H && K.width == D, "keys do not match q");
   TORCH_CHECK(vc.size(0) == B && vc.size(1) == H && V.tokens == n, "values do not hold the tokens of keys");
-  if (V.codebook) gv = DV;
+  if (V.scheme != kMinMax) gv = DV;
   TORCH_CHECK(gv >= 1 && DV % gv == 0, "values: the value group must divide the value width");
   Args a{q.data_ptr<float>(), K.p, V.p, Shape{H, nq, D, DV, n, ktile, gv}, B * H, (n + ktile - 1) / ktile, 0, 0,
          nullptr, nullptr};
@@ -622,7 +686,7 @@ std::vector<at::Tensor> attend(at::Tensor q, at::Tensor kc, at::Tensor ks, c10::
   at::Tensor part_lse = at::empty({bh, splits, nq}, opts);
   float* po = a.po = part_out.data_ptr<float>();
   float* pl = a.pl = part_lse.data_ptr<float>();
-  dispatch(K.codebook, V.codebook, kbits, vbits, a);
+  dispatch(K.scheme, V.scheme, kbits, vbits, a);
   if (splits == 1) return {part_out.view({B, H, nq, DV}), part_lse.view({B, H, nq})};
   at::Tensor out = at::empty({B, H, nq, DV}, opts);
   at::Tensor lse = at::empty({B, H, nq}, opts);

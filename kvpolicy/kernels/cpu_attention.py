@@ -2,9 +2,11 @@
 
 The kernel (``cpu_attention.cpp``, next to this file) reads the ``torch`` backend's
 :class:`~kvpolicy.formats.packed.PackedTensor` directly (keys grouped per channel, values
-grouped per token) and the codebook scheme's :class:`~kvpolicy.formats.codebook.CodebookTensor`
-(one scale per token, indices into a small table of centroids), for keys and values in any
-combination: 2, 3 or 4 bits, float16 / bfloat16 / float32 metadata. It is compiled with
+grouped per token), the codebook scheme's :class:`~kvpolicy.formats.codebook.CodebookTensor`
+(one scale per token, indices into a small table of centroids) and the lattice scheme's
+:class:`~kvpolicy.formats.lattice.LatticeTensor` (one scale per token, one index into a table of D4
+points per four channels), for keys and values in any combination: 2, 3 or 4 bits (lattice: 2 or
+3), float16 / bfloat16 / float32 metadata. It is compiled with
 :func:`torch.utils.cpp_extension.load_inline` (``-O3 -march=native``, OpenMP through
 ``at::parallel_for``) the first time it is needed in an environment, and kept as
 ``<kvpolicy cache>/extensions/<name>/<name>.so`` (the kvpolicy cache directory:
