@@ -269,6 +269,10 @@ class Format(ABC):
     needs_rotation: ClassVar[bool] = False
     #: whether :meth:`quantize` takes a ``centre`` (an offset shared by a stream's blocks)
     centred: ClassVar[bool] = False
+    #: parameters added after the format was first released, each with the value that computes exactly what
+    #: the format computed before it existed; what names a composition by hashing its spec (the lab's cell
+    #: ids) leaves a parameter out at that value, so results measured before it was added stay matched
+    added_defaults: ClassVar[dict[str, object]] = {}
 
     bits: int
     meta_dtype: str

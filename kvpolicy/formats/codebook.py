@@ -628,6 +628,7 @@ class ScaledFormat(Format):
     head_dim_multiple: ClassVar[int] = 8
     needs_rotation: ClassVar[bool] = True
     centred: ClassVar[bool] = True
+    added_defaults: ClassVar[dict[str, object]] = {"norm_bits": 16}
 
     def __post_init__(self) -> None:
         owner = type(self).__name__

@@ -215,3 +215,34 @@ def test_equal_specs_written_differently_share_an_id():
 
 def test_the_scheme_is_recorded_in_every_row(finished):
     assert {r["cell_ids"] for r in _records(finished / RESULTS)} == {CELL_IDS}
+
+
+def test_a_format_parameter_added_later_changes_no_id_at_the_value_that_computes_as_before(monkeypatch):
+    """Format.added_defaults: a parameter at the value reproducing its format's earlier arithmetic is left out of
+    the hashed spec (so rows measured before it existed stay matched); any other value enters the id."""
+    from kvpolicy.formats.codebook import Codebook
+
+    grid = grid_from_dict(GRID)
+    args = {"policy": "log", "window": 8, "bits": 3, "scheme": "codebook", "transform": "hadamard"}
+    plain, sixteen = CacheSpec("compressed", args), CacheSpec("compressed", {**args, "norm_bits": 16})
+    one_byte = CacheSpec("compressed", {**args, "norm_bits": 8})
+    ids = [cell_id("m", s, 32, "lm", {}, grid) for s in (plain, sixteen, one_byte)]
+    assert ids[0] == ids[1] != ids[2]
+    assert "norm_bits" not in json.dumps(plain.canonical()) and '"norm_bits": 8' in json.dumps(one_byte.canonical())
+    # the id a spec had before the parameter existed: its dict without the parameter
+    monkeypatch.setattr(Codebook, "added_defaults", {})
+    assert cell_id("m", plain, 32, "lm", {}, grid) != ids[0]  # without the declaration the id moves
+
+
+def test_every_committed_frontier_row_names_a_cell_its_grid_plans():
+    """The committed run directory results/frontier: each row's cell id is one its config.json's grid plans with
+    the code as it is, so a re-run skips every measured cell instead of measuring it again."""
+    from pathlib import Path
+
+    from kvpolicy_lab.eval.migrate_ids import grid_of, planned_cells
+
+    out = Path(__file__).resolve().parents[2] / "results" / "frontier"
+    config = json.loads((out / CONFIG).read_text())
+    planned = {c.new for c in planned_cells(grid_of(config), config.get("sizings") or [])}
+    stale = sorted({(r["cache"], r["task"], r["context"]) for r in _records(out / RESULTS) if r["cell"] not in planned})
+    assert not stale, f"{len(stale)} measured cells would be measured again: {stale[:5]}"

@@ -181,7 +181,7 @@ class CacheSpec:
             raise ConfigError(
                 f"cache {self.label!r}: {exc}; a grid's cache must be data to be given a cell id"
             ) from None
-        return {"kind": "kvpolicy", "spec": spec}
+        return {"kind": "kvpolicy", "spec": without_added_defaults(spec)}
 
     def describe(self) -> str:
         """The exact ``repr`` of the cache (kvpolicy caches) or its constructor call (transformers')."""
@@ -191,6 +191,27 @@ class CacheSpec:
             inner = ", ".join(f"{k}={self.args[k]!r}" for k in _HF_ARGS if k in self.args)
             return f"QuantizedCache({inner})"
         return repr(self._compressed(None))
+
+
+def without_added_defaults(node: Any) -> Any:
+    """A spec dict (:meth:`kvpolicy.spec.CacheSpec.to_dict`) without the format parameters that sit at the
+    value reproducing what their format computed before they were added
+    (:attr:`kvpolicy.formats.base.Format.added_defaults`): so adding a parameter to a format changes no
+    cell id of a cache that does not use it."""
+    from kvpolicy import registry
+
+    if isinstance(node, list):
+        return [without_added_defaults(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: without_added_defaults(v) for k, v in node.items()}
+    if out.get("role") == "format" and isinstance(out.get("name"), str) and isinstance(out.get("params"), dict):
+        try:
+            added = registry.get("formats", out["name"]).added_defaults
+        except ConfigError:
+            added = {}
+        out["params"] = {k: v for k, v in out["params"].items() if not (k in added and added[k] == v)}
+    return out
 
 
 def _part_name(part: Any) -> str:
