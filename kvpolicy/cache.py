@@ -453,7 +453,8 @@ class CompressedCache(Cache):
         writes) as keywords, ``overrides`` (e.g. ``config=model.config``) on top.
 
         ``path`` is a file's path, or the name of a preset file shipped with kvpolicy
-        (:func:`kvpolicy.preset_files.names`: ``"smollm2-3bit"``, ``"smollm2-8k-2.5bit"``).
+        (:func:`kvpolicy.preset_files.names`: ``"gemma3-270m-3.5bit"``, ``"smollm2-3bit"``,
+        ``"smollm2-8k-2.5bit"``).
 
         Raises
         ------

@@ -84,20 +84,22 @@ def streamingllm(budget: int = 1024, sinks: int = 4) -> dict[str, Any]:
     return {"policy": SinkWindow(sinks=sinks, window=budget - sinks), "action": Evict()}
 
 
-def _tiered(name: str, window: int, middle_window: int, key_bits: int, value_bits: int, seed: int) -> dict[str, Any]:
+def _tiered(
+    name: str, window: int, middle_window: int, key_bits: int, value_bits: int, seed: int, norm_bits: int
+) -> dict[str, Any]:
     """The composition of kvpolicy's own presets: the log policy with W = ``window`` at full precision,
-    then two tiers of codebook blocks with centred keys (``key_centre=True``): 4-bit keys and values
-    for the demoted tokens that the log rule at W′ = ``middle_window`` keeps, ``key_bits`` keys and
-    ``value_bits`` values for the rest (a token moving down is re-quantized from its 4-bit
-    reconstruction), and the Hadamard rotation (``seed``)."""
+    then two tiers of codebook blocks with centred keys (``key_centre=True``) and ``norm_bits``-bit
+    scales: 4-bit keys and values for the demoted tokens that the log rule at W′ = ``middle_window``
+    keeps, ``key_bits`` keys and ``value_bits`` values for the rest (a token moving down is re-quantized
+    from its 4-bit reconstruction), and the Hadamard rotation (``seed``)."""
     from kvpolicy.actions.tiered import Tiered
     from kvpolicy.transforms.hadamard import Hadamard
 
     check_int("window", window, 1, f"preset {name!r}")
     check_int("middle_window", middle_window, 1, f"preset {name!r}")
     tiers = [
-        Quantize(bits=4, scheme="codebook", key_centre=True),
-        Quantize(key_bits=key_bits, value_bits=value_bits, scheme="codebook", key_centre=True),
+        Quantize(bits=4, scheme="codebook", key_centre=True, norm_bits=norm_bits),
+        Quantize(key_bits=key_bits, value_bits=value_bits, scheme="codebook", key_centre=True, norm_bits=norm_bits),
     ]
     return {
         "policy": LogWindow(window=window),
@@ -106,63 +108,66 @@ def _tiered(name: str, window: int, middle_window: int, key_bits: int, value_bit
     }
 
 
-def kvpolicy_3bit(window: int = 4, middle_window: int = 32, seed: int = 0) -> dict[str, Any]:
+def kvpolicy_3bit(window: int = 4, middle_window: int = 32, seed: int = 0, norm_bits: int = 8) -> dict[str, Any]:
     """kvpolicy's best measured composition at or under 3.0 bits per element: the log policy with
     W = ``window`` at full precision, then two tiers of codebook blocks with centred keys
-    (``key_centre=True``): 4-bit keys and values for the tokens the log rule at W′ = ``middle_window``
-    keeps among the demoted ones, 3-bit keys and 2-bit values for the rest (a token moving down is
-    re-quantized from its 4-bit reconstruction), and the Hadamard rotation (``seed``). Measured on
-    SmolLM2-135M at 2k context on the texts of docs/frontier.md (cache ``log4-k3cmv2c-t44x32``):
-    2.97 bits, KL 0.032, top-1 92.8 % (before centred keys: ``log8-k3cv2c``, 2.89 bits, KL 0.068).
-    Not a published method: a composition of kvpolicy's parts, chosen on calibration texts and
-    measured on the frontier's.
+    (``key_centre=True``) and one-byte scales (``norm_bits``): 4-bit keys and values for the tokens the
+    log rule at W′ = ``middle_window`` keeps among the demoted ones, 3-bit keys and 2-bit values for the
+    rest (a token moving down is re-quantized from its 4-bit reconstruction), and the Hadamard rotation
+    (``seed``). Measured on SmolLM2-135M at 2k context on the texts of docs/frontier.md (cache
+    ``log4-k3cmv2c-t44x32-n8``): 2.84 bits, KL 0.031 (worst text 0.047), top-1 93.6 %; with 16-bit
+    scales (``norm_bits=16``, cache ``log4-k3cmv2c-t44x32``) 2.97 bits for the same KL. Not a published
+    method: a composition of kvpolicy's parts, chosen on calibration texts and measured on the frontier's.
     """
-    return _tiered("kvpolicy-3bit", window, middle_window, 3, 2, seed)
+    return _tiered("kvpolicy-3bit", window, middle_window, 3, 2, seed, norm_bits)
 
 
-def kvpolicy_3_5bit(window: int = 4, middle_window: int = 32, seed: int = 0) -> dict[str, Any]:
+def kvpolicy_3_5bit(window: int = 4, middle_window: int = 32, seed: int = 0, norm_bits: int = 8) -> dict[str, Any]:
     """kvpolicy's best measured composition at or under 3.5 bits per element: ``kvpolicy-3bit`` with
     3-bit codebook values in the bottom tier (log W = ``window``; centred 4-bit codebook keys and
     values for the tokens the log rule at W′ = ``middle_window`` keeps; centred 3-bit codebook keys
-    and 3-bit codebook values below; Hadamard, ``seed``). Measured on SmolLM2-135M at 2k context
-    (docs/frontier.md, cache ``log4-k3cmv3c-t44x32``): 3.45 bits, KL 0.021, top-1 93.8 %. The
-    previous preset, ``log16-k3v2-rot`` (3-bit min-max keys, 2-bit values, W = 16), held 3.32 bits
-    for KL 0.031. Not a published method: a composition of kvpolicy's parts, chosen on calibration
-    texts and measured on the frontier's.
+    and 3-bit codebook values below; ``norm_bits``-bit scales; Hadamard, ``seed``). Measured on
+    SmolLM2-135M at 2k context (docs/frontier.md, cache ``log4-k3cmv3c-t44x32-n8``): 3.32 bits, KL
+    0.021 (worst text 0.031), top-1 93.7 % (16-bit scales: 3.45 bits for the same KL). Not a published
+    method: a composition of kvpolicy's parts, chosen on calibration texts and measured on the
+    frontier's.
     """
-    return _tiered("kvpolicy-3.5bit", window, middle_window, 3, 3, seed)
+    return _tiered("kvpolicy-3.5bit", window, middle_window, 3, 3, seed, norm_bits)
 
 
-def kvpolicy_4bit(window: int = 4, middle_window: int = 32, seed: int = 0) -> dict[str, Any]:
+def kvpolicy_4bit(window: int = 4, middle_window: int = 32, seed: int = 0, norm_bits: int = 8) -> dict[str, Any]:
     """kvpolicy's best measured composition at or under 4.0 bits per element: ``kvpolicy-3bit`` with
     4-bit keys and 3-bit values in the bottom tier (log W = ``window``; centred 4-bit codebook keys
     and values for the tokens the log rule at W′ = ``middle_window`` keeps; centred 4-bit codebook
-    keys and 3-bit codebook values below; Hadamard, ``seed``). Measured on SmolLM2-135M at 2k
-    context (docs/frontier.md, cache ``log4-k4cmv3c-t44x32``): 3.93 bits, KL 0.010, top-1 95.5 %.
-    The previous preset, ``log16-k3v3c`` (3-bit min-max keys, 3-bit codebook values, W = 16), held
-    3.69 bits for KL 0.016. Not a published method: a composition of kvpolicy's parts, chosen on
-    calibration texts and measured on the frontier's.
+    keys and 3-bit codebook values below; ``norm_bits``-bit scales; Hadamard, ``seed``). Measured on
+    SmolLM2-135M at 2k context (docs/frontier.md, cache ``log4-k4cmv3c-t44x32-n8``): 3.80 bits, KL
+    0.010 (worst text 0.014), top-1 95.4 % (16-bit scales: 3.93 bits for the same KL). Not a published
+    method: a composition of kvpolicy's parts, chosen on calibration texts and measured on the
+    frontier's.
     """
-    return _tiered("kvpolicy-4bit", window, middle_window, 4, 3, seed)
+    return _tiered("kvpolicy-4bit", window, middle_window, 4, 3, seed, norm_bits)
 
 
-def kvpolicy_4_5bit(window: int = 4, seed: int = 0) -> dict[str, Any]:
+def kvpolicy_4_5bit(window: int = 4, seed: int = 0, norm_bits: int = 8) -> dict[str, Any]:
     """kvpolicy's best measured composition at or under 4.5 bits per element, for near-lossless
     caches: the log policy with W = ``window`` at full precision, 4-bit min-max keys per channel
-    (groups of 64 tokens) and 3-bit codebook values (one scale per token and head), and the Hadamard
-    rotation (``seed``). One tier: at 4 bits per-channel min-max keys beat the codebook keys of the
-    tiered presets. Measured on SmolLM2-135M at 2k context (docs/frontier.md, cache ``log4-k4v3c``):
-    4.07 bits, KL 0.0073, top-1 95.8 %, against transformers' ``QuantizedCache(quanto, 4)`` at
-    5.13 bits and KL 0.019. Rotation helps SmolLM2's keys and hurts Gemma-3's: ``kvpolicy analyze
-    rotation`` tells for a model. Not a published method: a composition of kvpolicy's parts, chosen
-    on calibration texts (scripts/codebook_probes.py) and measured on the frontier's.
+    (groups of 64 tokens) and 3-bit codebook values (one ``norm_bits``-bit scale per token and head), and
+    the Hadamard rotation (``seed``). One tier: at 4 bits per-channel min-max keys beat the codebook keys
+    of the tiered presets. Measured on SmolLM2-135M at 2k context (docs/frontier.md, cache
+    ``log4-k4v3c-n8``): 4.01 bits, KL 0.0074 (worst text 0.0098), top-1 95.7 % (16-bit scales: 4.07 bits,
+    KL 0.0073), against transformers' ``QuantizedCache(quanto, 4)`` at 5.13 bits and KL 0.019. Rotation
+    helps SmolLM2's keys and hurts Gemma-3's: ``kvpolicy analyze rotation`` tells for a model. Not a
+    published method: a composition of kvpolicy's parts, chosen on calibration texts
+    (scripts/codebook_probes.py) and measured on the frontier's.
     """
     from kvpolicy.transforms.hadamard import Hadamard
 
     check_int("window", window, 1, "preset 'kvpolicy-4.5bit'")
     return {
         "policy": LogWindow(window=window),
-        "action": Quantize(key_bits=4, value_bits=3, value_scheme="codebook", key_group_size=64, key_fit="minmax"),
+        "action": Quantize(
+            key_bits=4, value_bits=3, value_scheme="codebook", key_group_size=64, key_fit="minmax", norm_bits=norm_bits
+        ),
         "transform": Hadamard(seed=seed),
     }
 

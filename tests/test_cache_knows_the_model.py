@@ -255,8 +255,10 @@ def test_a_cache_built_for_the_model_does_not_warn():
 def test_shipped_preset_files_load_by_name_and_misspellings_get_a_suggestion():
     from kvpolicy import preset_files
 
-    assert preset_files.names() == ["smollm2-3bit", "smollm2-8k-2.5bit"]
-    assert repr(CompressedCache.from_config("smollm2-3bit")) == repr(CompressedCache.from_preset("kvpolicy-3bit"))
+    assert preset_files.names() == ["gemma3-270m-3.5bit", "smollm2-3bit", "smollm2-8k-2.5bit"]
+    # the tuned file holds 16-bit codebook scales; the preset the same composition with one-byte scales
+    want = CompressedCache.from_preset("kvpolicy-3bit", norm_bits=16)
+    assert repr(CompressedCache.from_config("smollm2-3bit")) == repr(want)
     with pytest.raises(ConfigError, match=r"did you mean 'smollm2-3bit'\?"):
         CompressedCache.from_config("smollm2-3bits")
     with pytest.raises(ConfigError, match=r"cannot read preset file"):

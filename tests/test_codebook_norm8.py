@@ -375,3 +375,20 @@ def test_estimate_counts_one_byte_scales_as_the_cache_holds_them():
     segments = got[8].report.segments
     assert segments["scales"] == 2 * one_layer and segments["scale_base"] == 2 * 2 * kv_heads * 2
     assert got[16].report.segments["scales"] == 2 * 2 * one_layer and head_dim == 256 // 4
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(key_bits=4, value_bits=3, value_scheme="codebook", key_group_size=64, key_fit="mse", norm_bits=8),
+        dict(key_bits=3, value_bits=2, key_scheme="codebook", key_centre=True, norm_bits=8),
+        dict(bits=2, scheme="codebook", norm_bits=8),
+    ],
+)
+def test_the_repr_of_one_byte_scales_is_the_keywords_that_build_it(kw):
+    """A role without scales (min-max) must not hide the other role's width: the repr's keywords rebuild the
+    action (kvpolicy-4.5bit's shape: min-max keys, codebook values with one-byte scales)."""
+    action = Quantize(**kw)
+    text = repr(action)
+    assert "norm_bits=8" in text and "keys=" not in text
+    assert eval(text, {"Quantize": Quantize}) == action

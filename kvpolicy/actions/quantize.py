@@ -339,7 +339,8 @@ class Quantize(Action):
             if k.centre:
                 out.append(("key_centre", True))
             if any(getattr(f, "norm_bits", 16) != 16 for f in (k, v)):
-                out.append(("norm_bits", max(getattr(f, "norm_bits", 16) for f in (k, v))))  # type: ignore[type-var]
+                # the width off the default (a min-max role has none; two differing widths fail the check below)
+                out.append(("norm_bits", next(f.norm_bits for f in (k, v) if getattr(f, "norm_bits", 16) != 16)))
             out.append(("check_finite", self.check_finite))
         if k.meta_dtype != "auto":
             out.append(("meta_dtype", k.meta_dtype))

@@ -57,6 +57,11 @@ HIGH_BITS = 4
 BOUNDARY = 2
 #: a middle tier keeps what the log rule at this many times the policy's window keeps
 TIER_FACTORS = (4,)
+#: the widths of codebook scales searched: one-byte scales hold 8 / head_dim bits per element less for the
+#: same quality (docs/explanation/quantization.md, "One-byte scales")
+NORM_BITS = (8,)
+#: the widths a codebook scale can take (``Quantize(norm_bits=...)``)
+NORM_BITS_ALLOWED = (16, 8)
 
 
 @dataclass
@@ -73,6 +78,7 @@ class Candidate:
 def space(
     attention_layers: list[int], windows: tuple[int, ...] = WINDOWS, key_groups: tuple[int, ...] = (64,),
     tier_factors: tuple[int, ...] = TIER_FACTORS, rotate: bool = True, key_fits: tuple[str, ...] = KEY_FITS,
+    norm_bits: tuple[int, ...] = NORM_BITS,
 ) -> Iterator[Candidate]:  # fmt: skip
     """Every composition searched, for a model whose full-attention layers are ``attention_layers``;
     ``key_groups``: the group sizes of the keys (per channel) tried, each with every range fit of
@@ -80,15 +86,22 @@ def space(
     middle tier keeps what the log rule at each of these multiples of the window keeps (one candidate each).
     ``rotate=False`` (a model whose keys the rotation hurts: :func:`rotation_helps`) searches without
     the Hadamard rotation: min-max keys and values only (the codebook scheme needs the rotation), a
-    4-bit min-max middle tier with keys per token, labels ending in ``-norot``.
+    4-bit min-max middle tier with keys per token, labels ending in ``-norot``. ``norm_bits``: the widths of
+    the per-vector scales of codebook blocks tried (``Quantize(norm_bits=...)``), each a candidate of its
+    own where a composition holds codebook blocks (labels of one-byte scales end in ``-n8``).
 
     Raises
     ------
     ConfigError
         If a tier factor is not an integer of at least 2 (the middle tier's window must exceed the
         policy's, or the tier keeps nothing the policy did not already), or ``key_fits`` is empty or
-        names a fit other than ``"minmax"`` and ``"mse"``.
+        names a fit other than ``"minmax"`` and ``"mse"``, or ``norm_bits`` is empty or holds a width
+        other than 16 and 8.
     """
+    if not norm_bits or any(isinstance(n, bool) or n not in NORM_BITS_ALLOWED for n in norm_bits):
+        raise ConfigError(
+            f"tune: norm bits must be a non-empty selection of {list(NORM_BITS_ALLOWED)}; got {list(norm_bits)!r}"
+        )
     if not key_fits or any(f not in FITS for f in key_fits):
         raise ConfigError(f"tune: key fits must be a non-empty selection of {list(FITS)}; got {list(key_fits)!r}")
     for f in tier_factors:
@@ -105,8 +118,34 @@ def space(
                 keys += [("codebook", None, None)] if codebook else []
                 for kscheme, kg, fit in keys:
                     for vscheme in ("minmax", "codebook") if rotate else ("minmax",):
-                        yield from _variants(window, sinks, kb, vb, kg, kscheme, vscheme, boundary, tier_factors,
-                                             rotate, fit)  # fmt: skip
+                        for cand in _variants(window, sinks, kb, vb, kg, kscheme, vscheme, boundary, tier_factors,
+                                              rotate, fit):  # fmt: skip
+                            yield from _with_norm_bits(cand, norm_bits)
+
+
+def _with_norm_bits(cand: Candidate, widths: tuple[int, ...]) -> Iterator[Candidate]:
+    """``cand`` once per width of ``widths`` its codebook scales can take (once as it is when it holds no
+    codebook block)."""
+    quants = cand.args.get("tiers", []) if cand.args.get("action") == "tiered" else [cand.args]
+    if not any(_has_codebook(q) for q in quants):
+        yield cand
+        return
+    for width in dict.fromkeys(widths):
+        if width == 16:
+            yield cand
+            continue
+        args = dict(cand.args)
+        if args.get("action") == "tiered":
+            args["tiers"] = [{**t, "norm_bits": width} if _has_codebook(t) else t for t in args["tiers"]]
+        else:
+            args["norm_bits"] = width
+        label = cand.label.removesuffix("-norot")
+        suffix = "-norot" if label != cand.label else ""
+        yield Candidate(f"{label}-n{width}{suffix}", args, cand.family)
+
+
+def _has_codebook(quant: dict[str, Any]) -> bool:
+    return "codebook" in (quant.get("scheme"), quant.get("key_scheme"), quant.get("value_scheme"))
 
 
 def _variants(

@@ -87,14 +87,15 @@ def test_each_shipped_preset_is_the_frontier_cell_the_page_names():
 def test_verdicts_name_the_best_cache_under_each_budget_and_judge_the_presets():
     from kvpolicy_lab.eval.frontier_report import _verdicts
 
-    pts = [_p("log4-k3cmv2c-t44x32", 2.97, 0.031, 0.929), _p("other", 2.99, 0.019, 0.951),
-           _p("log4-k3cmv3c-t44x32", 3.45, 0.021, 0.937), _p("log4-k4cmv3c-t44x32", 3.93, 0.0102, 0.959)]  # fmt: skip
+    pts = [_p("log4-k3cmv2c-t44x32-n8", 2.97, 0.031, 0.929), _p("other", 2.99, 0.019, 0.951),
+           _p("log4-k3cmv3c-t44x32-n8", 3.45, 0.021, 0.937),
+           _p("log4-k4cmv3c-t44x32-n8", 3.93, 0.0102, 0.959)]  # fmt: skip
     lines = "\n".join(_verdicts(pts))
-    assert ("Part 2, 2-bit memory at 4-bit quality: Fewest bits meeting it at ≤ 3.0 bits per element: `other` "
+    assert ("2-bit memory at 4-bit quality: Fewest bits meeting it at ≤ 3.0 bits per element: `other` "
             "(2.99 bits), KL 0.019, top-1 95.1% (target KL ≤ 0.02, top-1 ≥ 95%: met)") in lines  # fmt: skip
     # a budget's target is met by any cache within it that meets all of it, not only by the lowest KL:
     # here the lowest KL within 4.5 bits misses top-1, and a cache with more bits meets both
-    assert ("Best at ≤ 4.5 bits per element: `log4-k4cmv3c-t44x32` (3.93 bits), KL 0.010, top-1 95.9% (target KL "
+    assert ("Best at ≤ 4.5 bits per element: `log4-k4cmv3c-t44x32-n8` (3.93 bits), KL 0.010, top-1 95.9% (target KL "
             "≤ 0.015, top-1 ≥ 96%: not met)") in lines  # fmt: skip
     both = "\n".join(_verdicts([*pts, _p("k4v4", 4.4, 0.0125, 0.962)]))
     assert ("Fewest bits meeting it at ≤ 4.5 bits per element: `k4v4` (4.40 bits), KL 0.013, top-1 96.2% (target "
@@ -105,35 +106,35 @@ def test_verdicts_name_the_best_cache_under_each_budget_and_judge_the_presets():
         "Fewest bits meeting it at ≤ 2.9 bits per element: `a` (2.80 bits), KL 0.090, top-1 85.0% (target KL ≤ "
         "0.1: met)" in at8k
     )
-    assert "3.5 bits" not in at8k and "Part 2" not in at8k
-    assert "`kvpolicy-3bit` = `log4-k3cmv2c-t44x32`: 2.97 bits (within its 3.0-bit budget)" in lines
+    assert "3.5 bits" not in at8k and "4-bit quality" not in at8k
+    assert "`kvpolicy-3bit` = `log4-k3cmv2c-t44x32-n8`: 2.97 bits (within its 3.0-bit budget)" in lines
     assert "**`other` has a lower KL** there (0.0190 at 2.99 bits)" in lines
-    assert "`kvpolicy-3.5bit` = `log4-k3cmv3c-t44x32`: 3.45 bits (within its 3.5-bit budget), KL 0.0210" in lines
+    assert "`kvpolicy-3.5bit` = `log4-k3cmv3c-t44x32-n8`: 3.45 bits (within its 3.5-bit budget), KL 0.0210" in lines
     assert "`other` has a lower KL** there (0.0190 at 2.99 bits)." in lines.split("kvpolicy-3.5bit")[1]
     assert (
-        "`kvpolicy-4bit` = `log4-k4cmv3c-t44x32`: 3.93 bits (within its 4.0-bit budget), KL 0.0102, top-1 95.9%; "
+        "`kvpolicy-4bit` = `log4-k4cmv3c-t44x32-n8`: 3.93 bits (within its 4.0-bit budget), KL 0.0102, top-1 95.9%; "
         "the lowest KL measured at ≤ 4.0 bits" in lines
     )
     # a lower KL within one standard error is not called better
-    close = [Point("log4-k3cmv2c-t44x32", 2.97, {("lm", "kl"): (0.0313, 0.002), ("lm", "top1"): (0.93, None)}),
+    close = [Point("log4-k3cmv2c-t44x32-n8", 2.97, {("lm", "kl"): (0.0313, 0.002), ("lm", "top1"): (0.93, None)}),
              Point("s4", 2.99, {("lm", "kl"): (0.0310, 0.002), ("lm", "top1"): (0.93, None)})]  # fmt: skip
     lines = "\n".join(_verdicts(close))
     assert "`s4` measured 0.0003 lower (0.0310 at 2.99 bits), within one standard error (± 0.0020)" in lines
     assert "has a lower KL" not in lines
     # over budget, and the target missed, said so
-    lines = "\n".join(_verdicts([_p("log4-k3cmv2c-t44x32", 3.05, 0.03, 0.93), _p("a", 2.9, 0.05, 0.9)]))
+    lines = "\n".join(_verdicts([_p("log4-k3cmv2c-t44x32-n8", 3.05, 0.03, 0.93), _p("a", 2.9, 0.05, 0.9)]))
     assert "3.05 bits (**over** its 3.0-bit budget)" in lines
     assert (
         "Best at ≤ 3.0 bits per element: `a` (2.90 bits), KL 0.050, top-1 90.0% (target KL ≤ 0.02, top-1 ≥ "
         "95%: not met)" in lines
     )
     # over budget with nothing within it (Gemma-3 at 3 bits): not called the lowest there
-    lines = "\n".join(_verdicts([_p("log4-k3cmv2c-t44x32", 3.35, 0.069, 0.91), _p("b", 3.3, 0.03, 0.94)]))
+    lines = "\n".join(_verdicts([_p("log4-k3cmv2c-t44x32-n8", 3.35, 0.069, 0.91), _p("b", 3.3, 0.03, 0.94)]))
     assert (
         "3.35 bits (**over** its 3.0-bit budget), KL 0.0690, top-1 91.0%; no cache measured holds ≤ 3.0 bits" in lines
     )
     # over budget with a lower KL than everything within it: no negative "lower" gap
-    lines = "\n".join(_verdicts([_p("log4-k4cmv3c-t44x32", 4.3, 0.0198, 0.95), _p("b", 3.3, 0.0316, 0.94)]))
+    lines = "\n".join(_verdicts([_p("log4-k4cmv3c-t44x32-n8", 4.3, 0.0198, 0.95), _p("b", 3.3, 0.0316, 0.94)]))
     assert ("4.30 bits (**over** its 4.0-bit budget), KL 0.0198, top-1 95.0%; no cache measured at ≤ 4.0 bits has "
             "a lower KL (the lowest there: `b`, 0.0316 at 3.30 bits)") in lines  # fmt: skip
 
@@ -199,16 +200,16 @@ def test_presets_show_their_worst_text_and_part_3_targets_are_judged():
         return Point(cache, bits, {("lm", "kl"): (kl, None), ("lm", "kl_worst"): (worst, None),
                                    ("lm", "top1"): (top1, None)})  # fmt: skip
 
-    pts = [point("log4-k3cmv2c-t44x32", 2.97, 0.0314, 0.0468, 0.93),
-           point("log4-k3cmv3c-t44x32", 3.45, 0.0215, 0.0500, 0.94),
+    pts = [point("log4-k3cmv2c-t44x32-n8", 2.97, 0.0314, 0.0468, 0.93),
+           point("log4-k3cmv3c-t44x32-n8", 3.45, 0.0215, 0.0500, 0.94),
            point("low", 2.45, 0.039, 0.05, 0.9)]  # fmt: skip
     lines = "\n".join(_verdicts(pts))
     assert "KL 0.0314 (worst text 0.0468, 1.5× the mean: within 2×), top-1 93.0%" in lines
     assert "KL 0.0215 (worst text 0.0500, 2.3× the mean: **over** 2×)" in lines
-    assert "- Part 3: Fewest bits meeting it at ≤ 2.5 bits per element: `low` (2.45 bits)" in lines
-    assert ("- Part 3: Best at ≤ 3.0 bits per element: `log4-k3cmv2c-t44x32` (2.97 bits), KL 0.031, top-1 93.0% "
-            "(target KL ≤ 0.015, top-1 ≥ 95%: not met)") in lines  # fmt: skip
+    assert "- Stretch target: Fewest bits meeting it at ≤ 2.5 bits per element: `low` (2.45 bits)" in lines
+    assert ("- Stretch target: Best at ≤ 3.0 bits per element: `log4-k3cmv2c-t44x32-n8` (2.97 bits), KL 0.031, "
+            "top-1 93.0% (target KL ≤ 0.015, top-1 ≥ 95%: not met)") in lines  # fmt: skip
     # a cell without the worst text (measured before it was recorded) gets no clause, and 8k its own target
-    assert "worst text" not in "\n".join(_verdicts([_p("log4-k3cmv2c-t44x32", 2.97, 0.03, 0.93)]))
+    assert "worst text" not in "\n".join(_verdicts([_p("log4-k3cmv2c-t44x32-n8", 2.97, 0.03, 0.93)]))
     at8k = "\n".join(_verdicts([_p("a", 1.9, 0.05, 0.85)], 8192))
-    assert "- Part 3: Fewest bits meeting it at ≤ 2.0 bits per element: `a` (1.90 bits)" in at8k
+    assert "- Stretch target: Fewest bits meeting it at ≤ 2.0 bits per element: `a` (1.90 bits)" in at8k

@@ -82,7 +82,7 @@ def test_a_model_whose_keys_rotation_hurts_is_searched_without_it():
     assert "codebook" not in text and "key_centre" not in text
     tiered = next(c for c in plain if c.family == "tiered")
     assert tiered.args["tiers"][0] == {"bits": 4, "key_axis": "token", "fit": "minmax"}
-    minmax = {c.label for c in rotated if "c" not in c.label.split("-k")[1].split("-")[0]}
+    minmax = {c.label.removesuffix("-n8") for c in rotated if "c" not in c.label.split("-k")[1].split("-")[0]}
     assert {c.label.removesuffix("-norot") for c in plain} == minmax
     for c in plain:  # each builds
         CompressedCache(**c.args)
@@ -132,7 +132,7 @@ def test_every_composition_of_the_space_builds():
     assert len({c.label for c in cands}) == len(cands)
     keyed = [c.args for c in cands if c.args.get("key_scheme") == "codebook"]
     assert {a["key_bits"] for a in keyed} == {2, 3, 4} and all(a["key_centre"] is True for a in keyed)
-    assert {"log16-k3cmv2c", "log16-k2cmv2c"} <= {c.label for c in cands}
+    assert {"log16-k3cmv2c-n8", "log16-k2cmv2c-n8"} <= {c.label for c in cands}
     for c in cands:
         cache = CompressedCache(**c.args)
         if c.family == "tiered":
@@ -165,7 +165,7 @@ def test_min_max_keys_are_searched_with_both_range_fits_at_the_same_bytes(capsys
     from kvpolicy.tiny import TinySpec, tiny_model
 
     config = tiny_model(TinySpec())[0].config
-    for label in ("log8-k2g32v2-kmse", "log8-k3v2-kmse-t4x32", "log8-s4-k3v3-kmse-b4"):
+    for label in ("log8-k2g32v2-kmse", "log8-k3v2-kmse-t4x32-n8", "log8-s4-k3v3-kmse-b4"):
         fitted_args, minmax_args = cands[label].args, cands[label.replace("-kmse", "")].args
         assert simulated_bits(fitted_args, config, 200, (1, 7)) == simulated_bits(minmax_args, config, 200, (1, 7))
     only = {c.label for c in space(list(range(4)), windows=(8,), key_fits=("mse",))}
@@ -183,11 +183,11 @@ def test_tier_factors_put_the_kvpolicy_3bit_composition_in_the_space(capsys):
     """W' = 8W (``--tier-factors 4 8``) makes the search hold the shipped kvpolicy-3bit composition, which
     the default W' = 4W does not."""
     tiered = {c.label: c for c in space(list(range(30)), windows=(4,), tier_factors=(4, 8)) if c.family == "tiered"}
-    assert {"log4-k3cmv2c-t4x16", "log4-k3cmv2c-t4x32"} <= set(tiered)
+    assert {"log4-k3cmv2c-t4x16-n8", "log4-k3cmv2c-t4x32-n8"} <= set(tiered)
     preset = CompressedCache.from_preset("kvpolicy-3bit")
-    assert repr(CompressedCache(**tiered["log4-k3cmv2c-t4x32"].args)) == repr(preset)
+    assert repr(CompressedCache(**tiered["log4-k3cmv2c-t4x32-n8"].args)) == repr(preset)
     default = {c.label for c in space(list(range(30)), windows=(4,)) if c.family == "tiered"}
-    assert "log4-k3cmv2c-t4x16" in default and not any(label.endswith("x32") for label in default)
+    assert "log4-k3cmv2c-t4x16-n8" in default and not any(label.endswith("x32-n8") for label in default)
     with pytest.raises(ConfigError, match=r"tier factors must be integers >= 2 .*got 1"):
         list(space(list(range(4)), tier_factors=(1,)))
     argv = ["tune", *TINY, "--budget-bits", "3", "--tier-factors", "1", "--preset-file", "/nonexistent/p.toml"]
@@ -223,8 +223,9 @@ def test_the_shipped_preset_loads_as_the_tuned_composition():
     assert saved["tune"]["budget_bits"] == 3.0 and saved["tune"]["bits_per_element_heldout"] <= 3.0
     cache = CompressedCache.from_config(path)
     assert isinstance(cache.action, Tiered) and [t.values.name for t in cache.action.tiers] == ["codebook"] * 2
-    # the search over the current space finds the shipped kvpolicy-3bit preset itself (docs/how-to/tune.md)
-    assert repr(cache) == repr(CompressedCache.from_preset("kvpolicy-3bit"))
+    # the search found the kvpolicy-3bit composition itself, with the 16-bit codebook scales it searched then
+    # (docs/how-to/tune.md); the preset holds one-byte scales
+    assert repr(cache) == repr(CompressedCache.from_preset("kvpolicy-3bit", norm_bits=16))
 
 
 def test_the_8k_preset_holds_at_most_2_5_bits_at_8k_and_centres_its_keys():
@@ -266,3 +267,28 @@ def test_a_hybrid_model_budget_counts_its_full_attention_layers():
     global_16 = 16 * held_bytes(cache, at_16bit=True, layers=[5]) / baseline_bytes(config, 201, layers=[5])
     assert bits == pytest.approx(global_16, rel=1e-12)
     assert 2 < bits < cache.memory_report().bits_per_element_16bit - 1  # the whole cache: the windows weigh in
+
+
+def test_norm_bits_are_an_axis_of_codebook_compositions_only():
+    """One-byte scales (the default) give every composition holding codebook blocks a ``-n8`` twin in place of
+    its 16-bit one; ``norm_bits=(16, 8)`` searches both; min-max-only compositions appear once, untouched."""
+    layers = list(range(6))
+    both = {c.label: c for c in space(layers, windows=(8,), norm_bits=(16, 8))}
+    default = {c.label: c for c in space(layers, windows=(8,))}
+    sixteen = {c.label: c for c in space(layers, windows=(8,), norm_bits=(16,))}
+    assert set(both) == set(default) | set(sixteen)
+    assert all(label.endswith("-n8") or label in sixteen for label in default)
+    plain, coded = both["log8-k3v2"], both["log8-k3v2c-n8"]
+    assert "norm_bits" not in plain.args and plain.label in default
+    assert coded.args["norm_bits"] == 8 and CompressedCache(**coded.args).action.values.norm_bits == 8
+    tiered = both["log8-k2v2-t4x32-n8"]
+    assert [t.get("norm_bits") for t in tiered.args["tiers"]] == [8, None]  # the min-max bottom tier takes none
+    for c in both.values():
+        CompressedCache(**c.args)  # every candidate builds
+    assert not any(label.endswith("-n8") for label in space_labels(norm_bits=(16,)))
+    with pytest.raises(ConfigError, match=r"norm bits must be a non-empty selection of \[16, 8\]; got \[12\]"):
+        list(space(layers, norm_bits=(12,)))
+
+
+def space_labels(**kw) -> set[str]:
+    return {c.label for c in space(list(range(4)), windows=(8,), **kw)}

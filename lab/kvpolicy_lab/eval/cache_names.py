@@ -20,10 +20,10 @@ HF_BACKEND_NAMES = {"quanto": "quanto", "hqq": "HQQ"}
 #: page and the plots name those cells by the preset; tests/test_frontier_report.py checks that each preset builds
 #: exactly that cell's cache)
 PRESET_CELLS = {
-    "kvpolicy-3bit": (3.0, "log4-k3cmv2c-t44x32"),
-    "kvpolicy-3.5bit": (3.5, "log4-k3cmv3c-t44x32"),
-    "kvpolicy-4bit": (4.0, "log4-k4cmv3c-t44x32"),
-    "kvpolicy-4.5bit": (4.5, "log4-k4v3c"),
+    "kvpolicy-3bit": (3.0, "log4-k3cmv2c-t44x32-n8"),
+    "kvpolicy-3.5bit": (3.5, "log4-k3cmv3c-t44x32-n8"),
+    "kvpolicy-4bit": (4.0, "log4-k4cmv3c-t44x32-n8"),
+    "kvpolicy-4.5bit": (4.5, "log4-k4v3c-n8"),
 }
 #: the preset named for each cell of :data:`PRESET_CELLS`
 PRESET_NAMES = {cell: name for name, (_, cell) in PRESET_CELLS.items()}
@@ -88,15 +88,16 @@ def _quantizer(q: dict[str, Any], whole: dict[str, Any]) -> list[str]:
     kb = q.get("key_bits", q.get("bits", "?"))
     vb = q.get("value_bits", q.get("bits", "?"))
     scheme = q.get("scheme", "minmax")
-    key_cb = q.get("key_scheme", scheme) == "codebook"
-    value_cb = q.get("value_scheme", scheme) == "codebook"
-    if key_cb and value_cb:
-        out = [f"K{kb}/V{vb} codebook"]
+    key_s, value_s = q.get("key_scheme", scheme), q.get("value_scheme", scheme)
+    if key_s == value_s and key_s != "minmax":
+        out = [f"K{kb}/V{vb} {key_s}"]
     else:
-        out = [f"K{kb}/V{vb}"] + (["codebook keys"] if key_cb else []) + (["codebook values"] if value_cb else [])
+        out = [f"K{kb}/V{vb}"] + [f"{s} {role}" for s, role in ((key_s, "keys"), (value_s, "values")) if s != "minmax"]
     if q.get("key_centre"):
         out.append("centred keys")
-    if whole.get("transform") == "hadamard" and not (key_cb or value_cb):  # a codebook is always rotated
+    if q.get("norm_bits") == 8:
+        out.append("1-byte scales")
+    if whole.get("transform") == "hadamard" and key_s == value_s == "minmax":  # the other schemes are always rotated
         out.append("rotated")
     if q.get("key_group_size", 64) != 64:
         out.append(f"key groups {q['key_group_size']}")

@@ -266,7 +266,7 @@ def _table(pts: list[Point]) -> str:
 TARGETS = {2048: ((3.5, 0.08, 0.88), (4.5, 0.015, 0.96)), 8192: ((2.9, 0.1, None),)}
 #: issue 14's target at 2k ("2-bit memory at 4-bit quality")
 PART2_TARGET = (3.0, 0.02, 0.95)
-#: the part 3 targets by context (below 2.5 bits; 2-bit memory at better than transformers' 4-bit quality)
+#: the stretch targets by context (below 2.5 bits; 2-bit memory at better than transformers' 4-bit quality)
 PART3_TARGETS = {2048: ((2.5, 0.04, None), (3.0, 0.015, 0.95)), 8192: ((2.0, 0.06, None),)}
 #: the largest worst-text KL a shipped preset may have, as a multiple of its mean KL
 WORST_TEXT_FACTOR = 2.0
@@ -319,8 +319,8 @@ def _verdicts(pts: list[Point], context: int = 2048) -> list[str]:
             out.append(f"- transformers' `QuantizedCache(quanto, 4)`: KL {hf4.kl:.4f} at {hf4.bits:.2f} bits; "
                        f"`{p.cache}` has a lower KL ({p.kl:.4f}) with {saved:.0%} fewer bits.")  # fmt: skip
     if context == 2048:
-        out.append(_target_line(pts, *PART2_TARGET, prefix="Part 2, 2-bit memory at 4-bit quality: "))
-    out += [_target_line(pts, *target, prefix="Part 3: ") for target in PART3_TARGETS.get(context, ())]
+        out.append(_target_line(pts, *PART2_TARGET, prefix="2-bit memory at 4-bit quality: "))
+    out += [_target_line(pts, *target, prefix="Stretch target: ") for target in PART3_TARGETS.get(context, ())]
     return out + _preset_lines(pts)
 
 
