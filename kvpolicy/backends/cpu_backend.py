@@ -20,11 +20,11 @@ take the same paths with each index decoded to its four table coordinates: keys 
 
 The kernel covers: **keys** min-max grouped per channel (the default, KIVI's), codebook or lattice;
 **values** min-max grouped per token, codebook or lattice; **2, 3 or 4 bits** (lattice: 2 or 3; any
-key/value pair), with float16, bfloat16 or float32 metadata (every ``meta_dtype``, the same for keys and
-values), and codebook and lattice blocks with one-byte scales (``norm_bits=8``), whose small ``(B, H, n)``
-scale vector is decoded to float32 before the kernel runs (the other role's metadata is then read as float32
-too, exactly). Other min-max layouts or widths are
-refused when a cache is built (``check``), not run some other way: use ``backend="torch"`` for them.
+key/value pair), with float16, bfloat16 or float32 metadata (every ``meta_dtype``, each role its own),
+and codebook and lattice blocks with one-byte scales (``norm_bits=8``), whose codes the kernel reads as
+they are stored: per (batch, head) it builds the 256 scales their codes decode to, by the formula and
+table of :mod:`kvpolicy.formats.scale_codes`. Other min-max layouts or widths are refused when a cache is
+built (``check``), not run some other way: use ``backend="torch"`` for them.
 Nothing falls back to the ``torch`` computation at decode time.
 """
 
@@ -43,17 +43,13 @@ from kvpolicy.formats.base import META_TORCH_DTYPES
 from kvpolicy.formats.codebook import CodebookTensor
 from kvpolicy.formats.lattice import LatticeTensor
 from kvpolicy.formats.packed import PackedTensor, _inner_contiguous, per_head_views
+from kvpolicy.formats.scale_codes import octave_steps
 from kvpolicy.kernels import cpu_attention
 
 #: the grouping axis the kernel reads, by role
 AXIS_BY_ROLE = {"key": "channel", "value": "token"}
 #: tokens per tile of codebook keys (:attr:`CpuBackend.tile`)
 CODEBOOK_TILE = 64
-
-
-def _decoded(*blocks: QTensor) -> bool:
-    """Whether a block holds one-byte scales (read by the kernel as decoded float32 scales)."""
-    return any(getattr(b, "scale_base", None) is not None for b in blocks)
 
 
 class CpuBackend(TorchBackend):
@@ -115,17 +111,13 @@ class CpuBackend(TorchBackend):
         if q.codes.device.type != "cpu":
             raise ConfigError(f"backend 'cpu' runs on CPU tensors; got {role}s on {q.codes.device.type!r}")
         codes, scales, zeros = per_head_views(q)
-        return (codes, scales, zeros, None, q.bits, q.group_size), None
+        return (codes, scales, zeros, None, q.bits, q.group_size, None), None
 
     def _codebook_args(self, q: CodebookTensor | LatticeTensor, role: str, check: bool = True) -> tuple:
         if check:
             self.check_scheme("codebook", q.bits, role=role)
         what = "codebook" if check else "lattice"
-        codes, scales = q.codes, q.scales
-        if q.scale_base is not None:
-            # one-byte log-scale codes (norm_bits=8): the kernel reads float scales, so the (B, H, n) vector
-            # is decoded first, by the format's own decoder (bit for bit the reference's scales)
-            scales = q.scale_values()
+        codes, scales, base = q.codes, q.scales, q.scale_base
         if codes.device.type != "cpu" or scales.device.type != "cpu":
             raise ConfigError(f"backend 'cpu' runs on CPU tensors; got {role}s on {codes.device.type!r}")
         b, h, n, d = q.shape
@@ -135,24 +127,29 @@ class CpuBackend(TorchBackend):
                 f"backend 'cpu': {what} {role}s of shape {q.shape} at {q.bits} bits need uint8 codes of shape "
                 f"{want}; got {codes.dtype} {tuple(codes.shape)}"
             )
-        if scales.dtype not in META_TORCH_DTYPES.values() or tuple(scales.shape) != (b, h, n):
+        allowed = (*META_TORCH_DTYPES.values(), torch.uint8) if base is not None else META_TORCH_DTYPES.values()
+        if scales.dtype not in allowed or tuple(scales.shape) != (b, h, n):
             raise ConfigError(
-                f"backend 'cpu': {what} {role}s need one float16, bfloat16 or float32 scale per token, shape "
-                f"{(b, h, n)}; got {scales.dtype} {tuple(scales.shape)}"
+                f"backend 'cpu': {what} {role}s need one float16, bfloat16 or float32 scale per token (or one-byte "
+                f"codes with their base), shape {(b, h, n)}; got {scales.dtype} {tuple(scales.shape)}"
             )
         if not _inner_contiguous(codes):
             codes = codes.contiguous()
         if not _inner_contiguous(scales):
             scales = scales.contiguous()
         group = max(1, int(self.tile)) if role == "key" else 0
-        return (codes, scales, None, codebook.centroids(q.bits), q.bits, group), q.centre
+        if base is not None and scales.dtype == torch.uint8:  # one-byte codes: the kernel decodes them
+            base = base if _inner_contiguous(base) else base.contiguous()
+        else:
+            base = None
+        return (codes, scales, None, codebook.centroids(q.bits), q.bits, group, base), q.centre
 
     def _lattice_args(self, q: LatticeTensor, role: str) -> tuple:
         """As :meth:`_codebook_args`, with the lattice's table of points ``(2**(4 · bits), 4)`` (a 2-d table
         tells the kernel the scheme)."""
         self.check_scheme("lattice", q.bits, role=role)
-        (codes, scales, _, _, bits, group), centre = self._codebook_args(q, role, check=False)
-        return (codes, scales, None, lattice.points(q.bits), bits, group), centre
+        (codes, scales, _, _, bits, group, base), centre = self._codebook_args(q, role, check=False)
+        return (codes, scales, None, lattice.points(q.bits), bits, group, base), centre
 
     #: how the kernel reads each format's blocks: ``{block class: method(self, q, role) -> (kernel arguments,
     #: centre or None)}`` (a centre, ``(B, H, 1, D)``, enters after the kernel, which reads the codes alone)
@@ -163,10 +160,11 @@ class CpuBackend(TorchBackend):
     }
 
     def _kernel_args(self, q: QTensor, role: str) -> tuple[tuple, torch.Tensor | None]:
-        """``(codes, scales, minimums or None, codebook table or None, bits, group)`` of one role's block as
-        the kernel takes them (``group``: the key group or the value group; a codebook block's tile of
-        :attr:`tile` tokens for keys, unused for values), and the block's centre (or ``None``), after
-        checking the block (:attr:`readers`).
+        """``(codes, scales, minimums or None, table or None, bits, group, base or None)`` of one role's block
+        as the kernel takes them (``group``: the key group or the value group; a codebook or lattice block's
+        tile of :attr:`tile` tokens for keys, unused for values; ``base``: one-byte scales' int16 base, the
+        scales then their uint8 codes), and the block's centre (or ``None``), after checking the block
+        (:attr:`readers`).
 
         Raises
         ------
@@ -208,11 +206,11 @@ class CpuBackend(TorchBackend):
         Raises
         ------
         ConfigError
-            If a block is not one the kernel reads (see :meth:`_kernel_args`), the shapes do not match the
-            query or each other, or keys and values differ in metadata dtype.
+            If a block is not one the kernel reads (see :meth:`_kernel_args`), or the shapes do not match the
+            query or each other.
         """
-        (kc, ks, kz, kt, kbits, kgroup), key_centre = self._kernel_args(keys, "key")
-        (vc, vs, vz, vt, vbits, vgroup), value_centre = self._kernel_args(values, "value")
+        (kc, ks, kz, kt, kbits, kgroup, kbase), key_centre = self._kernel_args(keys, "key")
+        (vc, vs, vz, vt, vbits, vgroup, vbase), value_centre = self._kernel_args(values, "value")
         self.check_tensor(query)
         if query.dim() != 4:
             raise ConfigError(f"backend 'cpu': query must be (batch, kv_heads, q, head_dim); got {tuple(query.shape)}")
@@ -225,13 +223,6 @@ class CpuBackend(TorchBackend):
             raise ConfigError(
                 f"backend 'cpu': values of shape {values.shape} do not hold the tokens of keys {keys.shape}"
             )
-        if ks.dtype != vs.dtype and torch.float32 in (ks.dtype, vs.dtype) and _decoded(keys, values):
-            # decoded one-byte scales are float32: the other role's metadata widens exactly to it
-            ks, kz, vs, vz = (None if t is None else t.float() for t in (ks, kz, vs, vz))
-        if ks.dtype != vs.dtype:
-            raise ConfigError(
-                f"backend 'cpu': keys and values must share their metadata dtype; got {ks.dtype} and {vs.dtype}"
-            )
         n, dv = keys.shape[2], values.shape[3]
         if n == 0 or nq == 0 or b * h == 0:
             return (
@@ -241,8 +232,10 @@ class CpuBackend(TorchBackend):
         q32 = (query.float() * scale).contiguous()
         n_tiles = -(-n // kgroup)
         splits = self.splits if self.splits is not None else cpu_attention.default_splits(b * h, n_tiles)
+        # one-byte scale codes are decoded in the kernel, through the table of their own decoder
+        steps = octave_steps("cpu") if kbase is not None or vbase is not None else None
         out, lse = self._kernel.attend(
-            q32, kc, ks, kz, kt, kbits, kgroup, vc, vs, vz, vt, vbits, vgroup, max(1, int(splits))
+            q32, kc, ks, kz, kt, kbits, kgroup, vc, vs, vz, vt, vbits, vgroup, max(1, int(splits)), kbase, vbase, steps
         )
         # a centred codebook block: the kernel reads the codes alone, and the centre enters after it
         # (every key score of the block shifts by q · μ, which moves the block's log-sum-exp only; the

@@ -52,8 +52,9 @@ BASE_MIN, BASE_MAX = GRID_MIN - TOP, GRID_MAX - TOP
 
 
 @functools.cache
-def _octave_steps(device: str) -> torch.Tensor:
-    """``2^(j / STEPS)`` for ``j < STEPS``, float32 on ``device`` (rounded once, from float64)."""
+def octave_steps(device: str) -> torch.Tensor:
+    """``2^(j / STEPS)`` for ``j < STEPS``, float32 on ``device`` (rounded once, from float64); the table a
+    kernel decoding the codes itself must use."""
     return torch.tensor([2.0 ** (j / STEPS) for j in range(STEPS)], dtype=torch.float32, device=device)
 
 
@@ -121,7 +122,7 @@ def decode_scales(codes: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     int16 (:func:`encode_scales`): ``2^(k / STEPS)`` of their grid index ``k``, zero for code 0."""
     k = _decode(codes, base.to(torch.int32))
     octave = torch.div(k, STEPS, rounding_mode="floor")
-    out = _octave_steps(str(codes.device))[(k - octave * STEPS).long()] * torch.exp2(octave.to(torch.float32))
+    out = octave_steps(str(codes.device))[(k - octave * STEPS).long()] * torch.exp2(octave.to(torch.float32))
     return torch.where(codes == 0, 0.0, out)
 
 

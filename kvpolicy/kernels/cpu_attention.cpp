@@ -12,7 +12,9 @@
 //   24-bit word, the first in its low 12 bits); one scale per token (B, H, n). A 2-d table marks the scheme.
 // Any key scheme goes with any value scheme. Codes are packed 8/bits per byte, lowest bits first (3 bits:
 // eight codes per three bytes, a little-endian bit stream); widths 2, 3 and 4 bits; metadata is float16,
-// bfloat16 or float32 (keys and values alike). Each (batch, head) slice must be contiguous; batch and
+// bfloat16 or float32, each role its own; codebook and lattice scales may instead be one-byte log-scale codes
+// (uint8, norm_bits=8) with one int16 base per (batch, head), decoded through a 256-entry table built per
+// (batch, head) as kvpolicy/formats/scale_codes.py decodes them: a table of 2^(j/64) times an exact power of 2. Each (batch, head) slice must be contiguous; batch and
 // head strides are free.
 //
 // One work item = one (batch, head, token split). It walks the tiles of its split: one key group of GK
@@ -345,14 +347,39 @@ inline void to_float(const T* __restrict src, int64_t count, float* __restrict d
   for (int64_t i = 0; i < count; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// floor(a / b) for b > 0
+inline int32_t floor_div(int32_t a, int32_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+// The 256 scales one-byte codes decode to around the base beta of one (batch, head) (scale_codes.py):
+// code 0 is 0; codes >= 64 are grid index beta + c; codes 1..63 the multiples of 4 below, from the largest
+// multiple of 4 under beta + 64; index k decodes to steps[k mod 64] * 2^floor(k / 64), an exact power of two
+// (ldexp), so every entry is the float32 product the Python decoder computes.
+inline void scale_table(int32_t beta, const float* steps, float* out) {
+  constexpr int32_t STEPS = 64, FINE_LOW = 64, COARSE = 4;
+  const int32_t anchor = floor_div(beta + FINE_LOW - 1, COARSE) * COARSE;
+  out[0] = 0.f;
+  for (int32_t c = 1; c < 256; ++c) {
+    const int32_t k = c >= FINE_LOW ? beta + c : anchor - COARSE * (FINE_LOW - 1 - c);
+    const int32_t octave = floor_div(k, STEPS);
+    out[c] = steps[k - octave * STEPS] * std::ldexp(1.0f, octave);
+  }
+}
+
 // Metadata (scales, minimums) in its stored dtype, read as float32 a tile at a time. The dtype is switched
-// at run time, once per tile, not a template parameter: a third as many kernels to compile.
+// at run time, once per tile, not a template parameter: a third as many kernels to compile. One-byte scale
+// codes (uint8) read through `table`, their (batch, head)'s 256 decoded scales.
 struct Meta {
   const void* base;
   at::ScalarType dtype;
+  const float* table = nullptr;
   // dst[i] = element start + i, i < count
   void read(int64_t start, int64_t count, float* dst) const {
     switch (dtype) {
+      case at::kByte: {
+        const uint8_t* c = static_cast<const uint8_t*>(base) + start;
+        for (int64_t i = 0; i < count; ++i) dst[i] = table[c[i]];
+        return;
+      }
       case at::kHalf:
         return to_float(static_cast<const c10::Half*>(base) + start, count, dst);
       case at::kBFloat16:
@@ -369,8 +396,11 @@ struct Packed {
   const void* scales;
   const void* zeros;
   const float* table;
-  at::ScalarType meta;     // dtype of scales and zeros
+  at::ScalarType meta;     // dtype of scales and zeros (uint8: one-byte scale codes)
   int64_t c0, c1, m0, m1;  // batch and head strides (elements) of codes and of metadata
+  const int16_t* base = nullptr;  // one-byte scale codes: the base of each (batch, head), strides s0, s1
+  int64_t s0 = 0, s1 = 0;
+  const float* steps = nullptr;  // one-byte scale codes: 2^(j/64), j < 64
 
   // the metadata `base` (scales or zeros) of one (batch, head)
   Meta slice(const void* base, int64_t b, int64_t h) const {
@@ -393,9 +423,20 @@ void run_item(const float* q, const Packed& K, const Packed& V, const Shape& s, 
   const Decode<KS, KB> kdec(K.table);
   const Decode<VS, VB> vdec(V.table);
   const uint8_t* kc = K.codes + b * K.c0 + h * K.c1;
-  const Meta ks = K.slice(K.scales, b, h), kz = K.slice(K.zeros, b, h);
+  Meta ks = K.slice(K.scales, b, h);
+  const Meta kz = K.slice(K.zeros, b, h);
   const uint8_t* vc = V.codes + b * V.c0 + h * V.c1;
-  const Meta vs = V.slice(V.scales, b, h), vz = V.slice(V.zeros, b, h);  // zeros: min-max only
+  Meta vs = V.slice(V.scales, b, h);
+  const Meta vz = V.slice(V.zeros, b, h);  // zeros: min-max only
+  float ktab[256], vtab[256];  // decoded one-byte scales of this (batch, head), where a role holds them
+  if (K.base != nullptr) {
+    scale_table(K.base[b * K.s0 + h * K.s1], K.steps, ktab);
+    ks.table = ktab;
+  }
+  if (V.base != nullptr) {
+    scale_table(V.base[b * V.s0 + h * V.s1], V.steps, vtab);
+    vs.table = vtab;
+  }
 
   std::vector<float> qs(nq * D), sc(nq * T), cf(std::max({T, D, GV})), c8(KS != kMinMax ? 8 * D : 0);
   // metadata of a tile: keys' scales and minimums (min-max: per channel; codebook: scales per token), values'
@@ -594,7 +635,8 @@ struct Block {
 };
 
 Block read_block(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
-                 const c10::optional<at::Tensor>& table, int64_t bits, int64_t group, bool keys) {
+                 const c10::optional<at::Tensor>& table, int64_t bits, int64_t group, bool keys,
+                 const c10::optional<at::Tensor>& base, const c10::optional<at::Tensor>& steps) {
   const char* what = keys ? "keys" : "values";
   TORCH_CHECK(zeros.has_value() != table.has_value(), what,
               ": give minimums (min-max) or a table (codebook, lattice), not both or neither");
@@ -606,11 +648,27 @@ Block read_block(const at::Tensor& codes, const at::Tensor& scales, const c10::o
   TORCH_CHECK(inner_contiguous(codes) && inner_contiguous(scales), what,
               ": each (batch, head) slice of codes and scales must be contiguous");
   const at::ScalarType meta = scales.scalar_type();
-  TORCH_CHECK(meta == at::kHalf || meta == at::kBFloat16 || meta == at::kFloat, what,
-              ": metadata must be float16, bfloat16 or float32");
+  const bool coded = meta == at::kByte;
+  TORCH_CHECK(meta == at::kHalf || meta == at::kBFloat16 || meta == at::kFloat || (coded && cb), what,
+              ": metadata must be float16, bfloat16 or float32 (codebook and lattice scales: or uint8 codes)");
+  TORCH_CHECK(base.has_value() == coded, what, ": one-byte scale codes (uint8 scales) come with their base, ",
+              "and only they");
   Block blk{{codes.data_ptr<uint8_t>(), scales.data_ptr(), nullptr, nullptr, meta, codes.stride(0),
              codes.stride(1), scales.stride(0), scales.stride(1)},
             lat ? kLattice : (cb ? kCodebook : kMinMax), 0, 0};
+  if (coded) {
+    const at::Tensor& bt = *base;
+    TORCH_CHECK(bt.scalar_type() == at::kShort && bt.dim() == 3 && bt.size(0) == codes.size(0) &&
+                    bt.size(1) == codes.size(1) && bt.size(2) == 1,
+                what, ": the base of one-byte scales must be int16 (batch, heads, 1)");
+    TORCH_CHECK(steps.has_value() && steps->scalar_type() == at::kFloat && steps->is_contiguous() &&
+                    steps->dim() == 1 && steps->size(0) == 64,
+                what, ": one-byte scales need the 64 float32 steps 2^(j/64)");
+    blk.p.base = bt.data_ptr<int16_t>();
+    blk.p.s0 = bt.stride(0);
+    blk.p.s1 = bt.stride(1);
+    blk.p.steps = steps->data_ptr<float>();
+  }
   if (lat) {
     const at::Tensor& c = *table;
     TORCH_CHECK(bits == 2 || bits == 3, what, ": lattice rows are 2 or 3 bits per coordinate; got ", bits);
@@ -656,17 +714,18 @@ Block read_block(const at::Tensor& codes, const at::Tensor& scales, const c10::o
 // q: (B, H, nq, D) float32 contiguous, already multiplied by the score scale. Per role: codes, scales, and
 // either minimums (min-max) or the table (codebook: 1-d centroids; lattice: 2-d points), the width and:
 // keys, the tokens per tile (min-max: the key group GK; codebook, lattice: any tile size >= 1); values, the
-// value group GV (min-max; a codebook or lattice row is one group).
+// value group GV (min-max; a codebook or lattice row is one group). One-byte scale codes (uint8 scales)
+// come with their base (kbase, vbase: int16 (B, H, 1)) and the 64 float32 steps 2^(j/64).
 // Returns {out (B, H, nq, DV) float32, lse (B, H, nq) float32}.
 std::vector<at::Tensor> attend(at::Tensor q, at::Tensor kc, at::Tensor ks, c10::optional<at::Tensor> kz,
                                c10::optional<at::Tensor> ktable, int64_t kbits, int64_t ktile, at::Tensor vc,
                                at::Tensor vs, c10::optional<at::Tensor> vz, c10::optional<at::Tensor> vtable,
-                               int64_t vbits, int64_t gv, int64_t splits) {
+                               int64_t vbits, int64_t gv, int64_t splits, c10::optional<at::Tensor> kbase,
+                               c10::optional<at::Tensor> vbase, c10::optional<at::Tensor> steps) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 4, "q must be contiguous float32 4-d");
   TORCH_CHECK(ktile >= 1, "keys: tokens per tile must be >= 1; got ", ktile);
-  const Block K = read_block(kc, ks, kz, ktable, kbits, ktile, true);
-  const Block V = read_block(vc, vs, vz, vtable, vbits, gv, false);
-  TORCH_CHECK(K.p.meta == V.p.meta, "keys and values must have the same metadata dtype");
+  const Block K = read_block(kc, ks, kz, ktable, kbits, ktile, true, kbase, steps);
+  const Block V = read_block(vc, vs, vz, vtable, vbits, gv, false, vbase, steps);
   const int64_t B = q.size(0), H = q.size(1), nq = q.size(2), D = q.size(3);
   const int64_t n = K.tokens, DV = V.width;
   TORCH_CHECK(kc.size(0) == B && kc.size(1) == H && K.width == D, "keys do not match q");
