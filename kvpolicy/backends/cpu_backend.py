@@ -113,10 +113,13 @@ class CpuBackend(TorchBackend):
         codes, scales, zeros = per_head_views(q)
         return (codes, scales, zeros, None, q.bits, q.group_size, None), None
 
-    def _codebook_args(self, q: CodebookTensor | LatticeTensor, role: str, check: bool = True) -> tuple:
-        if check:
-            self.check_scheme("codebook", q.bits, role=role)
-        what = "codebook" if check else "lattice"
+    def _scaled_args(
+        self, q: CodebookTensor | LatticeTensor, role: str, what: str, table: Callable[[int], torch.Tensor]
+    ) -> tuple:
+        """A block of scheme ``what`` (codebook or lattice): its kernel arguments, checked: codes, scales (or
+        one-byte codes with their base) and ``table(bits)`` (codebook centroids, 1-d; lattice points, 2-d: the
+        kernel tells the scheme by it), built once the width is checked."""
+        self.check_scheme(what, q.bits, role=role)
         codes, scales, base = q.codes, q.scales, q.scale_base
         if codes.device.type != "cpu" or scales.device.type != "cpu":
             raise ConfigError(f"backend 'cpu' runs on CPU tensors; got {role}s on {codes.device.type!r}")
@@ -137,19 +140,16 @@ class CpuBackend(TorchBackend):
             codes = codes.contiguous()
         if not _inner_contiguous(scales):
             scales = scales.contiguous()
+        if base is not None and not _inner_contiguous(base):  # one-byte codes: the kernel decodes them
+            base = base.contiguous()
         group = max(1, int(self.tile)) if role == "key" else 0
-        if base is not None and scales.dtype == torch.uint8:  # one-byte codes: the kernel decodes them
-            base = base if _inner_contiguous(base) else base.contiguous()
-        else:
-            base = None
-        return (codes, scales, None, codebook.centroids(q.bits), q.bits, group, base), q.centre
+        return (codes, scales, None, table(q.bits), q.bits, group, base), q.centre
+
+    def _codebook_args(self, q: CodebookTensor, role: str) -> tuple:
+        return self._scaled_args(q, role, "codebook", codebook.centroids)
 
     def _lattice_args(self, q: LatticeTensor, role: str) -> tuple:
-        """As :meth:`_codebook_args`, with the lattice's table of points ``(2**(4 · bits), 4)`` (a 2-d table
-        tells the kernel the scheme)."""
-        self.check_scheme("lattice", q.bits, role=role)
-        (codes, scales, _, _, bits, group, base), centre = self._codebook_args(q, role, check=False)
-        return (codes, scales, None, lattice.points(q.bits), bits, group, base), centre
+        return self._scaled_args(q, role, "lattice", lattice.points)
 
     #: how the kernel reads each format's blocks: ``{block class: method(self, q, role) -> (kernel arguments,
     #: centre or None)}`` (a centre, ``(B, H, 1, D)``, enters after the kernel, which reads the codes alone)

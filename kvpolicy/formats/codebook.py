@@ -669,20 +669,9 @@ def check_norm_bits(owner: str, param: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class Codebook(ScaledFormat):
-    """Lloyd-Max indices with one scale per vector (:class:`CodebookTensor`), optionally around a centre.
-
-    Parameters
-    ----------
-    bits : int
-        Index width, one of :data:`CODEBOOK_BITS`.
-    meta_dtype : {"auto", "float16", "bfloat16", "float32"}
-        The dtype of the per-vector scales (and the centre).
-    centre : bool
-        Whether blocks are quantized around a centre ``μ`` that :meth:`quantize` is given (a stream
-        passes the mean of its first block).
-    norm_bits : {16, 8}
-        Bits of each vector's scale (:class:`ScaledFormat`).
-    """
+    """Lloyd-Max indices with one scale per vector (:class:`CodebookTensor`), optionally around a centre;
+    ``bits`` (index width, one of :data:`CODEBOOK_BITS`), ``meta_dtype``, ``centre`` and ``norm_bits`` as for
+    :class:`ScaledFormat`."""
 
     name: ClassVar[str] = "codebook"
     block: ClassVar[type[QTensor]] = CodebookTensor
