@@ -3,9 +3,10 @@
 1. **Space.** Compositions built from the parts that measured well (docs/frontier.md): the log
    policy at two windows, with and without four sink tokens; keys min-max per channel (with
    min-max ranges and with fitted ones: ``key_fit`` is written into each candidate, whatever the
-   defaults) or codebook per token (centred), and
-   values min-max or codebook at several widths; the Hadamard rotation; and on top of each, the
-   boundary layers at 4 bits, or a 4-bit codebook middle tier
+   defaults) or one vector per token (centred: scalar codebook indices, or D4 lattice points at 2 and 3
+   bits), and values min-max or per-token vectors at several widths; the Hadamard rotation; and on top
+   of each, the boundary layers at 4 bits (compositions without lattice blocks), or a 4-bit codebook
+   middle tier
    (:class:`~kvpolicy.actions.tiered.Tiered`, the log rule at ``tier_factors`` times the window:
    four by default).
 2. **Bytes.** Each is built and fed random keys and values of the model's shape for ``context``
@@ -42,6 +43,7 @@ import torch
 
 from kvpolicy.backends.base import FITS
 from kvpolicy.errors import ConfigError
+from kvpolicy.formats.lattice import LATTICE_BITS
 
 #: the log policy's windows searched by default
 WINDOWS = (16, 42)
@@ -51,6 +53,11 @@ WIDTHS = ((2, 2), (3, 2), (4, 2), (3, 3), (4, 3), (4, 4))
 KEY_FITS = ("minmax", "mse")
 #: the narrowest keys searched with the codebook scheme (per token, centred: ``key_centre=True``)
 KEY_CODEBOOK_BITS = 2
+#: the schemes of per-token vectors (a scale per vector; rotated data only) searched for keys and values:
+#: Lloyd-Max indices per coordinate, and D4 lattice points per four coordinates (at LATTICE_BITS only)
+VECTOR_SCHEMES = ("codebook", "lattice")
+#: the letter of each vector scheme in a label (``k3cm``: centred 3-bit codebook keys, ``v2l``: lattice values)
+SCHEME_CODES = {"codebook": "c", "lattice": "l"}
 #: what the boundary layers and a middle tier hold
 HIGH_BITS = 4
 #: boundary layers held at HIGH_BITS: the first and the last this many full-attention layers
@@ -78,7 +85,7 @@ class Candidate:
 def space(
     attention_layers: list[int], windows: tuple[int, ...] = WINDOWS, key_groups: tuple[int, ...] = (64,),
     tier_factors: tuple[int, ...] = TIER_FACTORS, rotate: bool = True, key_fits: tuple[str, ...] = KEY_FITS,
-    norm_bits: tuple[int, ...] = NORM_BITS,
+    norm_bits: tuple[int, ...] = NORM_BITS, schemes: tuple[str, ...] = VECTOR_SCHEMES,
 ) -> Iterator[Candidate]:  # fmt: skip
     """Every composition searched, for a model whose full-attention layers are ``attention_layers``;
     ``key_groups``: the group sizes of the keys (per channel) tried, each with every range fit of
@@ -88,7 +95,10 @@ def space(
     the Hadamard rotation: min-max keys and values only (the codebook scheme needs the rotation), a
     4-bit min-max middle tier with keys per token, labels ending in ``-norot``. ``norm_bits``: the widths of
     the per-vector scales of codebook blocks tried (``Quantize(norm_bits=...)``), each a candidate of its
-    own where a composition holds codebook blocks (labels of one-byte scales end in ``-n8``).
+    own where a composition holds codebook or lattice blocks (labels of one-byte scales end in ``-n8``).
+    ``schemes``: the per-token vector schemes tried for keys and values (:data:`VECTOR_SCHEMES`; the
+    lattice at 2 and 3 bits only, so never on the boundary layers' 4 bits: a composition with lattice
+    blocks has no boundary twin).
 
     Raises
     ------
@@ -96,8 +106,13 @@ def space(
         If a tier factor is not an integer of at least 2 (the middle tier's window must exceed the
         policy's, or the tier keeps nothing the policy did not already), or ``key_fits`` is empty or
         names a fit other than ``"minmax"`` and ``"mse"``, or ``norm_bits`` is empty or holds a width
-        other than 16 and 8.
+        other than 16 and 8, or ``schemes`` is empty or names a scheme other than those of
+        :data:`VECTOR_SCHEMES`.
     """
+    if not schemes or any(s not in VECTOR_SCHEMES for s in schemes):
+        raise ConfigError(
+            f"tune: vector schemes must be a non-empty selection of {list(VECTOR_SCHEMES)}; got {list(schemes)!r}"
+        )
     if not norm_bits or any(isinstance(n, bool) or n not in NORM_BITS_ALLOWED for n in norm_bits):
         raise ConfigError(
             f"tune: norm bits must be a non-empty selection of {list(NORM_BITS_ALLOWED)}; got {list(norm_bits)!r}"
@@ -113,21 +128,26 @@ def space(
             for kb, vb in WIDTHS:
                 # codebook keys (per token, no group, centred) at every width: centred, they lose less than
                 # min-max per channel at fewer bytes (docs/explanation/quantization.md)
-                codebook = rotate and kb >= KEY_CODEBOOK_BITS
                 keys = [("minmax", kg, fit) for kg in key_groups for fit in dict.fromkeys(key_fits)]
-                keys += [("codebook", None, None)] if codebook else []
+                if rotate and kb >= KEY_CODEBOOK_BITS:
+                    keys += [(s, None, None) for s in _vector_schemes(schemes, kb)]
                 for kscheme, kg, fit in keys:
-                    for vscheme in ("minmax", "codebook") if rotate else ("minmax",):
+                    for vscheme in ("minmax", *_vector_schemes(schemes, vb)) if rotate else ("minmax",):
                         for cand in _variants(window, sinks, kb, vb, kg, kscheme, vscheme, boundary, tier_factors,
                                               rotate, fit):  # fmt: skip
                             yield from _with_norm_bits(cand, norm_bits)
+
+
+def _vector_schemes(schemes: tuple[str, ...], bits: int) -> list[str]:
+    """The schemes of ``schemes`` that serve ``bits``-bit vectors, each once."""
+    return [s for s in dict.fromkeys(schemes) if s != "lattice" or bits in LATTICE_BITS]
 
 
 def _with_norm_bits(cand: Candidate, widths: tuple[int, ...]) -> Iterator[Candidate]:
     """``cand`` once per width of ``widths`` its codebook scales can take (once as it is when it holds no
     codebook block)."""
     quants = cand.args.get("tiers", []) if cand.args.get("action") == "tiered" else [cand.args]
-    if not any(_has_codebook(q) for q in quants):
+    if not any(_has_scaled(q) for q in quants):
         yield cand
         return
     for width in dict.fromkeys(widths):
@@ -136,7 +156,7 @@ def _with_norm_bits(cand: Candidate, widths: tuple[int, ...]) -> Iterator[Candid
             continue
         args = dict(cand.args)
         if args.get("action") == "tiered":
-            args["tiers"] = [{**t, "norm_bits": width} if _has_codebook(t) else t for t in args["tiers"]]
+            args["tiers"] = [{**t, "norm_bits": width} if _has_scaled(t) else t for t in args["tiers"]]
         else:
             args["norm_bits"] = width
         label = cand.label.removesuffix("-norot")
@@ -144,8 +164,9 @@ def _with_norm_bits(cand: Candidate, widths: tuple[int, ...]) -> Iterator[Candid
         yield Candidate(f"{label}-n{width}{suffix}", args, cand.family)
 
 
-def _has_codebook(quant: dict[str, Any]) -> bool:
-    return "codebook" in (quant.get("scheme"), quant.get("key_scheme"), quant.get("value_scheme"))
+def _has_scaled(quant: dict[str, Any]) -> bool:
+    """Whether ``quant`` holds blocks with a scale per vector (codebook or lattice), which take ``norm_bits``."""
+    return any(quant.get(k) in SCHEME_CODES for k in ("scheme", "key_scheme", "value_scheme"))
 
 
 def _variants(
@@ -155,15 +176,15 @@ def _variants(
     quant: dict[str, Any] = {"key_bits": kb, "value_bits": vb}
     if kg is not None:  # min-max keys: their group size and fit, whatever the defaults
         quant.update(key_group_size=kg, key_fit=fit or "minmax")
-    if kscheme == "codebook":
-        quant.update(key_scheme="codebook", key_centre=True)
-    if vscheme == "codebook":
-        quant["value_scheme"] = "codebook"
+    if kscheme in SCHEME_CODES:
+        quant.update(key_scheme=kscheme, key_centre=True)
+    if vscheme in SCHEME_CODES:
+        quant["value_scheme"] = vscheme
     base: dict[str, Any] = {"policy": "log", "window": window, "transform": "hadamard" if rotate else "none"}
     if sinks:
         base["sinks"] = sinks
-    code = "c" if vscheme == "codebook" else ""
-    kcode = "cm" if kscheme == "codebook" else ""
+    code = SCHEME_CODES.get(vscheme, "")
+    kcode = f"{SCHEME_CODES[kscheme]}m" if kscheme in SCHEME_CODES else ""
     group = f"g{kg}" if kg is not None and kg != 64 else ""
     fitted = "-kmse" if fit == "mse" else ""
     name = f"log{window}{f'-s{sinks}' if sinks else ''}-k{kb}{kcode}{group}v{vb}{code}{fitted}"
@@ -171,8 +192,9 @@ def _variants(
     yield Candidate(name + suffix, {**base, **quant}, "single")
     if min(kb, vb) >= HIGH_BITS:
         return
-    layer_bits = {str(i): HIGH_BITS for i in boundary}
-    yield Candidate(f"{name}-b{HIGH_BITS}{suffix}", {**base, **quant, "layer_bits": layer_bits}, "boundary")
+    if "lattice" not in (kscheme, vscheme):  # the boundary layers' HIGH_BITS are beyond the lattice's widths
+        layer_bits = {str(i): HIGH_BITS for i in boundary}
+        yield Candidate(f"{name}-b{HIGH_BITS}{suffix}", {**base, **quant, "layer_bits": layer_bits}, "boundary")
     # a middle tier's tokens leave it one at a time: per-token keys (codebook, or min-max per token)
     middle = {"bits": HIGH_BITS, "scheme": "codebook", "key_centre": True} if rotate else \
         {"bits": HIGH_BITS, "key_axis": "token", "fit": "minmax"}  # fmt: skip

@@ -82,7 +82,8 @@ def test_a_model_whose_keys_rotation_hurts_is_searched_without_it():
     assert "codebook" not in text and "key_centre" not in text
     tiered = next(c for c in plain if c.family == "tiered")
     assert tiered.args["tiers"][0] == {"bits": 4, "key_axis": "token", "fit": "minmax"}
-    minmax = {c.label.removesuffix("-n8") for c in rotated if "c" not in c.label.split("-k")[1].split("-")[0]}
+    widths = {c.label: c.label.split("-k")[1].split("-")[0] for c in rotated}  # "3cmv2l": keys and values
+    minmax = {c.label.removesuffix("-n8") for c in rotated if not set(widths[c.label]) & {"c", "l"}}
     assert {c.label.removesuffix("-norot") for c in plain} == minmax
     for c in plain:  # each builds
         CompressedCache(**c.args)
@@ -292,3 +293,37 @@ def test_norm_bits_are_an_axis_of_codebook_compositions_only():
 
 def space_labels(**kw) -> set[str]:
     return {c.label for c in space(list(range(4)), windows=(8,), **kw)}
+
+
+def test_lattice_blocks_are_an_axis_of_rotated_keys_and_values_at_their_widths():
+    """Beside codebook indices, the space holds D4 lattice keys (centred, ``lm``) and values (``l``) at 2 and 3
+    bits, never at 4 (the lattice has no 4-bit table) and never with 4-bit boundary layers; ``schemes`` narrows
+    the search to one scheme, and a scheme tune does not know is refused."""
+    layers = list(range(6))
+    both = {c.label: c for c in space(layers, windows=(8,))}
+    lattice = {label: c for label, c in both.items() if "lattice" in repr(c.args)}
+    assert {"log8-k2lmv2l-n8", "log8-k3lmv2l-t4x32-n8", "log8-k3cmv2l-n8", "log8-k2lmv2c-n8"} <= set(lattice)
+    for label, c in lattice.items():
+        quant = c.args["tiers"][1] if c.family == "tiered" else c.args
+        roles = [(quant["key_bits"], quant.get("key_scheme")), (quant["value_bits"], quant.get("value_scheme"))]
+        assert all(bits in (2, 3) for bits, scheme in roles if scheme == "lattice"), label
+        assert c.family != "boundary" and "layer_bits" not in c.args, label
+        if quant.get("key_scheme") == "lattice":
+            assert quant["key_centre"] is True and "lm" in label
+        if c.family == "tiered":
+            assert c.args["tiers"][0]["scheme"] == "codebook"  # the 4-bit middle tier stays codebook
+        cache = CompressedCache(**c.args)
+        bottom = cache.action.tiers[-1] if isinstance(cache.action, Tiered) else cache.action
+        lattices = [f for f in (bottom.keys, bottom.values) if f.name == "lattice"]
+        assert lattices and all(f.norm_bits == 8 for f in lattices), label
+    codebook_only = {c.label for c in space(layers, windows=(8,), schemes=("codebook",))}
+    assert codebook_only == set(both) - set(lattice)
+    lattice_only = {c.label: c for c in space(layers, windows=(8,), schemes=("lattice",))}
+    assert not any(c.args.get("key_scheme") == "codebook" or c.args.get("value_scheme") == "codebook"
+                   for c in lattice_only.values())  # fmt: skip
+    assert set(lattice_only) <= set(both)
+    with pytest.raises(ConfigError, match=r"vector schemes must be a non-empty selection of \['codebook', 'lattice'\]; "
+                       r"got \['e8'\]"):  # fmt: skip
+        list(space(layers, schemes=("e8",)))
+    with pytest.raises(ConfigError, match="vector schemes"):
+        list(space(layers, schemes=()))
