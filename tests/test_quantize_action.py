@@ -292,10 +292,10 @@ def test_meta_dtype_none_is_the_default():
 
 
 def test_meta_dtype_in_repr_only_when_set():
-    """The repr names a cache in results (and its cell id): min-max groups of 64, the earlier default,
-    keep the repr they had before meta_dtype (and fit) existed."""
+    """The repr names a cache in results: meta_dtype appears only when set, a fit only when the keywords
+    shown would build another one (keys are fitted by default, so min-max keys say so)."""
     assert repr(Quantize(group_size=64, fit="minmax")) == (
-        "Quantize(bits=2, group_size=64, key_axis='channel', value_axis='token', check_finite=True)"
+        "Quantize(bits=2, group_size=64, key_axis='channel', value_axis='token', check_finite=True, key_fit='minmax')"
     )
     assert repr(Quantize(meta_dtype="float32")).endswith("check_finite=True, meta_dtype='float32', key_fit='mse')")
     assert Quantize(meta_dtype="float32") != Quantize()
@@ -519,15 +519,18 @@ def test_equal_when_quantizing_alike_and_repr_names_the_sizes_in_effect():
         "Quantize(bits=2, key_group_size=128, value_group_size=64, key_axis='channel', value_axis='token', "
         "check_finite=True, key_fit='mse')"
     )
-    # min-max groups of 64 (the earlier default) keep the repr results were recorded under
+    # min-max keys name their fit (the default is another), however the action was spelled
     assert (
         repr(Quantize(group_size=64, fit="minmax"))
         == repr(Quantize(key_group_size=64, key_fit="minmax"))
-        == ("Quantize(bits=2, group_size=64, key_axis='channel', value_axis='token', check_finite=True)")
+        == (
+            "Quantize(bits=2, group_size=64, key_axis='channel', value_axis='token', check_finite=True, "
+            "key_fit='minmax')"
+        )
     )
     assert repr(Quantize(key_group_size=128, key_fit="minmax")) == (
         "Quantize(bits=2, key_group_size=128, value_group_size=64, key_axis='channel', value_axis='token', "
-        "check_finite=True)"
+        "check_finite=True, key_fit='minmax')"
     )
     # equal sizes print as the shorthand, whichever way they were given
     assert repr(Quantize(key_group_size=64)) == repr(Quantize(group_size=64))
@@ -601,3 +604,27 @@ def test_a_pair_the_backend_lacks_is_refused_with_the_pairs_it_has():
     assert "key_bits=2, value_bits=4" in msg and "[(2, 2), (4, 2), (4, 4)]" in msg
     with pytest.raises(ConfigError, match=r"does not support bits=5; it supports bits in \[2, 3, 4, 8\]"):
         Quantize(key_bits=5, value_bits=5).check_backend(BACKEND)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"fit": "minmax"},
+        {"key_fit": "minmax"},
+        {"key_fit": "minmax", "value_fit": "mse"},
+        {"key_fit": "mse", "value_fit": "minmax"},
+        {"fit": "mse"},
+        {"key_axis": "token", "group_size": 64, "fit": "minmax"},
+        {"key_bits": 4, "value_bits": 2, "key_group_size": 32, "key_fit": "minmax", "meta_dtype": "float32"},
+        {"key_scheme": "minmax", "value_scheme": "codebook", "key_fit": "minmax"},
+        {"key_scheme": "codebook", "value_scheme": "minmax", "value_fit": "mse"},
+        {},
+    ],
+)
+def test_the_repr_builds_the_same_action(kwargs):
+    """``eval(repr(action)) == action`` for every fit of each role: a repr copied from a results page
+    builds the cache that was measured, min-max keys included (the keys' default fit is ``"mse"``)."""
+    from kvpolicy import Codebook, MinMax  # noqa: F401 - names a repr may use
+
+    action = Quantize(**kwargs)
+    assert eval(repr(action)) == action, repr(action)

@@ -313,7 +313,7 @@ class Quantize(Action):
         # the shortcut form where the shortcuts build this action: the group sizes in effect, one
         # ``group_size`` when they agree; meta_dtype only
         # when set; the scheme only when a kind is not min-max (its group size and axis are then left out);
-        # fit only when it is not "minmax". Otherwise each role's format, whole.
+        # fit when it is not "minmax", or when it is and the default is not. Otherwise each role's format, whole.
         shown = self._shortcut_form()
         if shown is None:
             return f"Quantize(keys={self.keys!r}, values={self.values!r}, check_finite={self.check_finite!r})"
@@ -348,14 +348,19 @@ class Quantize(Action):
             out += [] if k.fit == "minmax" else [("fit", k.fit)]
         else:
             out += [(f"{kind}_fit", fmt.fit) for kind, fmt in self.roles() if fmt.fit != "minmax"]
-        # the repr leaves a min-max fit out (as it did before fits existed), so the check gives both fits
+        # a min-max fit is left out (as before fits existed) unless the keywords shown would build another
+        # fit in its place (keys are fitted by default): then it is shown too, so the repr builds this action
         classes = {k.name: type(k), v.name: type(v)}
-        kwargs = {key: classes[val] if key.endswith("scheme") else val for key, val in out if "fit" not in key}
-        try:
-            rebuilt = Quantize(**kwargs, key_fit=k.fit, value_fit=v.fit)
-        except (ConfigError, TypeError, ValueError):
-            return None
-        return out if rebuilt == self else None
+        kwargs = {key: classes[val] if key.endswith("scheme") else val for key, val in out}
+        plain = [(f"{kind}_fit", fmt.fit) for kind, fmt in self.roles() if fmt.fit == "minmax"]
+        for extra in ([], *([p] for p in plain), plain if len(plain) > 1 else []):
+            try:
+                rebuilt = Quantize(**kwargs, **dict(extra))
+            except (ConfigError, TypeError, ValueError):
+                continue
+            if rebuilt == self:
+                return out + extra
+        return None
 
     # ------------------------------------------------------------------ the Action hooks
     def check_backend(self, backend: Backend) -> None:

@@ -246,3 +246,21 @@ def test_every_committed_frontier_row_names_a_cell_its_grid_plans():
     planned = {c.new for c in planned_cells(grid_of(config), config.get("sizings") or [])}
     stale = sorted({(r["cache"], r["task"], r["context"]) for r in _records(out / RESULTS) if r["cell"] not in planned})
     assert not stale, f"{len(stale)} measured cells would be measured again: {stale[:5]}"
+
+
+def test_scheme1_descriptions_leave_out_the_min_max_fits_todays_repr_names():
+    """A min-max-key cache's repr now names ``key_fit='minmax'`` (the keys' default fit is ``"mse"``, and the
+    repr must build the cache it names); scheme-1 ids hashed the repr without it, as this row of an earlier
+    results page recorded it, so the migration hashes that form."""
+    from kvpolicy import CompressedCache
+    from kvpolicy_lab.eval.migrate_ids import scheme1_description
+
+    recorded = (
+        "CompressedCache(policy=LogWindow(window=42), action=Quantize(bits=2, group_size=64, key_axis='channel', "
+        "value_axis='token', check_finite=True), backend='cpu', layout='ordered', attention='auto')"
+    )
+    cache = CompressedCache(policy="log", bits=2, group_size=64, fit="minmax", backend="cpu")
+    assert "key_fit='minmax'" in repr(cache)
+    assert scheme1_description(repr(cache)) == recorded
+    fitted = repr(CompressedCache(policy="log", bits=2, backend="cpu"))
+    assert scheme1_description(fitted) == fitted and "key_fit='mse'" in fitted

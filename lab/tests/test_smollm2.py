@@ -38,7 +38,10 @@ def test_demo_on_smollm2(capsys):
     # the row of the earlier default (min-max, groups of 64) beside the defaults' fitted 128-token key groups
     minmax = rows["log 2-bit min-max"]
     assert minmax.kl > 0.0 and minmax.total_bytes < four.total_bytes
-    assert "Quantize(bits=2, group_size=64, key_axis='channel', value_axis='token', check_finite=True)" in out
+    assert (
+        "Quantize(bits=2, group_size=64, key_axis='channel', value_axis='token', check_finite=True, key_fit='minmax')"
+        in out
+    )
     assert "key_group_size=128, value_group_size=64" in out and "key_fit='mse'" in out
     # kvpolicy's 3.5-bit preset (tiers of centred codebook codes, rotation): fewer bits than 4-bit, closer than 2-bit
     ours = rows["kvpolicy-3.5bit"]

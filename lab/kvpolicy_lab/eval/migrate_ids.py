@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +40,14 @@ from kvpolicy_lab.eval.runner import CONFIG, RESULTS, RUN_KEYS, SAMPLES, scan_ro
 
 #: what Grid.to_dict adds to each cache entry beyond what a grid file gives
 _DESCRIPTIVE = ("repr", "canonical")
+#: the min-max fits a ``Quantize`` repr now names where the default fit is another (scheme-1 reprs never
+#: named a min-max fit)
+_NAMED_MINMAX_FIT = re.compile(r", (?:key|value)_fit='minmax'")
+
+
+def scheme1_description(described: str) -> str:
+    """The ``repr`` a cache had when scheme-1 ids were hashed: today's, less the min-max fits it names."""
+    return _NAMED_MINMAX_FIT.sub("", described)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +90,7 @@ def planned_cells(grid: Grid, sizings: list[dict[str, Any]]) -> list[Cell]:
         for group in plan_groups(grid, model, tasks, sized):
             params = group.task if isinstance(group.task, dict) else dataclasses.asdict(group.task)
             for new, spec, _ in group.cells:
-                described = spec.describe()
+                described = scheme1_description(spec.describe())
                 old = digest(cell_key(model, described, group.context, group.task_name, params, grid))
                 out.append(Cell(model, spec.label, group.context, group.task_name, described, old, new))
     return out
