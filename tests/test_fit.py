@@ -231,7 +231,10 @@ def test_fitted_ranges_hold_the_same_bytes_and_change_what_is_stored():
     fitted.update(x, x, 0)
     seg = fitted.memory_report().segments
     assert seg == plain.memory_report().segments and seg["codes"] > 0
-    assert repr(fitted).count("fit='mse'") == 1 and "fit=" not in repr(plain)
+    assert repr(fitted).count("fit='mse'") == 1 and repr(plain).count("fit=") == 1  # key_fit='minmax'
+    assert repr(plain).endswith(
+        "check_finite=True, key_fit='minmax'), backend='torch', layout='ordered', attention='auto')"
+    )
     held, ref = fitted.layers[0].engine.store, plain.layers[0].engine.store
     assert not torch.equal(held.k.q.scales, ref.k.q.scales) and not torch.equal(held.v.q.scales, ref.v.q.scales)
 
@@ -258,8 +261,9 @@ def test_saved_cache_keeps_its_fit(tmp_path):
 
 
 def test_repr_and_equality():
-    # min-max caches, described before the parameter existed, keep their reprs and so their result ids
-    assert "fit" not in repr(Quantize(bits=2, fit="minmax")) and "fit" not in repr(Quantize(key_fit="minmax"))
+    # min-max keys name their fit, since the keys' default is "mse"; min-max values are the default and do not
+    assert repr(Quantize(bits=2, fit="minmax")).endswith("check_finite=True, key_fit='minmax')")
+    assert repr(Quantize(key_fit="minmax")) == repr(Quantize(bits=2, fit="minmax"))
     assert repr(Quantize(bits=2)).endswith("key_fit='mse')")  # the default fits the keys, and says so
     assert repr(Quantize(bits=2, fit="mse")).endswith("fit='mse')")
     assert Quantize(bits=2, fit="mse") != Quantize(bits=2) != Quantize(bits=2, fit="minmax")
@@ -271,7 +275,7 @@ def test_repr_and_equality():
     assert Quantize(key_fit="mse", value_fit="mse") == Quantize(fit="mse")
     assert repr(Quantize(key_fit="mse", value_fit="mse")) == repr(Quantize(fit="mse"))
     assert repr(Quantize(key_fit="mse")).endswith("key_fit='mse')")
-    assert repr(Quantize(value_fit="mse", key_fit="minmax")).endswith("value_fit='mse')")
+    assert repr(Quantize(value_fit="mse", key_fit="minmax")).endswith("value_fit='mse', key_fit='minmax')")
     assert Quantize(value_fit="mse") == Quantize(fit="mse")  # the keys' default is "mse" too
     assert Quantize(key_fit="mse") != Quantize(value_fit="mse")
 
