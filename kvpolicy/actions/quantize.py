@@ -353,7 +353,9 @@ class Quantize(Action):
         classes = {k.name: type(k), v.name: type(v)}
         kwargs = {key: classes[val] if key.endswith("scheme") else val for key, val in out}
         plain = [(f"{kind}_fit", fmt.fit) for kind, fmt in self.roles() if fmt.fit == "minmax"]
-        for extra in ([], *([p] for p in plain), plain if len(plain) > 1 else []):
+        # the fewest min-max fits named first: none, each role's alone, then both
+        options = [[], *([p] for p in plain), *([plain] if len(plain) > 1 else [])]
+        for extra in options:
             try:
                 rebuilt = Quantize(**kwargs, **dict(extra))
             except (ConfigError, TypeError, ValueError):

@@ -138,9 +138,15 @@ def space(
                             yield from _with_norm_bits(cand, norm_bits)
 
 
+def _serves(scheme: str, bits: int) -> bool:
+    """Whether blocks of ``scheme`` (min-max or a vector scheme) hold ``bits``-bit codes: the lattice only
+    at LATTICE_BITS."""
+    return scheme != "lattice" or bits in LATTICE_BITS
+
+
 def _vector_schemes(schemes: tuple[str, ...], bits: int) -> list[str]:
     """The schemes of ``schemes`` that serve ``bits``-bit vectors, each once."""
-    return [s for s in dict.fromkeys(schemes) if s != "lattice" or bits in LATTICE_BITS]
+    return [s for s in dict.fromkeys(schemes) if _serves(s, bits)]
 
 
 def _with_norm_bits(cand: Candidate, widths: tuple[int, ...]) -> Iterator[Candidate]:
@@ -192,7 +198,7 @@ def _variants(
     yield Candidate(name + suffix, {**base, **quant}, "single")
     if min(kb, vb) >= HIGH_BITS:
         return
-    if "lattice" not in (kscheme, vscheme):  # the boundary layers' HIGH_BITS are beyond the lattice's widths
+    if _serves(kscheme, HIGH_BITS) and _serves(vscheme, HIGH_BITS):  # the boundary layers hold HIGH_BITS
         layer_bits = {str(i): HIGH_BITS for i in boundary}
         yield Candidate(f"{name}-b{HIGH_BITS}{suffix}", {**base, **quant, "layer_bits": layer_bits}, "boundary")
     # a middle tier's tokens leave it one at a time: per-token keys (codebook, or min-max per token)
