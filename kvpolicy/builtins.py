@@ -45,9 +45,9 @@ def kvpolicy_register_backends() -> dict[str, type]:
 
 @hookimpl
 def kvpolicy_register_transforms() -> dict[str, type]:
-    from kvpolicy.transforms import Hadamard, NoTransform
+    from kvpolicy.transforms import Hadamard, NoTransform, QueryWeighted
 
-    return {"none": NoTransform, "hadamard": Hadamard}
+    return {"none": NoTransform, "hadamard": Hadamard, "query-hadamard": QueryWeighted}
 
 
 @hookimpl

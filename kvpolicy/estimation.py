@@ -410,7 +410,8 @@ def _one(
 
 def _feed(cache: Any, indices: list[int], tokens: int, head_dim: int, dtype: torch.dtype) -> None:
     """One multi-token update of ``(1, 1, tokens, head_dim)`` random keys and values per layer of ``indices``,
-    in order, as a prefill would; a score-based policy is given random attention scores for it."""
+    in order, as a prefill would; a score-based policy is given random attention scores for it, and a store
+    that fits itself on the queries (``transform="query-hadamard"``) random queries."""
     from kvpolicy.cache import CompressedLayer
 
     generator = torch.Generator().manual_seed(0)
@@ -422,6 +423,8 @@ def _feed(cache: Any, indices: list[int], tokens: int, head_dim: int, dtype: tor
             layer = cache.layers[i]
             if isinstance(layer, CompressedLayer) and layer.policy.needs_scores:
                 layer.observe_attention(torch.rand((1, out[0].shape[-2]), generator=generator))
+            if isinstance(layer, CompressedLayer) and layer.engine.wants_queries:
+                layer.engine.observe_queries(torch.randn((1, 1, tokens, head_dim), generator=generator), keys)
             del out, keys, values
 
 

@@ -66,6 +66,9 @@ class Ticket:
         step cannot run fused.
     scores : bool
         Whether the layer's policy needs the attention mass of this forward.
+    queries : bool
+        Whether the layer's store waits for this forward's queries (a query-weighted transform,
+        :mod:`kvpolicy.transforms.query_weighted`).
     layout : {"ordered", "agnostic"}
         The view the layer would like when materialised; ``"agnostic"`` is used only when the
         consumer checked the mask.
@@ -81,8 +84,8 @@ class Ticket:
     """
 
     def __init__(
-        self, layer: Any, *, parts: list[Any] | None = None, scores: bool = False, layout: str = "ordered",
-        strict: bool = False, key_mask: torch.Tensor | None = None,
+        self, layer: Any, *, parts: list[Any] | None = None, scores: bool = False, queries: bool = False,
+        layout: str = "ordered", strict: bool = False, key_mask: torch.Tensor | None = None,
         views: tuple[torch.Tensor, torch.Tensor] | None = None, version: int | None = None,
     ) -> None:  # fmt: skip
         self._layer = weakref.ref(layer)
@@ -91,6 +94,7 @@ class Ticket:
         #: whether fused decode attention may serve this step (from :attr:`parts`)
         self.fusable = parts is not None
         self.scores = scores
+        self.queries = queries
         self.layout = layout
         self.strict = strict
         self.key_mask = key_mask
@@ -102,8 +106,8 @@ class Ticket:
 
     @property
     def wants_report(self) -> bool:
-        """Whether the layer waits for :meth:`report` (scores, or acknowledgement of a key mask)."""
-        return self.scores or self.key_mask is not None
+        """Whether the layer waits for :meth:`report` (scores, queries, or acknowledgement of a key mask)."""
+        return self.scores or self.queries or self.key_mask is not None
 
     def layer(self) -> Any:
         """The layer's engine, checked to be alive and unchanged since it issued this ticket."""
@@ -173,13 +177,20 @@ class Ticket:
         keys, values = self.view(layout)
         return keys, values, layout
 
-    def report(self, scores: torch.Tensor | None, layout: str) -> None:
-        """Deliver the attention mass (``(batch, kv_heads, keys)`` in ``layout``'s key order) once;
-        later consumers of the same tensors (shared-KV layers) do not count again."""
+    def report(
+        self, scores: torch.Tensor | None, layout: str, queries: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
+        """Deliver the attention mass (``(batch, kv_heads, keys)`` in ``layout``'s key order) and, when
+        :attr:`queries`, the forward's ``(query, keys)`` (``(batch, q_heads, q, head_dim)`` and the
+        ``(batch, kv_heads, n, head_dim)`` history it read) once; later consumers of the same tensors
+        (shared-KV layers) do not count again."""
         if self.reported:
             return
         self.reported = True
-        self.layer().report(scores, layout)
+        layer = self.layer()
+        if self.queries and queries is not None:
+            layer.observe_queries(*queries)
+        layer.report(scores, layout)
 
     def fused(self) -> None:
         """Fused attention served this step from :attr:`parts`: the layer records it (a stale ticket raises)."""
@@ -204,6 +215,13 @@ class Ticket:
                 "attention function that does not report them. Call kvpolicy.attention.enable_scores(model) once "
                 "before running the model: it wraps the model's sdpa/eager attention to report them "
                 "(see docs/policies.md)."
+            )
+        if self.queries:
+            raise RuntimeError(
+                f"the cache's transform fits its key weights on the queries, but layer {layer.layer_idx}'s "
+                "keys reached an attention function that does not report them. Call "
+                "kvpolicy.attention.enable_scores(model) (or kvpolicy.fused.enable_fused(model)) once before running "
+                "the model: it wraps the model's sdpa/eager attention to report them."
             )
         if self.fusable and self.strict:
             raise RuntimeError(

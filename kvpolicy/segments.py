@@ -228,6 +228,7 @@ class LayerSegments:
             return
         probe = wrap_store(self.action.new_store(self.backend, self.layer_idx), self.transform, self.action)
         probe.positions = self.store.positions[:, :0]
+        probe.adopt_moments(self.store)
         idx = torch.searchsorted(self.full_pos, pos)
         probe.add(take(self.keys, idx), take(self.values, idx), pos)
         for mine, theirs in zip(_streams(self.store), _streams(probe), strict=True):

@@ -73,10 +73,10 @@ def codebook(x: torch.Tensor, bits: int) -> torch.Tensor:
     return q * s
 
 
-def capture(context: int, tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-    """Keys and values ``(H, n, D)`` per layer for one calibration text, Hadamard-rotated, and the
-    queries of the later tokens ``(H, g * tokens, D)`` (the ``g`` query heads of each KV head), rotated
-    alike (a rotation keeps ``q · k``)."""
+def calibration_forward(context: int, tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """One causal forward of SmolLM2-135M-Instruct over ``context + tokens`` tokens of calibration files: each
+    layer's keys and values ``(H, n, D)`` (after RoPE, as a cache holds them) and queries after RoPE
+    ``(H, g, n, D)`` (the ``g`` query heads of each KV head), float32."""
     from transformers import DynamicCache
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -93,25 +93,31 @@ def capture(context: int, tokens: int) -> tuple[list[torch.Tensor], list[torch.T
     cache = DynamicCache()
     queries: list[torch.Tensor] = []
 
-    def grab(module, args, kwargs):  # the layer's queries after RoPE, for the later tokens
+    def grab(module, args, kwargs):  # the layer's queries after RoPE
         h = kwargs.get("hidden_states", args[0] if args else None)
         cos, sin = kwargs["position_embeddings"]
         d = module.head_dim
         q = module.q_proj(h).view(1, h.shape[1], -1, d).transpose(1, 2)
         q, _ = apply_rotary_pos_emb(q, q, cos, sin)
-        q = q[0, :, context:]  # (Hq, tokens, D)
-        kv = module.config.num_key_value_heads
-        queries.append(q.reshape(kv, -1, d))
+        queries.append(q[0].reshape(module.config.num_key_value_heads, -1, h.shape[1], d).float())
 
     hooks = [layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True) for layer in model.model.layers]
     with torch.no_grad():
         model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
     for hook in hooks:
         hook.remove()
+    keys = [layer.keys[0].float() for layer in cache.layers]
+    return keys, [layer.values[0].float() for layer in cache.layers], queries
+
+
+def capture(context: int, tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Keys and values ``(H, n, D)`` per layer for one calibration text, Hadamard-rotated, and the
+    queries of the later tokens ``(H, g * tokens, D)`` (the ``g`` query heads of each KV head), rotated
+    alike (a rotation keeps ``q · k``)."""
+    keys, values, queries = calibration_forward(context, tokens)
     rot = Hadamard(0)
-    keys = [rot.forward(layer.keys[0].float()) for layer in cache.layers]
-    values = [rot.forward(layer.values[0].float()) for layer in cache.layers]
-    return keys, values, [rot.forward(q.float()) for q in queries]
+    later = [q[:, :, context:].reshape(q.shape[0], -1, q.shape[-1]) for q in queries]
+    return [rot.forward(k) for k in keys], [rot.forward(v) for v in values], [rot.forward(q) for q in later]
 
 
 def coefficients(c: torch.Tensor, cbits: int, scale: torch.Tensor) -> torch.Tensor:

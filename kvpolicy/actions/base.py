@@ -36,6 +36,17 @@ class DemotedStore(ABC):
     #: the transform whose basis :meth:`parts` are expressed in (``None``: the model's own);
     #: set by :class:`~kvpolicy.transforms.store.TransformedStore`
     basis: Any = None
+    #: whether the store waits for the queries of the next forward (:meth:`observe_queries`)
+    wants_queries: bool = False
+
+    def observe_queries(self, query: torch.Tensor, keys: torch.Tensor) -> None:  # noqa: B027 - optional hook
+        """The queries ``(batch, q_heads, q, head_dim)`` of a forward and the keys ``(batch, kv_heads, n,
+        head_dim)`` they read, for a store that :attr:`wants_queries` (a query-weighted transform's)."""
+
+    def adopt_moments(self, other: DemotedStore) -> None:  # noqa: B027 - optional hook
+        """Take the statistics ``other`` (a store of the same composition) gathered for fits it has not made
+        yet (a query-weighted transform's query moments), so that this empty store's first demotion stores
+        what ``other``'s would."""
 
     @abstractmethod
     def add(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:

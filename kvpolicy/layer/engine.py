@@ -251,6 +251,7 @@ class LayerEngine:
         # LayerSegments.holds_demoted, inlined (len(store), inlined)
         held = self.action.keeps_demoted and segments.store.positions.shape[-1] > 0
         scores = self.policy.needs_scores
+        queries = segments.store.wants_queries
         reason = self.plan.fused_reason
         if scores:
             segments.scored = False
@@ -275,14 +276,14 @@ class LayerEngine:
         fusable = n == 1 and held and reason is None and not grad
         agnostic = self.layout == "agnostic" and held and not grad
         self._handed = None
-        if self.internal or not (fusable or agnostic or scores):
+        if self.internal or not (fusable or agnostic or scores or queries):
             return self.view("ordered")
         parts = None
         if fusable:  # the store's parts, then the full-precision segment
             parts = segments.store.parts()
             parts.append(Part(segments.keys, segments.values))
         ticket = handoff.Ticket(
-            self, parts=parts, scores=scores, layout=self.layout if agnostic else "ordered",
+            self, parts=parts, scores=scores, queries=queries, layout=self.layout if agnostic else "ordered",
             strict=self.attention == "fused", version=self._version + segments.moves,
         )  # fmt: skip
         if n > 1:  # only a multi-token update is released later (decode steps demote in step)
@@ -325,6 +326,17 @@ class LayerEngine:
         keys)``, keys in ``layout``'s order) when the policy asked for them."""
         if scores is not None:
             self.observe(scores.sum(dim=0), layout)
+
+    @property
+    def wants_queries(self) -> bool:
+        """Whether the store waits for the queries of the next forward (a query-weighted transform)."""
+        return self.held is not None and self.held.store is not None and self.held.store.wants_queries
+
+    def observe_queries(self, query: torch.Tensor, keys: torch.Tensor) -> None:
+        """The queries ``(batch, q_heads, q, head_dim)`` of a forward over this layer and the keys ``(batch,
+        kv_heads, n, head_dim)`` they read, for a store that waits for them."""
+        if self.wants_queries:
+            self.held.store.observe_queries(query, keys)
 
     def observe(self, scores: torch.Tensor, layout: str = "ordered") -> None:
         """Attention mass per returned key, ``(kv_heads, keys)`` with keys in ``layout``'s order;

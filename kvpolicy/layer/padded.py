@@ -127,9 +127,10 @@ class PaddedEngine:
                 "use attention='auto', which materialises their history"
             )
         needs_scores = head.policy.needs_scores
-        if not needs_scores and key_mask is None:
+        queries = self.wants_queries
+        if not needs_scores and not queries and key_mask is None:
             return keys, values
-        ticket = handoff.Ticket(self, scores=needs_scores, key_mask=key_mask, views=(keys, values))
+        ticket = handoff.Ticket(self, scores=needs_scores, queries=queries, key_mask=key_mask, views=(keys, values))
         return handoff.hand_out(ticket, keys.shape, values.shape, keys.dtype, keys.device)
 
     def _update(
@@ -168,6 +169,19 @@ class PaddedEngine:
         """Hand each row the scores of its own key slots (``scores``: ``(batch, kv_heads, keys)``)."""
         for row, engine in enumerate(self.rows):
             engine.report(None if scores is None else scores[row : row + 1, :, self.slots[row]])
+
+    @property
+    def wants_queries(self) -> bool:
+        """Whether a row's store waits for the queries of the next forward."""
+        return any(row.wants_queries for row in self.rows)
+
+    def observe_queries(self, query: torch.Tensor, keys: torch.Tensor) -> None:
+        """Hand each row its own queries and the keys of its own slots: on the first step (whose queries cover
+        the padded width) the queries of its padding positions are left out, so a row fits what it would alone."""
+        first = query.shape[2] == self.length
+        for row, engine in enumerate(self.rows):
+            q = query[row : row + 1, :, self.pads[row] :] if first else query[row : row + 1]
+            engine.observe_queries(q, keys[row : row + 1, :, self.slots[row]])
 
     def observe(self, scores: torch.Tensor, layout: str = "ordered") -> None:
         self.head.observe(scores, layout)

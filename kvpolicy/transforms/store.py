@@ -53,7 +53,8 @@ def wrap(store: DemotedStore, transform: Transform, action: Action) -> DemotedSt
     identity, or an action that keeps no demoted tokens)."""
     if transform.identity or not action.keeps_demoted:
         return store
-    return TransformedStore(store, transform)
+    own = getattr(transform, "wrap_store", None)  # a transform that holds state of its own per store
+    return TransformedStore(store, transform) if own is None else own(store)
 
 
 class TransformedStore(DemotedStore):
@@ -103,7 +104,7 @@ class TransformedStore(DemotedStore):
             the remedy, and the rotation).
         """
         wide = HELD_DTYPE.get(keys.dtype, keys.dtype)
-        rotated = self.transform.forward(keys.to(wide)), self.transform.forward(values.to(wide))
+        rotated = self._forward_keys(keys.to(wide)), self.transform.forward(values.to(wide))
         try:
             self.inner.add(*rotated, positions)
         except MetadataOverflowError as exc:
@@ -128,6 +129,10 @@ class TransformedStore(DemotedStore):
         if self._dims is None:
             self._dims, self._device = (keys.shape[-1], values.shape[-1]), keys.device
         self._dtype = keys.dtype
+
+    def _forward_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """Demoted keys ``(batch, kv_heads, n, head_dim)`` in the basis they are stored in."""
+        return self.transform.forward(keys)
 
     def keys(self) -> torch.Tensor:
         return self._back(self.inner.keys())

@@ -4,7 +4,8 @@
    policy at two windows, with and without four sink tokens; keys min-max per channel (with
    min-max ranges and with fitted ones: ``key_fit`` is written into each candidate, whatever the
    defaults) or one vector per token (centred: scalar codebook indices, or D4 lattice points at 2 and 3
-   bits), and values min-max or per-token vectors at several widths; the Hadamard rotation; and on top
+   bits), and values min-max or per-token vectors at several widths; the Hadamard rotation, plain and with
+   the keys weighted by the prompt's queries first (``"query-hadamard"``, labels ending in ``-qh``); and on top
    of each, the boundary layers at 4 bits (compositions without lattice blocks), or a 4-bit codebook
    middle tier
    (:class:`~kvpolicy.actions.tiered.Tiered`, the log rule at ``tier_factors`` times the window:
@@ -58,6 +59,11 @@ KEY_CODEBOOK_BITS = 2
 VECTOR_SCHEMES = ("codebook", "lattice")
 #: the letter of each vector scheme in a label (``k3cm``: centred 3-bit codebook keys, ``v2l``: lattice values)
 SCHEME_CODES = {"codebook": "c", "lattice": "l"}
+#: the rotations searched (where the rotation is): plain, and with keys weighted by the prompt's queries first
+#: (docs/explanation/transforms.md, "Weighting keys by the queries")
+TRANSFORMS = ("hadamard", "query-hadamard")
+#: the end of the label of each rotation
+TRANSFORM_CODES = {"hadamard": "", "query-hadamard": "-qh"}
 #: what the boundary layers and a middle tier hold
 HIGH_BITS = 4
 #: boundary layers held at HIGH_BITS: the first and the last this many full-attention layers
@@ -86,6 +92,7 @@ def space(
     attention_layers: list[int], windows: tuple[int, ...] = WINDOWS, key_groups: tuple[int, ...] = (64,),
     tier_factors: tuple[int, ...] = TIER_FACTORS, rotate: bool = True, key_fits: tuple[str, ...] = KEY_FITS,
     norm_bits: tuple[int, ...] = NORM_BITS, schemes: tuple[str, ...] = VECTOR_SCHEMES,
+    transforms: tuple[str, ...] = TRANSFORMS,
 ) -> Iterator[Candidate]:  # fmt: skip
     """Every composition searched, for a model whose full-attention layers are ``attention_layers``;
     ``key_groups``: the group sizes of the keys (per channel) tried, each with every range fit of
@@ -98,7 +105,8 @@ def space(
     own where a composition holds codebook or lattice blocks (labels of one-byte scales end in ``-n8``).
     ``schemes``: the per-token vector schemes tried for keys and values (:data:`VECTOR_SCHEMES`; the
     lattice at 2 and 3 bits only, so never on the boundary layers' 4 bits: a composition with lattice
-    blocks has no boundary twin).
+    blocks has no boundary twin). ``transforms``: the rotations each rotated composition is tried with
+    (:data:`TRANSFORMS`; ``"query-hadamard"`` labels end in ``-qh``).
 
     Raises
     ------
@@ -107,8 +115,12 @@ def space(
         policy's, or the tier keeps nothing the policy did not already), or ``key_fits`` is empty or
         names a fit other than ``"minmax"`` and ``"mse"``, or ``norm_bits`` is empty or holds a width
         other than 16 and 8, or ``schemes`` is empty or names a scheme other than those of
-        :data:`VECTOR_SCHEMES`.
+        :data:`VECTOR_SCHEMES`, or ``transforms`` is empty or names one other than those of :data:`TRANSFORMS`.
     """
+    if not transforms or any(t not in TRANSFORMS for t in transforms):
+        raise ConfigError(
+            f"tune: transforms must be a non-empty selection of {list(TRANSFORMS)}; got {list(transforms)!r}"
+        )
     if not schemes or any(s not in VECTOR_SCHEMES for s in schemes):
         raise ConfigError(
             f"tune: vector schemes must be a non-empty selection of {list(VECTOR_SCHEMES)}; got {list(schemes)!r}"
@@ -135,7 +147,8 @@ def space(
                     for vscheme in ("minmax", *_vector_schemes(schemes, vb)) if rotate else ("minmax",):
                         for cand in _variants(window, sinks, kb, vb, kg, kscheme, vscheme, boundary, tier_factors,
                                               rotate, fit):  # fmt: skip
-                            yield from _with_norm_bits(cand, norm_bits)
+                            for c in _with_norm_bits(cand, norm_bits):
+                                yield from _with_transforms(c, transforms)
 
 
 def _serves(scheme: str, bits: int) -> bool:
@@ -168,6 +181,15 @@ def _with_norm_bits(cand: Candidate, widths: tuple[int, ...]) -> Iterator[Candid
         label = cand.label.removesuffix("-norot")
         suffix = "-norot" if label != cand.label else ""
         yield Candidate(f"{label}-n{width}{suffix}", args, cand.family)
+
+
+def _with_transforms(cand: Candidate, transforms: tuple[str, ...]) -> Iterator[Candidate]:
+    """``cand`` once per rotation of ``transforms`` (as it is when it is not rotated)."""
+    if cand.args.get("transform") != "hadamard":
+        yield cand
+        return
+    for t in dict.fromkeys(transforms):
+        yield Candidate(cand.label + TRANSFORM_CODES[t], {**cand.args, "transform": t}, cand.family)
 
 
 def _has_scaled(quant: dict[str, Any]) -> bool:
@@ -247,6 +269,9 @@ def simulated_bits(
         for i in range(len(cache.layers)):  # sliding-window layers (transformers' own) included
             x = torch.randn(1, heads, step, head_dim, generator=g)
             cache.update(x, x, i)
+            engine = getattr(cache.layers[i], "engine", None)
+            if engine is not None and engine.wants_queries:  # a store fitted on the queries: random ones
+                engine.observe_queries(torch.randn(1, heads, step, head_dim, generator=g), x)
         length = target
         if target > context or not extra:
             most = max(most, budget_bits(cache, config, target))

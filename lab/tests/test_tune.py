@@ -75,7 +75,8 @@ def test_a_model_whose_keys_rotation_hurts_is_searched_without_it():
     rotation raises the attention KL, as on Gemma-3): no rotation, hence no codebook scheme, a min-max
     middle tier (keys per token: its tokens leave one at a time); the same policies, widths and families
     otherwise."""
-    rotated, plain = list(space(list(range(6)))), list(space(list(range(6)), rotate=False))
+    rotated = list(space(list(range(6)), transforms=("hadamard",)))
+    plain = list(space(list(range(6)), rotate=False))
     assert all(c.args["transform"] == "hadamard" for c in rotated)
     assert all(c.args["transform"] == "none" and c.label.endswith("-norot") for c in plain)
     text = repr([c.args for c in plain])
@@ -274,9 +275,10 @@ def test_norm_bits_are_an_axis_of_codebook_compositions_only():
     """One-byte scales (the default) give every composition holding codebook blocks a ``-n8`` twin in place of
     its 16-bit one; ``norm_bits=(16, 8)`` searches both; min-max-only compositions appear once, untouched."""
     layers = list(range(6))
-    both = {c.label: c for c in space(layers, windows=(8,), norm_bits=(16, 8))}
-    default = {c.label: c for c in space(layers, windows=(8,))}
-    sixteen = {c.label: c for c in space(layers, windows=(8,), norm_bits=(16,))}
+    one = ("hadamard",)
+    both = {c.label: c for c in space(layers, windows=(8,), norm_bits=(16, 8), transforms=one)}
+    default = {c.label: c for c in space(layers, windows=(8,), transforms=one)}
+    sixteen = {c.label: c for c in space(layers, windows=(8,), norm_bits=(16,), transforms=one)}
     assert set(both) == set(default) | set(sixteen)
     assert all(label.endswith("-n8") or label in sixteen for label in default)
     plain, coded = both["log8-k3v2"], both["log8-k3v2c-n8"]
@@ -289,6 +291,34 @@ def test_norm_bits_are_an_axis_of_codebook_compositions_only():
     assert not any(label.endswith("-n8") for label in space_labels(norm_bits=(16,)))
     with pytest.raises(ConfigError, match=r"norm bits must be a non-empty selection of \[16, 8\]; got \[12\]"):
         list(space(layers, norm_bits=(12,)))
+
+
+def test_query_weighted_rotation_is_an_axis_of_every_rotated_composition():
+    """Each rotated composition has a ``-qh`` twin, identical but for ``transform="query-hadamard"``;
+    unrotated searches have none; its bytes are the twin's plus the key weights."""
+    from transformers import LlamaConfig
+
+    from kvpolicy_lab.tune import simulated_bits
+
+    layers = list(range(6))
+    plain = {c.label: c for c in space(layers, windows=(8,), transforms=("hadamard",))}
+    both = {c.label: c for c in space(layers, windows=(8,))}
+    weighted = {label: c for label, c in both.items() if label.endswith("-qh")}
+    assert set(both) == set(plain) | set(weighted) and len(weighted) == len(plain)
+    for label, c in weighted.items():
+        twin = plain[label.removesuffix("-qh")]
+        assert c.args == {**twin.args, "transform": "query-hadamard"} and c.family == twin.family
+    assert {c.label for c in space(layers, windows=(8,), transforms=("query-hadamard",))} == set(weighted)
+    assert not any(c.label.endswith("-qh") for c in space(layers, rotate=False))
+    allowed = r"\['hadamard', 'query-hadamard'\]"
+    with pytest.raises(ConfigError, match=rf"transforms must be a non-empty selection of {allowed}"):
+        list(space(layers, transforms=("rotate",)))
+    config = LlamaConfig(num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, hidden_size=256,
+                         head_dim=64, intermediate_size=64, vocab_size=64)  # fmt: skip
+    label = "log8-k3cmv2c-t4x32-n8"
+    bits = [simulated_bits(c.args, config, 300) for c in (plain[label], weighted[f"{label}-qh"])]
+    weights = 64 * 4 * 8  # bits of one row and head's weights, per layer; held by every layer and head alike
+    assert bits[1] - bits[0] == pytest.approx(weights / ((300 + 1) * 2 * 64), rel=1e-6)
 
 
 def space_labels(**kw) -> set[str]:

@@ -53,7 +53,8 @@ def _search(args: argparse.Namespace, executor: RayExecutor | None) -> int:
     lengths = (1, args.screen_tokens, args.tokens, args.heldout_tokens)  # the ends of the runs below
     layers = tune.attention_layers(config)
     candidates = list(tune.space(layers, tuple(args.windows), tuple(args.key_groups), tuple(args.tier_factors), rotate,
-                                 tuple(args.key_fits), tuple(args.norm_bits), tuple(args.schemes)))  # fmt: skip
+                                 tuple(args.key_fits), tuple(args.norm_bits), tuple(args.schemes),
+                                 tuple(args.transforms)))  # fmt: skip
     held: dict[str, float] = {}  # the bytes of each storage layout, computed once
     for c in tqdm(candidates, desc="bytes of each composition", disable=args.no_progress):
         key = tune.storage_key(c.args)
@@ -161,6 +162,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_list(p, "--schemes", choices=("codebook", "lattice"), default=["codebook", "lattice"], metavar="SCHEME",
              help="per-token vector schemes tried for rotated keys and values: codebook (Lloyd-Max indices per "
              "coordinate), lattice (D4 lattice points per four coordinates, 2 and 3 bits)")  # fmt: skip
+    add_list(p, "--transforms", choices=("hadamard", "query-hadamard"), default=["hadamard", "query-hadamard"],
+             metavar="TRANSFORM",
+             help="rotations tried where the rotation is searched: hadamard, and query-hadamard (keys weighted per "
+             "channel by the prompt's queries first; labels end in -qh)")  # fmt: skip
     p.add_argument("--rotation", choices=("auto", "hadamard", "none"), default="auto",
                    help="search with the Hadamard rotation, without it, or (auto) as `kvpolicy analyze rotation` "
                    "finds for this model on a calibration text")  # fmt: skip

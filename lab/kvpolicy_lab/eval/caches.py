@@ -131,6 +131,14 @@ class CacheSpec:
         cache = self._compressed(None)
         return bool(cache.action.compresses and cache.policy.needs_scores)
 
+    def needs_queries(self) -> bool:
+        """Whether the cache's transform fits itself on the prompt's queries (``transform="query-hadamard"``):
+        its prefill must run through kvpolicy's attention wrapper, which reports them, not be replayed."""
+        if self.kind not in ("compressed", "preset"):
+            return False
+        cache = self._compressed(None)
+        return bool(cache.action.compresses and cache.transform.needs_queries)
+
     def build(self, model: torch.nn.Module) -> Any:
         """A fresh cache for ``model``."""
         if self.kind == "dynamic":

@@ -93,7 +93,7 @@ def error_result(cid: str, model: str, spec: CacheSpec, eq: bool, context: int |
     return CellResult(cid, spec.label, task, context, [row], error=message)
 
 
-def _attention_for(model: Any, decode: str, scores: bool) -> AbstractContextManager[None]:
+def _attention_for(model: Any, decode: str, wrapped: bool) -> AbstractContextManager[None]:
     """kvpolicy's attention for a cell (``decode``: the grid's mode), as a :func:`kvpolicy.modes.decode_mode`
     that restores the model's implementation when the cell ends.
 
@@ -103,14 +103,15 @@ def _attention_for(model: Any, decode: str, scores: bool) -> AbstractContextMana
     ``"materialized"`` installs the score wrapper only (``decode_mode(model, "scores")``), so every decode
     step rebuilds the history. Both check masks, so ``layout="agnostic"`` works (:mod:`kvpolicy.handoff`);
     other caches' outputs are unchanged either way. Models whose attention implementation kvpolicy does
-    not wrap are left alone; for a policy that needs scores on such a model entering the mode raises the
-    ConfigError naming the implementation, which becomes the cell's error row.
+    not wrap are left alone; for a cache that needs the wrapper (``wrapped``: a policy that needs scores, a
+    transform fitted on the queries) on such a model entering the mode raises the ConfigError naming the
+    implementation, which becomes the cell's error row.
     """
     from kvpolicy import attention, fused
     from kvpolicy.modes import decode_mode
 
     base = model.config._attn_implementation.removeprefix(fused.PREFIX).removeprefix(attention.PREFIX)
-    if base not in attention.WRAPPED and not scores:
+    if base not in attention.WRAPPED and not wrapped:
         return nullcontext()
     return decode_mode(model, "fused" if decode == "fused" else "scores")
 
@@ -197,10 +198,11 @@ class CellGroup:
         grid, model, task, context = self.grid, self.model, self.task, self.context
         t0 = time.perf_counter()
         scores = spec.needs_scores()
+        queries = spec.needs_queries()
         paths = PathTally(model)
         records: list[dict[str, Any]] = []
         try:
-            with _attention_for(model, grid.decode, scores):
+            with _attention_for(model, grid.decode, scores or queries):
                 make = lambda spec=spec: paths.watch(spec.build(model))  # noqa: E731
                 if self.task_name == SPEED:
                     metrics = measure.speed(model, self.ids, make, task["steps"], task["repeats"])  # type: ignore[index]
@@ -209,7 +211,7 @@ class CellGroup:
                     needs_ref = grid.replay or any(s.kind == "teacher_forced" or s.against_reference for s in samples)
                     if self.refs is None and needs_ref:
                         self.refs = measure.references(model, samples, grid.batch)
-                    replay = grid.replay and not scores
+                    replay = grid.replay and not scores and not queries  # their prefill reports to the cache
                     metrics, records = measure.quality(
                         model,
                         self.tok,

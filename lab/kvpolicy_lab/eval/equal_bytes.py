@@ -96,7 +96,7 @@ def measure_bytes(small: torch.nn.Module, spec: CacheSpec, context: int, steps: 
     """Bytes ``spec`` holds in the twin's layer after ``context`` prefill tokens and ``steps`` decoding steps."""
     from kvpolicy.modes import decode_mode
 
-    with decode_mode(small, "scores") if spec.needs_scores() else nullcontext():
+    with decode_mode(small, "scores") if spec.needs_scores() or spec.needs_queries() else nullcontext():
         cache = spec.build(small)
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(1, 64, (1, context + steps), generator=g).to(small.device)
