@@ -27,6 +27,16 @@ CODEBOOK = {"policy": "log", "window": 8, "bits": 2, "key_scheme": "codebook", "
 MINMAX = {"policy": "log", "window": 8, "bits": 2, "group_size": 16}
 
 
+def _tiered() -> dict:
+    """kvpolicy-3bit's shape in miniature: a 4-bit codebook middle tier, then 3/2-bit (tier moves at 75 tokens)."""
+    from kvpolicy.actions.tiered import Tiered
+    from kvpolicy.policies.log import LogWindow
+
+    tiers = [Quantize(bits=4, scheme="codebook", key_centre=True),
+             Quantize(key_bits=3, value_bits=2, scheme="codebook", key_centre=True)]  # fmt: skip
+    return {"policy": "log", "window": 4, "action": Tiered(tiers=tiers, keep=[LogWindow(8)])}
+
+
 def _ids(length: int = 75, batch: int = 2, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, 96, (batch, length), generator=torch.Generator().manual_seed(seed))
 
@@ -174,14 +184,15 @@ def test_a_model_kvpolicy_cannot_wrap_is_refused_as_for_h2o():
         enable_scores(model)
 
 
-@pytest.mark.parametrize("composition", [CODEBOOK, MINMAX], ids=["codebook", "minmax-staged"])
+@pytest.mark.parametrize("composition", ["codebook", "minmax-staged", "tiered"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_fused_equals_materialized(composition, family, backend, cpu_kernel):
-    """Across group flushes with staging non-empty (minmax: group 16), GQA, batch 2."""
+    """Across group flushes with staging non-empty (minmax: group 16) and tier moves, GQA, batch 2."""
     model = tiny_model(family)
     ids = _ids()
-    kw = {**composition, "transform": "query-hadamard", "backend": backend}
+    chosen = {"codebook": CODEBOOK, "minmax-staged": MINMAX, "tiered": _tiered()}[composition]
+    kw = {**chosen, "transform": "query-hadamard", "backend": backend}
     ref, _ = _logits(model, "scores", ids, 38, **kw)
     got, cache = _logits(model, "fused", ids, 38, **kw)
     assert set(cache.attention_paths().values()) == {f"fused ({backend})"}

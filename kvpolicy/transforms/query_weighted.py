@@ -179,11 +179,14 @@ class QueryWeightedStore(TransformedStore):
         if hq % hk or keys.shape[0] != b or keys.shape[-1] != d:
             raise ValueError(f"queries {tuple(query.shape)} do not attend over keys {tuple(keys.shape)}")
         rows = (hq // hk) * nq
-        sq = query.detach().float().pow(2).reshape(b, hk, rows, d).sum(dim=2)
+        # reductions over the token axis, so that no copy of a long prompt's queries is made
+        norms = torch.linalg.vector_norm(query.detach(), dim=2, dtype=torch.float32)  # (batch, q_heads, head_dim)
+        sq = norms.pow(2).reshape(b, hk, hq // hk, d).sum(dim=2)
         self.query_sq = sq if self.query_sq is None else self.query_sq + sq
         self.query_count += rows
         if keys.shape[2]:
-            self.key_var = keys.detach().float().var(dim=2, unbiased=False)
+            k = keys.detach()
+            self.key_var = torch.var(k if k.dtype == torch.float32 else k.float(), dim=2, unbiased=False)
 
     def adopt_moments(self, other: DemotedStore) -> None:
         """Take ``other``'s moments (and weights, if fitted): this store then weights keys as ``other`` does."""
