@@ -226,14 +226,21 @@ def analyze_rotation(
     Raises
     ------
     ConfigError
-        If ``context`` holds no whole group, the model has no full-attention layer, or ``transform``
-        cannot serve the model's head_dim.
+        If ``context`` holds no whole group, the model has no full-attention layer, ``transform``
+        cannot serve the model's head_dim, or it fits itself on the queries (``needs_queries``: its store
+        weights the keys, which the analysis, applying ``forward`` alone, would leave out).
     """
     from kvpolicy_lab.eval.caches import analysed_layers
     from kvpolicy_lab.eval.tasks import LanguageModeling
 
     if context < group_size:
         raise ConfigError(f"analyze rotation: context={context} holds no whole group of group_size={group_size}")
+    if transform.needs_queries:
+        raise ConfigError(
+            f"analyze rotation: transform {transform.name!r} weights the keys by the queries inside the cache's "
+            "store, which this analysis of a plain rotation does not model; analyse 'hadamard', and compare the "
+            "weighted cache on texts (kvpolicy ablate, kvpolicy.compare)"
+        )
     layers = analysed_layers(model.config, "analyze rotation")
     task = LanguageModeling(samples_per_context=1, tokens=queries, **({"files": files} if files else {}))
     sample = task.samples(tokenizer, context, seed)[0]
