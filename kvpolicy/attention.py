@@ -147,7 +147,7 @@ def _wrap(inner_name: str):
                     # one selection shared by every head: under tensor parallelism this rank holds only
                     # some heads, so every rank gets every head's scores (kvpolicy.distributed)
                     mass = gather_heads(mass, module)
-            ticket.report(mass, layout, (query, key) if ticket.queries else None)
+            ticket.report(mass, layout, (query, key))
         return out, weights
 
     attention.__name__ = f"{PREFIX}{inner_name}"

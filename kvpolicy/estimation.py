@@ -423,9 +423,21 @@ def _feed(cache: Any, indices: list[int], tokens: int, head_dim: int, dtype: tor
             layer = cache.layers[i]
             if isinstance(layer, CompressedLayer) and layer.policy.needs_scores:
                 layer.observe_attention(torch.rand((1, out[0].shape[-2]), generator=generator))
-            if isinstance(layer, CompressedLayer) and layer.engine.wants_queries:
-                layer.engine.observe_queries(torch.randn((1, 1, tokens, head_dim), generator=generator), keys)
+            feed_random_queries(layer, keys, generator)
             del out, keys, values
+
+
+def feed_random_queries(layer: Any, keys: torch.Tensor, generator: torch.Generator) -> None:
+    """Give ``layer`` random normal queries shaped like ``keys`` (``(batch, kv_heads, n, head_dim)``, the keys
+    just appended) when its store fits itself on the queries (``transform="query-hadamard"``) and waits for
+    them: for callers that fill a cache through ``Cache.update`` without running attention (a byte estimate,
+    a synthetic benchmark), in place of what kvpolicy's attention wrapper would report. Any other layer is
+    left alone, and ``generator`` is not drawn from."""
+    from kvpolicy.cache import CompressedLayer
+
+    if isinstance(layer, CompressedLayer) and layer.engine.wants_queries:
+        query = torch.randn(keys.shape, generator=generator, dtype=keys.dtype, device=keys.device)
+        layer.engine.observe_queries(query, keys)
 
 
 def _scaled(source: LayerBytes, layer_idx: int, rows: int, position_rows: int, keep_once: bool) -> LayerBytes:

@@ -256,6 +256,7 @@ def simulated_bits(
     compresses (:func:`~kvpolicy_lab.eval.caches.budget_bits`: the sliding-window layers stay transformers'
     own at 16 bits whatever the composition)."""
     from kvpolicy.cache import CompressedCache
+    from kvpolicy.estimation import feed_random_queries
     from kvpolicy_lab.eval.caches import budget_bits
 
     text = config.get_text_config(decoder=True)
@@ -269,9 +270,7 @@ def simulated_bits(
         for i in range(len(cache.layers)):  # sliding-window layers (transformers' own) included
             x = torch.randn(1, heads, step, head_dim, generator=g)
             cache.update(x, x, i)
-            engine = getattr(cache.layers[i], "engine", None)
-            if engine is not None and engine.wants_queries:  # a store fitted on the queries: random ones
-                engine.observe_queries(torch.randn(1, heads, step, head_dim, generator=g), x)
+            feed_random_queries(cache.layers[i], x, g)  # a store fitted on the queries gets random ones
         length = target
         if target > context or not extra:
             most = max(most, budget_bits(cache, config, target))

@@ -398,6 +398,8 @@ def _ratios(rows: list[Row]) -> None:
 def _fill(model: torch.nn.Module, cache: Any, batch: int, length: int, device: str, dtype: torch.dtype) -> None:
     """Fill ``cache`` with ``length`` synthetic (random normal) tokens per layer, as one prefill update (a
     store that fits itself on the queries, ``transform="query-hadamard"``, is given random queries too)."""
+    from kvpolicy.estimation import feed_random_queries
+
     cfg = model.config
     hk = cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -406,10 +408,7 @@ def _fill(model: torch.nn.Module, cache: Any, batch: int, length: int, device: s
         k = torch.randn(batch, hk, length, d, generator=g, device=device, dtype=dtype)
         v = torch.randn(batch, hk, length, d, generator=g, device=device, dtype=dtype)
         cache.update(k, v, layer)
-        engine = getattr(cache.layers[layer], "engine", None)
-        if engine is not None and engine.wants_queries:
-            q = torch.randn(batch, cfg.num_attention_heads, length, d, generator=g, device=device, dtype=dtype)
-            engine.observe_queries(q, k)
+        feed_random_queries(cache.layers[layer], k, g)
 
 
 def capacity(args: argparse.Namespace, model: torch.nn.Module, variants: list[Variant]) -> list[dict]:
