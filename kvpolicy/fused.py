@@ -89,7 +89,9 @@ def attend_parts(query: torch.Tensor, parts: list[Part], scale: float) -> torch.
         ``(batch, kv_heads, n_full, head_dim)``. Full-precision parts in the model's basis are attended
         as one (their keys concatenated in order); the others, all in one basis, with the query rotated
         into it once, their merged output mapped back with ``basis.inverse`` before the merge with the
-        first: the history is never rebuilt in the model's basis.
+        first: the history is never rebuilt in the model's basis. A basis that ``scores_beside_codes`` scores
+        what each token holds outside the codes once (``basis.score_table``), and each part adds its tokens'
+        share (``basis.bias_at``, by the part's positions) to its scores.
     scale : float
         Score scale.
 
@@ -115,12 +117,17 @@ def attend_parts(query: torch.Tensor, parts: list[Part], scale: float) -> torch.
     if stored:
         basis = stored[0].basis
         q_stored = q if basis is None else basis.forward(q.float())
+        # what each token holds beside its codes (a low-rank part of its key): scored once, taken by position
+        beside = basis.score_table(q, scale) if getattr(basis, "scores_beside_codes", False) else None
         partial = []
         for part in stored:
+            bias = None if beside is None else basis.bias_at(beside, part.positions)
             if part.backend is None:
-                partial.append(dense_attention(q_stored, part.keys, part.values, scale))
-            else:
+                partial.append(dense_attention(q_stored, part.keys, part.values, scale, bias))
+            elif bias is None:
                 partial.append(part.backend.attend(q_stored, part.keys, part.values, scale))
+            else:
+                partial.append(part.backend.attend_biased(q_stored, part.keys, part.values, scale, bias))
         out, lse = partial[0] if len(partial) == 1 else merge(partial)
         pieces.append((out if basis is None else basis.inverse(out), lse))
     out = pieces[0][0] if len(pieces) == 1 else merge(pieces)[0]  # merging one piece changes nothing

@@ -109,6 +109,7 @@ class LayerSegments:
         if self.action.keeps_demoted:
             self.transform.check_head_dim(key_states.shape[-1])
             self.transform.check_head_dim(value_states.shape[-1])
+            self.transform.check_key_head_dim(key_states.shape[-1])
         rows = key_states.shape[1] if self.policy.per_head else 1
         device = key_states.device
         self.state = self.policy.new_state(num_heads=key_states.shape[1])
@@ -219,8 +220,9 @@ class LayerSegments:
         """Give the store's centred streams that hold nothing yet the centre the next call's unsplit
         demotion of the whole pending append would give them: that demotion is run once into a fresh
         copy of the store (a copy of the policy's state choosing), whose first-block centres are then
-        set on this store. The demotion itself can then be split and chunked and still store what it
-        always did. Streams that copy leaves empty keep waiting for their first block."""
+        set on this store, and so is what the copy's store fitted on that block (``adopt_fit``: a low-rank
+        basis). The demotion itself can then be split and chunked and still store what it always did.
+        Streams that copy leaves empty keep waiting for their first block."""
         if self.policy.needs_scores and not self.scored:
             return
         pos = self._positions(copy.deepcopy(self.state).append(self.pending))
@@ -231,6 +233,7 @@ class LayerSegments:
         probe.adopt_moments(self.store)
         idx = torch.searchsorted(self.full_pos, pos)
         probe.add(take(self.keys, idx), take(self.values, idx), pos)
+        self.store.adopt_fit(probe)
         for mine, theirs in zip(_streams(self.store), _streams(probe), strict=True):
             if mine.centre and mine.q is None and theirs.stream_centre is not None:
                 mine.first_centre = theirs.stream_centre
@@ -481,10 +484,13 @@ def _streams(store: Any) -> list[Any]:
 
 
 def awaits_first_block(store: Any) -> bool:
-    """Whether a stream inside ``store`` still takes a statistic from the first block it receives (a
-    centred codebook stream, ``key_centre=True``, holding nothing and given no centre yet): how the
+    """Whether ``store`` or a stream inside it still takes a statistic from the first block it receives (a
+    centred codebook stream, ``key_centre=True``, holding nothing and given no centre yet; a store whose
+    ``awaits_fit`` is true, such as the ``"lowrank"`` transform's before its basis is fitted): how the
     first demotion is batched would then change what is stored, so :class:`LayerSegments` demotes it in
     one piece and at the time it always did (the call after a multi-token append)."""
+    if getattr(store, "awaits_fit", False):  # a store that fits a statistic of its own on its first block
+        return True
     return any(s.centre and s.q is None and s.first_centre is None for s in _streams(store))
 
 

@@ -973,6 +973,7 @@ def check_backend(
     - ``attend`` as :func:`~kvpolicy.formats.base.dense_attention` over the dequantized keys and values
       (every format as keys and as values, by role: keys per channel, values per token where both axes
       exist, in pairs of widths the capabilities serve), out and log-sum-exp, within :data:`ATTEND_TOLERANCE`;
+      ``attend_biased`` likewise, with a random score added per query and token;
     - save and load each block it can save (``block_state`` / ``load_block``; 16- and 32-bit inputs, what
       saved caches hold) bit for bit;
     - refuse, with a :class:`~kvpolicy.errors.ConfigError` naming itself, a dtype its capabilities do not
@@ -1068,7 +1069,8 @@ def _check_blocks(backend: Any, fmt: Any, x: Any, xh: Any, what: str) -> None:
 
 
 def _check_attend(backend: Any, fmts: list[Any], dtype: Any, device: Any, seed: int, dense: Callable) -> None:
-    """``attend`` against dense attention over the dequantized blocks, for each key/value format pair."""
+    """``attend`` (and ``attend_biased`` with a random bias) against dense attention over the dequantized
+    blocks, for each key/value format pair."""
     import torch
 
     caps = backend.capabilities
@@ -1097,3 +1099,9 @@ def _check_attend(backend: Any, fmts: list[Any], dtype: Any, device: Any, seed: 
         assert out.shape == ref_out.shape and lse.shape == ref_lse.shape, f"{what}: shapes"
         worst = max(float((out - ref_out).abs().max()), float((lse - ref_lse).abs().max()))
         assert worst <= tol, f"{what}: differs from dense attention over the dequantized blocks by {worst:.3g}"
+        # the same with an additive score per query and token (attend_biased: a low-rank part of the keys)
+        bias = torch.randn(2, 2, 3, n, generator=gen).to(device=device)
+        out, lse = backend.attend_biased(query, kq, vq, BACKEND_HEAD_DIM**-0.5, bias)
+        ref_out, ref_lse = dense(query, backend.dequantize(kq), backend.dequantize(vq), BACKEND_HEAD_DIM**-0.5, bias)
+        worst = max(float((out - ref_out).abs().max()), float((lse - ref_lse).abs().max()))
+        assert worst <= tol, f"{what}: attend_biased differs from dense attention with the bias by {worst:.3g}"

@@ -53,7 +53,7 @@ def test_cli_list(capsys):
     out = capsys.readouterr().out
     assert "policies: h2o, log, recent, sink" in out
     assert "actions: evict, none, quantize" in out
-    assert "transforms: hadamard, none" in out
+    assert "transforms: hadamard, lowrank, none, query-hadamard" in out
     presets = (
         "h2o, kivi, kvpolicy-3.5bit, kvpolicy-3bit, kvpolicy-4.5bit, kvpolicy-4bit, logquant, logquant-4bit, "
         "streamingllm"

@@ -408,7 +408,7 @@ def test_the_cpu_kernel_refuses_lattice_tables_that_do_not_fit_the_codes():
     cpu = CpuBackend()
     kq = Lattice(2).quantize(torch.randn(1, 1, 5, 64))
     args = [torch.randn(1, 1, 1, 64), kq.codes, kq.scales.float(), None]
-    rest = [2, 16, kq.codes, kq.scales.float(), None, lattice.points(2), 2, 0, 1, None, None, None]
+    rest = [2, 16, kq.codes, kq.scales.float(), None, lattice.points(2), 2, 0, 1, None, None, None, None]
     with pytest.raises(RuntimeError, match=r"the lattice table must be \(256, 4\) contiguous float32 points"):
         cpu._kernel.attend(*args, lattice.points(3), *rest)
     with pytest.raises(RuntimeError, match=r"lattice rows are 2 or 3 bits per coordinate; got 4"):

@@ -9,6 +9,9 @@ import math
 import pytest
 import torch
 from conftest import teacher_forced_logits, tiny_model
+from fitted_transform_cases import CODEBOOK, composition, with_nan
+from fitted_transform_cases import ids as _ids
+from fitted_transform_cases import logits as _logits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,42 +20,9 @@ from kvpolicy.actions.quantize import Quantize
 from kvpolicy.attention import disable_scores, enable_scores
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import CacheFileError, ConfigError, NonFiniteError
-from kvpolicy.fused import disable_fused, enable_fused
 from kvpolicy.testing import check_transform
 from kvpolicy.transforms import Hadamard, QueryWeighted, TransformedStore
 from kvpolicy.transforms.query_weighted import QueryWeightedStore
-
-#: a rotated 2-bit codebook cache whose demotions flush per-channel groups of values with staging non-empty
-CODEBOOK = {"policy": "log", "window": 8, "bits": 2, "key_scheme": "codebook", "key_centre": True}
-MINMAX = {"policy": "log", "window": 8, "bits": 2, "group_size": 16}
-
-
-def _tiered() -> dict:
-    """kvpolicy-3bit's shape in miniature: a 4-bit codebook middle tier, then 3/2-bit (tier moves at 75 tokens)."""
-    from kvpolicy.actions.tiered import Tiered
-    from kvpolicy.policies.log import LogWindow
-
-    tiers = [Quantize(bits=4, scheme="codebook", key_centre=True),
-             Quantize(key_bits=3, value_bits=2, scheme="codebook", key_centre=True)]  # fmt: skip
-    return {"policy": "log", "window": 4, "action": Tiered(tiers=tiers, keep=[LogWindow(8)])}
-
-
-def _ids(length: int = 75, batch: int = 2, seed: int = 1) -> torch.Tensor:
-    return torch.randint(3, 96, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def _logits(model, mode: str, ids: torch.Tensor, prefill: int, **kw) -> tuple[torch.Tensor, CompressedCache]:
-    """Teacher-forced logits under kvpolicy's ``mode`` ("fused" or "scores") of attention."""
-    enable, disable = (enable_fused, disable_fused) if mode == "fused" else (enable_scores, disable_scores)
-    enable(model)
-    try:
-        if mode != "fused":
-            kw = {**kw, "attention": "materialized"}
-        cache = CompressedCache(**kw)
-        return teacher_forced_logits(model, ids, prefill, cache), cache
-    finally:
-        disable(model)
-
 
 # ------------------------------------------------------------------ the transform
 
@@ -184,14 +154,14 @@ def test_a_model_kvpolicy_cannot_wrap_is_refused_as_for_h2o():
         enable_scores(model)
 
 
-@pytest.mark.parametrize("composition", ["codebook", "minmax-staged", "tiered"])
+@pytest.mark.parametrize("name", ["codebook", "minmax-staged", "tiered"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_fused_equals_materialized(composition, family, backend, cpu_kernel):
+def test_fused_equals_materialized(name, family, backend, cpu_kernel):
     """Across group flushes with staging non-empty (minmax: group 16) and tier moves, GQA, batch 2."""
     model = tiny_model(family)
     ids = _ids()
-    chosen = {"codebook": CODEBOOK, "minmax-staged": MINMAX, "tiered": _tiered()}[composition]
+    chosen = composition(name)
     kw = {**chosen, "transform": "query-hadamard", "backend": backend}
     ref, _ = _logits(model, "scores", ids, 38, **kw)
     got, cache = _logits(model, "fused", ids, 38, **kw)
@@ -302,9 +272,6 @@ def test_a_corrupt_saved_state_is_refused(edit, match):
 
 
 def test_a_corrupt_file_is_refused_with_a_cache_file_error(tmp_path):
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     model = tiny_model("llama")
     enable_scores(model)
     try:
@@ -315,16 +282,8 @@ def test_a_corrupt_file_is_refused_with_a_cache_file_error(tmp_path):
         disable_scores(model)
     path = tmp_path / "c.kvc"
     cache.save(path, model=model)
-    with safe_open(str(path), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-        meta = f.metadata()
-    # the weights are the only float32 tensors shaped (batch, kv_heads, 1, head_dim): the centres are float16
-    weight_keys = [k for k, t in tensors.items() if t.shape == (2, 2, 1, 64) and t.dtype == torch.float32]
-    assert len(weight_keys) == 2, {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}
-    for k in weight_keys:
-        tensors[k] = tensors[k] * float("nan")
-    bad = tmp_path / "bad.kvc"
-    save_file(tensors, str(bad), metadata=meta)
+    # the weights (batch, kv_heads, 1, head_dim) of both layers (the centres are float16)
+    bad = with_nan(path, tmp_path / "bad.kvc", (2, 2, 1, 64), count=2)
     with pytest.raises(CacheFileError):
         CompressedCache.load(bad, model=model)
 

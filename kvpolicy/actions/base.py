@@ -43,6 +43,10 @@ class DemotedStore(ABC):
         """The queries ``(batch, q_heads, q, head_dim)`` of a forward and the keys ``(batch, kv_heads, n,
         head_dim)`` they read, for a store that :attr:`wants_queries` (a query-weighted transform's)."""
 
+    def adopt_fit(self, other: DemotedStore) -> None:  # noqa: B027 - optional hook
+        """Take what ``other`` fitted on its first block, when ``other`` was given the block this store is
+        about to receive first (a probe: :class:`kvpolicy.segments.LayerSegments`). Default: nothing."""
+
     def adopt_moments(self, other: DemotedStore) -> None:  # noqa: B027 - optional hook
         """Take the statistics ``other`` (a store of the same composition) gathered for fits it has not made
         yet (a query-weighted transform's query moments), so that this empty store's first demotion stores

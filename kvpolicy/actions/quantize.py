@@ -873,10 +873,10 @@ class QuantizedStore(DemotedStore):
             # a stream whose quantized tokens all lie before m holds the tail in its staging buffer alone
             keys = self.k.staging if nk == m and self.k.staging is not None else self.k.read_from(m)
             values = self.v.staging if nv == m and self.v.staging is not None else self.v.read_from(m)
-            out.append(Part(keys, values, None, basis))
+            out.append(Part(keys, values, None, basis, self.positions[:, m:]))
         if m:
             quantized = (kq if nk == m else kq.narrow(0, m), vq if nv == m else vq.narrow(0, m))
-            out.append(Part(*quantized, self.k.backend, basis))
+            out.append(Part(*quantized, self.k.backend, basis, self.positions[:, :m]))
         return out
 
     def staged_key_positions(self) -> torch.Tensor:

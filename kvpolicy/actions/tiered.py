@@ -271,7 +271,9 @@ class TieredStore(DemotedStore):
         (:func:`kvpolicy.fused.attend_parts` merges any number of them)."""
         bottom = self.bottom.parts()
         tail = [p for p in bottom if p.backend is None]
-        middles = [Part(t.inner.k.q, t.inner.v.q, self.backend) for t in self.middles if len(t.inner)]
+        middles = [
+            Part(t.inner.k.q, t.inner.v.q, self.backend, None, t.positions) for t in self.middles if len(t.inner)
+        ]
         return tail + middles + [p for p in bottom if p.backend is not None]
 
     def staged_key_positions(self) -> torch.Tensor:

@@ -220,6 +220,21 @@ class Backend:
         backend's :meth:`dequantize`). Backends that refuse such blocks override it."""
         return reference_attend(query, keys, values, scale, self.dequantize)
 
+    def attend_biased(
+        self, query: torch.Tensor, keys: QTensor, values: QTensor, scale: float, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`attend` with ``bias`` ``(batch, kv_heads, q, n)`` added to the scaled scores of each token
+        before the softmax (a transform that holds part of each key outside the codes,
+        :mod:`kvpolicy.transforms.lowrank`, scores that part itself and hands it in here).
+
+        Here: the reference, over this backend's :meth:`dequantize` (one segment's keys and values are
+        decoded in float32 for the step; nothing is kept). The ``torch`` backend scores the blocks group by
+        group, and the ``cpu`` backend adds the bias in its kernel.
+        """
+        if bias is None:
+            return self.attend(query, keys, values, scale)
+        return reference_attend(query, keys, values, scale, self.dequantize, bias)
+
     def check(self, *, bits: int, group_size: int, axis: str, role: str = "") -> None:
         """Raise :class:`ConfigError` if this backend cannot do what is asked.
 

@@ -183,7 +183,13 @@ class CpuBackend(TorchBackend):
     def attend(  # type: ignore[override]
         self, query: torch.Tensor, keys: QTensor, values: QTensor, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`Backend.attend` in the C++ kernel.
+        """:meth:`Backend.attend` in the C++ kernel (:meth:`attend_biased` without a bias)."""
+        return self.attend_biased(query, keys, values, scale, None)
+
+    def attend_biased(  # type: ignore[override]
+        self, query: torch.Tensor, keys: QTensor, values: QTensor, scale: float, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`Backend.attend_biased` in the C++ kernel, which adds ``bias`` to each tile's scores.
 
         Parameters
         ----------
@@ -195,6 +201,8 @@ class CpuBackend(TorchBackend):
             ``(B, H, n, Dv)``: min-max per token, codebook or lattice; 2, 3 or 4 bits (lattice: 2 or 3).
         scale : float
             Score scale.
+        bias : torch.Tensor or None
+            ``(B, H, q, n)``, added to the scaled scores (converted to contiguous float32).
 
         Returns
         -------
@@ -229,13 +237,34 @@ class CpuBackend(TorchBackend):
                 torch.zeros((b, h, nq, dv), dtype=torch.float32),
                 torch.full((b, h, nq), -float("inf"), dtype=torch.float32),
             )
+        if bias is not None:
+            if tuple(bias.shape) != (b, h, nq, n):
+                raise ConfigError(f"backend 'cpu': bias of shape {tuple(bias.shape)} for scores {(b, h, nq, n)}")
+            bias = bias.float().contiguous()
         q32 = (query.float() * scale).contiguous()
         n_tiles = -(-n // kgroup)
         splits = self.splits if self.splits is not None else cpu_attention.default_splits(b * h, n_tiles)
         # one-byte scale codes are decoded in the kernel, through the table of their own decoder
         steps = octave_steps("cpu") if kbase is not None or vbase is not None else None
         out, lse = self._kernel.attend(
-            q32, kc, ks, kz, kt, kbits, kgroup, vc, vs, vz, vt, vbits, vgroup, max(1, int(splits)), kbase, vbase, steps
+            q32,
+            kc,
+            ks,
+            kz,
+            kt,
+            kbits,
+            kgroup,
+            vc,
+            vs,
+            vz,
+            vt,
+            vbits,
+            vgroup,
+            max(1, int(splits)),
+            kbase,
+            vbase,
+            steps,
+            bias,
         )
         # a centred codebook block: the kernel reads the codes alone, and the centre enters after it
         # (every key score of the block shifts by q · μ, which moves the block's log-sum-exp only; the

@@ -67,3 +67,11 @@ class TorchBackend(Backend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`Backend.attend` from the blocks' own score and mix (:func:`kvpolicy.formats.attend`)."""
         return formats.attend(query, keys, values, scale)
+
+    def attend_biased(
+        self, query: torch.Tensor, keys: QTensor, values: QTensor, scale: float, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`Backend.attend_biased` from the blocks' own score and mix, the bias added to the scores."""
+        if bias is None:
+            return self.attend(query, keys, values, scale)
+        return formats.attend(query, keys, values, scale, bias)

@@ -39,14 +39,17 @@ FP16_MAX = torch.finfo(torch.float16).max
 
 
 def dense_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 attention in the mergeable ``(out, lse)`` form of :meth:`Backend.attend`.
 
-    ``query`` ``(B, H, q, D)`` over ``keys``/``values`` ``(B, H, n, D)``; returns ``out``
-    ``(B, H, q, Dv)`` and ``lse`` ``(B, H, q)``, both float32.
+    ``query`` ``(B, H, q, D)`` over ``keys``/``values`` ``(B, H, n, D)``; ``bias`` ``(B, H, q, n)``, if
+    given, is added to the scaled scores. Returns ``out`` ``(B, H, q, Dv)`` and ``lse`` ``(B, H, q)``,
+    both float32.
     """
     scores = torch.matmul(query.float(), keys.float().transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias.float()
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values.float())
     return out, lse
@@ -338,12 +341,15 @@ def check_bits(owner: str, bits: object, allowed: tuple[int, ...]) -> None:
         raise ConfigError(f"{owner}: bits must be one of {list(allowed)}; got bits={bits!r}")
 
 
-def attend(query: torch.Tensor, keys: QTensor, values: QTensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def attend(
+    query: torch.Tensor, keys: QTensor, values: QTensor, scale: float, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over a quantized segment from its formats' own :meth:`QTensor.scores` and
     :meth:`QTensor.mix` (the ``torch`` backend's ``attend``), in the mergeable ``(out, lse)`` form.
 
-    ``query`` ``(B, H, q, D)``; ``keys``/``values`` ``(B, H, n, D)`` / ``(B, H, n, Dv)``; returns float32
-    ``out`` ``(B, H, q, Dv)`` and ``lse`` ``(B, H, q)`` (zeros and ``-inf`` when ``n = 0``).
+    ``query`` ``(B, H, q, D)``; ``keys``/``values`` ``(B, H, n, D)`` / ``(B, H, n, Dv)``; ``bias``
+    ``(B, H, q, n)``, if given, is added to the scaled scores. Returns float32 ``out`` ``(B, H, q, Dv)``
+    and ``lse`` ``(B, H, q)`` (zeros and ``-inf`` when ``n = 0``).
     """
     b, h, nq, _ = query.shape
     if keys.shape[2] == 0:
@@ -352,15 +358,22 @@ def attend(query: torch.Tensor, keys: QTensor, values: QTensor, scale: float) ->
             (b, h, nq), -float("inf"), dtype=torch.float32
         )
     scores = keys.scores(query.float() * scale)
+    if bias is not None:
+        scores = scores + bias.float()
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1))  # (B, H, q, n)
     return values.mix(probs), lse
 
 
 def reference_attend(
-    query: torch.Tensor, keys: QTensor, values: QTensor, scale: float, dequantize: Callable | None = None
+    query: torch.Tensor,
+    keys: QTensor,
+    values: QTensor,
+    scale: float,
+    dequantize: Callable | None = None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference every fast kernel is tested against: :func:`dense_attention` of the dequantized
-    blocks (``dequantize``: a backend's, default each block's own)."""
+    blocks (``dequantize``: a backend's, default each block's own; ``bias``: added to the scores)."""
     deq = dequantize if dequantize is not None else (lambda q: q.dequantize())
-    return dense_attention(query, deq(keys), deq(values), scale)
+    return dense_attention(query, deq(keys), deq(values), scale, bias)

@@ -412,6 +412,8 @@ struct Packed {
 // tile: tokens per tile (min-max keys: the key group GK); gv: value group (codebook and lattice values: DV)
 struct Shape {
   int64_t heads, nq, d, dv, n, tile, gv;
+  // an additive score per query and token, (B, H, nq, n) float32 already scaled, or nullptr
+  const float* bias;
 };
 
 template <Scheme KS, int KB, Scheme VS, int VB>
@@ -486,6 +488,11 @@ void run_item(const float* q, const Packed& K, const Packed& V, const Shape& s, 
         expand<KB>(kc + (tok0 + t) * krow, krow, cf.data(), kdec);
         for (int64_t i = 0; i < nq; ++i) sc[i * T + t] = sd[t] * dot(&qs[i * D], cf.data(), static_cast<int>(D));
       }
+    }
+    if (s.bias != nullptr) {  // the caller's additive scores of these tokens (min-max scores: planar order)
+      const float* bx = s.bias + ((b * s.heads + h) * nq) * s.n + tok0;
+      for (int64_t i = 0; i < nq; ++i)
+        for (int64_t t = 0; t < len; ++t) sc[i * T + (KS == kMinMax ? planar<KB>(t, krow) : t)] += bx[i * s.n + t];
     }
     // online softmax: rescale what was accumulated, turn scores into unnormalised probabilities
     for (int64_t i = 0; i < nq; ++i) {
@@ -716,12 +723,14 @@ Block read_block(const at::Tensor& codes, const at::Tensor& scales, const c10::o
 // keys, the tokens per tile (min-max: the key group GK; codebook, lattice: any tile size >= 1); values, the
 // value group GV (min-max; a codebook or lattice row is one group). One-byte scale codes (uint8 scales)
 // come with their base (kbase, vbase: int16 (B, H, 1)) and the 64 float32 steps 2^(j/64).
+// bias: an optional (B, H, nq, n) float32 added to the scaled scores before the softmax.
 // Returns {out (B, H, nq, DV) float32, lse (B, H, nq) float32}.
 std::vector<at::Tensor> attend(at::Tensor q, at::Tensor kc, at::Tensor ks, c10::optional<at::Tensor> kz,
                                c10::optional<at::Tensor> ktable, int64_t kbits, int64_t ktile, at::Tensor vc,
                                at::Tensor vs, c10::optional<at::Tensor> vz, c10::optional<at::Tensor> vtable,
                                int64_t vbits, int64_t gv, int64_t splits, c10::optional<at::Tensor> kbase,
-                               c10::optional<at::Tensor> vbase, c10::optional<at::Tensor> steps) {
+                               c10::optional<at::Tensor> vbase, c10::optional<at::Tensor> steps,
+                               c10::optional<at::Tensor> bias) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 4, "q must be contiguous float32 4-d");
   TORCH_CHECK(ktile >= 1, "keys: tokens per tile must be >= 1; got ", ktile);
   const Block K = read_block(kc, ks, kz, ktable, kbits, ktile, true, kbase, steps);
@@ -732,7 +741,15 @@ std::vector<at::Tensor> attend(at::Tensor q, at::Tensor kc, at::Tensor ks, c10::
   TORCH_CHECK(vc.size(0) == B && vc.size(1) == H && V.tokens == n, "values do not hold the tokens of keys");
   if (V.scheme != kMinMax) gv = DV;
   TORCH_CHECK(gv >= 1 && DV % gv == 0, "values: the value group must divide the value width");
-  Args a{q.data_ptr<float>(), K.p, V.p, Shape{H, nq, D, DV, n, ktile, gv}, B * H, (n + ktile - 1) / ktile, 0, 0,
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    const at::Tensor& bt = *bias;
+    TORCH_CHECK(bt.scalar_type() == at::kFloat && bt.is_contiguous() && bt.dim() == 4 && bt.size(0) == B &&
+                    bt.size(1) == H && bt.size(2) == nq && bt.size(3) == n,
+                "bias must be contiguous float32 (B, H, nq, n) = (", B, ", ", H, ", ", nq, ", ", n, ")");
+    bp = bt.data_ptr<float>();
+  }
+  Args a{q.data_ptr<float>(), K.p, V.p, Shape{H, nq, D, DV, n, ktile, gv, bp}, B * H, (n + ktile - 1) / ktile, 0, 0,
          nullptr, nullptr};
   int64_t& n_tiles = a.n_tiles;
   splits = std::max<int64_t>(1, std::min(splits, std::max<int64_t>(n_tiles, 1)));

@@ -34,9 +34,14 @@ class Part:
         Reads packed blocks (``Backend.attend``); ``None``: the tensors are at full precision.
     basis : Transform, optional
         The transform the tokens are held in (:mod:`kvpolicy.transforms`); ``None``: the model's basis.
+    positions : torch.Tensor, optional
+        ``(rows, n)`` int32: the positions of the ``n`` tokens, in the part's order (``rows``: 1, or one row
+        per kv head). The built-in stores give them; a basis that scores what each token holds beside its
+        codes (``basis.scores_beside_codes``, :mod:`kvpolicy.transforms.lowrank`) finds the tokens by them.
     """
 
     keys: Any
     values: Any
     backend: Backend | None = None
     basis: Transform | None = None
+    positions: Any = None

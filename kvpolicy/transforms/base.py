@@ -42,6 +42,10 @@ class Transform(ABC):
         """Raise :class:`~kvpolicy.errors.ConfigError` if vectors of ``head_dim`` channels cannot be
         transformed (checked on a layer's first update, for keys and for values)."""
 
+    def check_key_head_dim(self, head_dim: int) -> None:  # noqa: B027 - optional hook
+        """Raise :class:`~kvpolicy.errors.ConfigError` if keys of ``head_dim`` channels cannot be served
+        (checked on a layer's first update, after :meth:`check_head_dim`; for what concerns keys alone)."""
+
     @abstractmethod
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x R``: ``(..., head_dim)`` in, the same shape and dtype out (computed in float32 or wider)."""

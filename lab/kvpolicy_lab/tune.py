@@ -5,7 +5,8 @@
    min-max ranges and with fitted ones: ``key_fit`` is written into each candidate, whatever the
    defaults) or one vector per token (centred: scalar codebook indices, or D4 lattice points at 2 and 3
    bits), and values min-max or per-token vectors at several widths; the Hadamard rotation, plain and with
-   the keys weighted by the prompt's queries first (``"query-hadamard"``, labels ending in ``-qh``); and on top
+   the keys weighted by the prompt's queries first (``"query-hadamard"``, labels ending in ``-qh``), and on
+   request each key's principal part held beside the codes (``"lowrank"``, ``-lr``); and on top
    of each, the boundary layers at 4 bits (compositions without lattice blocks), or a 4-bit codebook
    middle tier
    (:class:`~kvpolicy.actions.tiered.Tiered`, the log rule at ``tier_factors`` times the window:
@@ -59,11 +60,15 @@ KEY_CODEBOOK_BITS = 2
 VECTOR_SCHEMES = ("codebook", "lattice")
 #: the letter of each vector scheme in a label (``k3cm``: centred 3-bit codebook keys, ``v2l``: lattice values)
 SCHEME_CODES = {"codebook": "c", "lattice": "l"}
-#: the rotations searched (where the rotation is): plain, and with keys weighted by the prompt's queries first
-#: (docs/explanation/transforms.md, "Weighting keys by the queries")
-TRANSFORMS = ("hadamard", "query-hadamard")
-#: the end of the label of each rotation
-TRANSFORM_CODES = {"hadamard": "", "query-hadamard": "-qh"}
+#: the transforms a search can try where the rotation is: plain, with keys weighted by the prompt's queries first,
+#: and with each key's rank-8 principal part held beside the codes (docs/explanation/transforms.md, "Weighting
+#: keys by the queries" and "Holding the keys' principal directions apart")
+TRANSFORMS = ("hadamard", "query-hadamard", "lowrank")
+#: the ones searched unless asked: the low-rank part lost at equal bits on the models measured, and each transform
+#: tried multiplies the candidates
+DEFAULT_TRANSFORMS = ("hadamard", "query-hadamard")
+#: the end of the label of each transform
+TRANSFORM_CODES = {"hadamard": "", "query-hadamard": "-qh", "lowrank": "-lr"}
 #: what the boundary layers and a middle tier hold
 HIGH_BITS = 4
 #: boundary layers held at HIGH_BITS: the first and the last this many full-attention layers
@@ -92,7 +97,7 @@ def space(
     attention_layers: list[int], windows: tuple[int, ...] = WINDOWS, key_groups: tuple[int, ...] = (64,),
     tier_factors: tuple[int, ...] = TIER_FACTORS, rotate: bool = True, key_fits: tuple[str, ...] = KEY_FITS,
     norm_bits: tuple[int, ...] = NORM_BITS, schemes: tuple[str, ...] = VECTOR_SCHEMES,
-    transforms: tuple[str, ...] = TRANSFORMS,
+    transforms: tuple[str, ...] = DEFAULT_TRANSFORMS,
 ) -> Iterator[Candidate]:  # fmt: skip
     """Every composition searched, for a model whose full-attention layers are ``attention_layers``;
     ``key_groups``: the group sizes of the keys (per channel) tried, each with every range fit of
@@ -106,7 +111,8 @@ def space(
     ``schemes``: the per-token vector schemes tried for keys and values (:data:`VECTOR_SCHEMES`; the
     lattice at 2 and 3 bits only, so never on the boundary layers' 4 bits: a composition with lattice
     blocks has no boundary twin). ``transforms``: the rotations each rotated composition is tried with
-    (:data:`TRANSFORMS`; ``"query-hadamard"`` labels end in ``-qh``).
+    (a selection of :data:`TRANSFORMS`, by default :data:`DEFAULT_TRANSFORMS`; ``"query-hadamard"`` labels end in
+    ``-qh``, ``"lowrank"`` ones in ``-lr``).
 
     Raises
     ------

@@ -402,3 +402,14 @@ def test_model_caches_name_models_and_labels_of_the_grid(tmp_path):
     assert main(["ablate", "--config", str(cfg), "--model", "tiny-llama", "--out", str(tmp_path / "o"),
                  "--no-progress"]) == 0  # fmt: skip
     assert {r["model"] for r in _rows(tmp_path / "o")} == {"tiny-llama"}
+
+
+def test_the_frontier_page_points_at_gemmas_needles_where_they_are_measured():
+    """Gemma-3's section names the needle results another grid makes, and the anchor it links exists."""
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    page = (docs / "frontier.md").read_text()
+    gemma = page[page.index("## Gemma-3-270M · context 2048") :]
+    assert "(results-gemma3.md#needles-at-4k-and-8k)" in gemma.split("\n## ")[0]
+    assert "\n### Needles at 4k and 8k\n" in (docs / "results-gemma3.md").read_text()

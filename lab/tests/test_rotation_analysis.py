@@ -101,11 +101,12 @@ def test_analyze_rotation_reports_every_full_attention_layer(tmp_path, capsys):
                  "--group-size", "16", "--transform", "none"]) == 0  # fmt: skip
     assert "NoTransform() leaves the mean attention KL of 2-bit per-channel keys at " in capsys.readouterr().out
     assert main(["analyze", "rotation", "--model", "tiny-llama", "--transform", "nope"]) != 0
-    assert "unknown transform 'nope'; registered transforms: ['hadamard', 'none', 'query-hadamard']" in (
+    assert "unknown transform 'nope'; registered transforms: ['hadamard', 'lowrank', 'none', 'query-hadamard']" in (
         capsys.readouterr().err
     )
-    assert main(["analyze", "rotation", "--model", "tiny-llama", "--transform", "query-hadamard"]) != 0
-    assert "weights the keys by the queries inside the cache's store" in capsys.readouterr().err
+    for fitted in ("query-hadamard", "lowrank"):
+        assert main(["analyze", "rotation", "--model", "tiny-llama", "--transform", fitted]) != 0
+        assert f"transform {fitted!r} fits something of its own inside the cache's store" in capsys.readouterr().err
 
 
 def test_hybrid_model_is_analysed_in_its_full_attention_layers():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import tomllib
 
@@ -310,7 +311,7 @@ def test_query_weighted_rotation_is_an_axis_of_every_rotated_composition():
         assert c.args == {**twin.args, "transform": "query-hadamard"} and c.family == twin.family
     assert {c.label for c in space(layers, windows=(8,), transforms=("query-hadamard",))} == set(weighted)
     assert not any(c.label.endswith("-qh") for c in space(layers, rotate=False))
-    allowed = r"\['hadamard', 'query-hadamard'\]"
+    allowed = r"\['hadamard', 'query-hadamard', 'lowrank'\]"
     with pytest.raises(ConfigError, match=rf"transforms must be a non-empty selection of {allowed}"):
         list(space(layers, transforms=("rotate",)))
     config = LlamaConfig(num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, hidden_size=256,
@@ -319,6 +320,35 @@ def test_query_weighted_rotation_is_an_axis_of_every_rotated_composition():
     bits = [simulated_bits(c.args, config, 300) for c in (plain[label], weighted[f"{label}-qh"])]
     weights = 64 * 4 * 8  # bits of one row and head's weights, per layer; held by every layer and head alike
     assert bits[1] - bits[0] == pytest.approx(weights / ((300 + 1) * 2 * 64), rel=1e-6)
+
+
+def test_the_low_rank_transform_is_an_axis_on_request():
+    """Named in ``transforms``, each rotated composition gets an ``-lr`` twin with ``transform="lowrank"``; not by
+    default; its bytes are the twin's plus the coefficient table and the fit; the command line offers exactly
+    the transforms the search knows, with its defaults."""
+    from transformers import LlamaConfig
+
+    from kvpolicy_lab.commands.tune import register
+    from kvpolicy_lab.tune import DEFAULT_TRANSFORMS, TRANSFORMS, simulated_bits
+
+    layers = list(range(6))
+    assert not any(c.label.endswith("-lr") for c in space(layers, windows=(8,)))
+    plain = {c.label: c for c in space(layers, windows=(8,), transforms=("hadamard",))}
+    low = {c.label: c for c in space(layers, windows=(8,), transforms=("lowrank",))}
+    assert set(low) == {f"{label}-lr" for label in plain}
+    for label, c in low.items():
+        assert c.args == {**plain[label.removesuffix("-lr")].args, "transform": "lowrank"}
+    config = LlamaConfig(num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, hidden_size=256,
+                         head_dim=64, intermediate_size=64, vocab_size=64)  # fmt: skip
+    label = "log8-k3cmv2c-t4x32-n8"
+    bits = [simulated_bits(c.args, config, 300) for c in (plain[label], low[f"{label}-lr"])]
+    table = -(-301 // 64) * 64  # positions 0..300, 64 at a time
+    extra = table * (8 + 2) * 8 + (64 + 64 * 8) * 4 * 8  # bits per layer and head: table, scales, centre, basis
+    assert bits[1] - bits[0] == pytest.approx(extra / ((300 + 1) * 2 * 64), rel=1e-6)
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    action = next(a for a in parser._subparsers._group_actions[0].choices["tune"]._actions if a.dest == "transforms")
+    assert tuple(action.choices) == TRANSFORMS and tuple(action.default) == DEFAULT_TRANSFORMS
 
 
 def space_labels(**kw) -> set[str]:

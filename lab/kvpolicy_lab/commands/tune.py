@@ -162,10 +162,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_list(p, "--schemes", choices=("codebook", "lattice"), default=["codebook", "lattice"], metavar="SCHEME",
              help="per-token vector schemes tried for rotated keys and values: codebook (Lloyd-Max indices per "
              "coordinate), lattice (D4 lattice points per four coordinates, 2 and 3 bits)")  # fmt: skip
-    add_list(p, "--transforms", choices=("hadamard", "query-hadamard"), default=["hadamard", "query-hadamard"],
-             metavar="TRANSFORM",
-             help="rotations tried where the rotation is searched: hadamard, and query-hadamard (keys weighted per "
-             "channel by the prompt's queries first; labels end in -qh)")  # fmt: skip
+    # (kvpolicy_lab.tune.TRANSFORMS and DEFAULT_TRANSFORMS; that module is imported when a search runs)
+    add_list(p, "--transforms", choices=("hadamard", "query-hadamard", "lowrank"),
+             default=["hadamard", "query-hadamard"], metavar="TRANSFORM",
+             help="transforms tried where the rotation is searched: hadamard, query-hadamard (keys weighted per "
+             "channel by the prompt's queries first; labels end in -qh), lowrank (each key's rank-8 principal part "
+             "held beside the codes; labels end in -lr; not tried unless named)")  # fmt: skip
     p.add_argument("--rotation", choices=("auto", "hadamard", "none"), default="auto",
                    help="search with the Hadamard rotation, without it, or (auto) as `kvpolicy analyze rotation` "
                    "finds for this model on a calibration text")  # fmt: skip

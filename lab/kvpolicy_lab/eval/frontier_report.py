@@ -44,6 +44,12 @@ MODEL_TITLES = {
     "gemma3-270m": "Gemma-3-270M",
 }
 MODEL_SHORT = {"smollm2": "SmolLM2", "gemma3-270m": "Gemma-3"}
+#: measurements of a model that another grid makes, named in its section of the page (links relative to docs/)
+ELSEWHERE = {
+    "gemma3-270m": "Needles in a haystack at 4k and 8k tokens, which reach the answer only through the full-attention "
+    "layers: [results on Gemma-3-270M](results-gemma3.md#needles-at-4k-and-8k) "
+    "(`examples/configs/gemma-niah.toml`).",
+}
 MODEL_NOTES = {
     "smollm2": "30 layers, 3 KV heads, head_dim 64; every layer full attention",
     "gemma3-270m": "the base model; 18 layers, 1 KV head, head_dim 256, QK-norm; 15 sliding-window layers (512 "
@@ -513,6 +519,8 @@ def write_frontier_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pa
                     "full-precision windows dominate at this context, is the next column.",
                     "",
                 ]
+            if model in ELSEWHERE:
+                parts += [ELSEWHERE[model], ""]
             parts += [_table(pts), ""]
             planned = [c["label"] for c in config.get("caches", [])
                        if c["label"] in config.get("model_caches", {}).get(model, [c["label"]])

@@ -227,19 +227,20 @@ def analyze_rotation(
     ------
     ConfigError
         If ``context`` holds no whole group, the model has no full-attention layer, ``transform``
-        cannot serve the model's head_dim, or it fits itself on the queries (``needs_queries``: its store
-        weights the keys, which the analysis, applying ``forward`` alone, would leave out).
+        cannot serve the model's head_dim, or its store holds a fit of its own (it defines ``wrap_store``: keys
+        weighted by the queries, a low-rank part held apart), which the analysis, applying ``forward`` alone,
+        would leave out.
     """
     from kvpolicy_lab.eval.caches import analysed_layers
     from kvpolicy_lab.eval.tasks import LanguageModeling
 
     if context < group_size:
         raise ConfigError(f"analyze rotation: context={context} holds no whole group of group_size={group_size}")
-    if transform.needs_queries:
+    if getattr(transform, "wrap_store", None) is not None:
         raise ConfigError(
-            f"analyze rotation: transform {transform.name!r} weights the keys by the queries inside the cache's "
-            "store, which this analysis of a plain rotation does not model; analyse 'hadamard', and compare the "
-            "weighted cache on texts (kvpolicy ablate, kvpolicy.compare)"
+            f"analyze rotation: transform {transform.name!r} fits something of its own inside the cache's store "
+            "(keys weighted by the queries, or a low-rank part held apart), which this analysis of a plain rotation "
+            "does not model; analyse 'hadamard', and compare the caches on texts (kvpolicy ablate, kvpolicy.compare)"
         )
     layers = analysed_layers(model.config, "analyze rotation")
     task = LanguageModeling(samples_per_context=1, tokens=queries, **({"files": files} if files else {}))

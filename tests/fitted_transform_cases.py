@@ -1,0 +1,66 @@
+"""Compositions and runs shared by the tests of transforms that fit something in their store
+(``"query-hadamard"``, ``"lowrank"``): group flushes with staging non-empty, tier moves, GQA, batch 2."""
+
+from __future__ import annotations
+
+import torch
+from conftest import teacher_forced_logits
+
+from kvpolicy import CompressedCache
+from kvpolicy.actions.quantize import Quantize
+from kvpolicy.attention import disable_scores, enable_scores
+from kvpolicy.fused import disable_fused, enable_fused
+
+#: a rotated 2-bit codebook cache whose demotions flush per-channel groups of values with staging non-empty
+CODEBOOK = {"policy": "log", "window": 8, "bits": 2, "key_scheme": "codebook", "key_centre": True}
+MINMAX = {"policy": "log", "window": 8, "bits": 2, "group_size": 16}
+
+
+def tiered() -> dict:
+    """kvpolicy-3bit's shape in miniature: a 4-bit codebook middle tier, then 3/2-bit (tier moves at 75 tokens)."""
+    from kvpolicy.actions.tiered import Tiered
+    from kvpolicy.policies.log import LogWindow
+
+    tiers = [Quantize(bits=4, scheme="codebook", key_centre=True),
+             Quantize(key_bits=3, value_bits=2, scheme="codebook", key_centre=True)]  # fmt: skip
+    return {"policy": "log", "window": 4, "action": Tiered(tiers=tiers, keep=[LogWindow(8)])}
+
+
+def composition(name: str) -> dict:
+    """``"codebook"``, ``"minmax-staged"`` (groups of 16 with staging) or ``"tiered"``."""
+    return {"codebook": CODEBOOK, "minmax-staged": MINMAX, "tiered": tiered()}[name]
+
+
+def ids(length: int = 75, batch: int = 2, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, 96, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model, mode: str, tokens: torch.Tensor, prefill: int, **kw) -> tuple[torch.Tensor, CompressedCache]:
+    """Teacher-forced logits under kvpolicy's ``mode`` of attention: ``"fused"``, or ``"scores"`` (its wrapper,
+    materialising the history)."""
+    enable, disable = (enable_fused, disable_fused) if mode == "fused" else (enable_scores, disable_scores)
+    enable(model)
+    try:
+        if mode != "fused":
+            kw = {**kw, "attention": "materialized"}
+        cache = CompressedCache(**kw)
+        return teacher_forced_logits(model, tokens, prefill, cache), cache
+    finally:
+        disable(model)
+
+
+def with_nan(path, out, shape: tuple[int, ...], count: int):
+    """A copy of the saved cache ``path`` at ``out`` whose float32 tensors of ``shape`` (``count`` of them, the
+    fit of a transform's store: no other saved tensor has that shape and dtype) are NaN."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        meta = f.metadata()
+    found = [k for k, t in tensors.items() if tuple(t.shape) == shape and t.dtype == torch.float32]
+    assert len(found) == count, {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}
+    for k in found:
+        tensors[k] = tensors[k] * float("nan")
+    save_file(tensors, str(out), metadata=meta)
+    return out
