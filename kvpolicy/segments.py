@@ -489,7 +489,7 @@ def awaits_first_block(store: Any) -> bool:
     ``awaits_fit`` is true, such as the ``"lowrank"`` transform's before its basis is fitted): how the
     first demotion is batched would then change what is stored, so :class:`LayerSegments` demotes it in
     one piece and at the time it always did (the call after a multi-token append)."""
-    if getattr(store, "awaits_fit", False):  # a store that fits a statistic of its own on its first block
+    if store.awaits_fit:  # a store that fits a statistic of its own on its first block
         return True
     return any(s.centre and s.q is None and s.first_centre is None for s in _streams(store))
 

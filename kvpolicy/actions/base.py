@@ -38,6 +38,9 @@ class DemotedStore(ABC):
     basis: Any = None
     #: whether the store waits for the queries of the next forward (:meth:`observe_queries`)
     wants_queries: bool = False
+    #: whether the store fits a statistic of its own on the first block it receives (the layer then demotes
+    #: that block whole, or feeds it to a probe whose fit this store takes: :meth:`adopt_fit`)
+    awaits_fit: bool = False
 
     def observe_queries(self, query: torch.Tensor, keys: torch.Tensor) -> None:  # noqa: B027 - optional hook
         """The queries ``(batch, q_heads, q, head_dim)`` of a forward and the keys ``(batch, kv_heads, n,

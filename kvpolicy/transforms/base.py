@@ -33,9 +33,11 @@ class Transform(ABC):
     #: True for the ``"none"`` transform: the cache then skips the stage entirely
     identity: ClassVar[bool] = False
     #: whether the transform fits itself on the queries of the forwards before a layer's first demotion
-    #: (reported by kvpolicy's attention wrapper, :func:`kvpolicy.attention.enable_scores`); such a
-    #: transform also defines ``wrap_store(inner)``, which returns the store that holds that fit
-    #: (:mod:`kvpolicy.transforms.query_weighted`)
+    #: (reported by kvpolicy's attention wrapper, :func:`kvpolicy.attention.enable_scores`;
+    #: :mod:`kvpolicy.transforms.query_weighted`). A transform that fits anything per layer (on those
+    #: queries, or on the first demoted keys: :mod:`kvpolicy.transforms.lowrank`) also defines
+    #: ``wrap_store(inner)``, which returns the store that holds the fit; ``forward`` alone is then not the
+    #: whole transform
     needs_queries: ClassVar[bool] = False
 
     def check_head_dim(self, head_dim: int) -> None:  # noqa: B027 - optional hook
