@@ -207,9 +207,13 @@ class CompressedCache(Cache):
     ----------
     policy : str or Policy
         Which tokens stay at full precision; a registered name (``"log"``) or a policy object.
-    action : str or Action
-        What happens to the others: ``"quantize"``, or ``"none"`` (keep everything; equals
-        ``DynamicCache`` bit for bit).
+    action : {"quantize", "tiered", "evict", "none"} or Action
+        What happens to the tokens the policy demotes. ``"quantize"`` (default): stored once as codes
+        of 2, 3, 4 or 8 bits (``bits=``, ``key_bits=``, ``value_bits=``, ``group_size=``, ``scheme=``...;
+        :class:`~kvpolicy.actions.quantize.Quantize`). ``"tiered"``: held in precision tiers, the
+        tokens a policy over each tier keeps there and the rest one tier down (``tiers=``, ``keep=``;
+        :class:`~kvpolicy.actions.tiered.Tiered`). ``"evict"``: dropped. ``"none"``: kept at full
+        precision (equals ``DynamicCache`` bit for bit). Or an action object, a plugin's included.
     backend : str or Backend
         How bits are packed. ``"auto"`` (default): the fastest built-in backend that serves the
         composition on the device (``cpu`` on CPU, ``triton`` on CUDA, else ``torch``; see
@@ -237,6 +241,20 @@ class CompressedCache(Cache):
         The model's config. Needed for models with sliding-window layers (Gemma 2/3, Mistral
         configs with ``sliding_window`` set): those layers are left to transformers' own sliding
         layer and only full-attention layers are compressed. Without it every layer is compressed.
+    transform : {"none", "hadamard", "query-hadamard", "lowrank"} or Transform
+        A change of basis applied to demoted tokens before the action stores them. ``"none"``
+        (default). ``"hadamard"``: a randomized Hadamard rotation, which spreads outlier channels
+        over all of them (:class:`~kvpolicy.transforms.hadamard.Hadamard`). ``"query-hadamard"``:
+        keys first weighted per channel by what the prompt's queries read, then rotated; it needs
+        kvpolicy's attention on the model (:func:`kvpolicy.fused.enable_fused` or
+        :func:`kvpolicy.attention.enable_scores`; :class:`~kvpolicy.transforms.query_weighted.QueryWeighted`).
+        ``"lowrank"``: each KV head's principal key directions held beside the codes, the rest
+        rotated (:class:`~kvpolicy.transforms.lowrank.LowRank`). Or a transform object.
+    layer_bits : mapping of int to int or (int, int), optional
+        Code widths of single layers, ``{layer index: bits or (key_bits, value_bits)}``, with the
+        action's other settings: ``{0: 4, -1: (4, 2)}``. Negative indices count from the last layer
+        and need ``config``; :func:`kvpolicy.layer_bits.boundary` builds the common map. For
+        ``action="quantize"`` only (another action refuses).
     **params
         Hyperparameters of the policy, action or backend given by name when those are strings,
         e.g. ``window=64``, ``bits=2``, ``group_size=64``. A keyword no part accepts is an error.
@@ -246,7 +264,11 @@ class CompressedCache(Cache):
 
     Examples
     --------
-    >>> cache = CompressedCache(policy="log", window=64, action="quantize", bits=2)
+    Build the cache for its model (:meth:`for_model` reads ``model.config``: hybrid models keep their
+    sliding-window layers, head dims adapt the defaults), from a preset or from keywords:
+
+    >>> cache = CompressedCache.for_model(model, "kvpolicy-3bit")  # doctest: +SKIP
+    >>> cache = CompressedCache.for_model(model, policy="log", window=64, bits=2)  # doctest: +SKIP
     >>> out = model.generate(**inputs, cache=cache, max_new_tokens=64)  # doctest: +SKIP
     >>> print(cache.memory_report())  # doctest: +SKIP
     """
