@@ -42,20 +42,29 @@ def test_ablate_writes_the_frontier_page(tmp_path):
     assert main(["ablate", "--config", str(cfg), "--out", str(tmp_path / "run"), "--no-progress"]) == 0
     assert write_pages().main(["frontier", "--run", str(tmp_path / "run"), "--page", str(doc)]) == 0
     text = doc.read_text()
-    # the header gives both steps: the run that fills the directory, then the script that writes the page
-    assert (f"    kvpolicy ablate --config examples/configs/frontier.toml --out {tmp_path / 'run'} --threads 2\n"
-            f"    python scripts/write_pages.py frontier --run {tmp_path / 'run'} --page {doc}\n") in text  # fmt: skip
-    head = "| cache | bits/el | ΔNLL (nats) | KL (nats) | KL, worst text | top-1 |"
-    assert "## tiny-llama · context 96" in text and head in text
-    for label in ("uncompressed", "log42-k2v2", "log42-k2v2-rot", "log-4b"):
-        assert f"`{label}`" in text
-    assert "Rotation at equal bits (log, W=42, K2V2" in text
-    assert "Fitted ranges at equal bits (`log42-k2v2` vs `log42-k2v2-mse`" in text
+    # the page opens on its first section: its plot, then the caches the plot names; how it was made comes last
+    section, made = text.index("## tiny-llama · context 96"), text.index("## How this page was made")
+    assert section < text.index("![bits per element vs KL at 96](img/frontier/frontier_96.png)") < made
+    assert "do not edit it by hand" not in text[:made] and len(text[:section].split()) < 150
+    # the last section gives both steps: the run that fills the directory, then the script that writes the page
+    assert (f"```bash\nkvpolicy ablate --config examples/configs/frontier.toml --out {tmp_path / 'run'} --threads 2\n"
+            f"python scripts/write_pages.py frontier --run {tmp_path / 'run'} --page {doc}\n```") in text  # fmt: skip
+    # the plotted caches under readable names, their grid label last; the uncompressed cache is on the frontier
+    # (nothing has a lower KL), in bold with a star
+    assert "| cache | bits/el | KL (nats) | top-1 | grid label |" in text
+    assert "| **uncompressed** ★ | 16.00 |" in text
+    assert "Rotation at equal bits (log, W=42, K2V2" in text[made:]  # the grid's targets: at the end
+    assert "Fitted ranges at equal bits (`log42-k2v2` vs `log42-k2v2-mse`" in text[made:]
     assert "`log42-k2v2-rot-mse`" not in text  # no such cell, no such line
     assert (tmp_path / "docs" / "img" / "frontier" / "frontier_96.png").stat().st_size > 1000
-    # the uncompressed cache is on the frontier (nothing has a lower KL), drawn in bold with a star
-    assert "**`uncompressed`** ★" in text
     assert "Decode attention: 4 of the 4 compressed cells attended over the packed codes" in text
+    # every cache, with every metric, in the table beside the rows
+    tables = (tmp_path / "run" / "caches.md").read_text()
+    head = "| cache | bits/el | ΔNLL (nats) | KL (nats) | KL, worst text | top-1 |"
+    assert "## tiny-llama · context 96" in tables and head in tables
+    for label in ("uncompressed", "log42-k2v2", "log42-k2v2-rot", "log42-k2v2-mse", "log-4b"):
+        assert f"`{label}`" in tables
+    assert "**`uncompressed`** ★" in tables and "as `caches.md` in the run directory" in text
 
     # a materialised cell (or one measured before rows recorded paths) is counted as such
     rows = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]

@@ -105,12 +105,28 @@ def test_composition_names_spell_out_the_grid_entries():
                   tiers=[{"bits": 4, "scheme": "codebook"}, {"key_bits": 3, "value_bits": 2, "scheme": "codebook"}],
                   keep=[{"name": "log", "window": 32}])  # fmt: skip
     assert tiered == "log W4, K3/V2 codebook, 4-bit tier W′32"
+    assert (name(policy="log", window=42, bits=2, transform="query-hadamard")
+            == "log W42, K2/V2, query-weighted keys")  # fmt: skip
+    assert (name(policy="log", window=8, bits=2, scheme="codebook", transform="lowrank", rank=4)
+            == "log W8, K2/V2 codebook, low-rank keys (rank 4)")  # fmt: skip
     assert name("hf-quantized", backend="hqq", nbits=2) == "transformers HQQ 2-bit"
     assert name("preset", name="logquant") == "LogQuant"
     assert name("dynamic") == "uncompressed"
     assert name(policy="some-plugin", window=3) == "id"  # unknown: the label
     with pytest.raises(ConfigError, match="composition_name entry"):
         composition_name(["not", "a", "dict"])
+
+
+def test_the_committed_grids_caches_have_distinct_names():
+    """No two caches of the frontier's grid share a readable name (a plot's legend and its key use them)."""
+    from collections import Counter
+
+    from kvpolicy_lab.eval.cache_names import composition_names
+
+    config = json.loads((ROOT / "results" / "frontier" / "config.json").read_text())
+    names = composition_names(config["caches"])
+    assert len(names) == len(config["caches"]) > 100
+    assert [name for name, n in Counter(names.values()).items() if n > 1] == []
 
 
 # ---------------------------------------------------------------------- label placement

@@ -96,12 +96,14 @@ def test_the_results_page_is_written_from_a_run(tmp_path):
 
 
 def test_the_committed_frontier_page_regenerates_from_the_committed_rows(tmp_path):
-    """docs/frontier.md is what the script writes from results/frontier, byte for byte (its plots are left
-    out of the comparison: matplotlib's PNGs are not byte-stable across machines)."""
+    """docs/frontier.md, and the table of every cache beside the rows (results/frontier/caches.md), are what the
+    script writes from results/frontier, byte for byte (the plots are left out of the comparison: matplotlib's
+    PNGs are not byte-stable across machines)."""
     script = write_pages()
     run, page = Path("results/frontier"), Path("docs/frontier.md")
     command = script.reproduction("frontier", run, page)
-    from kvpolicy_lab.eval.frontier_report import write_frontier_doc
+    from kvpolicy_lab.eval.frontier_report import TABLES, write_frontier_doc
 
-    written = write_frontier_doc(ROOT / run, tmp_path / "frontier.md", command)
+    written = write_frontier_doc(ROOT / run, tmp_path / "frontier.md", command, tmp_path / TABLES)
     assert written.read_text() == (ROOT / page).read_text()
+    assert (tmp_path / TABLES).read_text() == (ROOT / run / TABLES).read_text()

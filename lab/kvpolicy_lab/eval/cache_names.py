@@ -3,7 +3,8 @@
 A grid names its caches by compact labels (``log4-k3cmv2c-t44x32``) that its tables use as ids;
 :func:`composition_name` spells one cache's composition out from its entry in the run's
 ``config.json`` (``{"label", "kind", "args"}``), leaving the defaults unsaid: min-max groups of 64
-(keys per channel, values per token), no rotation.
+(keys per channel, values per token), no rotation. Distinct compositions get distinct names (the transform
+included), so that no two points of a plot share one.
 """
 
 from __future__ import annotations
@@ -97,8 +98,13 @@ def _quantizer(q: dict[str, Any], whole: dict[str, Any]) -> list[str]:
         out.append("centred keys")
     if q.get("norm_bits") == 8:
         out.append("1-byte scales")
-    if whole.get("transform") == "hadamard" and key_s == value_s == "minmax":  # the other schemes are always rotated
+    transform = whole.get("transform", "none")
+    if transform == "hadamard" and key_s == value_s == "minmax":  # the other schemes are always rotated
         out.append("rotated")
+    elif transform == "query-hadamard":
+        out.append("query-weighted keys")
+    elif transform == "lowrank":
+        out.append(f"low-rank keys (rank {whole.get('rank', '?')})")
     if q.get("key_group_size", 64) != 64:
         out.append(f"key groups {q['key_group_size']}")
     if q.get("fit") == "mse":

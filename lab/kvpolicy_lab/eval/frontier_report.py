@@ -8,6 +8,11 @@ point holds as few or fewer bits with a lower KL. The first model of the grid ca
 targets; every further model gets its own table and plot and a comparison of its ordering of the
 shared caches with the first model's. The page is generated, never edited by hand: the tables, the
 Pareto plots and each verdict are computed from ``results.jsonl``.
+
+The page puts each section's plot first, then the caches the plot names (the frontier, the presets and the
+published anchors) under readable names, with the grid's label last; how the page was made, the naming
+scheme of the labels and the targets of the grid come after the sections. The table of every cache
+measured, with all its metrics, goes to ``caches.md`` in the run directory, beside the rows it comes from.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from kvpolicy_lab.eval.summary import PASS_RATE_NOTE, fmt
 #: where the page's plots go, relative to the page's directory (the links in the page use it as written)
 IMAGE_DIR = "img/frontier"
 
+#: the file, in the run directory, that holds the table of every cache measured (the page names it)
+TABLES = "caches.md"
 #: the first line of a generated page's note, above the commands that regenerate it
 GENERATED = ("This page is generated from the rows of an ablation run; do not edit it by hand. Regenerate it with "
              "(the first command runs the cells the directory lacks, the second writes the page):")  # fmt: skip
@@ -47,8 +54,8 @@ MODEL_SHORT = {"smollm2": "SmolLM2", "gemma3-270m": "Gemma-3"}
 #: measurements of a model that another grid makes, named in its section of the page (links relative to docs/)
 ELSEWHERE = {
     "gemma3-270m": "Needles in a haystack at 4k and 8k tokens, which reach the answer only through the full-attention "
-    "layers: [results on Gemma-3-270M](results-gemma3.md#needles-at-4k-and-8k) "
-    "(`examples/configs/gemma-niah.toml`).",
+    "layers, are measured by another grid (`examples/configs/gemma-niah.toml`): the lab notebook's "
+    "`lab/notebook/results-gemma3.md`, section *Needles at 4k and 8k*.",
 }
 MODEL_NOTES = {
     "smollm2": "30 layers, 3 KV heads, head_dim 64; every layer full attention",
@@ -152,7 +159,7 @@ STYLES = {
     "anchor": ({"marker": "s", "color": "tab:red"}, "transformers' caches, published presets"),
     "preset": ({"marker": "D", "color": "tab:green"}, "kvpolicy's presets"),
     "frontier": ({"marker": "o", "color": "tab:blue"}, "on the frontier"),
-    "other": ({"marker": "o", "color": "silver"}, "other caches (named in the table)"),
+    "other": ({"marker": "o", "color": "silver"}, "other caches (in the table of every cache)"),
 }
 
 
@@ -264,6 +271,27 @@ def _table(pts: list[Point]) -> str:
         for key in present:
             value, se, n = p.values.get(key, (None, None, None))
             cells.append(fmt(key[1], value, se if key[1] not in ("kl", "kl_worst") else None, n))
+        body.append(cells)
+    return md_table(head, body)
+
+
+def _named_table(pts: list[Point], names: dict[str, str]) -> str:
+    """The caches the plot names (:func:`plot_labels`: the frontier, the presets, the anchors), fewest bits
+    first, under their readable names (a preset by its name), with KL, top-1 and the grid's label last."""
+    on = {p.cache for p in frontier(pts)}
+    labels = plot_labels(pts, names)
+    whole = any(p.whole_bits is not None for p in pts)
+    head = ["cache", "bits/el, global layers" if whole else "bits/el", *(["bits/el, whole cache"] if whole else []),
+            "KL (nats)", "top-1", "grid label"]  # fmt: skip
+    body = []
+    for p in pts:
+        if p.cache not in labels:
+            continue
+        name = f"`{labels[p.cache]}`" if p.cache in PRESET_NAMES else labels[p.cache]
+        cells = [f"**{name}** ★" if p.cache in on else name, f"{p.bits:.2f}"]
+        if whole:
+            cells.append("–" if p.whole_bits is None else f"{p.whole_bits:.2f}")
+        cells += [fmt("kl", p.kl, None, None), fmt("top1", p.top1, None, None), f"`{p.cache}`"]
         body.append(cells)
     return md_table(head, body)
 
@@ -436,11 +464,12 @@ def orderings(first: list[Point], other: list[Point], names: tuple[str, str]) ->
     return out
 
 
-def write_frontier_doc(run_dir: str | Path, doc: str | Path, command: str) -> Path:
-    """Write ``doc`` (``docs/frontier.md``) from ``run_dir``; plots go to ``<doc dir>/img/frontier``.
+def write_frontier_doc(run_dir: str | Path, doc: str | Path, command: str, tables: str | Path | None = None) -> Path:
+    """Write ``doc`` (``docs/frontier.md``) from ``run_dir``; plots go to ``<doc dir>/img/frontier``, and the
+    table of every cache measured to ``tables`` (by default ``<run_dir>/caches.md``, :data:`TABLES`).
 
     ``command``: what regenerates the page, one command per line (``scripts/write_pages.py`` gives the
-    ablation run and its own command line), shown in the page's header."""
+    ablation run and its own command line), shown in the page's last section."""
     run, doc = Path(run_dir), Path(doc)
     config, rows = current_rows(run)
     failed = [r for r in report_rows(read_rows(run), set(config.get("cells", []))) if r["metric"] == "error"]
@@ -451,19 +480,90 @@ def write_frontier_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pa
     models = [m for m in config.get("models", []) if any(r["model"] == m for r in rows)] or sorted(
         {r["model"] for r in rows}
     )
+    tables_file = Path(tables) if tables is not None else run / TABLES
     parts = [
         "# Quality per byte: the frontier",
         "",
-        '!!! note "Generated"',
-        f"    {GENERATED}",
+        "How close each cache stays to the uncompressed model for the bytes it holds: bits per element (every "
+        "byte held, full-precision tensors counted at 16 bits; a 16-bit `DynamicCache` is 16) against the "
+        f"next-token KL from the uncompressed cache ({lm.get('samples_per_context', '?')} texts of Python "
+        f"standard-library source × {lm.get('tokens', '?')} teacher-forced tokens; float32 on CPU). Each "
+        "section's plot comes first; the table below it names the plotted caches: the frontier (★: no other "
+        "cache holds as few bits with a lower KL), kvpolicy's presets and transformers' and the published "
+        "caches. The [glossary](reference/glossary.md) defines the measures; how the page was made, and the "
+        f"table of all {len(config.get('caches', []))} caches, are [at the end](#how-this-page-was-made).",
         "",
-        "    ```bash",
-        *(f"    {line}" for line in command.splitlines()),
-        "    ```",
+    ]
+    names = composition_names(config.get("caches", []))
+    tables = [
+        "# Every cache of the frontier's grid",
         "",
-        f"    Grid: `examples/configs/frontier.toml` — {len(config.get('caches', []))} caches, "
+        f"Written with `{doc.name}` by `scripts/write_pages.py frontier` from the rows of this directory; do not "
+        "edit it by hand. Columns: bits per element (full-precision tensors at 16 bits), ΔNLL ± standard error "
+        "over tokens, mean KL and the worst text's, top-1 agreement, passkey pass rate, and the greedy "
+        "continuations' share identical to the uncompressed cache's and tokens before the first difference. "
+        "★ marks the frontier.",
+        "",
+    ]
+    targets: list[str] = []
+    first: dict[int, list[Point]] = {}
+    for i, model in enumerate(models):
+        for context in sorted({r["context"] for r in rows if r["task"] == "lm" and r["model"] == model}):
+            pts = points(rows, context, model)
+            hybrid = any(p.whole_bits is not None for p in pts)
+            stem = f"frontier_{context}" if i == 0 else f"frontier_{model}_{context}"
+            png = plot(img / f"{stem}.png", pts, context, _title(model), hybrid, names)
+            title = f"{_title(model)} · context {context}"
+            parts += [f"## {title}", "", f"![bits per element vs KL at {context}]({IMAGE_DIR}/{png.name})", ""]
+            if hybrid:
+                parts += [
+                    "Bits per element here count the full-attention layers, the ones a cache compresses, so that "
+                    "they compare with the other model's; the whole cache's figure, which the sliding-window layers' "
+                    "full-precision windows dominate at this context, is the next column.",
+                    "",
+                ]
+            parts += [_named_table(pts, names), ""]
+            tables += [f"## {title}", "", _table(pts), ""]
+            planned = [c["label"] for c in config.get("caches", [])
+                       if c["label"] in config.get("model_caches", {}).get(model, [c["label"]])
+                       and c["label"] in config.get("context_caches", {}).get(str(context), [c["label"]])]  # fmt: skip
+            measured = {p.cache for p in pts} | set(errors(failed, context, model))
+            missing = [label for label in planned if label not in measured]
+            if missing:
+                parts += [f"Not measured yet ({len(missing)} of the grid's {len(planned)} caches for this model; "
+                          "the commands at the end run them and skip the rest): "
+                          + ", ".join(f"`{c}`" for c in missing) + ".", ""]  # fmt: skip
+            refused = errors(failed, context, model)
+            if refused:
+                by_message: dict[str, list[str]] = {}
+                for cache, message in refused.items():
+                    by_message.setdefault(message[:200], []).append(f"`{cache}`")
+                parts += ["Refused on this model (the error their cells recorded): "
+                          + "; ".join(f"{', '.join(c)}: {m}" for m, c in by_message.items()), ""]  # fmt: skip
+            if model in ELSEWHERE:
+                parts += [ELSEWHERE[model], ""]
+            parts += ["Presets:", "", *_preset_lines(pts), ""]
+            if i == 0:
+                first[context] = pts
+                lines = [line for line in _verdicts(pts, context) if line not in _preset_lines(pts)]
+                targets += [f"{title}:", "", *lines, ""]
+            elif context in first:
+                short = (MODEL_SHORT.get(models[0], models[0]), MODEL_SHORT.get(model, model))
+                parts += [f"### {_title(model)} against {_title(models[0])} at context {context}", "",
+                          *orderings(first[context], pts, short), ""]  # fmt: skip
+    parts += [
+        "## How this page was made",
+        "",
+        f"{GENERATED}",
+        "",
+        "```bash",
+        *command.splitlines(),
+        "```",
+        "",
+        f"Grid: `examples/configs/frontier.toml` — {len(config.get('caches', []))} caches, "
         f"{len({r['cell'] for r in rows})} cells finished. torch {config.get('torch', '?')}, transformers "
-        f"{config.get('transformers', '?')}.",
+        f"{config.get('transformers', '?')}. The table of every cache, with ΔNLL, the worst text's KL, passkey "
+        f"and greedy continuations, is written beside the rows, as `{TABLES}` in the run directory.",
         "",
         f"{'Models' if len(models) > 1 else 'Model'}: "
         + "; ".join(f"{_title(m)} ({MODEL_NOTES[m]})" if m in MODEL_NOTES else _title(m) for m in models)
@@ -489,66 +589,26 @@ def write_frontier_doc(run_dir: str | Path, doc: str | Path, command: str) -> Pa
         "**Bits per element** count every byte held after the last token (codes, scales, zero-points, positions, "
         "key staging, the full-precision window and the rotation matrix) over tokens × layers × KV heads × (key "
         "dim + value dim), with full-precision tensors counted at 16 bits (what they hold in a 16-bit model; the "
-        "model runs in float32 here). A 16-bit `DynamicCache` is 16. ★ marks the frontier: no other cache holds "
-        "as few bits with a lower KL. Names: `log42-k3v2-rot` is the log policy with W=42, 3-bit min-max keys (per "
-        'channel, groups of 64), 2-bit min-max values (per token, groups of 64) and `transform="hadamard"` '
-        '(`-kg128` keys in groups of 128 tokens; the defaults, so the one-liner `CompressedCache(policy="log", '
-        "bits=2)`, are `log42-k2v2-kg128-kmse`). A `c` after "
+        "model runs in float32 here). **Grid labels**: `log42-k3v2-rot` is the log policy with W=42, 3-bit "
+        "min-max keys (per channel, groups of 64), 2-bit min-max values (per token, groups of 64) and "
+        '`transform="hadamard"` (`-kg128` keys in groups of 128 tokens; the defaults, so the one-liner '
+        '`CompressedCache(policy="log", bits=2)`, are `log42-k2v2-kg128-kmse`). A `c` after '
         "the bits is the codebook scheme (one scale per token and head, Lloyd-Max indices, always rotated: "
-        "`v2c` = 2-bit codebook values), `cm` codebook keys centred on their stream's mean (`key_centre=True`), "
+        "`v2c` = 2-bit codebook values), `l` the lattice scheme, `cm` or `lm` keys centred on their stream's mean "
+        '(`key_centre=True`), `-n8` one-byte scales, `-qh` query-weighted keys (`transform="query-hadamard"`), '
+        '`-lr4` a rank-4 low-rank part of the keys (`transform="lowrank"`), '
         "`-s4` 4 sink tokens at full precision, `-mse` min-max groups whose range is fitted for the least squared "
         'error (`fit="mse"`; `-kmse` the keys\' groups only, `key_fit="mse"`), and `-t4x64` or `-t44x32` a '
         "middle tier of 4-bit codebook keys "
         'and values for the demoted tokens that the log rule at W′ = 64 or 32 keeps (`action="tiered"`); '
-        "every cache's exact composition is its entry in the grid file. A preset's name follows its cell.",
+        "every cache's exact composition is its entry in the grid file.",
         "",
     ]
-    names = composition_names(config.get("caches", []))
-    first: dict[int, list[Point]] = {}
-    for i, model in enumerate(models):
-        for context in sorted({r["context"] for r in rows if r["task"] == "lm" and r["model"] == model}):
-            pts = points(rows, context, model)
-            hybrid = any(p.whole_bits is not None for p in pts)
-            stem = f"frontier_{context}" if i == 0 else f"frontier_{model}_{context}"
-            png = plot(img / f"{stem}.png", pts, context, _title(model), hybrid, names)
-            parts += [f"## {_title(model)} · context {context}", ""]
-            if hybrid:
-                parts += [
-                    "Bits per element here count the full-attention layers, the ones a cache compresses, so that "
-                    "they compare with the other model's; the whole cache's figure, which the sliding-window layers' "
-                    "full-precision windows dominate at this context, is the next column.",
-                    "",
-                ]
-            if model in ELSEWHERE:
-                parts += [ELSEWHERE[model], ""]
-            parts += [_table(pts), ""]
-            planned = [c["label"] for c in config.get("caches", [])
-                       if c["label"] in config.get("model_caches", {}).get(model, [c["label"]])
-                       and c["label"] in config.get("context_caches", {}).get(str(context), [c["label"]])]  # fmt: skip
-            measured = {p.cache for p in pts} | set(errors(failed, context, model))
-            missing = [label for label in planned if label not in measured]
-            if missing:
-                parts += [f"Not measured yet ({len(missing)} of the grid's {len(planned)} caches for this model; "
-                          "the command above runs them and skips the rest): "
-                          + ", ".join(f"`{c}`" for c in missing) + ".", ""]  # fmt: skip
-            refused = errors(failed, context, model)
-            if refused:
-                by_message: dict[str, list[str]] = {}
-                for cache, message in refused.items():
-                    by_message.setdefault(message[:200], []).append(f"`{cache}`")
-                parts += ["Refused on this model (the error their cells recorded): "
-                          + "; ".join(f"{', '.join(c)}: {m}" for m, c in by_message.items()), ""]  # fmt: skip
-            parts += [f"![bits per element vs KL at {context}]({IMAGE_DIR}/{png.name})", ""]
-            if i == 0:
-                first[context] = pts
-                parts += ["Targets:", "", *_verdicts(pts, context), ""]
-            else:
-                parts += ["Presets:", "", *_preset_lines(pts), ""]
-                if context in first:
-                    short = (MODEL_SHORT.get(models[0], models[0]), MODEL_SHORT.get(model, model))
-                    parts += [f"### {_title(model)} against {_title(models[0])} at context {context}", "",
-                              *orderings(first[context], pts, short), ""]  # fmt: skip
-    doc.write_text("\n".join(parts))
+    if targets:
+        parts += ["### Targets", "", "What the grid set out to reach, and the cache that reaches each:", "",
+                  *targets]  # fmt: skip
+    doc.write_text("\n".join(parts).rstrip("\n") + "\n")
+    tables_file.write_text("\n".join(tables).rstrip("\n") + "\n")
     return doc
 
 
