@@ -2,7 +2,8 @@
 
 Each page is written from the run directory of its grid (``kvpolicy ablate --out``):
 
-- ``results``: ``docs/results.md`` from a run of ``examples/configs/results.toml`` (``runs/results``);
+- ``results``: ``lab/notebook/results.md`` (the lab notebook, outside the documentation site) from a run of
+  ``examples/configs/results.toml`` (``runs/results``);
 - ``frontier``: ``docs/frontier.md`` from a run of ``examples/configs/frontier.toml``
   (``results/frontier``, whose rows are committed).
 
@@ -53,7 +54,7 @@ class Page:
 
 
 PAGES = {
-    "results": Page("examples/configs/results.toml", "runs/results", "docs/results.md",
+    "results": Page("examples/configs/results.toml", "runs/results", "lab/notebook/results.md",
                     "the results page: the LogQuant comparisons, passkey, lines, cost, attention spikes",
                     "kvpolicy_lab.eval.docs_report", "write_results_doc"),
     "frontier": Page("examples/configs/frontier.toml", "results/frontier", "docs/frontier.md",

@@ -271,8 +271,12 @@ def test_model_caches_run_each_model_on_its_own_subset_and_both_pages_cover_both
 
     text = write_frontier_doc(tmp_path, tmp_path / "docs" / "frontier.md", "cmd").read_text()
     assert "## tiny-llama · context 64" in text and "## tiny-qwen2 · context 64" in text
-    qwen = text.split("## tiny-qwen2 · context 64")[1]
-    assert "`wide-2b`" not in qwen and "`log-4b`" in qwen
+    tables = (tmp_path / "caches.md").read_text()  # the table of every cache, beside the rows
+    assert "`wide-2b`" in tables.split("## tiny-qwen2")[0]
+    qwen_tables = tables.split("## tiny-qwen2 · context 64")[1]
+    assert "`wide-2b`" not in qwen_tables and "`log-4b`" in qwen_tables
+    qwen = text.split("## tiny-qwen2 · context 64")[1].split("## How this page was made")[0]
+    assert "`wide-2b`" not in qwen
     assert "### tiny-qwen2 against tiny-llama at context 64" in qwen
     assert "Rank correlation of KL over the 2 caches measured on both" in qwen
     assert (tmp_path / "docs" / "img" / "frontier" / "frontier_tiny-qwen2_64.png").is_file()
@@ -405,11 +409,12 @@ def test_model_caches_name_models_and_labels_of_the_grid(tmp_path):
 
 
 def test_the_frontier_page_points_at_gemmas_needles_where_they_are_measured():
-    """Gemma-3's section names the needle results another grid makes, and the anchor it links exists."""
+    """Gemma-3's section names the needle results another grid makes (the lab notebook's page), and the
+    section it names exists there."""
     from pathlib import Path
 
-    docs = Path(__file__).resolve().parents[2] / "docs"
-    page = (docs / "frontier.md").read_text()
+    root = Path(__file__).resolve().parents[2]
+    page = (root / "docs" / "frontier.md").read_text()
     gemma = page[page.index("## Gemma-3-270M · context 2048") :]
-    assert "(results-gemma3.md#needles-at-4k-and-8k)" in gemma.split("\n## ")[0]
-    assert "\n### Needles at 4k and 8k\n" in (docs / "results-gemma3.md").read_text()
+    assert "`lab/notebook/results-gemma3.md`, section *Needles at 4k and 8k*" in gemma.split("\n## ")[0]
+    assert "\n### Needles at 4k and 8k\n" in (root / "lab" / "notebook" / "results-gemma3.md").read_text()

@@ -1,4 +1,4 @@
-"""``docs/results.md`` from an ablation run of ``examples/configs/results.toml``.
+"""``lab/notebook/results.md`` (the lab notebook's results page) from an ablation run of ``examples/configs/results.toml``.
 
 The page is generated, never edited by hand: tables from ``results.jsonl``, plots copied next to the
 page, the LogQuant paper's numbers beside ours, and sentences on each claim computed from the
@@ -281,7 +281,7 @@ def _policy_orders(rows: list[dict[str, Any]], models: list[str]) -> list[str]:
 
 
 def write_results_doc(run_dir: str | Path, doc: str | Path, command: str) -> Path:
-    """Write ``doc`` (e.g. ``docs/results.md``) from ``run_dir``; plots go to ``<doc dir>/img/results``.
+    """Write ``doc`` (e.g. ``lab/notebook/results.md``) from ``run_dir``; plots go to ``<doc dir>/img/results``.
 
     ``command``: what regenerates the page, one command per line, shown in the page's header (as in
     :func:`~kvpolicy_lab.eval.frontier_report.write_frontier_doc`).
