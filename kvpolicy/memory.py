@@ -21,8 +21,10 @@ class LayerBytes:
     segments : dict of str to int
         Bytes by segment: ``full_precision`` (uncompressed keys and values), ``codes`` (packed
         quantized codes), ``scales`` and ``zeros`` (per-group metadata), ``staging``
-        (full-precision keys/values waiting for a complete per-channel group) and ``positions``
-        (index tensors).
+        (full-precision keys/values waiting for a complete per-channel group), ``positions``
+        (index tensors), ``scale_base`` (with one-byte codebook or lattice scales: the origin of
+        their logarithmic grid, one int16 per batch row and head) and ``transform`` (what a
+        transform holds: a rotation matrix, query weights, a low-rank basis).
     baseline_bytes : int
         A 16-bit cache holding the same tokens: ``tokens * batch * kv_heads * head_dim * 2 * 2``.
     element_size : int

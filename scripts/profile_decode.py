@@ -2,7 +2,7 @@
 
 Fills each cache synthetically to ``--length`` tokens (as ``kvpolicy bench decode --fill synthetic``),
 runs one untimed step, then profiles ``--steps`` steps and prints the operators with the most self
-CPU time. Used for the bf16 explanation in docs/performance.md.
+CPU time. Used for the bf16 explanation in lab/notebook/performance.md.
 
 Usage::
 

@@ -1,4 +1,4 @@
-"""``lab/notebook/results.md`` (the lab notebook's results page) from an ablation run of ``examples/configs/results.toml``.
+"""``lab/notebook/results.md`` (the lab notebook's results page) from a run of ``examples/configs/results.toml``.
 
 The page is generated, never edited by hand: tables from ``results.jsonl``, plots copied next to the
 page, the LogQuant paper's numbers beside ours, and sentences on each claim computed from the
