@@ -22,7 +22,7 @@ from kvpolicy import handoff, state_check
 from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.backends.base import Backend
 from kvpolicy.layer.padded import PaddedEngine
-from kvpolicy.layer.padding import StepMask, is_padded, refuse, rows_differ
+from kvpolicy.layer.padding import MASK_REMEDY, StepMask, is_padded, refuse, rows_differ
 from kvpolicy.layer.parts import Part
 from kvpolicy.layer.path import FULL_PRECISION, HANDED_OUT, StepPath
 from kvpolicy.memory import LayerBytes
@@ -31,6 +31,15 @@ from kvpolicy.positions import PositionBook
 from kvpolicy.segments import SEGMENTS, LayerSegments
 from kvpolicy.spec import Plan, plan
 from kvpolicy.transforms import Transform
+
+#: the warning (once per process) of a padded batch whose padding was read from positions alone
+POSITIONS_ONLY = (
+    "CompressedCache: this batch is padded, and no attention mask reached the cache (transformers hands a cache "
+    "only the positions of each column), so its padding was read from positions: a row whose first token is "
+    "followed by padding (right padding of a one-token row, a hole just after the first token) reads as left "
+    "padding and is served as such. To have every layout read exactly (and refused when it cannot be served), "
+    f"{MASK_REMEDY}; kvpolicy.attention.watch_forward(model) installs the hook alone"
+)
 
 
 class LayerEngine:
@@ -178,6 +187,8 @@ class LayerEngine:
         self._drop()
         self.held = held
         if self.action.compresses and is_padded(position_ids, mask, key_states.shape[0]):
+            if mask is None:
+                handoff.warn_once(POSITIONS_ONLY)
             return PaddedEngine(self, key_states.shape[0])
         return self
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from kvpolicy import handoff
-from kvpolicy.layer.padding import StepMask, leading_pads, refuse
+from kvpolicy.layer.padding import StepMask, leading_pads
 from kvpolicy.layer.path import StepPath
 from kvpolicy.memory import LayerBytes
 
@@ -168,17 +168,12 @@ class PaddedEngine:
         return handoff.hand_out(ticket, keys.shape, values.shape, keys.dtype, keys.device)
 
     def _pads(self, n: int, position_ids: torch.Tensor | None, mask: StepMask | None) -> list[int]:
-        """The pad columns that open each row's share of a step of ``n`` columns (refusing padding after a
-        token); a decode step of a row that has no token yet is refused."""
+        """The pad columns that open each row's share of a step of ``n`` columns, refusing padding after a row's
+        first token. A decode step reads the mask alone (positions are read on multi-token steps)."""
         held = [row.length for row in self.rows]
         if n > 1 or not self.prefilled:
-            pads = leading_pads(n, held, position_ids, mask)
-        else:
-            pads = [0] * len(held) if mask is None else leading_pads(n, held, None, mask)
-        empty = [i for i, (h, p) in enumerate(zip(held, pads, strict=True)) if h == 0 and p == n]
-        if empty and self.prefilled and n == 1:
-            raise refuse(empty[0], "its prompt was padding only", "a row with no token has nothing to continue")
-        return pads
+            return leading_pads(n, held, position_ids, mask)
+        return [0] * len(held) if mask is None else leading_pads(n, held, None, mask)
 
     def _update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, pads: list[int], grad: bool
