@@ -119,6 +119,8 @@ def leading_pads(n: int, held: Sequence[int], position_ids: torch.Tensor | None,
         A row whose padding is not all before its first token.
     """
     if mask is not None:
+        if not mask.padded:  # every column a token (read without copying the mask to the host)
+            return [0] * len(held)
         return [_mask_row(row, cols, held[row]) for row, cols in enumerate(mask.columns.tolist())]
     ids = _positions(position_ids, len(held))
     if ids is None:
