@@ -10,7 +10,10 @@ Any policy, built in or from a plugin, can be checked against the contract of
         check_policy(st.builds(MyPolicy, window=st.integers(1, 8)),
                      max_full=lambda policy, length, prompt: policy.window, chunking="any")
 
-and any transform against :mod:`kvpolicy.transforms.base` with :func:`check_transform`.
+and any transform against :mod:`kvpolicy.transforms.base` with :func:`check_transform`, any action with
+:func:`check_action`, any backend with :func:`check_backend`, and any composition of parts (a plugin's among
+them) with :func:`check_batch_operations`: a row moved by ``reorder_cache``, ``batch_select_indices`` or
+``batch_repeat_interleave`` gives the logits of the row run alone.
 
 :func:`run_policy` (drive a state as the cache does) and :func:`check_trace` (the contract over one
 trace) are the pieces, for policies that need their own inputs.
