@@ -79,8 +79,12 @@ class CompressedLayer(CacheLayerMixin):
     """
 
     is_sliding = False
-    keys = _engine("keys", "The full-precision segment's keys, ``(batch, kv_heads, n_full, head_dim)``.", True)
-    values = _engine("values", "The full-precision segment's values, ``(batch, kv_heads, n_full, head_dim_v)``.", True)
+    keys = _engine(
+        "keys", "The full-precision segment's keys, ``(batch, kv_heads, n_full, head_dim)`` (a padded batch: each "
+        "row's, right-aligned; while nothing is demoted, at the columns of the attention mask, as in DynamicLayer).",
+        True,
+    )  # fmt: skip
+    values = _engine("values", "The full-precision segment's values, laid out as :attr:`keys`.", True)
     is_croppable = _engine("is_croppable", "Whether :meth:`crop` can undo the latest update now.")  # type: ignore[assignment]
 
     def __init__(
