@@ -30,6 +30,7 @@ COMPOSITIONS = {
     "h2o": (dict(policy="h2o", heavy=5, recent=5, **MINMAX), None),
     "sinks-wrapper": (dict(policy="log", window=4, sinks=3, **MINMAX), None),
     # actions
+    "none": (dict(action="none"), None),
     "evict": (dict(policy="log", window=4, action="evict"), None),
     "evict-h2o": (dict(policy="h2o", heavy=5, recent=5, action="evict"), True),
     "tiers": (dict(policy="log", window=4, **TIERS), False),
