@@ -30,6 +30,7 @@ _EXPORTS = {
     "NonFiniteError": "kvpolicy.errors",
     "MetadataOverflowError": "kvpolicy.errors",
     "MissingDependencyError": "kvpolicy.errors",
+    "PaddingError": "kvpolicy.errors",
     "LogWindow": "kvpolicy.policies.log",
     "MemoryReport": "kvpolicy.memory",
     "NoCompression": "kvpolicy.actions.none",
@@ -65,6 +66,7 @@ __all__ = [
     "MissingDependencyError",
     "NoCompression",
     "NonFiniteError",
+    "PaddingError",
     "Quantize",
     "RecentWindow",
     "SinkWindow",
@@ -85,7 +87,13 @@ if TYPE_CHECKING:
     from kvpolicy.actions.tiered import Tiered
     from kvpolicy.backends.torch_backend import TorchBackend
     from kvpolicy.cache import CompressedCache, CompressedLayer
-    from kvpolicy.errors import ConfigError, MetadataOverflowError, MissingDependencyError, NonFiniteError
+    from kvpolicy.errors import (
+        ConfigError,
+        MetadataOverflowError,
+        MissingDependencyError,
+        NonFiniteError,
+        PaddingError,
+    )
     from kvpolicy.estimation import estimate
     from kvpolicy.formats.codebook import Codebook
     from kvpolicy.formats.lattice import Lattice

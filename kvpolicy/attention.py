@@ -180,18 +180,32 @@ def strip_wrapper(model: torch.nn.Module, prefix: str, names: tuple[str, ...]) -
         model.set_attn_implementation(current[len(prefix) :])
 
 
-#: the attribute of a model that holds the handle of its :func:`watch_forward` hook
+#: the attribute of a model that holds the handle of its :func:`watch_forward` hooks
 HOOK_ATTR = "_kvpolicy_release_hook"
+
+
+def _cache_of(kwargs: dict, output: Any = None) -> Any:
+    """The cache a forward was called with (``cache=``, or the deprecated ``past_key_values=``), else the one its
+    output carries."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    return getattr(output, "past_key_values", None) if cache is None else cache
+
+
+def _note_mask_before_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook: the cache this forward updates is told the forward's 2-D attention mask
+    (``CompressedCache.note_attention_mask``), from which its compressed layers read which columns are padding."""
+    note = getattr(_cache_of(kwargs), "note_attention_mask", None)
+    if callable(note):
+        mask = kwargs.get("attention_mask")
+        note(mask if isinstance(mask, torch.Tensor) else None)
 
 
 def _release_after_forward(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     """Forward hook: the cache this forward updated may demote what its layers' attention has read
-    (``CompressedCache.release_forward``), and checks that it was built for this model
-    (``CompressedCache.check_model_config``: a warning, once, when it was not); any other cache, or
-    none, is left alone."""
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if cache is None:
-        cache = getattr(output, "past_key_values", None)
+    (``CompressedCache.release_forward``, which also forgets the forward's attention mask), and checks that it
+    was built for this model (``CompressedCache.check_model_config``: a warning, once, when it was not); any
+    other cache, or none, is left alone."""
+    cache = _cache_of(kwargs, output)
     release = getattr(cache, "release_forward", None)
     if callable(release):
         release()
@@ -200,11 +214,25 @@ def _release_after_forward(module: torch.nn.Module, args: tuple, kwargs: dict, o
         check(getattr(module, "config", None), type(module).__name__)
 
 
+class _Hooks:
+    """The handles of :func:`watch_forward`'s two hooks, removed together."""
+
+    def __init__(self, *handles: Any) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
 def watch_forward(model: torch.nn.Module) -> None:
-    """Install (once) the forward hook that lets a :class:`~kvpolicy.cache.CompressedCache` demote its
-    last layer's prompt when the model's forward returns, rather than at the first decode step."""
+    """Install (once) the forward hooks through which a :class:`~kvpolicy.cache.CompressedCache` reads each
+    forward's attention mask (padding) before it runs, and demotes its last layer's prompt when it returns
+    rather than at the first decode step."""
     if getattr(model, HOOK_ATTR, None) is None:
-        setattr(model, HOOK_ATTR, model.register_forward_hook(_release_after_forward, with_kwargs=True))
+        before = model.register_forward_pre_hook(_note_mask_before_forward, with_kwargs=True)
+        after = model.register_forward_hook(_release_after_forward, with_kwargs=True)
+        setattr(model, HOOK_ATTR, _Hooks(before, after))
 
 
 def unwatch_forward(model: torch.nn.Module) -> None:

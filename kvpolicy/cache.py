@@ -26,6 +26,7 @@ from kvpolicy.actions.base import Action
 from kvpolicy.backends.base import Backend
 from kvpolicy.errors import CacheFileError, ConfigError
 from kvpolicy.layer.engine import LayerEngine
+from kvpolicy.layer.padding import StepMask
 from kvpolicy.memory import LayerBytes, MemoryReport
 from kvpolicy.policies.base import Policy
 from kvpolicy.positions import PositionBook
@@ -38,6 +39,8 @@ fused.register()
 
 LAYOUTS = specs.LAYOUTS
 ATTENTION = specs.ATTENTION
+#: the keyword through which CompressedCache.update hands a layer its step's columns of the attention mask
+MASK_KWARG = "kvpolicy_step_mask"
 
 
 def _engine(name: str, doc: str, settable: bool = False) -> property:
@@ -76,8 +79,12 @@ class CompressedLayer(CacheLayerMixin):
     """
 
     is_sliding = False
-    keys = _engine("keys", "The full-precision segment's keys, ``(batch, kv_heads, n_full, head_dim)``.", True)
-    values = _engine("values", "The full-precision segment's values, ``(batch, kv_heads, n_full, head_dim_v)``.", True)
+    keys = _engine(
+        "keys", "The full-precision segment's keys, ``(batch, kv_heads, n_full, head_dim)`` (a padded batch: each "
+        "row's, right-aligned; while nothing is demoted, at the columns of the attention mask, as in DynamicLayer).",
+        True,
+    )  # fmt: skip
+    values = _engine("values", "The full-precision segment's values, laid out as :attr:`keys`.", True)
     is_croppable = _engine("is_croppable", "Whether :meth:`crop` can undo the latest update now.")  # type: ignore[assignment]
 
     def __init__(
@@ -91,9 +98,10 @@ class CompressedLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ transformers API
     def lazy_initialization(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, position_ids: torch.Tensor | None = None
-    ) -> None:
-        self.engine = self.engine.start(key_states, value_states, position_ids)
+        self, key_states: torch.Tensor, value_states: torch.Tensor, position_ids: torch.Tensor | None = None,
+        mask: StepMask | None = None,
+    ) -> None:  # fmt: skip
+        self.engine = self.engine.start(key_states, value_states, position_ids, mask)
         self.device, self.dtype, self.is_initialized = key_states.device, key_states.dtype, True
 
     def update(
@@ -101,12 +109,14 @@ class CompressedLayer(CacheLayerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``key_states``/``value_states`` (``(batch, kv_heads, n, head_dim)``) and return
         the keys and values attention must use (``get_mask_sizes`` announced how many)."""
-        # a decode step of an initialised layer reads no positions (only a first or multi-token update checks padding)
+        # a decode step of an initialised layer reads no positions (only a first or multi-token update reads padding
+        # from them); the attention mask, when the cache was told it, is read at every step (StepMask)
+        mask = kwargs.get(MASK_KWARG)
         position_ids = _position_ids(kwargs) if key_states.shape[-2] > 1 or not self.is_initialized else None
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states, position_ids)
+            self.lazy_initialization(key_states, value_states, position_ids, mask)
         grad = torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad)
-        return self.engine.step(key_states, value_states, grad, position_ids)
+        return self.engine.step(key_states, value_states, grad, position_ids, mask)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.engine.mask_sizes(query_length)
@@ -341,6 +351,8 @@ class CompressedCache(Cache):
         super().__init__(layers=[])
         self._book = PositionBook()  # the demoted positions of shared policies, held once for all layers
         self._unreleased: list[int] = []  # layers whose multi-token update of this forward awaits release
+        self._mask: torch.Tensor | None = None  # the 2-D attention mask of this forward (note_attention_mask)
+        self._step_mask: tuple[int, int, StepMask] | None = None  # (past, n, its columns), once per forward
         self._layer_types: list[str] | None = None
         self._layer_kwargs: list[dict] = []
         self._config = config  # the model's, when given: save() records its identity
@@ -521,12 +533,57 @@ class CompressedCache(Cache):
             self.layers.append(self._new_layer(len(self.layers)))
         if self._unreleased:
             self._release_before(layer_idx)
-        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         layer = self.layers[layer_idx]
+        if self._mask is not None and isinstance(layer, CompressedLayer) and layer.engine.action.compresses:
+            kwargs[MASK_KWARG] = self._columns(layer.get_seq_length(), key_states)
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         multi = key_states.shape[-2] > 1 and isinstance(layer, CompressedLayer) and layer.engine.held is not None
         if multi and layer.engine.held.pending:
             self._unreleased.append(layer_idx)
         return out
+
+    def note_attention_mask(self, attention_mask: torch.Tensor | None) -> None:
+        """The 2-D attention mask ``(batch, past + n)`` of the forward about to run (1: a token, 0: padding), from
+        which the compressed layers read which columns are padding in that forward (``None``: no mask; a 4-D
+        mask is the model's own business and is not read). Without it, padding is read from the positions
+        transformers passes to ``update``, which cannot tell every layout apart (see :mod:`kvpolicy.layer.padding`).
+
+        The forward hook of :func:`kvpolicy.attention.enable_scores` and :func:`kvpolicy.fused.enable_fused` calls
+        this before every forward, and :func:`kvpolicy.prefill.chunked_prefill` before every chunk; the mask is
+        forgotten when the forward has returned (:meth:`release_forward`). A cache that does not compress
+        (``action="none"``) serves any padding, as ``DynamicCache`` does, and reads no mask.
+
+        Raises
+        ------
+        ConfigError
+            If ``attention_mask`` is neither ``None`` nor a tensor.
+        """
+        if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+            raise ConfigError(
+                f"note_attention_mask takes the forward's attention mask (a (batch, past + n) tensor) or None; got "
+                f"{type(attention_mask).__name__}"
+            )
+        self._mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+        self._step_mask = None
+
+    def _columns(self, past: int, key_states: torch.Tensor) -> StepMask:
+        """This step's columns of the noted attention mask (computed once per forward: every compressed layer
+        of it holds ``past`` tokens and adds ``n``)."""
+        n = key_states.shape[-2]
+        if self._step_mask is not None and self._step_mask[:2] == (past, n):
+            return self._step_mask[2]
+        mask = self._mask
+        assert mask is not None
+        if tuple(mask.shape) != (key_states.shape[0], past + n):
+            raise ValueError(
+                f"CompressedCache: the attention mask of this forward is {tuple(mask.shape)}, but the cache holds "
+                f"{past} tokens of a batch of {key_states.shape[0]} and this step adds {n}: a mask for this forward "
+                f"is ({key_states.shape[0]}, {past + n}), one column per token held and given"
+            )
+        columns = mask[:, past:].to(device=key_states.device, dtype=torch.bool)
+        step = StepMask(columns, not bool(columns.all()))
+        self._step_mask = (past, n, step)
+        return step
 
     def _release_before(self, layer_idx: int) -> None:
         """Demote the multi-token updates of the layers before ``layer_idx`` in this forward: their
@@ -544,8 +601,10 @@ class CompressedCache(Cache):
         so demote what each may demote now (:meth:`CompressedLayer.release`; the last tokens a ``crop``
         could remove stay at full precision). :func:`kvpolicy.fused.enable_fused` and
         :func:`kvpolicy.attention.enable_scores` install a forward hook that calls this, so that the last
-        layer's prompt is not left to the first decode step; without it that step demotes it. Calling it
-        at any other time changes nothing that the next call would not do."""
+        layer's prompt is not left to the first decode step; without it that step demotes it. It also forgets
+        the attention mask noted for the forward (:meth:`note_attention_mask`). Calling it at any other time
+        changes nothing that the next call would not do."""
+        self._mask = self._step_mask = None
         if self._unreleased:
             self._release_before(len(self.layers))
 

@@ -48,3 +48,9 @@ class MissingDependencyError(ConfigError, ImportError):
 class CacheFileError(ValueError):
     """A saved cache cannot be loaded: the file is missing, truncated, corrupted, of another format
     version, or does not fit the model or the installed parts (the message names what differs)."""
+
+
+class PaddingError(NotImplementedError):
+    """A compressed cache was given padding it cannot serve exactly (right padding, a hole in the attention
+    mask, padding that appears after a row's first token). The message names the row, what marked the
+    padding and the remedy (``padding_side="left"``); ``action="none"`` serves any padding."""

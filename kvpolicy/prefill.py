@@ -18,6 +18,13 @@ chunk attends over the earlier ones as a decode step would, compressed outside t
 - the logits equal an unchunked prefill's up to float tolerance (1e-5 in float32) while nothing is
   compressed (``action="none"``, or a prompt within the full-precision set); with compression, the later
   chunks read the earlier ones compressed, as generation reads the prompt.
+
+A padded batch (``attention_mask``) is run as ``generate`` runs it: positions from the mask (pads at 0, each
+row's tokens counted from its first), and the cache told each chunk's mask
+(:meth:`~kvpolicy.cache.CompressedCache.note_attention_mask`), so that a compressed cache feeds every row
+only its own tokens, even a row whose first chunks are padding only: each row then holds what it holds run
+alone with its tokens split where the batch's chunks split them. Padding that is not on the left is refused
+(:class:`~kvpolicy.errors.PaddingError`).
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from kvpolicy.quality import last_only
 
 
 def check_chunk_size(chunk_size: Any) -> int:
@@ -38,7 +47,11 @@ def check_chunk_size(chunk_size: Any) -> int:
 
 
 @torch.inference_mode()
-def chunked_prefill(model: torch.nn.Module, input_ids: torch.Tensor, cache: Any, chunk_size: int, **kwargs: Any) -> Any:
+def chunked_prefill(
+    model: torch.nn.Module, input_ids: torch.Tensor, cache: Any, chunk_size: int, *,
+    attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None, logits_to_keep: int = 1,
+    **kwargs: Any,
+) -> Any:  # fmt: skip
     """Run ``input_ids`` through ``model`` in chunks of ``chunk_size`` tokens, filling ``cache``.
 
     Parameters
@@ -51,33 +64,64 @@ def chunked_prefill(model: torch.nn.Module, input_ids: torch.Tensor, cache: Any,
         The cache to fill (a :class:`kvpolicy.CompressedCache` or any other).
     chunk_size : int
         Tokens per chunk, >= 1; a value >= ``n`` runs the prompt in one chunk.
+    attention_mask : torch.Tensor, optional
+        ``(batch, past + n)``: 1 for a token, 0 for padding, over what ``cache`` holds and the prompt (a
+        left-padded batch, as a tokenizer with ``padding_side="left"`` makes it). Each chunk is given the mask
+        up to its end, and a :class:`~kvpolicy.cache.CompressedCache` is told it.
+    position_ids : torch.Tensor, optional
+        ``(batch, n)`` positions of the prompt's tokens; default with ``attention_mask``: as ``generate`` gives
+        them (pads at 0, each row's tokens counted from its first), else the model's own (counting on from
+        what ``cache`` holds).
+    logits_to_keep : int, default 1
+        The positions of each chunk whose logits the model computes, as ``generate`` does: 1 keeps the last
+        position's; 0 keeps every position's (a chunk of ``C`` tokens then holds ``C x vocabulary`` logits:
+        1,024 tokens of a model with a vocabulary of 49,152 take 200 MB in float32). Passed only to a model
+        whose ``forward`` takes it (transformers' causal LMs do).
     **kwargs
-        Passed to every forward (``logits_to_keep=1`` keeps only the last position's logits, as
-        ``generate`` does). An ``attention_mask`` covering the prompt (``(batch, past + n)``) is sliced
-        up to each chunk's end.
+        Passed to every forward.
 
     Returns
     -------
     transformers.utils.ModelOutput
-        The output of the last chunk's forward (its ``logits`` are the last chunk's).
+        The output of the last chunk's forward (its ``logits`` are the last chunk's: ``(batch, 1, vocabulary)``
+        by default, ``(batch, last chunk, vocabulary)`` with ``logits_to_keep=0``).
 
     Raises
     ------
     ValueError
-        If ``chunk_size`` is not an integer >= 1 or ``input_ids`` is not ``(batch, n)`` with ``n >= 1``.
+        If ``chunk_size`` is not an integer >= 1, ``input_ids`` is not ``(batch, n)`` with ``n >= 1``, or
+        ``attention_mask`` or ``position_ids`` do not cover it.
+    PaddingError
+        If ``attention_mask`` pads a row elsewhere than on the left and ``cache`` compresses.
     """
     check_chunk_size(chunk_size)
     if input_ids.dim() != 2 or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids must be (batch, n) with n >= 1; got shape {tuple(input_ids.shape)}")
-    mask = kwargs.pop("attention_mask", None)
+    batch, n = input_ids.shape
     past = cache.get_seq_length()
+    if attention_mask is not None and tuple(attention_mask.shape) != (batch, past + n):
+        raise ValueError(
+            f"attention_mask must be (batch, past + n) = ({batch}, {past + n}) (the cache holds {past} tokens, the "
+            f"prompt has {n}); got shape {tuple(attention_mask.shape)}"
+        )
+    if position_ids is None and attention_mask is not None:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+    if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[-1] != n):
+        raise ValueError(f"position_ids must be (batch, n) with n = {n}; got shape {tuple(position_ids.shape)}")
+    if last_only(model):  # the model's forward takes logits_to_keep
+        kwargs["logits_to_keep"] = logits_to_keep
+    note = getattr(cache, "note_attention_mask", None)  # a CompressedCache reads padding from the mask
     release = getattr(cache, "release_forward", None)  # a CompressedCache; with or without enable_fused's hook
     out = None
-    for start in range(0, input_ids.shape[1], chunk_size):
-        chunk = input_ids[:, start : start + chunk_size]
-        if mask is not None:
-            kwargs["attention_mask"] = mask[:, : past + start + chunk.shape[1]]
-        out = model(chunk, cache=cache, use_cache=True, **kwargs)
+    for start in range(0, n, chunk_size):
+        end = min(start + chunk_size, n)
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask[:, : past + end]
+            if callable(note):
+                note(kwargs["attention_mask"])
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids[:, start:end]
+        out = model(input_ids[:, start:end], cache=cache, use_cache=True, **kwargs)
         if callable(release):
             release()
     return out

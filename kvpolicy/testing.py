@@ -10,7 +10,10 @@ Any policy, built in or from a plugin, can be checked against the contract of
         check_policy(st.builds(MyPolicy, window=st.integers(1, 8)),
                      max_full=lambda policy, length, prompt: policy.window, chunking="any")
 
-and any transform against :mod:`kvpolicy.transforms.base` with :func:`check_transform`.
+and any transform against :mod:`kvpolicy.transforms.base` with :func:`check_transform`, any action with
+:func:`check_action`, any backend with :func:`check_backend`, and any composition of parts (a plugin's among
+them) with :func:`check_batch_operations`: a row moved by ``reorder_cache``, ``batch_select_indices`` or
+``batch_repeat_interleave`` gives the logits of the row run alone.
 
 :func:`run_policy` (drive a state as the cache does) and :func:`check_trace` (the contract over one
 trace) are the pieces, for policies that need their own inputs.
@@ -1105,3 +1108,263 @@ def _check_attend(backend: Any, fmts: list[Any], dtype: Any, device: Any, seed: 
         ref_out, ref_lse = dense(query, backend.dequantize(kq), backend.dequantize(vq), BACKEND_HEAD_DIM**-0.5, bias)
         worst = max(float((out - ref_out).abs().max()), float((lse - ref_lse).abs().max()))
         assert worst <= tol, f"{what}: attend_biased differs from dense attention with the bias by {worst:.3g}"
+
+
+# --------------------------------------------------------------------------------------------------
+# the batch-operation clause (check_batch_operations): a row moved by a batch operation is the row run alone
+# --------------------------------------------------------------------------------------------------
+
+#: rows of the batch :func:`check_batch_operations` runs (its model has 2 kv heads and head dim 64, so a tensor
+#: of at least 3 dims whose first axis has this length is taken for per-row state)
+BATCH_ROWS = 3
+
+
+def _batch_operations() -> dict[str, tuple[tuple[int, ...], Callable[[Any], None]]]:
+    """The batch operations of a ``transformers.Cache``: name -> (the source row of each row after it, the call)."""
+    import torch
+
+    return {
+        "reorder_cache": ((2, 0, 1), lambda cache: cache.reorder_cache(torch.tensor([2, 0, 1]))),
+        "batch_select_indices": ((2, 0), lambda cache: cache.batch_select_indices(torch.tensor([2, 0]))),
+        "batch_repeat_interleave": ((0, 0, 1, 1, 2, 2), lambda cache: cache.batch_repeat_interleave(2)),
+    }
+
+
+def check_batch_operations(
+    cache: Callable[[], Any] | dict[str, Any],
+    *,
+    padded: bool | None = None,
+    prompt: int = 40,
+    steps: int = 2,
+    seed: int = 0,
+    dtype: torch.dtype | None = None,
+    atol: float | None = None,
+) -> None:
+    """Check that every piece of per-row state moves with its row: the batch-operation clause.
+
+    A tiny random Llama (2 layers, 2 kv heads, float64 by default, kvpolicy's score wrapper enabled:
+    :func:`kvpolicy.attention.enable_scores`) runs a batch of 3 prompts into a cache from ``cache``, then
+    ``steps`` decode steps. Right after the prompt, and again after those steps, each batch operation of a
+    ``transformers.Cache`` is applied to a copy of the cache: ``reorder_cache`` (beam search),
+    ``batch_select_indices`` (contrastive search, dropping finished rows) and ``batch_repeat_interleave`` (beam
+    expansion, a prompt's cache fanned out to several continuations). ``steps`` more decode steps follow, each row
+    given tokens of its own (the two copies of a repeated row different ones). Every row must give the logits of
+    its source row run alone through the same tokens (a batch of one), within ``atol``.
+
+    The batch is run twice: with prompts of equal length, through every part's ``map_batch``, where besides the
+    logits every tensor of at least 3 dims whose first axis is the batch, reached from a layer's segments by
+    attribute, must be the operation applied to it (a part cannot keep per-row state that does not move, even
+    state the steps checked do not read); and left-padded (lengths ``prompt``, ``prompt - 5``, ``prompt - 9``),
+    one engine per row. In a batch of equal rows a policy that needs attention scores (H2O, SnapKV) holds one
+    selection for all rows, chosen from their summed scores, so its rows are not the rows run alone: there
+    such a policy is checked by the tensors alone, and by the logits in the padded batch.
+
+    Parameters
+    ----------
+    cache : callable or dict
+        A zero-argument factory of fresh caches (``lambda: CompressedCache(policy=MyPolicy(), ...)``) or the
+        keywords of :class:`~kvpolicy.cache.CompressedCache`.
+    padded : bool, optional
+        Check the padded batch (True), the batch of equal rows (False) or both (None).
+    prompt : int
+        Tokens of the longest prompt: enough that the policy demotes some (a prompt's demotions are made
+        once its forward has returned, all but the last 64 tokens at once for policies that allow it).
+    steps : int
+        Decode steps before the later operation, and after each operation.
+    seed : int
+        Seeds the model and the tokens.
+    dtype : torch.dtype, optional
+        The model's dtype: float64 (default), where a batch row and the row run alone differ by rounding only;
+        float32 for a part that serves no float64.
+    atol : float, optional
+        Largest difference of a logit from the row run alone. Default: 1e-6 in float64; 1e-3 in float32, where
+        a value within float noise of a rounding boundary can take the other code in the batch than alone.
+
+    Raises
+    ------
+    AssertionError
+        Naming the operation, when and to which batch it was applied, the row, and the difference or the
+        state that did not move.
+    """
+    import torch
+
+    from kvpolicy.attention import enable_scores
+    from kvpolicy.cache import CompressedCache
+    from kvpolicy.tiny import random_model
+
+    make = (lambda: CompressedCache(**cache)) if isinstance(cache, dict) else cache
+    sample = make()
+    who = f"check_batch_operations({sample!r})"
+    dtype = torch.float64 if dtype is None else dtype
+    atol = (1e-6 if dtype == torch.float64 else 1e-3) if atol is None else atol
+    model = random_model("llama", layers=2, seed=seed).to(dtype)
+    enable_scores(model)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 96, (n,), generator=g) for n in (prompt, prompt - 5, prompt - 9)]
+    with torch.inference_mode():
+        for layout in (False, True) if padded is None else (padded,):
+            rows = prompts if layout else [p[-(prompt - 9) :] for p in prompts]
+            run = _BatchRun(model, make, rows, steps, g)
+            scored = sample.policy.needs_scores
+            for name, (sources, apply) in _batch_operations().items():
+                tokens = torch.randint(3, 96, (len(sources), steps), generator=g)
+                for when in (0, steps):
+                    where = (
+                        f"{who}: batch ops: {name} applied "
+                        f"{'right after the prompt' if when == 0 else f'after {steps} decode steps'} to a "
+                        f"{'left-padded batch' if layout else 'batch of equal rows'}"
+                    )
+                    run.check(where, apply, sources, tokens, when, tensors=not layout, logits=layout or not scored,
+                              atol=atol)  # fmt: skip
+
+
+class _BatchRun:
+    """A batch of prompts (left-padded when their lengths differ) run into a cache of one composition, and each
+    prompt alone, snapshotted after the prompt and after ``steps`` decode steps (:func:`check_batch_operations`)."""
+
+    def __init__(self, model: Any, make: Callable[[], Any], rows: list[Any], steps: int, g: Any) -> None:
+        import copy
+
+        import torch
+
+        self.model, self.make, self.steps = model, make, steps
+        width = max(len(p) for p in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(rows):
+            ids[row, width - len(p) :] = p
+            mask[row, width - len(p) :] = 1
+        mask = None if bool(mask.all()) else mask
+        before = torch.randint(3, 96, (len(rows), steps), generator=g)
+        cache = make()
+        counts = self.step(cache, ids, mask, [0] * len(rows))[1]
+        #: when -> (the batch's cache, its attention mask, tokens per row)
+        self.batch = {0: (copy.deepcopy(cache), mask, counts)}
+        for j in range(steps):
+            mask = None if mask is None else torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            counts = self.step(cache, before[:, j : j + 1], mask, counts)[1]
+        self.batch[steps] = (cache, mask, counts)
+        #: (row, when) -> (the row's cache run alone, its tokens)
+        self.alone: dict[tuple[int, int], tuple[Any, list[int]]] = {}
+        for row, p in enumerate(rows):
+            cache = make()
+            counts = self.step(cache, p[None], None, [0])[1]
+            self.alone[(row, 0)] = (copy.deepcopy(cache), counts)
+            for j in range(steps):
+                counts = self.step(cache, before[row : row + 1, j : j + 1], None, counts)[1]
+            self.alone[(row, steps)] = (cache, counts)
+
+    def step(self, cache: Any, ids: Any, mask: Any, counts: list[int]) -> tuple[Any, list[int]]:
+        """One forward of ``ids`` ``(rows, n)`` with positions as ``generate`` gives them: the last position's
+        logits per row, and the tokens per row after it."""
+        import torch
+
+        n = ids.shape[1]
+        if mask is None:
+            positions = torch.tensor(counts)[:, None] + torch.arange(n)
+        else:
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -n:]
+        out = self.model(ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+        return out.logits[:, -1], [k + n for k in counts]
+
+    def check(
+        self, where: str, apply: Callable[[Any], None], sources: tuple[int, ...], tokens: Any, when: int, *,
+        tensors: bool, logits: bool, atol: float,
+    ) -> None:  # fmt: skip
+        import copy
+
+        import torch
+
+        base, mask, counts = self.batch[when]
+        moved = copy.deepcopy(base)
+        held = _per_row_tensors(base) if tensors else {}
+        with _clause(where, "the operation"):
+            apply(moved)
+        index = torch.tensor(sources)
+        for path, t in held.items():
+            now = _resolve(moved, path)
+            assert isinstance(now, torch.Tensor) and now.shape[0] == len(sources) and torch.equal(now, t[index]), (
+                f"{where}: the per-row state {_path_name(path)} did not move with its rows (its first axis is the "
+                "batch: map it in the part's map_batch)"
+            )
+        if not logits:
+            return
+        mask = None if mask is None else mask[index]
+        counts = [counts[s] for s in sources]
+        got = []
+        with _clause(where, "decoding after it"):
+            for j in range(self.steps):
+                mask = None if mask is None else torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                step, counts = self.step(moved, tokens[:, j : j + 1], mask, counts)
+                got.append(step)
+        for i, source in enumerate(sources):
+            cache, alone_counts = self.alone[(source, when)]
+            cache = copy.deepcopy(cache)
+            want = []
+            for j in range(self.steps):
+                step, alone_counts = self.step(cache, tokens[i : i + 1, j : j + 1], None, alone_counts)
+                want.append(step[0])
+            diff = float((torch.stack([g[i] for g in got]) - torch.stack(want)).abs().max())
+            assert diff <= atol, (
+                f"{where}: row {i} (row {source} before it) gives logits {diff:.3g} from that row run alone (> {atol})"
+            )
+
+
+def _per_row_tensors(cache: Any) -> dict[tuple[Any, ...], Any]:
+    """Every tensor of at least 3 dims whose first axis is :data:`BATCH_ROWS` long, reached from each compressed
+    layer's segments through attributes, dataclass fields and containers (configuration is not walked: the
+    backend, action, policy, transform and the position book), by its path."""
+    import dataclasses
+
+    import torch
+
+    from kvpolicy.actions.base import Action
+    from kvpolicy.backends.base import Backend
+    from kvpolicy.policies.base import Policy
+    from kvpolicy.positions import PositionBook
+    from kvpolicy.transforms.base import Transform
+
+    out: dict[tuple[Any, ...], Any] = {}
+    seen: set[int] = set()
+    skip = (Backend, Action, Policy, Transform, PositionBook, torch.nn.Module, type, str, bytes, int, float, bool)
+    stack: list[tuple[tuple[Any, ...], Any]] = []
+    for i, layer in enumerate(cache.layers):
+        held = getattr(getattr(layer, "engine", None), "held", None)
+        if held is not None:
+            stack.append(((("attr", "layers"), ("item", i), ("attr", "engine"), ("attr", "held")), held))
+    while stack:
+        path, obj = stack.pop()
+        if obj is None or id(obj) in seen or isinstance(obj, skip) or (callable(obj) and not hasattr(obj, "__dict__")):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.dim() >= 3 and obj.shape[0] == BATCH_ROWS:
+                out[path] = obj.clone()
+        elif isinstance(obj, dict):
+            stack.extend(((*path, ("item", k)), v) for k, v in obj.items())
+        elif isinstance(obj, list | tuple):
+            stack.extend(((*path, ("item", k)), v) for k, v in enumerate(obj))
+        elif dataclasses.is_dataclass(obj):
+            stack.extend(((*path, ("attr", f.name)), getattr(obj, f.name)) for f in dataclasses.fields(obj))
+        elif hasattr(obj, "__dict__"):
+            stack.extend(((*path, ("attr", k)), v) for k, v in vars(obj).items())
+    return out
+
+
+def _resolve(root: Any, path: tuple[Any, ...]) -> Any:
+    """The object at ``path`` (from :func:`_per_row_tensors`) under ``root``, or None where it is gone."""
+    obj = root
+    for kind, key in path:
+        try:
+            obj = getattr(obj, key) if kind == "attr" else obj[key]
+        except (AttributeError, IndexError, KeyError, TypeError):
+            return None
+    return obj
+
+
+def _path_name(path: tuple[Any, ...]) -> str:
+    """``layers[0].engine.held.store.k.first_centre`` for a path of :func:`_per_row_tensors`."""
+    text = ""
+    for kind, key in path:
+        text += f".{key}" if kind == "attr" else f"[{key!r}]"
+    return text.lstrip(".")

@@ -108,3 +108,35 @@ def test_bad_chunk_sizes_are_clear_errors(model, bad):
 def test_an_empty_prompt_is_refused(model):
     with pytest.raises(ValueError, match=r"input_ids must be \(batch, n\) with n >= 1; got shape \(1, 0\)"):
         chunked_prefill(model, _ids(10)[:, :0], CompressedCache(action="none"), 4)
+
+
+def test_only_the_last_positions_logits_are_kept_unless_asked(model):
+    """As generate does (logits_to_keep=1): a chunk of C tokens holds one position's logits, not C; 0 keeps all."""
+    ids = _ids(40, seed=5)
+    last = chunked_prefill(model, ids, CompressedCache(action="none"), 16)
+    every = chunked_prefill(model, ids, CompressedCache(action="none"), 16, logits_to_keep=0)
+    assert last.logits.shape == (1, 1, 96) and every.logits.shape == (1, 8, 96)  # the last chunk: 40 - 32 tokens
+    with torch.inference_mode():
+        whole = model(ids, cache=CompressedCache(action="none"), use_cache=True).logits
+    torch.testing.assert_close(every.logits, whole[:, 32:], rtol=0, atol=1e-5)
+    torch.testing.assert_close(last.logits, whole[:, -1:], rtol=0, atol=1e-5)
+
+
+def test_a_model_that_takes_no_logits_to_keep_is_not_given_it():
+    seen: list[dict] = []
+
+    class Bare(torch.nn.Module):
+        def forward(self, input_ids, cache=None, use_cache=None):
+            seen.append({"n": input_ids.shape[1]})
+            return input_ids
+
+    chunked_prefill(Bare(), _ids(10), CompressedCache(action="none"), 4)
+    assert [s["n"] for s in seen] == [4, 4, 2]
+
+
+def test_a_mask_or_positions_that_do_not_cover_the_prompt_are_clear_errors(model):
+    ids = _ids(10)
+    with pytest.raises(ValueError, match=r"attention_mask must be \(batch, past \+ n\) = \(1, 10\).*\(1, 9\)"):
+        chunked_prefill(model, ids, CompressedCache(action="none"), 4, attention_mask=torch.ones(1, 9))
+    with pytest.raises(ValueError, match=r"position_ids must be \(batch, n\) with n = 10; got shape \(1, 4\)"):
+        chunked_prefill(model, ids, CompressedCache(action="none"), 4, position_ids=torch.arange(4)[None])

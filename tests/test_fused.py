@@ -136,23 +136,29 @@ def test_fused_mode_without_enable_fails_loudly(fresh):
         teacher_forced_logits(model, ids, 40, CompressedCache(**KW, attention="fused"))
 
 
+def _hole(lo: int, t: int) -> torch.Tensor:
+    """A custom 4-D mask over positions ``[lo, t)``: causal, key 3 hidden (a 2-D mask with a hole is padding a
+    compressed cache refuses, tests/test_padding.py)."""
+    query = torch.arange(lo, t)[:, None]
+    key = torch.arange(t)[None, :]
+    return ((key <= query) & (key != 3))[None, None]
+
+
 def test_mask_hiding_keys_falls_back_under_auto_and_is_refused_under_fused(fresh):
-    """A 2-D mask with a hole (not left padding) cannot be fused: under attention='auto' the step
-    materialises and says so; under attention='fused' it raises."""
+    """A mask with a hole cannot be fused: under attention='auto' the step materialises and says so; under
+    attention='fused' it raises."""
     model = fresh("llama")
     ids = _ids(1, 50)
-    mask = torch.ones(1, 51, dtype=torch.long)
-    mask[0, 3] = 0
     pos = torch.arange(51)[None]
     enable_fused(model)
     try:
         for attention in ("auto", "materialized"):
             cache = CompressedCache(**KW, attention=attention)
             with torch.inference_mode():
-                model(ids[:, :40], cache=cache, attention_mask=mask[:, :40], position_ids=pos[:, :40])
+                model(ids[:, :40], cache=cache, attention_mask=_hole(0, 40), position_ids=pos[:, :40])
                 for t in range(40, 50):
                     out = model(
-                        ids[:, t : t + 1], cache=cache, attention_mask=mask[:, : t + 1], position_ids=pos[:, t : t + 1]
+                        ids[:, t : t + 1], cache=cache, attention_mask=_hole(t, t + 1), position_ids=pos[:, t : t + 1]
                     )
             if attention == "auto":
                 got, paths = out.logits, cache.attention_paths()
@@ -166,9 +172,9 @@ def test_mask_hiding_keys_falls_back_under_auto_and_is_refused_under_fused(fresh
     try:
         cache = CompressedCache(**KW, attention="fused")
         with torch.inference_mode():
-            model(ids[:, :40], cache=cache, attention_mask=mask[:, :40], position_ids=pos[:, :40])
+            model(ids[:, :40], cache=cache, attention_mask=_hole(0, 40), position_ids=pos[:, :40])
             with pytest.raises(RuntimeError, match="cannot run fused: an attention mask that hides some keys"):
-                model(ids[:, 40:41], cache=cache, attention_mask=mask[:, :41], position_ids=pos[:, 40:41])
+                model(ids[:, 40:41], cache=cache, attention_mask=_hole(40, 41), position_ids=pos[:, 40:41])
     finally:
         disable_fused(model)
 

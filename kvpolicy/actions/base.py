@@ -81,7 +81,11 @@ class DemotedStore(ABC):
 
     @abstractmethod
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Apply a batch-axis (dim 0) operation (beam reorder, select, repeat) to everything held."""
+        """Apply a batch-axis (dim 0) operation (beam reorder, select, repeat) to everything held per batch row:
+        codes, staging, and any state kept for later blocks (a centre set before the first block, a fit, its
+        coefficients). ``fn`` maps a ``(batch, ...)`` tensor to ``(batch', ...)``; a store whose tensors with a
+        batch axis are not all mapped serves the moved rows another row's state
+        (:func:`kvpolicy.testing.check_batch_operations` finds such a tensor by name)."""
 
     def state_dict(self) -> dict[str, Any]:
         """Everything held, as JSON values and tensors (:meth:`kvpolicy.CompressedCache.save`).

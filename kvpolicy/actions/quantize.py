@@ -721,10 +721,16 @@ class QuantizedStream:
         return out
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply a batch-axis (dim 0) operation to every per-row tensor: the block, the staging buffer and a
+        centre set for (or proposed by) a first block not held yet."""
         if self.q is not None:
             self.q = self.q.map_batch(fn)
         if self.staging is not None:
             self.staging = fn(self.staging)
+        if self.first_centre is not None:
+            self.first_centre = fn(self.first_centre)
+        if self._proposed_centre is not None:
+            self._proposed_centre = fn(self._proposed_centre)
 
     def state_dict(self) -> dict[str, Any]:
         block = None if self.q is None else self.backend.block_state(self.q)

@@ -21,7 +21,8 @@ import torch
 from kvpolicy import handoff, state_check
 from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.backends.base import Backend
-from kvpolicy.layer.padded import PaddedEngine, left_pads
+from kvpolicy.layer.padded import PaddedEngine
+from kvpolicy.layer.padding import MASK_REMEDY, StepMask, is_padded, refuse, rows_differ
 from kvpolicy.layer.parts import Part
 from kvpolicy.layer.path import FULL_PRECISION, HANDED_OUT, StepPath
 from kvpolicy.memory import LayerBytes
@@ -30,6 +31,15 @@ from kvpolicy.positions import PositionBook
 from kvpolicy.segments import SEGMENTS, LayerSegments
 from kvpolicy.spec import Plan, plan
 from kvpolicy.transforms import Transform
+
+#: the warning (once per process) of a padded batch whose padding was read from positions alone
+POSITIONS_ONLY = (
+    "CompressedCache: this batch is padded, and no attention mask reached the cache (transformers hands a cache "
+    "only the positions of each column), so its padding was read from positions: a row whose first token is "
+    "followed by padding (right padding of a one-token row, a hole just after the first token) reads as left "
+    "padding and is served as such. To have every layout read exactly (and refused when it cannot be served), "
+    f"{MASK_REMEDY}; kvpolicy.attention.watch_forward(model) installs the hook alone"
+)
 
 
 class LayerEngine:
@@ -153,12 +163,14 @@ class LayerEngine:
 
     # ------------------------------------------------------------------ starting
     def start(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, position_ids: torch.Tensor | None = None
-    ) -> LayerEngine | PaddedEngine:
+        self, key_states: torch.Tensor, value_states: torch.Tensor, position_ids: torch.Tensor | None = None,
+        mask: StepMask | None = None,
+    ) -> LayerEngine | PaddedEngine:  # fmt: skip
         """Plan for ``key_states``/``value_states`` (``(batch, kv_heads, n, head_dim)``: device, dtype,
         head dims) and start empty segments shaped like them. Returns this engine, or the
-        :class:`~kvpolicy.layer.padded.PaddedEngine` over it when ``position_ids`` (``(batch, n)``) show a
-        left-padded batch (with compression)."""
+        :class:`~kvpolicy.layer.padded.PaddedEngine` over it when the first step is padded (with compression):
+        ``mask`` (its columns of the attention mask) says so, else ``position_ids`` (``(batch, n)``) do
+        (:func:`~kvpolicy.layer.padding.is_padded`)."""
         self.plan = plan(
             self.policy, self.action, self.backend, auto=self.auto, attention=self.attention,
             device_type=key_states.device.type, dtype=key_states.dtype,
@@ -174,8 +186,11 @@ class LayerEngine:
         held.start(key_states, value_states)
         self._drop()
         self.held = held
-        pads = left_pads(position_ids, key_states.shape[-2]) if self.action.compresses else None
-        return self if pads is None else PaddedEngine(self, pads)
+        if self.action.compresses and is_padded(position_ids, mask, key_states.shape[0]):
+            if mask is None:
+                handoff.warn_once(POSITIONS_ONLY)
+            return PaddedEngine(self, key_states.shape[0])
+        return self
 
     def row(self) -> LayerEngine:
         """An unstarted engine for one row of a padded batch (materialised attention, plain tensors)."""
@@ -200,7 +215,7 @@ class LayerEngine:
     # ------------------------------------------------------------------ a step
     def step(
         self, key_states: torch.Tensor, value_states: torch.Tensor, grad: bool = False,
-        position_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None, mask: StepMask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Append ``key_states``/``value_states`` (``(batch, kv_heads, n, head_dim)``) and return the keys
         and values attention must use (:meth:`mask_sizes` announced how many): plain tensors, or a
@@ -208,8 +223,9 @@ class LayerEngine:
 
         ``grad``: autograd records this step and the new keys or values require gradients (a hand-off
         materialises below autograd, so such a step gets plain position-ordered tensors, see
-        :meth:`_hand_out`). ``position_ids`` (``(batch, n)``): a multi-token step whose rows are padded
-        differently from the first step's is refused."""
+        :meth:`_hand_out`). A step that shows padding (``mask``: its columns of the attention mask; else for a
+        multi-token step ``position_ids`` ``(batch, n)`` whose rows differ) is refused: this batch was not padded
+        in its first step, and padding that appears later cannot be served."""
         held = self.held
         keys = held.keys
         if (keys.shape[0], keys.shape[1], keys.shape[-1], held.values.shape[-1], keys.dtype) != (
@@ -221,8 +237,11 @@ class LayerEngine:
         if not self.action.compresses:
             held.append(key_states, value_states)
             return held.keys, held.values
-        if n > 1:
-            refuse_padding(position_ids)
+        if (mask is not None or n > 1) and rows_differ(position_ids, mask, key_states.shape[0]):
+            raise refuse(
+                None, "this step pads its rows differently from the first forward (new padding after the first "
+                "step)", "the rows' tokens would not line up with what the cache holds",
+            )  # fmt: skip
         held.append(key_states, value_states)
         return self._hand_out(n, grad)
 
@@ -415,18 +434,3 @@ class LayerEngine:
         self.start(keys[:, :, :0], values[:, :, :0])  # checks, and a fresh state and store
         self.held.load_state_dict(state)
         return keys
-
-
-def refuse_padding(position_ids: torch.Tensor | None) -> None:
-    """Padding that appears after an unpadded first step (rows whose positions diverge) is not supported."""
-    padded = (
-        isinstance(position_ids, torch.Tensor)
-        and position_ids.dim() == 2
-        and position_ids.shape[0] > 1
-        and bool((position_ids - position_ids[:, :1] != position_ids[:1] - position_ids[:1, :1]).any())
-    )
-    if padded:
-        raise NotImplementedError(
-            "CompressedCache: this multi-token update pads its rows differently from the prefill (new "
-            "padding after the first forward); only a left-padded first forward is supported."
-        )

@@ -2,8 +2,10 @@
 real tokens.
 
 Each row then selects, quantizes and evicts exactly as if its prompt had been run alone (sinks and
-windows count its real tokens, never pads), and holds no bytes for pads. The rows' views are put
-back into one rectangular tensor whose key slots line up with transformers' padding mask:
+windows count its real tokens, never pads), and holds no bytes for pads. Which columns are pads is read
+by :mod:`kvpolicy.layer.padding` at every multi-token step (a prompt in chunks may open with chunks of
+padding only); padding that is not all before a row's first token is refused there. The rows' views are
+put back into one rectangular tensor whose key slots line up with transformers' padding mask:
 
 - when demoted tokens are kept (quantize), row ``b``'s tokens fill columns ``[pad_b, L)`` of an
   ``L``-column tensor, exactly where the 2-D attention mask expects them;
@@ -24,29 +26,9 @@ from typing import Any
 import torch
 
 from kvpolicy import handoff
+from kvpolicy.layer.padding import StepMask, leading_pads
 from kvpolicy.layer.path import StepPath
 from kvpolicy.memory import LayerBytes
-
-
-def left_pads(position_ids: torch.Tensor | None, n: int) -> list[int] | None:
-    """Leading pad count of each row of a left-padded prefill, or ``None`` if rows are not padded.
-
-    ``generate`` gives pads position 0 and real tokens ``0, 1, ...``; a row with ``r`` real tokens
-    ends at position ``r - 1``.
-    """
-    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] < 2:
-        return None
-    if not bool((position_ids != position_ids[:1]).any()):
-        return None
-    pads = [n - 1 - int(p) for p in position_ids[:, -1].tolist()]
-    for row, pad in enumerate(pads):
-        real = position_ids[row, pad:].tolist()
-        if pad < 0 or real != list(range(n - pad)):
-            raise NotImplementedError(
-                "CompressedCache supports left-padded batches only (pads first, then positions 0, 1, ...); "
-                f"row {row} has position_ids {position_ids[row].tolist()}"
-            )
-    return pads
 
 
 def _head(name: str, doc: str) -> property:
@@ -70,8 +52,21 @@ class PaddedEngine:
         The started engine of the whole batch (:class:`~kvpolicy.layer.engine.LayerEngine`, which
         builds this object; not imported here, so the two modules form no cycle): its composition,
         plan, version and path are the batch's (it holds no tokens itself).
+    batch : int
+        Rows of the batch.
+
+    Attributes
+    ----------
+    rows : list of LayerEngine
+        One single-row engine per batch row (unstarted while its row has had padding only).
     pads : list of int
-        Leading pads of each row in the first step.
+        The pad columns of each row so far (all before its first token).
+    fed : list of int
+        The tokens each row was given in the latest step (its real columns, the last of the step).
+    slots : list of slice
+        Where each row's view lies in the latest step's assembled keys.
+    length : int
+        The batch's logical length (pads included).
     """
 
     policy = _head("policy", "The policy.")
@@ -82,23 +77,21 @@ class PaddedEngine:
     book = _head("book", "Where shared demoted positions are held (unused by rows).")
     adapted = _head("adapted", "The defaults replaced.")
     path = _head("path", "How the latest step's attention read the history.")
-    held = _head("held", "The head engine's (empty) segments.")
-    keys = _head("keys", "The head engine's (empty) full-precision keys.")
-    values = _head("values", "The head engine's (empty) full-precision values.")
-    store = _head("store", "The head engine's (empty) store.")
-    state = _head("state", "The head engine's (fresh) policy state.")
-    full_pos = _head("full_pos", "The head engine's (empty) positions.")
+    held = _head("held", "The head engine's (empty) segments; each row's are ``rows[b].held``.")
+    store = _head("store", "The head engine's (empty) store; each row's is ``rows[b].store``.")
+    state = _head("state", "The head engine's (fresh) policy state; each row's is ``rows[b].state``.")
+    full_pos = _head("full_pos", "The head engine's (empty) positions; :meth:`positions` gives each row's.")
     version = _head("version", "See LayerEngine.version.")
     started = True
 
-    def __init__(self, head: Any, pads: list[int]) -> None:
+    def __init__(self, head: Any, batch: int) -> None:
         self.head = head
-        self.rows = [head.row() for _ in pads]
-        self.pads = pads
+        self.rows = [head.row() for _ in range(batch)]
+        self.pads = [0] * batch
+        self.fed = [0] * batch
         self.keeps_demoted = head.action.keeps_demoted
         self.prefilled = False
         self.slots: list[slice] = []
-        #: the batch's logical length (pads included)
         self.length = 0
 
     @property
@@ -110,16 +103,57 @@ class PaddedEngine:
             return False
         return all(row.is_croppable for row in self.rows)
 
+    # ------------------------------------------------------------------ what transformers reads
+    @property
+    def keys(self) -> torch.Tensor:
+        """Each row's full-precision keys, right-aligned in ``(batch, kv_heads, n, head_dim)`` (``n``: the most any
+        row holds; zeros before a shorter row's): while nothing is demoted, row ``b``'s tokens lie in the columns
+        of the attention mask that mark them, as in transformers' ``DynamicLayer`` (with zeros for pads)."""
+        return self._full(0)
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._refuse_set("keys", value)
+
+    @property
+    def values(self) -> torch.Tensor:
+        """Each row's full-precision values, laid out as :attr:`keys`."""
+        return self._full(1)
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._refuse_set("values", value)
+
+    def _full(self, role: int) -> torch.Tensor:
+        empty = self.head.keys if role == 0 else self.head.values
+        views = [
+            (row.keys if role == 0 else row.values) if row.started else empty[:1] for row in self.rows
+        ]  # fmt: skip
+        return _assemble(views, max(v.shape[2] for v in views))
+
+    def _refuse_set(self, name: str, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise RuntimeError(
+                f"layer {self.layer_idx} holds a left-padded batch: its {name} are assembled from its rows "
+                "(rows[b]) and cannot be set"
+            )
+
+    # ------------------------------------------------------------------ a step
     def step(
         self, key_states: torch.Tensor, value_states: torch.Tensor, grad: bool = False,
-        position_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None, mask: StepMask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Each row runs alone: its real tokens are appended to its engine, and the rows' views are
-        assembled into one batch (``(batch, kv_heads, keys, head_dim)``)."""
+        assembled into one batch (``(batch, kv_heads, keys, head_dim)``).
+
+        ``position_ids`` ``(batch, n)`` and ``mask`` (this step's columns of the attention mask) say which
+        columns are pads (:func:`~kvpolicy.layer.padding.leading_pads`); a decode step reads the mask only."""
+        n = key_states.shape[-2]
+        pads = self._pads(n, position_ids, mask)
         head = self.head
         head._version += 1
-        self.length += key_states.shape[-2]
-        keys, values, key_mask = self._update(key_states, value_states, grad)
+        self.length += n
+        keys, values, key_mask = self._update(key_states, value_states, pads, grad)
         head.path = StepPath("materialized", "left-padded batch (one layer per row)", head.backend.name)
         if head.attention == "fused" and head.plan.fused_reason is None and self.keeps_demoted:
             raise NotImplementedError(
@@ -133,14 +167,27 @@ class PaddedEngine:
         ticket = handoff.Ticket(self, scores=needs_scores, queries=queries, key_mask=key_mask, views=(keys, values))
         return handoff.hand_out(ticket, keys.shape, values.shape, keys.dtype, keys.device)
 
+    def _pads(self, n: int, position_ids: torch.Tensor | None, mask: StepMask | None) -> list[int]:
+        """The pad columns that open each row's share of a step of ``n`` columns, refusing padding after a row's
+        first token. A decode step reads the mask alone (positions are read on multi-token steps)."""
+        held = [row.length for row in self.rows]
+        if n > 1 or not self.prefilled:
+            return leading_pads(n, held, position_ids, mask)
+        return [0] * len(held) if mask is None else leading_pads(n, held, None, mask)
+
     def _update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, grad: bool
+        self, key_states: torch.Tensor, value_states: torch.Tensor, pads: list[int], grad: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Feed each row its real tokens; return ``(keys, values, key_mask)`` for the whole batch."""
         views = []
         for row, engine in enumerate(self.rows):
-            start = 0 if self.prefilled else self.pads[row]
+            start = pads[row]
+            self.pads[row] += start
+            self.fed[row] = key_states.shape[-2] - start
             k, v = key_states[row : row + 1, :, start:], value_states[row : row + 1, :, start:]
+            if not self.fed[row]:  # a row that has had padding only: nothing held yet
+                views.append((k, v))
+                continue
             if not engine.started:
                 engine.start(k, v)
             views.append(engine.step(k, v, grad))
@@ -166,9 +213,11 @@ class PaddedEngine:
         return width, self.length + query_length - width
 
     def report(self, scores: torch.Tensor | None, layout: str = "ordered") -> None:
-        """Hand each row the scores of its own key slots (``scores``: ``(batch, kv_heads, keys)``)."""
+        """Hand each row given tokens in the latest step the scores of its own key slots (``scores``:
+        ``(batch, kv_heads, keys)``)."""
         for row, engine in enumerate(self.rows):
-            engine.report(None if scores is None else scores[row : row + 1, :, self.slots[row]])
+            if self.fed[row]:
+                engine.report(None if scores is None else scores[row : row + 1, :, self.slots[row]])
 
     @property
     def wants_queries(self) -> bool:
@@ -176,12 +225,12 @@ class PaddedEngine:
         return any(row.wants_queries for row in self.rows)
 
     def observe_queries(self, query: torch.Tensor, keys: torch.Tensor) -> None:
-        """Hand each row its own queries and the keys of its own slots: on the first step (whose queries cover
-        the padded width) the queries of its padding positions are left out, so a row fits what it would alone."""
-        first = query.shape[2] == self.length
+        """Hand each row the queries of its own tokens of the latest step (the last ``fed[b]``: the queries of its
+        pads are left out, so a row fits what it would alone) and the keys of its own slots."""
         for row, engine in enumerate(self.rows):
-            q = query[row : row + 1, :, self.pads[row] :] if first else query[row : row + 1]
-            engine.observe_queries(q, keys[row : row + 1, :, self.slots[row]])
+            if self.fed[row]:
+                q = query[row : row + 1, :, query.shape[2] - self.fed[row] :]
+                engine.observe_queries(q, keys[row : row + 1, :, self.slots[row]])
 
     def observe(self, scores: torch.Tensor, layout: str = "ordered") -> None:
         self.head.observe(scores, layout)
@@ -197,16 +246,20 @@ class PaddedEngine:
         """Forget every row; returns the engine to use from now on (the head, unstarted)."""
         return self.head.reset()
 
+    # ------------------------------------------------------------------ batch moves and crops
     def _select(self, indices: Sequence[int]) -> None:
-        """Keep/reorder/repeat rows (beam search, batch select); repeated rows are copied."""
+        """Keep/reorder/repeat rows (beam search, batch select): every per-row record moves with its row, and a
+        row taken twice is copied."""
         self.head._version += 1
         seen: set[int] = set()
-        rows, pads = [], []
+        rows = []
         for i in indices:
             rows.append(self.rows[i] if i not in seen else copy.deepcopy(self.rows[i]))
-            pads.append(self.pads[i])
             seen.add(i)
-        self.rows, self.pads = rows, pads
+        self.rows = rows
+        self.pads = [self.pads[i] for i in indices]
+        self.fed = [self.fed[i] for i in indices]
+        self.slots = [self.slots[i] for i in indices] if self.slots else []
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         self._select(beam_idx.tolist())
@@ -218,15 +271,21 @@ class PaddedEngine:
         self._select([i for i in range(len(self.rows)) for _ in range(repeats)])
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` tokens of every row."""
+        """Remove the last ``-tokens_to_remove`` columns of every row (a row's tokens among them, then pads)."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop(tokens_to_remove={tokens_to_remove}): pass a negative number of tokens to remove")
         if tokens_to_remove == 0:
             return
+        k = -tokens_to_remove
+        mine = [min(k, engine.length) for engine in self.rows]
+        for engine, m in zip(self.rows, mine, strict=True):
+            if m and self.action.compresses and (self.policy.needs_scores or m > engine.held.pending):
+                engine.crop(-m)  # raises, naming what cannot be removed, before any row changes
         self.head._version += 1
-        for engine in self.rows:
-            engine.crop(tokens_to_remove)
-        self.length += tokens_to_remove
+        for row, (engine, m) in enumerate(zip(self.rows, mine, strict=True)):
+            engine.crop(-m)
+            self.pads[row] -= k - m
+        self.length -= k
 
     def positions(self) -> dict[str, Any]:
         """Each row's positions (see ``CompressedLayer.positions``): a list per segment."""

@@ -16,6 +16,7 @@ from transformers import DynamicCache, LlamaForCausalLM
 
 from kvpolicy import CompressedCache, registry
 from kvpolicy.attention import enable_scores
+from kvpolicy.testing import check_batch_operations
 
 KV_HEADS = 2
 
@@ -100,6 +101,16 @@ def test_left_padded_batch():
             assert row.shape == (1, KV_HEADS, 4 + 3 + 3)
             assert (row[0, :, 4:] == torch.arange(real - 3, real + 3)).all()  # window + 3 generated fed back
             assert (row[0, :, :4] < real - 3).all()
+
+
+@pytest.mark.parametrize("action", ["quantize", "evict"])
+def test_batch_operations_move_every_row_with_its_state(action):
+    """kvpolicy's batch-operation clause: reorder, select and repeat, right after the prompt and after decode
+    steps, give each row the logits of its source row run alone (SnapKV shares one selection across the rows of
+    an unpadded batch, so there the clause checks the per-row tensors; a padded batch runs one engine per row)."""
+    kwargs = dict(bits=2) if action == "quantize" else {}
+    check_batch_operations(lambda: CompressedCache(policy=SnapKV(capacity=6, window=4, recent=3), action=action,
+                                                   **kwargs))  # fmt: skip
 
 
 def test_preset_by_name(monkeypatch):
