@@ -57,14 +57,18 @@ def read_text(path: str | os.PathLike, what: str, limit: int = MAX_BYTES) -> str
         raise ConfigError(f"{name} " + ("is a link to a path that does not exist" if dangling else "does not exist"))
     except OSError as exc:
         raise ConfigError(f"{name} cannot be opened: {exc.strerror or type(exc).__name__}") from None
+    mode = os.fstat(fd)
+    problem = None
+    if stat.S_ISDIR(mode.st_mode):
+        problem = "is a directory, not a file"
+    elif not stat.S_ISREG(mode.st_mode):
+        problem = "is not a regular file (a device, a pipe or a socket); give a file"
+    elif mode.st_size > limit:
+        problem = f"is {mode.st_size} bytes; a {what} is at most {limit} bytes"
+    if problem is not None:
+        os.close(fd)
+        raise ConfigError(f"{name} {problem}")
     with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(f.fileno())
-        if stat.S_ISDIR(mode.st_mode):
-            raise ConfigError(f"{name} is a directory, not a file")
-        if not stat.S_ISREG(mode.st_mode):
-            raise ConfigError(f"{name} is not a regular file (a device, a pipe or a socket); give a file")
-        if mode.st_size > limit:
-            raise ConfigError(f"{name} is {mode.st_size} bytes; a {what} is at most {limit} bytes")
         try:
             data = f.read(limit + 1)
         except OSError as exc:
