@@ -489,7 +489,7 @@ class CompressedCache(Cache):
 
         config = overrides.pop("config", None)
         source = preset_source.resolve(name)
-        cache = cls.from_spec(preset_source.spec(source, **overrides), config)
+        cache = cls.from_spec(specs.CacheSpec.from_source(source, **overrides), config)
         cache.preset = source
         return cache
 

@@ -311,9 +311,7 @@ def _builder(cache_or_preset: Any, config: Any) -> Callable[[], Any]:
     from kvpolicy.spec import CacheSpec
 
     if isinstance(cache_or_preset, (str, os.PathLike)):
-        from kvpolicy import preset_source
-
-        spec = preset_source.spec(preset_source.resolve(cache_or_preset))  # the file is read once
+        spec = CacheSpec.from_preset(cache_or_preset)  # a file is read once
 
         def build() -> CompressedCache:
             return CompressedCache.from_spec(spec, config)

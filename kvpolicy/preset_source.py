@@ -2,7 +2,7 @@
 file shipped with kvpolicy (``"smollm2-8k-2.5bit"``) or the path of a user's preset file.
 
 ``CompressedCache.for_model``, ``from_preset`` and ``from_config``, :func:`kvpolicy.estimate` and the command line
-all go through :func:`resolve`, so a name works (or is refused, with the same ``did you mean``) everywhere alike.
+all go through :func:`resolve` (and :meth:`kvpolicy.spec.CacheSpec.from_source`), so a name works (or is refused, with the same ``did you mean``) everywhere alike.
 
 The rules, in order:
 
@@ -126,20 +126,18 @@ def _warn_if_shadowed(name: str) -> None:
         )
 
 
-def spec(source: PresetSource, **overrides: Any) -> Any:
-    """The :class:`~kvpolicy.spec.CacheSpec` of ``source`` with ``overrides``: a preset's own parameters or cache
-    keywords for a registered preset, cache keywords on top of the ``[cache]`` table for a file.
+def check(name: str | os.PathLike) -> PresetSource:
+    """:func:`resolve`, and for a file, that it exists (the check of a command-line flag, before any work).
 
     Raises
     ------
     ConfigError
-        A bad file (naming it and the problem) or bad overrides.
+        An unknown name, or a preset file that does not exist.
     """
-    from kvpolicy.spec import CacheSpec
-
-    if source.kind == "preset":
-        return CacheSpec.from_registered_preset(source.name, **overrides)
-    return CacheSpec.from_table(read_table(source), str(source), **overrides)
+    source = resolve(name)
+    if source.path is not None and not source.path.exists():
+        raise ConfigError(f"preset file {source.name!r} does not exist")
+    return source
 
 
 #: the largest preset file read (they are a few KiB)

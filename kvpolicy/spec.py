@@ -196,7 +196,23 @@ class CacheSpec:
         """
         from kvpolicy import preset_source
 
-        return preset_source.spec(preset_source.resolve(name), **overrides)
+        return cls.from_source(preset_source.resolve(name), **overrides)
+
+    @classmethod
+    def from_source(cls, source: Any, **overrides: Any) -> CacheSpec:
+        """The spec of a :class:`~kvpolicy.preset_source.PresetSource` with ``overrides``: a registered preset's
+        own parameters or cache keywords for a preset, cache keywords on top of the ``[cache]`` table for a file.
+
+        Raises
+        ------
+        ConfigError
+            A bad file (naming it and the problem) or bad overrides.
+        """
+        from kvpolicy import preset_source
+
+        if source.kind == "preset":
+            return cls.from_registered_preset(source.name, **overrides)
+        return cls.from_table(preset_source.read_table(source), str(source), **overrides)
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> CacheSpec:

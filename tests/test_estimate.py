@@ -360,7 +360,7 @@ def test_presets_page_lists_every_preset_with_the_estimators_numbers():
         row = re.search(rf"^\| `{re.escape(name)}` \| ([0-9.]+) \|", smol, re.M)
         assert row, name
         assert row.group(1) == f"{estimate(config, 512, name).bits_per_element:.2f}", name
-    assert "kvpolicy estimate --model smollm2 --tokens 512 2048 8192 32768" in text
+    assert "kvpolicy estimate --model smollm2 --tokens 512 2k 8k 32k --dtype bfloat16" in text
 
 
 # ---------------------------------------------------------------------- the longest prompt within a budget

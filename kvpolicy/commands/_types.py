@@ -129,7 +129,7 @@ def preset_name(text: str) -> str:
     from kvpolicy.errors import ConfigError
 
     try:
-        preset_source.resolve(text)
+        preset_source.check(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text

@@ -114,7 +114,7 @@ class Variant:
             from kvpolicy import preset_source
 
             try:
-                preset_source.resolve(name.removeprefix("preset:"))
+                preset_source.check(name.removeprefix("preset:"))
             except ConfigError as exc:
                 raise ConfigError(f"cache variant {name!r}: {exc}") from None
             return cls(name, "preset", fused=True)

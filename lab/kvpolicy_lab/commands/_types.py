@@ -57,7 +57,7 @@ def preset_spec(text: str) -> str:
     from kvpolicy import preset_source
 
     try:
-        preset_source.resolve(text.split(":", 1)[0])
+        preset_source.check(text.split(":", 1)[0])
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
