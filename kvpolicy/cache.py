@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvpolicy import distributed, fused, model_check, registry
+from kvpolicy import distributed, fused, model_check
 from kvpolicy import layer_bits as per_layer
 from kvpolicy import spec as specs
 from kvpolicy.actions.base import Action

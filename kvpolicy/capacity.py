@@ -172,8 +172,10 @@ def longest_prompt(
     """
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ConfigError(f"longest_prompt: budget must be a number of bytes >= 1; got budget={budget!r}")
-    curve = composition if isinstance(composition, Curve) else Curve(
-        config, composition, batch=batch, dtype=dtype, on_probe=on_probe
+    curve = (
+        composition
+        if isinstance(composition, Curve)
+        else Curve(config, composition, batch=batch, dtype=dtype, on_probe=on_probe)
     )
     return _search(curve, budget)
 

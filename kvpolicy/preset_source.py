@@ -2,7 +2,8 @@
 file shipped with kvpolicy (``"smollm2-8k-2.5bit"``) or the path of a user's preset file.
 
 ``CompressedCache.for_model``, ``from_preset`` and ``from_config``, :func:`kvpolicy.estimate` and the command line
-all go through :func:`resolve` (and :meth:`kvpolicy.spec.CacheSpec.from_source`), so a name works (or is refused, with the same ``did you mean``) everywhere alike.
+all go through :func:`resolve` (and :meth:`kvpolicy.spec.CacheSpec.from_source`), so a name works (or is refused,
+with the same ``did you mean``) everywhere alike.
 
 The rules, in order:
 
@@ -66,8 +67,11 @@ def names() -> list[str]:
 def looks_like_path(text: str) -> bool:
     """Whether ``text`` was clearly meant as a path: a directory part, a ``.toml`` suffix, absolute, or ``~``."""
     seps = [s for s in (os.sep, os.altsep, "/") if s]
-    return any(s in text for s in seps) or text.lower().endswith(".toml") or text.startswith("~") or (
-        Path(text).is_absolute()
+    return (
+        any(s in text for s in seps)
+        or text.lower().endswith(".toml")
+        or text.startswith("~")
+        or (Path(text).is_absolute())
     )
 
 
@@ -136,7 +140,9 @@ def check(name: str | os.PathLike) -> PresetSource:
     """
     source = resolve(name)
     if source.path is not None and not source.path.exists():
-        raise ConfigError(f"preset file {source.name!r} does not exist")
+        dangling = source.path.is_symlink()
+        problem = "is a link to a path that does not exist" if dangling else "does not exist"
+        raise ConfigError(f"preset file {source.name!r} {problem}")
     return source
 
 

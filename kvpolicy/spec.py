@@ -257,7 +257,9 @@ class CacheSpec:
         except (ConfigError, TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as exc:
             message = " ".join(str(exc).split())
             message = message if len(message) <= 400 else message[:400] + "..."
-            raise ConfigError(f"{where}: its [cache] table is not a composition kvpolicy can build: {message}") from None
+            raise ConfigError(
+                f"{where}: its [cache] table is not a composition kvpolicy can build: {message}"
+            ) from None
 
     def keywords(self) -> dict[str, Any]:
         """The keywords of :meth:`resolve` (and of :class:`~kvpolicy.CompressedCache`) that build this spec."""

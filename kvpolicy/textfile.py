@@ -54,7 +54,8 @@ def read_text(path: str | os.PathLike, what: str, limit: int = MAX_BYTES) -> str
         fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
     except FileNotFoundError:
         dangling = p.is_symlink()
-        raise ConfigError(f"{name} " + ("is a link to a path that does not exist" if dangling else "does not exist"))
+        problem = "is a link to a path that does not exist" if dangling else "does not exist"
+        raise ConfigError(f"{name} {problem}") from None
     except OSError as exc:
         raise ConfigError(f"{name} cannot be opened: {exc.strerror or type(exc).__name__}") from None
     mode = os.fstat(fd)
@@ -93,15 +94,7 @@ def load_toml(path: str | os.PathLike, what: str, limit: int = MAX_BYTES) -> dic
     ConfigError
         Anything :func:`read_text` refuses, malformed TOML (with its line and column) or too deep a nesting.
     """
-    text = read_text(path, what, limit)
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{what} {str(path)!r} is not valid TOML: {exc}") from None
-    except RecursionError:
-        raise ConfigError(f"{what} {str(path)!r} nests tables or arrays too deeply to read") from None
-    check_depth(data, f"{what} {str(path)!r}")
-    return data
+    return _load(path, what, limit, tomllib.loads, tomllib.TOMLDecodeError, "TOML", "tables")
 
 
 def load_json(path: str | os.PathLike, what: str, limit: int = MAX_BYTES) -> Any:
@@ -112,13 +105,19 @@ def load_json(path: str | os.PathLike, what: str, limit: int = MAX_BYTES) -> Any
     ConfigError
         Anything :func:`read_text` refuses, malformed JSON (with its line and column) or too deep a nesting.
     """
+    return _load(path, what, limit, json.loads, json.JSONDecodeError, "JSON", "objects")
+
+
+def _load(
+    path: str | os.PathLike, what: str, limit: int, parse: Any, error: type[Exception], language: str, tables: str
+) -> Any:
     text = read_text(path, what, limit)
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{what} {str(path)!r} is not valid JSON: {exc}") from None
+        data = parse(text)
+    except error as exc:
+        raise ConfigError(f"{what} {str(path)!r} is not valid {language}: {exc}") from None
     except RecursionError:
-        raise ConfigError(f"{what} {str(path)!r} nests objects or arrays too deeply to read") from None
+        raise ConfigError(f"{what} {str(path)!r} nests {tables} or arrays too deeply to read") from None
     check_depth(data, f"{what} {str(path)!r}")
     return data
 

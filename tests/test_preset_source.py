@@ -4,6 +4,7 @@ read as untrusted input (kvpolicy.textfile), and model folders read without runn
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import warnings
@@ -60,7 +61,9 @@ def test_every_entry_point_suggests_the_same_closest_name(model, name, suggestio
     ):
         with pytest.raises(ConfigError, match=re.escape(hint)) as info:
             build()
-        assert "preset files shipped with kvpolicy: gemma3-270m-3.5bit, smollm2-3bit, smollm2-8k-2.5bit" in str(info.value)
+        assert "preset files shipped with kvpolicy: gemma3-270m-3.5bit, smollm2-3bit, smollm2-8k-2.5bit" in str(
+            info.value
+        )
     status, _, err = _cli(["estimate", "--model", "tiny-llama", "--tokens", "64", "--preset", name], capsys)
     assert status == 2 and hint in _one_line(err)
 
@@ -196,11 +199,11 @@ def _evil_folder(tmp_path: Path, model_type: str) -> tuple[Path, Path]:
     """A model folder whose config names a configuration module that writes a marker file when imported."""
     folder, marker = tmp_path / "evil-model", tmp_path / "EXECUTED"
     folder.mkdir()
-    (folder / "config.json").write_text(
-        '{"model_type": "%s", "auto_map": {"AutoConfig": "configuration_evil.EvilConfig", '
-        '"AutoModelForCausalLM": "modeling_evil.EvilModel"}, "num_hidden_layers": 2, "num_attention_heads": 4, '
-        '"num_key_value_heads": 2, "hidden_size": 256, "head_dim": 64, "vocab_size": 128}' % model_type
-    )
+    config = {"model_type": model_type, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "hidden_size": 256, "head_dim": 64, "vocab_size": 128,
+              "auto_map": {"AutoConfig": "configuration_evil.EvilConfig",
+                           "AutoModelForCausalLM": "modeling_evil.EvilModel"}}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
     code = f"open({str(marker)!r}, 'w').write('ran')\nfrom transformers import LlamaConfig as EvilConfig\n"
     (folder / "configuration_evil.py").write_text(code)
     (folder / "modeling_evil.py").write_text(code)

@@ -116,7 +116,9 @@ def choice_of(kind: str, known: Callable[[], list[str]]) -> Callable[[str], str]
         names = known()
         if text in names:
             return text
-        raise argparse.ArgumentTypeError(f"unknown {kind} {text!r}{did_you_mean(text, names)} (one of: {', '.join(names)})")
+        raise argparse.ArgumentTypeError(
+            f"unknown {kind} {text!r}{did_you_mean(text, names)} (one of: {', '.join(names)})"
+        )
 
     parse.__name__ = kind
     return parse

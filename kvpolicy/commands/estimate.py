@@ -142,7 +142,10 @@ def fits_table(rows: list[tuple[str, Any]], dynamic: Any, markdown: bool = False
 def _format(head: list[str], lines: list[list[str]], markdown: bool) -> str:
     """``head`` and ``lines`` as aligned text (numbers right-aligned) or a Markdown table."""
     if markdown:
-        out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"]
+        out = [
+            "| " + " | ".join(head) + " |",
+            "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|",
+        ]
         return "\n".join(out + ["| " + " | ".join(cells) + " |" for cells in lines])
     widths = [max(len(c[i]) for c in [head, *lines]) for i in range(len(head))]
     return "\n".join(
@@ -233,7 +236,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument("--model", type=model_name, required=True,
                    help="smollm2, gemma3-270m, tiny-<llama|qwen2|phi3|mistral>[-LAYERS], a local model folder or "
-                   ".gguf file, or a hub id (its config, from the local Hugging Face cache unless --online)")  # fmt: skip
+                   ".gguf file, or a hub id (its config, from the local Hugging Face cache unless "
+                   "--online)")  # fmt: skip
     add_list(p, "--tokens", prompt_length, metavar="N",
              help="prompt lengths: 512, 2k, 8k, 128k (k = 1024)")  # fmt: skip
     p.add_argument("--memory", type=memory_size, metavar="SIZE",
@@ -248,8 +252,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=positive_int, default=1, help="batch rows, each holding the whole prompt")
     p.add_argument("--plot", type=Path, metavar="FILE",
                    help="also draw bytes held against prompt length for each preset and DynamicCache, on log axes, "
-                   "to this image file (.png, .svg, .pdf; needs matplotlib: pip install \"kvpolicy[plot]\")")  # fmt: skip
+                   "to this image file (.png, .svg, .pdf; needs matplotlib: pip install "
+                   "\"kvpolicy[plot]\")")  # fmt: skip
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (it shows when a run takes over a second)")
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (it shows when a run takes over a second)"
+    )
     p.add_argument("--online", action="store_true", help="allow downloading a hub model's config")
     p.set_defaults(func=_run)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from lab_fixtures import no_model_load  # noqa: F401  (pytest fixture)
 
-import kvpolicy_lab.bench.decode
-import kvpolicy_lab.eval.models
-import kvpolicy_lab.eval.runner
 from kvpolicy.cli import build_parser, main
+
+pytestmark = pytest.mark.usefixtures("no_model_load")
 
 #: options whose values are names checked by their own type, and a near miss of an allowed one
 NAMED = {
@@ -78,17 +78,6 @@ def _near_miss(choices) -> str:
     if first.isdigit():
         return str(max(int(c) for c in choices) + 1)
     return first[:-2] + first[-1] if len(first) > 2 else first + "x"
-
-
-@pytest.fixture(autouse=True)
-def no_model_load(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded before the bad value was reported")
-
-    monkeypatch.setattr(kvpolicy_lab.eval.models, "load_smollm2", refuse)
-    monkeypatch.setattr(kvpolicy_lab.eval.models, "load_model", refuse)
-    monkeypatch.setattr(kvpolicy_lab.eval.runner, "open_model", refuse)
-    monkeypatch.setattr(kvpolicy_lab.bench.decode, "load", refuse)
 
 
 def _refusal(argv: list[str], capsys) -> str:

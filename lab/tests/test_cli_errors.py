@@ -11,10 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from lab_fixtures import no_model_load  # noqa: F401  (pytest fixture)
 
-import kvpolicy_lab.bench.decode
-import kvpolicy_lab.eval.models
-import kvpolicy_lab.eval.runner
 from kvpolicy import registry
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.cli import main
@@ -23,17 +21,7 @@ from kvpolicy.hookspecs import hookimpl
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 
 
-@pytest.fixture(autouse=True)
-def no_model_load(monkeypatch):
-    """Every bad command must stop before a model is loaded: loading one fails the test."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded before the bad value was reported")
-
-    monkeypatch.setattr(kvpolicy_lab.eval.models, "load_smollm2", refuse)
-    monkeypatch.setattr(kvpolicy_lab.eval.models, "load_model", refuse)
-    monkeypatch.setattr(kvpolicy_lab.eval.runner, "open_model", refuse)
-    monkeypatch.setattr(kvpolicy_lab.bench.decode, "load", refuse)
+pytestmark = pytest.mark.usefixtures("no_model_load")
 
 
 def _fail(argv: list[str], capsys) -> str:

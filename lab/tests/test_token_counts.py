@@ -47,9 +47,8 @@ def test_every_token_flag_uses_the_one_parser():
                                              ("128k", 131072), ("1m", 1 << 20)])  # fmt: skip
 def test_token_counts_take_k_suffixes_everywhere(text, value):
     for cmd, flag, action in _flags():
-        if (cmd, flag) in TOKEN_FLAGS:
-            if (cmd, flag) == ("estimate", "--tokens") or value >= 8:
-                assert action.type(text) == value, (cmd, flag)
+        if (cmd, flag) in TOKEN_FLAGS and ((cmd, flag) == ("estimate", "--tokens") or value >= 8):
+            assert action.type(text) == value, (cmd, flag)
 
 
 @pytest.mark.parametrize("text", ["2kk", "abc", "2.5k", "-3", "k", "1e3", "", "99999999999999"])
