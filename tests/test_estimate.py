@@ -482,3 +482,53 @@ def test_command_plot_without_matplotlib_names_the_extra(tmp_path, capsys, monke
     assert err.strip() == (
         'kvpolicy estimate: error: --plot needs matplotlib, which is not installed: pip install "kvpolicy[plot]"'
     )
+
+
+# ---------------------------------------------------------------------- the progress bar
+class _Terminal:
+    """A stream that says it is a terminal and keeps what is written (a StringIO's isatty says no)."""
+
+    def __init__(self):
+        import io
+
+        self.buffer = io.StringIO()
+
+    def isatty(self):
+        return True
+
+    def write(self, text):
+        return self.buffer.write(text)
+
+    def flush(self):
+        pass
+
+
+def test_the_progress_bar_appears_only_for_a_run_past_its_delay_and_names_the_work():
+    from kvpolicy.commands._progress import Progress
+
+    term = _Terminal()
+    progress = Progress(3, "estimating", file=term)
+    assert progress._timer is not None  # a terminal: the bar is due after the delay
+    progress.working_on("kvpolicy-3bit at 131,072 tokens")
+    progress._show()  # what the timer does once the delay has passed
+    progress.advance()
+    assert progress._bar.n == 1 and progress._bar.total == 3
+    progress.close()
+    shown = term.buffer.getvalue()
+    assert "estimating" in shown and "0/3" in shown and "kvpolicy-3bit at 131,072 tokens" in shown
+
+    quick = _Terminal()
+    progress = Progress(3, "estimating", file=quick)
+    progress.close()  # a run that ended before the delay
+    progress._show()  # a timer firing late draws nothing
+    assert quick.buffer.getvalue() == ""
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_no_progress_bar_off_a_terminal_or_with_no_progress(enabled):
+    import io
+
+    from kvpolicy.commands._progress import Progress
+
+    assert Progress(3, "estimating", enabled=enabled, file=io.StringIO())._timer is None
+    assert Progress(3, "estimating", enabled=False, file=_Terminal())._timer is None

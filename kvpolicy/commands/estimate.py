@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -166,10 +165,9 @@ def _run(args: argparse.Namespace) -> int:
         check_plot_file(args.plot)  # before any work: matplotlib installed, a file that can be written
     if not args.online:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missing model fails in seconds, not after retries
-    from tqdm.auto import tqdm
-
     from kvpolicy import registry
     from kvpolicy.capacity import DYNAMIC, LATTICE, Curve, longest_prompt
+    from kvpolicy.commands._progress import Progress
     from kvpolicy.estimation import _count, estimate
 
     config = model_config(args.model, args.online)
@@ -181,29 +179,26 @@ def _run(args: argparse.Namespace) -> int:
         "prompt of each length (no decode tokens)"
     )
     total = len(presets) * len(args.tokens or []) + (len(presets) + 1 if args.memory else 0)
-    bar = tqdm(total=total or None, desc="estimating", unit="cache", delay=1.0, file=sys.stderr, leave=False,
-               disable=True if args.no_progress else None)  # fmt: skip
-
-    def probing(name: str) -> Any:
-        return lambda n: bar.set_postfix_str(f"{name} at {n:,} tokens", refresh=True)
-
-    curves = {name: Curve(config, name, batch=args.batch, dtype=args.dtype, on_probe=probing(name))
-              for name in [DYNAMIC, *presets]}  # fmt: skip
-    if args.tokens:
+    progress = Progress(total or None, "estimating", enabled=not args.no_progress)
+    try:
+        curves = {name: Curve(config, name, batch=args.batch, dtype=args.dtype, on_probe=_probing(progress, name))
+                  for name in [DYNAMIC, *presets]}  # fmt: skip
         rows = []
         for name in presets:
-            for n in args.tokens:
-                probing(name)(n)
+            for n in args.tokens or []:
+                _probing(progress, name)(n)
                 rows.append((name, estimate(config, n, name, batch=args.batch, dtype=args.dtype)))
-                bar.update()
+                progress.advance()
+        fits = {}
+        if args.memory is not None:
+            for name, curve in curves.items():
+                fits[name] = longest_prompt(config, args.memory, curve)
+                progress.advance()
+    finally:
+        progress.close()
+    if rows:
         print()
         print(table(rows, args.markdown))
-    fits = {}
-    if args.memory is not None:
-        for name, curve in curves.items():
-            fits[name] = longest_prompt(config, args.memory, curve)
-            bar.update()
-    bar.close()
     if fits:
         from kvpolicy.memory import _human
 
@@ -219,6 +214,11 @@ def _run(args: argparse.Namespace) -> int:
         plot_bytes(curves, args.plot, max(longest, 2 * LATTICE), args.memory, f"{args.model}, {args.dtype}")
         print(f"\nplot written to {args.plot}")
     return 0
+
+
+def _probing(progress: Any, name: str) -> Any:
+    """The callback that shows the cache and the prompt length an estimate is made for."""
+    return lambda n: progress.working_on(f"{name} at {n:,} tokens")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
