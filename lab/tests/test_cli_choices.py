@@ -136,3 +136,10 @@ def test_a_model_not_here_is_refused_without_grid_words(capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     line = _refusal(["demo", "--model", "no-such-org/no-such-model"], capsys)
     assert "--online" in line
+
+
+def test_a_misspelt_model_in_a_grid_file_gets_the_same_suggestion(tmp_path, capsys):
+    config = tmp_path / "grid.toml"
+    config.write_text('models = ["smolm2"]\n[[caches]]\nkind = "dynamic"\n')
+    line = _refusal(["ablate", "--out", str(tmp_path / "run"), "--config", str(config)], capsys)
+    assert "unknown model 'smolm2'; did you mean 'smollm2'?" in line

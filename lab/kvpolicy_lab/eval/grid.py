@@ -520,6 +520,14 @@ def check_model_available(name: str, online: bool) -> None:
     from kvpolicy.tiny import parse_tiny
     from kvpolicy_lab.eval.gemma import ALIASES as GEMMA3
 
+    import argparse
+
+    from kvpolicy.commands._types import model_name
+
+    try:
+        model_name(name)  # a misspelt built-in name or tiny family: refused with the closest one
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigError(str(exc)) from None
     if parse_tiny(name) is not None or name.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct", *GEMMA3):
         return
     path = Path(name).expanduser()
