@@ -517,12 +517,11 @@ def grid_from_dict(d: dict[str, Any]) -> Grid:
 
 def check_model_available(name: str, online: bool) -> None:
     """Fail fast, before any work, for a model that cannot be loaded here."""
-    from kvpolicy.tiny import parse_tiny
-    from kvpolicy_lab.eval.gemma import ALIASES as GEMMA3
-
     import argparse
 
     from kvpolicy.commands._types import model_name
+    from kvpolicy.tiny import parse_tiny
+    from kvpolicy_lab.eval.gemma import ALIASES as GEMMA3
 
     try:
         model_name(name)  # a misspelt built-in name or tiny family: refused with the closest one
