@@ -240,7 +240,17 @@ class CacheSpec:
             raise ConfigError(f"preset {name!r}: {exc}") from exc
         if isinstance(keywords, CacheSpec):
             keywords = keywords.keywords()
-        return cls.resolve(**{**keywords, **{k: v for k, v in overrides.items() if k not in accepted}})
+        rest = {k: v for k, v in overrides.items() if k not in accepted}
+        try:
+            return cls.resolve(**{**keywords, **rest})
+        except ConfigError as exc:
+            if not str(exc).startswith("unknown keyword(s)"):
+                raise
+            close = {k: difflib.get_close_matches(k, sorted(accepted), n=1) for k in sorted(rest)}
+            hint = ", ".join(f"{m[0]!r} for {k!r}" for k, m in close.items() if m)
+            raise ConfigError(
+                f"{exc}; preset {name!r} itself takes {sorted(accepted)}" + (f"; did you mean {hint}?" if hint else "")
+            ) from None
 
     @classmethod
     def from_table(cls, table: Mapping[str, Any], where: str, **overrides: Any) -> CacheSpec:

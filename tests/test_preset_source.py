@@ -243,3 +243,9 @@ def test_a_malformed_model_config_is_one_clear_line(tmp_path, capsys, content, m
 
 def test_registry_presets_and_shipped_files_do_not_collide():
     assert not set(registry.names("presets")) & set(preset_files.names())
+
+
+def test_a_misspelt_preset_parameter_suggests_the_presets_own():
+    with pytest.raises(ConfigError, match=r"preset 'logquant' itself takes \['bits', 'budget', 'group_size'\]; did "
+                       r"you mean 'budget' for 'budgt'\?"):  # fmt: skip
+        CompressedCache.from_preset("logquant", budgt=3)
