@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvpolicy import distributed, fused, model_check, registry
+from kvpolicy import distributed, fused, model_check
 from kvpolicy import layer_bits as per_layer
 from kvpolicy import spec as specs
 from kvpolicy.actions.base import Action
@@ -318,6 +318,9 @@ class CompressedCache(Cache):
         """Set up this cache for ``spec`` and the model's ``config``: the backend ``"auto"`` stands for, the
         per-layer actions, the defaults adapted to the backend, and the layers ``config`` describes."""
         self._auto = spec.backend is None
+        #: what the cache was loaded from (:meth:`from_preset`, :meth:`from_config`, :meth:`for_model` with a
+        #: preset): a :class:`~kvpolicy.preset_source.PresetSource`; ``None`` for a cache built from keywords
+        self.preset: Any = None
         self.policy: Policy = spec.policy
         self.action: Action = spec.action
         self.transform: Transform = spec.transform
@@ -458,9 +461,10 @@ class CompressedCache(Cache):
         ----------
         model : transformers.PreTrainedModel
             The model the cache will serve (only its ``config`` is read).
-        preset : str, optional
-            A preset name (:meth:`from_preset`, e.g. ``"kvpolicy-3bit"``), a preset file's name or path
-            (:meth:`from_config`), or ``None`` for ``CompressedCache(**kwargs)``.
+        preset : str or pathlib.Path, optional
+            A registered preset (``"kvpolicy-3bit"``), a preset file shipped with kvpolicy
+            (``"smollm2-8k-2.5bit"``) or a preset file's path (:meth:`from_preset`), or ``None`` for
+            ``CompressedCache(**kwargs)``.
         **kwargs
             Keywords of :class:`CompressedCache` (or the preset's overrides); not ``config``.
 
@@ -468,7 +472,8 @@ class CompressedCache(Cache):
         ------
         ConfigError
             If ``model`` has no transformers config, declares no attention layer, or has layers of a type
-            transformers has no cache layer for (the error names the model class); or for bad keywords.
+            transformers has no cache layer for (the error names the model class); for an unknown preset (with
+            the closest known name) or a bad preset file; or for bad keywords.
         """
         if "config" in kwargs:
             raise ConfigError(
@@ -477,9 +482,7 @@ class CompressedCache(Cache):
         config = model_check.check_model(model)
         if preset is None:
             return cls(config=config, **kwargs)
-        if preset in registry.names("presets"):
-            return cls.from_preset(preset, config=config, **kwargs)
-        return cls.from_config(preset, config=config, **kwargs)
+        return cls.from_preset(preset, config=config, **kwargs)
 
     @classmethod
     def from_config(cls, path: str | Path, **overrides: Any) -> CompressedCache:
@@ -488,25 +491,41 @@ class CompressedCache(Cache):
 
         ``path`` is a file's path, or the name of a preset file shipped with kvpolicy
         (:func:`kvpolicy.preset_files.names`: ``"gemma3-270m-3.5bit"``, ``"smollm2-3bit"``,
-        ``"smollm2-8k-2.5bit"``).
+        ``"smollm2-8k-2.5bit"``), or any other name :meth:`from_preset` takes: the two share one resolver
+        (:mod:`kvpolicy.preset_source`).
 
         Raises
         ------
         ConfigError
-            If the file cannot be read or parsed, has no ``[cache]`` table, or its keywords are bad.
+            If the file cannot be read or parsed, has no ``[cache]`` table, or its keywords are bad (the message
+            names the file and the problem), or the name is unknown.
         """
-        config = overrides.pop("config", None)
-        return cls.from_spec(specs.CacheSpec.from_file(path, **overrides), config)
+        return cls.from_preset(path, **overrides)
 
     @classmethod
-    def from_preset(cls, name: str, **overrides: Any) -> CompressedCache:
-        """Build a published method by name (``"logquant"``, ``"logquant-4bit"``...).
+    def from_preset(cls, name: str | Path, **overrides: Any) -> CompressedCache:
+        """A cache from a preset: a registered one (``"logquant"``, ``"kvpolicy-3bit"``...; ``kvpolicy list``
+        shows them), a preset file shipped with kvpolicy (``"smollm2-8k-2.5bit"``) or a preset file's path.
 
-        ``overrides`` are the preset's own parameters (e.g. ``budget=128``) or cache keywords
-        (e.g. ``layout="agnostic"``, ``backend="torch"``).
+        A bare name is a preset's even when a file of that name is in the working directory (a warning says
+        so); write ``./name``, a ``.toml`` suffix or an absolute path to load a file. The cache's ``preset``
+        attribute tells what was loaded (a :class:`~kvpolicy.preset_source.PresetSource`).
+
+        ``overrides`` are a registered preset's own parameters (e.g. ``budget=128``) or cache keywords
+        (e.g. ``layout="agnostic"``, ``backend="torch"``, ``config=model.config``).
+
+        Raises
+        ------
+        ConfigError
+            An unknown name (with the closest known one), a bad preset file, or bad overrides.
         """
+        from kvpolicy import preset_source
+
         config = overrides.pop("config", None)
-        return cls.from_spec(specs.CacheSpec.from_preset(name, **overrides), config)
+        source = preset_source.resolve(name)
+        cache = cls.from_spec(specs.CacheSpec.from_source(source, **overrides), config)
+        cache.preset = source
+        return cache
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any

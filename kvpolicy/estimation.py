@@ -24,13 +24,14 @@ layer composition: for a 30-layer model with one composition, two layers' worth 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
 import torch
 
-from kvpolicy.errors import ConfigError, did_you_mean
+from kvpolicy.errors import ConfigError
 from kvpolicy.memory import SEGMENTS, LayerBytes, MemoryReport, _human
 
 #: the largest prompt :func:`estimate` accepts: its probe holds ``2 * tokens * head_dim`` elements of the
@@ -185,8 +186,9 @@ def estimate(
     tokens : int or sequence of int
         The prompt length, ``1 <= tokens <=`` :data:`MAX_TOKENS`; a sequence gives one result per
         length, in its order.
-    cache_or_preset : str, mapping, CacheSpec or CompressedCache
-        The composition: a preset name (:meth:`CompressedCache.from_preset`), a mapping of
+    cache_or_preset : str, pathlib.Path, mapping, CacheSpec or CompressedCache
+        The composition: a preset's name or a preset file's name or path (:meth:`CompressedCache.from_preset`),
+        a mapping of
         :class:`~kvpolicy.cache.CompressedCache` keywords (without ``config``), a
         :class:`~kvpolicy.spec.CacheSpec`, or a cache that holds
         no tokens yet (its composition is copied; the cache itself is not touched).
@@ -308,11 +310,11 @@ def _builder(cache_or_preset: Any, config: Any) -> Callable[[], Any]:
     from kvpolicy.cache import CompressedCache
     from kvpolicy.spec import CacheSpec
 
-    if isinstance(cache_or_preset, str):
-        _check_preset(cache_or_preset)
+    if isinstance(cache_or_preset, (str, os.PathLike)):
+        spec = CacheSpec.from_preset(cache_or_preset)  # a file is read once
 
         def build() -> CompressedCache:
-            return CompressedCache.from_preset(cache_or_preset, config=config)
+            return CompressedCache.from_spec(spec, config)
 
     elif isinstance(cache_or_preset, Mapping):
         kwargs = dict(cache_or_preset)
@@ -338,14 +340,6 @@ def _builder(cache_or_preset: Any, config: Any) -> Callable[[], Any]:
         )
     build()  # a bad composition is refused now, before any length is probed
     return build
-
-
-def _check_preset(name: str) -> None:
-    from kvpolicy import registry
-
-    known = registry.names("presets")
-    if name not in known:
-        raise ConfigError(f"estimate: unknown preset {name!r}{did_you_mean(name, known)} (presets: {', '.join(known)})")
 
 
 def _spec(given: Any) -> Any:
@@ -424,6 +418,10 @@ def _feed(cache: Any, indices: list[int], tokens: int, head_dim: int, dtype: tor
             if isinstance(layer, CompressedLayer) and layer.policy.needs_scores:
                 layer.observe_attention(torch.rand((1, out[0].shape[-2]), generator=generator))
             feed_random_queries(layer, keys, generator)
+            if isinstance(layer, CompressedLayer):
+                # demote the prompt now, as the model's next forward would; left to the next layer's update, the
+                # release would first demote it into a copy of the store to set its centres (twice the work)
+                layer.memory()
             del out, keys, values
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
-import tomllib
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -180,13 +179,58 @@ class CacheSpec:
         )
 
     @classmethod
-    def from_preset(cls, name: str, **overrides: Any) -> CacheSpec:
-        """The spec of a registered preset (``"logquant"``, ``"kvpolicy-3bit"``...).
+    def from_preset(cls, name: str | Path, **overrides: Any) -> CacheSpec:
+        """The spec of a preset: a registered preset (``"logquant"``, ``"kvpolicy-3bit"``...), a preset file
+        shipped with kvpolicy (``"smollm2-8k-2.5bit"``) or a preset file's path, as
+        :func:`kvpolicy.preset_source.resolve` finds it.
 
-        ``overrides`` that are parameters of the preset function go to it (e.g. ``budget=128``); the
-        rest are cache keywords (e.g. ``layout="agnostic"``, ``backend="torch"``) and replace what the
-        preset returns.
+        ``overrides`` that are parameters of a registered preset's function go to it (e.g. ``budget=128``);
+        the rest are cache keywords (e.g. ``layout="agnostic"``, ``backend="torch"``) and replace what the
+        preset gives.
+
+        Raises
+        ------
+        ConfigError
+            An unknown name (with the closest known one), a bad preset file (naming it and the problem), or
+            bad overrides.
         """
+        from kvpolicy import preset_source
+
+        return cls.from_source(preset_source.resolve(name), **overrides)
+
+    @classmethod
+    def from_source(cls, source: Any, **overrides: Any) -> CacheSpec:
+        """The spec of a :class:`~kvpolicy.preset_source.PresetSource` with ``overrides``: a registered preset's
+        own parameters or cache keywords for a preset, cache keywords on top of the ``[cache]`` table for a file.
+
+        Raises
+        ------
+        ConfigError
+            A bad file (naming it and the problem) or bad overrides.
+        """
+        from kvpolicy import preset_source
+
+        if source.kind == "preset":
+            return cls.from_registered_preset(source.name, **overrides)
+        return cls.from_table(preset_source.read_table(source), str(source), **overrides)
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> CacheSpec:
+        """The spec of a preset file: the ``[cache]`` table of a TOML file (what ``kvpolicy tune``
+        writes), ``overrides`` on top. ``path`` is a file's path or any name :meth:`from_preset` takes
+        (a shipped preset file's, a registered preset's).
+
+        Raises
+        ------
+        ConfigError
+            If the file cannot be read or parsed, has no ``[cache]`` table, or its keywords are bad (the
+            message names the file).
+        """
+        return cls.from_preset(path, **overrides)
+
+    @classmethod
+    def from_registered_preset(cls, name: str, **overrides: Any) -> CacheSpec:
+        """The spec of the registered preset ``name`` (see :meth:`from_preset`)."""
         fn = registry.get("presets", name)
         accepted = set(inspect.signature(fn).parameters)
         own = {k: v for k, v in overrides.items() if k in accepted}
@@ -196,32 +240,36 @@ class CacheSpec:
             raise ConfigError(f"preset {name!r}: {exc}") from exc
         if isinstance(keywords, CacheSpec):
             keywords = keywords.keywords()
-        return cls.resolve(**{**keywords, **{k: v for k, v in overrides.items() if k not in accepted}})
+        rest = {k: v for k, v in overrides.items() if k not in accepted}
+        try:
+            return cls.resolve(**{**keywords, **rest})
+        except ConfigError as exc:
+            if not str(exc).startswith("unknown keyword(s)"):
+                raise
+            close = {k: difflib.get_close_matches(k, sorted(accepted), n=1) for k in sorted(rest)}
+            hint = ", ".join(f"{m[0]!r} for {k!r}" for k, m in close.items() if m)
+            raise ConfigError(
+                f"{exc}; preset {name!r} itself takes {sorted(accepted)}" + (f"; did you mean {hint}?" if hint else "")
+            ) from None
 
     @classmethod
-    def from_file(cls, path: str | Path, **overrides: Any) -> CacheSpec:
-        """The spec of a preset file: the ``[cache]`` table of a TOML file (what ``kvpolicy tune``
-        writes), ``overrides`` on top. ``path`` is a file's path or the name of a preset file shipped
-        with kvpolicy (:func:`kvpolicy.preset_files.names`).
+    def from_table(cls, table: Mapping[str, Any], where: str, **overrides: Any) -> CacheSpec:
+        """The spec of a preset file's ``[cache]`` table (untrusted data), ``overrides`` on top.
 
         Raises
         ------
         ConfigError
-            If the file cannot be read or parsed, has no ``[cache]`` table, or its keywords are bad.
+            Whatever is wrong with the table's keywords, prefixed with ``where`` (the file).
         """
-        from kvpolicy import preset_files
-
-        p = preset_files.resolve(path)
+        keywords = {**table, **overrides}
         try:
-            data = tomllib.loads(p.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"from_config: cannot read preset file {str(p)!r}: {exc}") from None
-        table = data.get("cache")
-        if not isinstance(table, dict):
+            return cls.resolve(**keywords)
+        except (ConfigError, TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as exc:
+            message = " ".join(str(exc).split())
+            message = message if len(message) <= 400 else message[:400] + "..."
             raise ConfigError(
-                f"from_config: {str(p)!r} has no [cache] table (the CompressedCache keywords); it has {sorted(data)}"
-            )
-        return cls.resolve(**{**table, **overrides})
+                f"{where}: its [cache] table is not a composition kvpolicy can build: {message}"
+            ) from None
 
     def keywords(self) -> dict[str, Any]:
         """The keywords of :meth:`resolve` (and of :class:`~kvpolicy.CompressedCache`) that build this spec."""

@@ -261,5 +261,5 @@ def test_shipped_preset_files_load_by_name_and_misspellings_get_a_suggestion():
     assert repr(CompressedCache.from_config("smollm2-3bit")) == repr(want)
     with pytest.raises(ConfigError, match=r"did you mean 'smollm2-3bit'\?"):
         CompressedCache.from_config("smollm2-3bits")
-    with pytest.raises(ConfigError, match=r"cannot read preset file"):
+    with pytest.raises(ConfigError, match=r"preset file 'no/such/file.toml' does not exist"):
         CompressedCache.from_config("no/such/file.toml")

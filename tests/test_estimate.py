@@ -300,7 +300,7 @@ def test_command_prints_one_row_per_preset_and_length(capsys):
 
 def test_command_on_gemma3_adds_the_compressed_layers_column(capsys):
     status, out = _run(["estimate", "--model", "gemma3-270m", "--tokens", "600", "--preset", "logquant",
-                        "--markdown"], capsys)  # fmt: skip
+                        "--markdown", "--dtype", "bfloat16"], capsys)  # fmt: skip
     assert status == 0
     assert "18 layers (3 compressed), 1 kv head, head_dim 256; bfloat16" in out
     assert "| preset | tokens | bits/element | compressed layers' bits | bytes held |" in out
@@ -309,10 +309,13 @@ def test_command_on_gemma3_adds_the_compressed_layers_column(capsys):
 @pytest.mark.parametrize(
     ("argv", "match"),
     [
-        (["--tokens", "0"], r"argument --tokens: must be an integer >= 1; got '0'"),
-        (["--tokens", "-8"], r"argument --tokens: must be an integer >= 1; got '-8'"),
+        (["--tokens", "0"], r"argument --tokens: must be a token count from 1 to 1048576; got '0'"),
+        (["--tokens", "-8"], r"argument --tokens: must be a token count such as 512, 2k, 8k or 128k \(k = 1024\)"),
+        (["--tokens", "2kk"], r"argument --tokens: must be a token count such as 512, 2k, 8k or 128k"),
+        (["--memory", "4G"], r"argument --memory: must be a number and a unit.*did you mean 4GiB or 4GB\?"),
+        (["--memory", "4"], r"argument --memory: must be a number and a unit: 512MiB, 4GiB, 4GB"),
         (["--tokens", "512,2048"], r"is comma-separated; --tokens takes its values separated by spaces"),
-        (["--tokens", str(MAX_TOKENS + 1)], r"must be an integer in \[1, 1048576\]"),
+        (["--tokens", str(MAX_TOKENS + 1)], r"must be a token count from 1 to 1048576"),
         (
             ["--tokens", "512", "--preset", "kvpolicy-3bits"],
             r"unknown preset 'kvpolicy-3bits'; did you mean "
@@ -329,6 +332,8 @@ def test_command_on_gemma3_adds_the_compressed_layers_column(capsys):
 )
 def test_bad_command_lines_are_one_line_and_exit_2(argv, match, capsys):
     full = ["estimate", "--model", "tiny-llama", *argv]
+    if "--tokens" not in argv and "--memory" not in argv:
+        full += ["--tokens", "512"]
     try:
         status = main(full)
     except SystemExit as exc:
@@ -355,4 +360,175 @@ def test_presets_page_lists_every_preset_with_the_estimators_numbers():
         row = re.search(rf"^\| `{re.escape(name)}` \| ([0-9.]+) \|", smol, re.M)
         assert row, name
         assert row.group(1) == f"{estimate(config, 512, name).bits_per_element:.2f}", name
-    assert "kvpolicy estimate --model smollm2 --tokens 512 2048 8192 32768" in text
+    assert "kvpolicy estimate --model smollm2 --tokens 512 2k 8k 32k --dtype bfloat16" in text
+
+
+# ---------------------------------------------------------------------- the longest prompt within a budget
+def _tiny_config():
+    from kvpolicy.commands.estimate import model_config
+
+    return model_config("tiny-llama")  # 2 layers, 2 kv heads of 64
+
+
+@pytest.mark.parametrize(
+    ("composition", "budget"),
+    [
+        ("kvpolicy-3bit", 3 << 20),  # past three lattice steps: extended along the checked step
+        ("logquant", 3 << 20),
+        ("kivi", 1 << 20),
+        ("kvpolicy-4.5bit", 100 << 10),  # before the first lattice step: exact estimates only
+        ({"policy": "log", "window": 100, "bits": 2}, 3 << 20),  # windows that do not divide the lattice step
+        ("DynamicCache", 3 << 20),
+    ],
+    ids=["kvpolicy-3bit", "logquant", "kivi", "short", "window-100", "dynamic"],
+)
+def test_the_longest_prompt_fits_and_one_more_token_does_not(composition, budget):
+    """The answer is exact: the estimate at that length fits the budget and the estimate one token later does not,
+    whether the search extended the bytes along the lattice step or estimated every length it tried."""
+    from kvpolicy.capacity import DYNAMIC, longest_prompt
+
+    config = _tiny_config()
+    probes = []
+    fit = longest_prompt(config, budget, composition, dtype="bfloat16", on_probe=probes.append)
+    assert 0 < fit.tokens < 10**6 and not fit.unbounded
+    what = {"policy": "log", "action": "none"} if composition == DYNAMIC else composition
+    at, after = estimate(config, [fit.tokens, fit.tokens + 1], what, dtype=torch.bfloat16)
+    held = (lambda e: e.dynamic_bytes) if composition == DYNAMIC else (lambda e: e.total_bytes)
+    assert held(at) == fit.bytes_held <= budget < held(after)
+    assert max(probes) <= 3 * 5376 or not fit.extrapolated  # extended answers never estimate long prompts
+    if composition == DYNAMIC:  # 2 layers x 2 kv heads x (keys + values) x 64 x 2 bytes per token
+        assert fit.tokens == budget // (2 * 2 * 2 * 64 * 2)
+
+
+def test_a_cache_that_stops_growing_fits_any_prompt():
+    from kvpolicy.capacity import MAX_PROMPT, longest_prompt
+
+    config = _tiny_config()
+    fit = longest_prompt(config, 1 << 30, "streamingllm", dtype="bfloat16")
+    assert fit.unbounded and fit.tokens == MAX_PROMPT
+    assert fit.bytes_held == estimate(config, 40_000, "streamingllm", dtype=torch.bfloat16).total_bytes
+
+
+def test_a_budget_below_one_token_fits_nothing_and_bad_budgets_are_refused():
+    from kvpolicy.capacity import longest_prompt
+
+    assert longest_prompt(_tiny_config(), 10, "kvpolicy-3bit").tokens == 0
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="budget must be a number of bytes >= 1"):
+            longest_prompt(_tiny_config(), bad, "kvpolicy-3bit")
+
+
+def test_gemma3_sliding_layers_stop_growing_at_their_window():
+    """A hybrid model's DynamicCache: its sliding layers hold their window, its global layers every token."""
+    from kvpolicy.capacity import DYNAMIC, longest_prompt
+    from kvpolicy.commands.estimate import model_config
+
+    config = model_config("gemma3-270m")
+    fit = longest_prompt(config, 256 << 20, DYNAMIC, dtype="bfloat16")
+    at, after = estimate(config, [fit.tokens, fit.tokens + 1], {"action": "none"}, dtype=torch.bfloat16)
+    assert at.dynamic_bytes <= 256 << 20 < after.dynamic_bytes
+
+
+def test_command_memory_prints_the_longest_prompt_of_each_cache(capsys):
+    from kvpolicy.capacity import DYNAMIC, longest_prompt
+
+    status, out = _run(["estimate", "--model", "tiny-llama", "--memory", "3MiB", "--preset", "kvpolicy-3bit",
+                        "streamingllm", "--dtype", "bfloat16"], capsys)  # fmt: skip
+    assert status == 0
+    assert "the longest prompt whose cache fits in 3.00 MiB (3,145,728 bytes):" in out
+    config = _tiny_config()
+    dynamic = longest_prompt(config, 3 << 20, DYNAMIC, dtype="bfloat16")
+    three = longest_prompt(config, 3 << 20, "kvpolicy-3bit", dtype="bfloat16")
+    assert re.search(rf"^DynamicCache\s+{dynamic.tokens:,}\s+1\.00x", out, re.M), out
+    assert re.search(rf"^kvpolicy-3bit\s+~{three.tokens:,}\s+{three.tokens / dynamic.tokens:.2f}x", out, re.M), out
+    assert re.search(r"^streamingllm\s+any\s+-\s+.* at most \(stops growing\)", out, re.M), out
+    assert "~: past 16,128 tokens, from exact estimates at every 5,376 tokens" in out
+
+
+def test_command_defaults_to_float32_like_every_command(capsys):
+    status, out = _run(["estimate", "--model", "tiny-llama", "--tokens", "64", "--preset", "logquant"], capsys)
+    assert status == 0 and "; float32, batch 1;" in out
+
+
+def test_command_needs_tokens_or_memory(capsys):
+    assert main(["estimate", "--model", "tiny-llama"]) == 2
+    assert "give --tokens N [N...]" in capsys.readouterr().err
+
+
+def test_command_plot_draws_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "bytes.png"
+    status, out = _run(["estimate", "--model", "tiny-llama", "--memory", "1MiB", "--preset", "logquant", "--plot",
+                        str(path), "--no-progress"], capsys)  # fmt: skip
+    assert status == 0 and f"plot written to {path}" in out
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(("name", "match"), [("bytes.txt", "must end in one of .png"),
+                                             ("no/such/dir/b.png", "does not exist")])  # fmt: skip
+def test_command_plot_refuses_a_file_it_cannot_write_before_any_work(tmp_path, capsys, name, match):
+    status = main(["estimate", "--model", "tiny-llama", "--tokens", "64", "--plot", str(tmp_path / name)])
+    out, err = capsys.readouterr()
+    assert status == 2 and out == "" and match in err
+
+
+def test_command_plot_without_matplotlib_names_the_extra(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    status = main(["estimate", "--model", "tiny-llama", "--tokens", "64", "--plot", str(tmp_path / "b.png")])
+    out, err = capsys.readouterr()
+    assert status == 2 and out == ""
+    assert err.strip() == (
+        'kvpolicy estimate: error: --plot needs matplotlib, which is not installed: pip install "kvpolicy[plot]"'
+    )
+
+
+# ---------------------------------------------------------------------- the progress bar
+class _Terminal:
+    """A stream that says it is a terminal and keeps what is written (a StringIO's isatty says no)."""
+
+    def __init__(self):
+        import io
+
+        self.buffer = io.StringIO()
+
+    def isatty(self):
+        return True
+
+    def write(self, text):
+        return self.buffer.write(text)
+
+    def flush(self):
+        pass
+
+
+def test_the_progress_bar_appears_only_for_a_run_past_its_delay_and_names_the_work():
+    from kvpolicy.commands._progress import Progress
+
+    term = _Terminal()
+    progress = Progress(3, "estimating", file=term)
+    assert progress._timer is not None  # a terminal: the bar is due after the delay
+    progress.working_on("kvpolicy-3bit at 131,072 tokens")
+    progress._show()  # what the timer does once the delay has passed
+    progress.advance()
+    assert progress._bar.n == 1 and progress._bar.total == 3
+    progress.close()
+    shown = term.buffer.getvalue()
+    assert "estimating" in shown and "0/3" in shown and "kvpolicy-3bit at 131,072 tokens" in shown
+
+    quick = _Terminal()
+    progress = Progress(3, "estimating", file=quick)
+    progress.close()  # a run that ended before the delay
+    progress._show()  # a timer firing late draws nothing
+    assert quick.buffer.getvalue() == ""
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_no_progress_bar_off_a_terminal_or_with_no_progress(enabled):
+    import io
+
+    from kvpolicy.commands._progress import Progress
+
+    assert Progress(3, "estimating", enabled=enabled, file=io.StringIO())._timer is None
+    assert Progress(3, "estimating", enabled=False, file=_Terminal())._timer is None

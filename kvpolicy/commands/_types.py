@@ -8,9 +8,12 @@ exit status 2, before any model is loaded. Messages name the value and what is a
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
+
+from kvpolicy.errors import did_you_mean
 
 T = TypeVar("T")
 
@@ -24,6 +27,114 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {text!r}")
     return value
+
+
+#: the most tokens any token-count flag takes (the largest position a cache can hold)
+MAX_TOKEN_COUNT = (1 << 31) - 1
+#: a token count as typed: digits and an optional ``k`` (x 1024) or ``m`` (x 1024**2)
+_TOKENS = re.compile(r"([0-9]{1,12})([kKmM]?)")
+_TOKEN_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20}
+
+
+def tokens(minimum: int = 1, maximum: int = MAX_TOKEN_COUNT) -> Callable[[str], int]:
+    """The type of every flag that takes a token count: ``512``, ``2k``, ``8k``, ``128k`` (``k`` = 1024, ``m`` =
+    1024**2), in ``[minimum, maximum]``.
+
+    Parameters
+    ----------
+    minimum, maximum : int, optional
+        The range allowed (default: 1 to :data:`MAX_TOKEN_COUNT`).
+
+    Returns
+    -------
+    callable
+        ``str -> int``, raising :class:`argparse.ArgumentTypeError` with the value and what is allowed.
+    """
+
+    def parse(text: str) -> int:
+        match = _TOKENS.fullmatch(text.strip())
+        if match is None:
+            raise argparse.ArgumentTypeError(
+                f"must be a token count such as 512, 2k, 8k or 128k (k = 1024); got {text!r}"
+            )
+        value = int(match[1]) * _TOKEN_UNITS[match[2].lower()]
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"must be a token count from {minimum} to {maximum}; got {text!r}")
+        return value
+
+    parse.__name__ = "token_count"
+    return parse
+
+
+#: ``--tokens``, ``--context``, ``--lengths``...: a token count >= 1 (:func:`tokens`)
+token_count = tokens()
+
+#: memory units: binary (KiB...) and decimal (KB...)
+_MEMORY_UNITS = {
+    "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}  # fmt: skip
+_MEMORY = re.compile(r"([0-9]{1,15}(?:\.[0-9]{1,9})?)\s*([a-zA-Z]*)")
+
+
+def memory_size(text: str) -> int:
+    """A memory budget in bytes: a number and a unit, binary (``512MiB``, ``4GiB``) or decimal (``4GB``).
+
+    Raises
+    ------
+    argparse.ArgumentTypeError
+        A value without a unit, an unknown or ambiguous unit (``4G``: GiB or GB?), or a budget under one byte.
+    """
+    match = _MEMORY.fullmatch(text.strip())
+    allowed = "a number and a unit: 512MiB, 4GiB, 4GB (KiB, MiB, GiB, TiB or KB, MB, GB, TB)"
+    if match is None:
+        raise argparse.ArgumentTypeError(f"must be {allowed}; got {text!r}")
+    number, unit = match[1], match[2].lower()
+    if unit not in _MEMORY_UNITS:
+        guesses = [u for u in ("KiB", "MiB", "GiB", "TiB") if unit and u.lower().startswith(unit[0])]
+        hint = f"; did you mean {number}{guesses[0]} or {number}{guesses[0].replace('i', '')}?" if guesses else ""
+        raise argparse.ArgumentTypeError(f"must be {allowed}; got {text!r}{hint}")
+    value = int(float(number) * _MEMORY_UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least one byte; got {text!r}")
+    return value
+
+
+def choice_of(kind: str, known: Callable[[], list[str]]) -> Callable[[str], str]:
+    """The type of a flag that takes one of the names ``known()`` returns (registered backends...): another
+    name is refused with the closest one.
+
+    Parameters
+    ----------
+    kind : str
+        What a name is, for messages (``"backend"``).
+    known : callable
+        ``() -> list of str``, called when a value is checked (so plugins are loaded only then).
+    """
+
+    def parse(text: str) -> str:
+        names = known()
+        if text in names:
+            return text
+        raise argparse.ArgumentTypeError(
+            f"unknown {kind} {text!r}{did_you_mean(text, names)} (one of: {', '.join(names)})"
+        )
+
+    parse.__name__ = kind
+    return parse
+
+
+def preset_name(text: str) -> str:
+    """A registered preset, a preset file shipped with kvpolicy or a preset file's path
+    (:func:`kvpolicy.preset_source.resolve`); another name is refused with the closest one."""
+    from kvpolicy import preset_source
+    from kvpolicy.errors import ConfigError
+
+    try:
+        preset_source.check(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def list_item(convert: Callable[[str], T], flag: str, spec: bool = False) -> Callable[[str], T]:
@@ -82,13 +193,21 @@ def dtype_name(text: str) -> str:
     raise argparse.ArgumentTypeError(f"must be one of {', '.join(DTYPES)} (torch's names); got {text!r}{hint}")
 
 
-def model_name(text: str) -> str:
-    """A model as ``kvpolicy ablate --model`` takes it: a built-in name, a local path or a hub id.
+#: how the built-in models are named in messages
+BUILTIN_MODELS = "smollm2, gemma3-270m, tiny-<llama|qwen2|phi3|mistral>[-LAYERS]"
 
-    Refused here: an empty name, a local path that does not exist, a directory without ``config.json``.
-    Whether a hub id is in the local cache is checked when the command starts
-    (the command's own check).
+
+def model_name(text: str) -> str:
+    """A model as every ``--model`` flag takes it: a built-in name, a local path or a hub id.
+
+    Refused here: an empty name, a local path that does not exist, a directory without ``config.json``, a
+    ``tiny-`` name of an unknown family, and a bare name (no ``/``) that is not a built-in name but close to one
+    (``smolm2``: a typo, not a hub id). Whether a hub id is in the local cache is checked when the command starts
+    (the command's own check, which knows ``--online``).
     """
+    from kvpolicy.reference_models import GEMMA3_ALIASES, SMOLLM2_ALIASES
+    from kvpolicy.tiny import MODEL_FAMILIES, PREFIX
+
     name = text.strip()
     if not name:
         raise argparse.ArgumentTypeError("must be a model name, a local path or a hub id; got an empty string")
@@ -97,4 +216,32 @@ def model_name(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is a directory without config.json, not a transformers model")
     if not path.exists() and (name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1):
         raise argparse.ArgumentTypeError(f"model path {text!r} does not exist")
+    if path.exists() or "/" in name or name.lower() in SMOLLM2_ALIASES | GEMMA3_ALIASES:
+        return name
+    if name.startswith(PREFIX):
+        family, _, layers = name[len(PREFIX) :].partition("-")
+        if family not in MODEL_FAMILIES:
+            close = did_you_mean_name(family, MODEL_FAMILIES)
+            hint = f"; did you mean '{PREFIX}{close}{'-' + layers if layers else ''}'?" if close else ""
+            raise argparse.ArgumentTypeError(
+                f"unknown tiny model {name!r}{hint} (tiny-<family>[-LAYERS], family one of {', '.join(MODEL_FAMILIES)})"
+            )
+        if layers and not layers.isdecimal():
+            raise argparse.ArgumentTypeError(f"tiny model {name!r}: LAYERS must be a positive integer (tiny-llama-4)")
+        return name
+    known = sorted(SMOLLM2_ALIASES | GEMMA3_ALIASES) + [PREFIX + f for f in MODEL_FAMILIES]
+    hint = did_you_mean(name.lower(), known)
+    if hint:
+        raise argparse.ArgumentTypeError(
+            f"unknown model {text!r}{hint} (built-in: {BUILTIN_MODELS}; or a local model folder, a .gguf file or a "
+            "hub id such as org/name)"
+        )
     return name
+
+
+def did_you_mean_name(value: str, known: tuple[str, ...] | list[str]) -> str:
+    """The known name closest to ``value`` (``""`` when none is close)."""
+    import difflib
+
+    close = difflib.get_close_matches(value, list(known), n=1)
+    return close[0] if close else ""

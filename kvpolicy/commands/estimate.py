@@ -1,10 +1,13 @@
 """``kvpolicy estimate``: the bytes a cache will hold after a prompt, from the model's config alone.
 
 Prints, per preset and prompt length, the bits per element, the bytes held, the bytes of a 16-bit
-``DynamicCache`` and their ratio (:func:`kvpolicy.estimate`). Only the model's config is
+``DynamicCache`` and their ratio (:func:`kvpolicy.estimate`); with ``--memory``, the longest prompt each
+preset and ``DynamicCache`` hold within a budget (:func:`kvpolicy.capacity.longest_prompt`); with ``--plot``,
+a drawing of bytes against prompt length. Only the model's config is
 read: the built-in models' configs are written here (nothing is fetched), a local model folder's
 ``config.json`` or a ``.gguf`` file's metadata is read, and a hub id's config comes from the local
-Hugging Face cache (``--online``: or the hub). No weights are loaded and no model runs.
+Hugging Face cache (``--online``: or the hub). No weights are loaded, no model runs, and no code of a
+model folder's own runs (:mod:`kvpolicy.model_folder`).
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from kvpolicy.commands._parser import add_list
-from kvpolicy.commands._types import DTYPES, dtype_name, model_name, positive_int
-from kvpolicy.errors import ConfigError, did_you_mean
+from kvpolicy.commands._types import DTYPES, dtype_name, memory_size, model_name, positive_int, preset_name, tokens
+from kvpolicy.errors import ConfigError
 
 
 def model_config(name: str, online: bool = False) -> Any:
@@ -59,42 +62,28 @@ def model_config(name: str, online: bool = False) -> Any:
         return random_model(tiny.family, tiny.layers, tiny.seed).config
     from transformers import AutoConfig
 
+    from kvpolicy.model_folder import read_config
+
     path = Path(name).expanduser()
     try:
         if path.is_file() and path.suffix == ".gguf":
-            return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+            return AutoConfig.from_pretrained(
+                str(path.parent), gguf_file=path.name, local_files_only=True, trust_remote_code=False
+            )
         if path.is_dir():
-            return AutoConfig.from_pretrained(str(path), local_files_only=True)
+            read_config(path)  # a malformed config, or one that needs the folder's own code, is refused here
+            return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
         if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
             raise ConfigError(f"model {name!r}: not a model folder (with config.json), a .gguf file or a hub id")
-        return AutoConfig.from_pretrained(name, local_files_only=not online)
+        return AutoConfig.from_pretrained(name, local_files_only=not online, trust_remote_code=False)
     except (OSError, ValueError, KeyError, ImportError) as exc:
         if isinstance(exc, ConfigError):
             raise
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if "custom code" in first:
+            first = "it needs the model's own code to be read, and kvpolicy never runs it (trust_remote_code=False)"
         remedy = "" if online or path.exists() else " (a hub id not in the local cache needs --online)"
         raise ConfigError(f"model {name!r}: cannot read its config: {first}{remedy}") from None
-
-
-def preset_name(text: str) -> str:
-    """A registered preset (``kvpolicy list``); another name is refused with the closest one."""
-    from kvpolicy import registry
-
-    known = registry.names("presets")
-    if text in known:
-        return text
-    hint = did_you_mean(text, known)
-    raise argparse.ArgumentTypeError(f"unknown preset {text!r}{hint} (presets: {', '.join(known)})")
-
-
-def token_count(text: str) -> int:
-    """A prompt length in ``[1, MAX_TOKENS]``."""
-    from kvpolicy.estimation import MAX_TOKENS
-
-    value = positive_int(text)
-    if value > MAX_TOKENS:
-        raise argparse.ArgumentTypeError(f"must be an integer in [1, {MAX_TOKENS}]; got {text!r}")
-    return value
 
 
 def table(rows: list[tuple[str, Any]], markdown: bool = False) -> str:
@@ -120,6 +109,37 @@ def table(rows: list[tuple[str, Any]], markdown: bool = False) -> str:
         )
         cells[3:3] = more
         lines.append(cells)
+    return _format(head, lines, markdown)
+
+
+def prompt_length(text: str) -> int:
+    """A token count (:func:`~kvpolicy.commands._types.tokens`) the estimate takes: 1 to
+    :data:`kvpolicy.estimation.MAX_TOKENS`."""
+    from kvpolicy.estimation import MAX_TOKENS
+
+    return tokens(1, MAX_TOKENS)(text)
+
+
+def fits_table(rows: list[tuple[str, Any]], dynamic: Any, markdown: bool = False) -> str:
+    """The table of ``rows`` (``(cache, Fit)``): the longest prompt each cache holds within the budget, its
+    ratio to ``dynamic`` (the DynamicCache's :class:`~kvpolicy.capacity.Fit`) and the bytes held then."""
+    from kvpolicy.memory import _human
+
+    head = ["cache", "tokens", "x DynamicCache", "bytes held"]
+    lines = []
+    for name, fit in rows:
+        if fit.unbounded:
+            cells = [name, "any", "-", f"{_human(fit.bytes_held)} at most (stops growing)"]
+        else:
+            ratio = f"{fit.tokens / dynamic.tokens:.2f}x" if dynamic.tokens else "-"
+            mark = "~" if fit.extrapolated else ""
+            cells = [name, f"{mark}{fit.tokens:,}", ratio, _human(fit.bytes_held)]
+        lines.append(cells)
+    return _format(head, lines, markdown)
+
+
+def _format(head: list[str], lines: list[list[str]], markdown: bool) -> str:
+    """``head`` and ``lines`` as aligned text (numbers right-aligned) or a Markdown table."""
     if markdown:
         out = [
             "| " + " | ".join(head) + " |",
@@ -130,49 +150,113 @@ def table(rows: list[tuple[str, Any]], markdown: bool = False) -> str:
     return "\n".join(
         "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
         for cells in [head, *lines]
-    )
+    ).rstrip()
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.tokens is None and args.memory is None:
+        raise ConfigError(
+            "give --tokens N [N...] (the bytes held after prompts of those lengths), --memory SIZE (the longest "
+            "prompt that fits in SIZE), or both"
+        )
+    if args.plot is not None:
+        from kvpolicy.commands._bytes_plot import check_plot_file
+
+        check_plot_file(args.plot)  # before any work: matplotlib installed, a file that can be written
     if not args.online:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missing model fails in seconds, not after retries
     from kvpolicy import registry
+    from kvpolicy.capacity import DYNAMIC, LATTICE, Curve, longest_prompt
+    from kvpolicy.commands._progress import Progress
     from kvpolicy.estimation import _count, estimate
 
     config = model_config(args.model, args.online)
     presets = args.preset or registry.names("presets")
-    rows = [(p, e) for p in presets for e in estimate(config, args.tokens, p, batch=args.batch,
-                                                      dtype=args.dtype)]  # fmt: skip
-    first = rows[0][1]
-    compressed = len(first.compressed_layers)
+    shape = estimate(config, 1, presets[0], batch=args.batch, dtype=args.dtype)
     print(
-        f"{args.model}: {first.layers} layers ({compressed} compressed), {_count(first.kv_heads, 'kv head')}, head_dim "
-        f"{first.head_dim}; {args.dtype}, batch {args.batch}; after a prompt of each length (no decode tokens)"
+        f"{args.model}: {shape.layers} layers ({len(shape.compressed_layers)} compressed), "
+        f"{_count(shape.kv_heads, 'kv head')}, head_dim {shape.head_dim}; {args.dtype}, batch {args.batch}; after a "
+        "prompt of each length (no decode tokens)"
     )
-    print()
-    print(table(rows, args.markdown))
+    total = len(presets) * len(args.tokens or []) + (len(presets) + 1 if args.memory else 0)
+    progress = Progress(total or None, "estimating", enabled=not args.no_progress)
+    try:
+        curves = {name: Curve(config, name, batch=args.batch, dtype=args.dtype, on_probe=_probing(progress, name))
+                  for name in [DYNAMIC, *presets]}  # fmt: skip
+        rows = []
+        for name in presets:
+            for n in args.tokens or []:
+                _probing(progress, name)(n)
+                rows.append((name, estimate(config, n, name, batch=args.batch, dtype=args.dtype)))
+                progress.advance()
+        fits = {}
+        if args.memory is not None:
+            for name, curve in curves.items():
+                fits[name] = longest_prompt(config, args.memory, curve)
+                progress.advance()
+    finally:
+        progress.close()
+    if rows:
+        print()
+        print(table(rows, args.markdown))
+    if fits:
+        from kvpolicy.memory import _human
+
+        print(f"\nthe longest prompt whose cache fits in {_human(args.memory)} ({args.memory:,} bytes):\n")
+        print(fits_table(list(fits.items()), fits[DYNAMIC], args.markdown))
+        if any(f.extrapolated for f in fits.values()):
+            print(f"\n~: past {3 * LATTICE:,} tokens, from exact estimates at every {LATTICE:,} tokens and the bytes "
+                  "each step adds (kvpolicy.capacity)")  # fmt: skip
+    if args.plot is not None:
+        from kvpolicy.commands._bytes_plot import plot_bytes
+
+        longest = max([*(args.tokens or []), *(f.tokens for f in fits.values() if not f.unbounded)], default=0)
+        plot_bytes(curves, args.plot, max(longest, 2 * LATTICE), args.memory, f"{args.model}, {args.dtype}")
+        print(f"\nplot written to {args.plot}")
     return 0
+
+
+def _probing(progress: Any, name: str) -> Any:
+    """The callback that shows the cache and the prompt length an estimate is made for."""
+    return lambda n: progress.working_on(f"{name} at {n:,} tokens")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``kvpolicy estimate`` to ``sub``."""
     p = sub.add_parser(
         "estimate",
-        help="bytes and bits per element a preset will hold for a model and prompt length (no model run)",
+        help="bytes a preset will hold for a model and prompt length, or the longest prompt that fits a memory "
+        "budget (no model run)",
         description="Estimate, from the model's config alone, what a cache of each preset holds after a prompt of "
-        "each length: bits per element (every byte held, metadata and positions included, as memory_report "
-        "counts them), bytes held, the bytes of a 16-bit DynamicCache and their ratio. Built-in models' configs "
-        "are built in (nothing is fetched); no weights are loaded and no model runs.",
+        "each length (--tokens): bits per element (every byte held, metadata and positions included, as "
+        "memory_report counts them), bytes held, the bytes of a 16-bit DynamicCache and their ratio; or the "
+        "longest prompt each preset and DynamicCache hold within a memory budget (--memory). Built-in models' "
+        "configs are built in (nothing is fetched); no weights are loaded, no model runs, and no code from a model "
+        "folder runs (a config that needs its own code is refused).",
     )  # fmt: skip
     p.add_argument("--model", type=model_name, required=True,
-                   help="smollm2, gemma3-270m, tiny-<llama|qwen2|mistral>[-LAYERS], a local model folder or .gguf "
-                   "file, or a hub id (its config, from the local Hugging Face cache unless --online)")  # fmt: skip
-    add_list(p, "--tokens", token_count, required=True, metavar="N", help="prompt lengths")
+                   help="smollm2, gemma3-270m, tiny-<llama|qwen2|phi3|mistral>[-LAYERS], a local model folder or "
+                   ".gguf file, or a hub id (its config, from the local Hugging Face cache unless "
+                   "--online)")  # fmt: skip
+    add_list(p, "--tokens", prompt_length, metavar="N",
+             help="prompt lengths: 512, 2k, 8k, 128k (k = 1024)")  # fmt: skip
+    p.add_argument("--memory", type=memory_size, metavar="SIZE",
+                   help="a KV-cache budget (4GiB, 512MiB, 4GB): print the longest prompt each preset and "
+                   "DynamicCache hold within it")  # fmt: skip
     add_list(p, "--preset", preset_name, default=None, metavar="NAME",
-             help="presets (CompressedCache.from_preset names; default: every registered preset)")  # fmt: skip
-    p.add_argument("--dtype", type=dtype_name, default="bfloat16", metavar="{" + ",".join(DTYPES) + "}",
-                   help="dtype of the model's keys and values")  # fmt: skip
+             help="presets, preset files shipped with kvpolicy or preset file paths (as CompressedCache.from_preset "
+             "takes them; default: every registered preset)")  # fmt: skip
+    p.add_argument("--dtype", type=dtype_name, default="float32", metavar="{" + ",".join(DTYPES) + "}",
+                   help="dtype of the model's keys and values (float32, like every kvpolicy command; bfloat16 for "
+                   "a model served in bfloat16)")  # fmt: skip
     p.add_argument("--batch", type=positive_int, default=1, help="batch rows, each holding the whole prompt")
-    p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    p.add_argument("--plot", type=Path, metavar="FILE",
+                   help="also draw bytes held against prompt length for each preset and DynamicCache, on log axes, "
+                   "to this image file (.png, .svg, .pdf; needs matplotlib: pip install "
+                   "\"kvpolicy[plot]\")")  # fmt: skip
+    p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (it shows when a run takes over a second)"
+    )
     p.add_argument("--online", action="store_true", help="allow downloading a hub model's config")
     p.set_defaults(func=_run)

@@ -1,5 +1,5 @@
-"""``kvpolicy list``: the registered names of each kind, whether each backend can run here (and why
-not), then the names registered more than once, if any. ``kvpolicy plugins`` shows which
+"""``kvpolicy list``: the registered names of each kind, the shipped preset files, whether each backend can run
+here (and why not), then the names registered more than once, if any. ``kvpolicy plugins`` shows which
 distribution registered each name."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import argparse
 
 HELP = "the names you can use, and whether each backend can run here (what it needs when not)"
 DESCRIPTION = (
-    "The registered policies, actions, backends, transforms and presets, and for each backend whether it can run "
-    "on this machine: if not, the package extra, compiler or setting it needs. kvpolicy plugins shows instead "
-    "which distribution (kvpolicy or a plugin) registered each name."
+    "The registered policies, actions, backends, transforms and presets, the preset files shipped with kvpolicy, "
+    "and for each backend whether it can run on this machine: if not, the package extra, compiler or setting it "
+    "needs. kvpolicy plugins shows instead which distribution (kvpolicy or a plugin) registered each name."
 )
 
 
@@ -31,11 +31,12 @@ def backend_lines() -> list[str]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kvpolicy import registry
+    from kvpolicy import preset_files, registry
     from kvpolicy.commands.plugins import conflict_lines
 
     for kind in registry.KINDS:
         print(f"{kind}: {', '.join(registry.names(kind))}")
+    print(f"preset files (load by name like presets): {', '.join(preset_files.names())}")
     for line in backend_lines():
         print(line)
     for line in conflict_lines():

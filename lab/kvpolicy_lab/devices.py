@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpolicy.errors import ConfigError
+from kvpolicy.errors import ConfigError, did_you_mean
 
 #: device types the commands run on
 DEVICE_TYPES = ("cpu", "cuda", "mps")
@@ -32,9 +32,11 @@ def parse_device(name: str) -> str:
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError, TypeError):
-        raise ConfigError(f"{name!r} is not a device; use {_ALLOWED}") from None
+        hint = did_you_mean(str(name).split(":")[0], DEVICE_TYPES)
+        raise ConfigError(f"{name!r} is not a device{hint} (use {_ALLOWED})") from None
     if device.type not in DEVICE_TYPES:
-        raise ConfigError(f"device type {device.type!r} of {name!r} is not supported; use {_ALLOWED}")
+        hint = did_you_mean(device.type, DEVICE_TYPES)
+        raise ConfigError(f"device type {device.type!r} of {name!r} is not supported{hint} (use {_ALLOWED})")
     return name
 
 

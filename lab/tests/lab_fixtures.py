@@ -27,6 +27,23 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Every bad command must stop before a model is loaded: loading one fails the test. Use with
+    ``pytestmark = pytest.mark.usefixtures("no_model_load")`` (or autouse in a module)."""
+    import kvpolicy_lab.bench.decode
+    import kvpolicy_lab.eval.models
+    import kvpolicy_lab.eval.runner
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad value was reported")
+
+    monkeypatch.setattr(kvpolicy_lab.eval.models, "load_smollm2", refuse)
+    monkeypatch.setattr(kvpolicy_lab.eval.models, "load_model", refuse)
+    monkeypatch.setattr(kvpolicy_lab.eval.runner, "open_model", refuse)
+    monkeypatch.setattr(kvpolicy_lab.bench.decode, "load", refuse)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Torch on one thread for a module (restored after). Use with

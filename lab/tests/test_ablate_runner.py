@@ -133,8 +133,9 @@ def test_unknown_names_fail_before_any_work(tmp_path, capsys):
         _grid(caches=[{"kind": "dynamic", "label": "x"}, {"kind": "dynamic", "label": "x"}])
     with pytest.raises(ConfigError, match="nbits"):
         _grid(caches=[{"kind": "hf-quantized", "backend": "quanto", "nbits": 3}])
-    rc = main(["ablate", "--out", str(tmp_path / "r"), "--model", "tiny-llama", "--policy", "nope"])
-    assert rc == 2
+    with pytest.raises(SystemExit) as exit_:  # refused while the command line is parsed
+        main(["ablate", "--out", str(tmp_path / "r"), "--model", "tiny-llama", "--policy", "nope"])
+    assert exit_.value.code == 2
     assert "unknown policy 'nope'" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
 
@@ -144,8 +145,9 @@ def test_missing_model_fails_fast_and_clearly(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "no-such-org/no-such-model" in err and "--online" in err and "Traceback" not in err
-    rc = main(["ablate", "--out", str(tmp_path / "r"), "--model", "/nonexistent/model/dir", "--baseline", "dynamic"])
-    assert rc == 2 and "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # refused while the command line is parsed
+        main(["ablate", "--out", str(tmp_path / "r"), "--model", "/nonexistent/model/dir", "--baseline", "dynamic"])
+    assert exit_.value.code == 2 and "does not exist" in capsys.readouterr().err
 
 
 def test_config_files_toml_and_json(tmp_path):

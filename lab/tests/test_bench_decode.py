@@ -130,8 +130,8 @@ def test_preset_variants_build_the_file_and_run_fused(tmp_path):
     )
     v = Variant.parse(f"preset:{preset}")
     assert v.fused and repr(v.build(None, 42)) == repr(CompressedCache.from_config(preset))
-    with pytest.raises(ConfigError, match=r"neither a preset file .* nor a registered preset; registered presets: "
-                                          r"\[.*'kvpolicy-3bit'"):  # fmt: skip
+    with pytest.raises(ConfigError, match=r"cache variant 'preset:.*missing.toml': preset file '.*missing\.toml' does "
+                                          r"not exist"):  # fmt: skip
         Variant.parse(f"preset:{tmp_path / 'missing.toml'}")
     # a registered preset by name
     named = Variant.parse("preset:kvpolicy-3bit")

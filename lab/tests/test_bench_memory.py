@@ -108,7 +108,7 @@ def test_a_worker_failure_is_reported_not_raised(tmp_path, monkeypatch, capsys):
     "argv, message",
     [
         (["--model", "./no-such-dir"], "model path './no-such-dir' does not exist"),
-        (["--lengths", "0"], "token count >= 1"),
+        (["--lengths", "0"], "must be a token count from 1 to"),
         (["--caches", "fast"], "not understood"),
         (["--steps", "0"], "integer >= 1"),
         (["--chunk", "0"], "integer >= 1"),

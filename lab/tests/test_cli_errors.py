@@ -11,10 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from lab_fixtures import no_model_load  # noqa: F401  (pytest fixture)
 
-import kvpolicy_lab.bench.decode
-import kvpolicy_lab.eval.models
-import kvpolicy_lab.eval.runner
 from kvpolicy import registry
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.cli import main
@@ -23,17 +21,7 @@ from kvpolicy.hookspecs import hookimpl
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 
 
-@pytest.fixture(autouse=True)
-def no_model_load(monkeypatch):
-    """Every bad command must stop before a model is loaded: loading one fails the test."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded before the bad value was reported")
-
-    monkeypatch.setattr(kvpolicy_lab.eval.models, "load_smollm2", refuse)
-    monkeypatch.setattr(kvpolicy_lab.eval.models, "load_model", refuse)
-    monkeypatch.setattr(kvpolicy_lab.eval.runner, "open_model", refuse)
-    monkeypatch.setattr(kvpolicy_lab.bench.decode, "load", refuse)
+pytestmark = pytest.mark.usefixtures("no_model_load")
 
 
 def _fail(argv: list[str], capsys) -> str:
@@ -65,9 +53,9 @@ ABLATE = ["ablate", "--model", "tiny-llama", "--baseline", "dynamic"]
     ("flag", "value", "allowed"),
     [
         ("--context", "64,abc", "is comma-separated; --context takes its values separated by spaces: --context 64 abc"),
-        ("--context", "abc", "context length >= 8"),
-        ("--context", "4", "context length >= 8"),
-        ("--context", "", "context length >= 8"),
+        ("--context", "abc", "must be a token count such as 512, 2k, 8k or 128k"),
+        ("--context", "4", "must be a token count from 8 to"),
+        ("--context", "", "must be a token count such as 512, 2k, 8k or 128k"),
         ("--bits", "two", "integer >= 1"),
         ("--bits", "2,0", "is comma-separated; --bits takes its values separated by spaces: --bits 2 0"),
         ("--seed", "-1", "integer >= 0"),
@@ -197,10 +185,10 @@ def test_the_write_check_leaves_nothing_behind(tmp_path):
         ("--budget-gib", "-1", "finite number > 0"),
         ("--budget-gib", "inf", "finite number > 0"),
         ("--budget-gib", "lots", "finite number > 0"),
-        ("--lengths", "0", "token count >= 1"),
-        ("--lengths", "abc", "token count >= 1"),
-        ("--context", "1x", "token count >= 1"),
-        ("--caches", "nosuch", "'dynamic', 'one-liner', 'preset:<file.toml>', 'hf-<quanto|hqq>-<bits>'"),
+        ("--lengths", "0", "must be a token count from 1 to"),
+        ("--lengths", "abc", "must be a token count such as 512, 2k, 8k or 128k"),
+        ("--context", "1x", "must be a token count such as 512, 2k, 8k or 128k"),
+        ("--caches", "nosuch", "'dynamic', 'one-liner', 'preset:<name or file.toml>', 'hf-<quanto|hqq>-<bits>'"),
         ("--device", "tpu", "cpu, cuda, cuda:N or mps"),
     ],
 )
@@ -283,13 +271,14 @@ def test_bench_backends_reports_a_backend_that_refuses_when_quantizing(capsys):
 )
 def test_demo_bad_flag_values(capsys, flag, value):
     line = _fail(["demo", flag, value], capsys)
-    assert f"argument {flag}:" in line and repr(value) in line and "integer >= 1" in line
+    allowed = "integer >= 1" if flag == "--threads" else "must be a token count"
+    assert f"argument {flag}:" in line and repr(value) in line and allowed in line
 
 
 @pytest.mark.parametrize(
     ("flag", "value", "allowed"),
     [
-        ("--context", "0", "integer >= 1"),
+        ("--context", "0", "must be a token count from 1 to"),
         ("--queries", "0", "integer >= 1"),
         ("--top-k", "-1", "integer >= 1"),
         ("--seed", "x", "integer >= 0"),
@@ -339,7 +328,7 @@ def test_cross_lists_given_as_strings_are_refused(tmp_path, capsys, toml, expect
         ('contexts = "2048"', "contexts must be a list of integers, e.g. contexts = [2048]"),
         ('seed = "0"', "seed must be an integer >= 0; got seed='0'"),
         ('replay = "false"', "replay must be true or false; got replay='false'"),
-        ('device = "gpu"', "device: 'gpu' is not a device; use cpu, cuda, cuda:N or mps"),
+        ('device = "gpu"', "device: 'gpu' is not a device; did you mean 'cpu'? (use cpu, cuda, cuda:N or mps)"),
         ("[tasks.speed]\nsteps = 0", "task 'speed': steps must be an integer >= 1; got steps=0"),
         ('[tasks.speed]\ncontexts = "32,x"', "task 'speed': contexts must be integers >= 8"),
         ('[only]\nlm = "ref"', """[only] lm must be a list of cache labels, e.g. lm = ["ref"]"""),
@@ -368,8 +357,13 @@ def test_cache_entries_of_the_wrong_type(tmp_path, capsys):
     ("name", "content", "expected"),
     [
         ("grid.json", b"[1, 2]", "the top level must be an object of config keys"),
-        ("grid.json", b"{", "invalid JSON"),
-        ("grid.toml", b"\xff\xfe", "cannot be read"),
+        ("grid.json", b"{", "is not valid JSON"),
+        ("grid.toml", b"\xff\xfe", "is not UTF-8 text (byte 0xff at offset 0)"),
+        ("grid.toml", b"a = " + b"[" * 3000 + b"]" * 3000, "nests tables or arrays too deeply"),
+        ("grid.json", b"[" * 3000 + b"]" * 3000, "nests objects or arrays too deeply"),
+        ("grid.toml", b"models = " + b"[" * 40 + b"]" * 40, "more than 32 levels deep"),
+        ("grid.toml", b"\x00\x01\x02", "is a binary file"),
+        ("grid.toml", b"# " + b"x" * (1 << 20), "a config file is at most 1048576 bytes"),
     ],
 )
 def test_unreadable_grid_files(tmp_path, capsys, name, content, expected):
@@ -377,6 +371,18 @@ def test_unreadable_grid_files(tmp_path, capsys, name, content, expected):
     config.write_bytes(content)
     line = _fail(["ablate", "--out", str(tmp_path / "run"), "--config", str(config)], capsys)
     assert expected in line and name in line
+
+
+def test_grid_files_that_are_not_regular_files_are_refused_without_reading(tmp_path, capsys):
+    import os
+
+    (tmp_path / "dir.toml").mkdir()
+    (tmp_path / "zero.toml").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "fifo.toml")
+    for name, expected in (("dir.toml", "is a directory"), ("zero.toml", "is not a regular file"),
+                           ("fifo.toml", "is not a regular file"), ("gone.toml", "does not exist")):  # fmt: skip
+        line = _fail(["ablate", "--out", str(tmp_path / "run"), "--config", str(tmp_path / name)], capsys)
+        assert expected in line and name in line
 
 
 def test_speed_contexts_accept_a_comma_separated_string():

@@ -100,8 +100,10 @@ def test_analyze_rotation_reports_every_full_attention_layer(tmp_path, capsys):
     assert main(["analyze", "rotation", "--model", "tiny-llama", "--context", "64", "--queries", "8",
                  "--group-size", "16", "--transform", "none"]) == 0  # fmt: skip
     assert "NoTransform() leaves the mean attention KL of 2-bit per-channel keys at " in capsys.readouterr().out
-    assert main(["analyze", "rotation", "--model", "tiny-llama", "--transform", "nope"]) != 0
-    assert "unknown transform 'nope'; registered transforms: ['hadamard', 'lowrank', 'none', 'query-hadamard']" in (
+    with pytest.raises(SystemExit) as exit_:  # refused while the command line is parsed
+        main(["analyze", "rotation", "--model", "tiny-llama", "--transform", "nope"])
+    assert exit_.value.code == 2
+    assert "unknown transform 'nope'; did you mean 'none'? (one of: hadamard, lowrank, none, query-hadamard)" in (
         capsys.readouterr().err
     )
     for fitted in ("query-hadamard", "lowrank"):

@@ -30,7 +30,7 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``kvpolicy bench backends``; each value is checked at parse time."""
     from kvpolicy.commands._parser import add_list
-    from kvpolicy.commands._types import DTYPES, dtype_name, list_item, positive_int
+    from kvpolicy.commands._types import DTYPES, choice_of, dtype_name, list_item, positive_int
     from kvpolicy_lab.commands._types import available_device
 
     parser.add_argument("--shape", nargs="+", type=list_item(positive_int, "--shape"), action=_Shape,
@@ -42,7 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", type=dtype_name, choices=DTYPES, default="float16", help="input dtype")
     parser.add_argument("--device", type=available_device, default="cpu", help="torch device: cpu, cuda, cuda:N")
     parser.add_argument("--repeats", type=positive_int, default=7, help="interleaved repetitions; the median is shown")
-    add_list(parser, "--backends", metavar="BACKEND", help="backends to time (default: every registered one)")
+    add_list(parser, "--backends", choice_of("backend", _registered_backends), metavar="BACKEND",
+             help="backends to time (default: every registered one)")  # fmt: skip
+
+
+def _registered_backends() -> list[str]:
+    from kvpolicy import registry
+
+    return registry.names("backends")
 
 
 class _Shape(argparse.Action):

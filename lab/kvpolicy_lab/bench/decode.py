@@ -111,17 +111,12 @@ class Variant:
         if name == "one-liner":
             return cls(name, "one-liner", policy="log", bits=2, backend="auto", fused=True)
         if name.startswith("preset:"):
-            path = name.removeprefix("preset:")
-            if not Path(path).is_file():
-                from kvpolicy import preset_files, registry
+            from kvpolicy import preset_source
 
-                known = registry.names("presets")
-                if path not in known and path not in preset_files.names():
-                    raise ConfigError(
-                        f"cache variant {name!r}: {path!r} is neither a preset file (kvpolicy tune writes them), "
-                        f"a shipped preset file ({preset_files.names()}) nor a registered preset; registered "
-                        f"presets: {known}"
-                    )
+            try:
+                preset_source.check(name.removeprefix("preset:"))
+            except ConfigError as exc:
+                raise ConfigError(f"cache variant {name!r}: {exc}") from None
             return cls(name, "preset", fused=True)
         if parts[0] == "hf" and len(parts) == 3 and parts[1] in ("quanto", "hqq") and parts[2].isdigit():
             return cls(name, "hf", backend=parts[1], bits=int(parts[2]))
@@ -139,11 +134,14 @@ class Variant:
         ):
             bits, widths = (0, (int(mixed[1]), int(mixed[2]))) if mixed else (int(parts[1]), None)
             return cls(name, "kv", parts[0], bits, widths, parts[2], parts[3], parts[4] == "fused", transform, fit)
+        from kvpolicy.errors import did_you_mean
+
+        hint = did_you_mean(name, ["dynamic", "one-liner", *DEFAULT_VARIANTS])
         raise ConfigError(
-            f"cache variant {name!r} not understood; use 'dynamic', 'one-liner', 'preset:<file.toml>', "
+            f"cache variant {name!r} not understood{hint} (use 'dynamic', 'one-liner', 'preset:<name or file.toml>', "
             "'hf-<quanto|hqq>-<bits>' or "
             "'<policy>-<bits|k<K>v<V>>-<backend>-<ordered|agnostic>-<fused|mat>[-rot][-mse|-kmse]' (e.g. "
-            "log-2-torch-ordered-fused, log-k4v2-cpu-ordered-fused-rot, log-2-cpu-ordered-fused-mse)"
+            "log-2-torch-ordered-fused, log-k4v2-cpu-ordered-fused-rot, log-2-cpu-ordered-fused-mse))"
         )
 
     def build(self, config: Any, window: int) -> Any:
@@ -163,12 +161,7 @@ class Variant:
         if self.kind == "one-liner":
             return CompressedCache(policy="log", action="quantize", bits=2, **hybrid)
         if self.kind == "preset":
-            source = self.name.removeprefix("preset:")
-            from kvpolicy import registry
-
-            if source in registry.names("presets"):
-                return CompressedCache.from_preset(source, **hybrid)
-            return CompressedCache.from_config(source, **hybrid)  # a file, or a shipped file's name
+            return CompressedCache.from_preset(self.name.removeprefix("preset:"), **hybrid)
         widths = dict(key_bits=self.widths[0], value_bits=self.widths[1]) if self.widths else dict(bits=self.bits)
         return CompressedCache(
             policy=self.policy, action="quantize", **widths, backend=self.backend, layout=self.layout,
@@ -221,8 +214,13 @@ def load(model: str, dtype: torch.dtype, device: str, online: bool = False) -> t
     if path.is_dir():
         from transformers import AutoModelForCausalLM
 
+        from kvpolicy.model_folder import read_config
+
+        read_config(path)  # a malformed config, or one that needs the folder's own code, is refused here
         try:
-            loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+            loaded = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation="sdpa", trust_remote_code=False
+            )
         except (OSError, ValueError, KeyError) as exc:
             raise ConfigError(f"model {model!r} could not be loaded: {exc}") from exc
         return loaded.to(device).eval()
@@ -472,18 +470,6 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
 
 
 # ---------------------------------------------------------------------- CLI
-def _length(text: str) -> int:
-    """A token count: ``2048`` or ``8k`` (x 1024), at least 1."""
-    kilo = text.lower().endswith("k")
-    try:
-        value = int(text[:-1] if kilo else text) * (1024 if kilo else 1)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a token count >= 1 such as 2048 or 8k; got {text!r}")
-    return value
-
-
 def _variant(text: str) -> str:
     """A cache variant name that :meth:`Variant.parse` understands."""
     try:
@@ -496,14 +482,14 @@ def _variant(text: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``kvpolicy bench decode``; each value is checked at parse time."""
     from kvpolicy.commands._parser import add_list
-    from kvpolicy.commands._types import positive_int
+    from kvpolicy.commands._types import positive_int, token_count
     from kvpolicy_lab.commands._types import non_negative_int, out_dir, positive_float
 
     parser.add_argument("--mode", choices=("latency", "capacity"), default="latency",
                         help="latency: ms/token and bytes per length and batch; capacity: the largest batch within "
                         "--budget-gib (see the description)")  # fmt: skip
     model_options(parser)
-    add_list(parser, "--lengths", _length, default=[1024, 2048, 4096, 8192, 16384], metavar="TOKENS",
+    add_list(parser, "--lengths", token_count, default=[1024, 2048, 4096, 8192, 16384], metavar="TOKENS",
              help="latency mode: context lengths (e.g. 1k 8k 16384)")  # fmt: skip
     add_list(parser, "--batch", positive_int, default=[1], metavar="N", help="latency mode: batch sizes")
     add_list(parser, "--caches", _variant, default=list(DEFAULT_VARIANTS), metavar="CACHE",
@@ -521,7 +507,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch CPU threads (default: torch's choice)")  # fmt: skip
     parser.add_argument("--budget-gib", type=positive_float, default=1.0, help="capacity mode: cache budget in GiB")
-    parser.add_argument("--context", type=_length, default=8192, help="capacity mode: tokens per sequence")
+    parser.add_argument("--context", type=token_count, default=8192, help="capacity mode: tokens per sequence (8k...)")
     parser.add_argument("--max-batch", type=positive_int, default=None,
                         help="capacity mode: cap the confirmed batch (default: no cap)")  # fmt: skip
     parser.add_argument("--out", type=out_dir, default=Path("bench-decode"), metavar="DIR",

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from kvpolicy.errors import ConfigError
-from kvpolicy_lab.bench.decode import DTYPES, Variant, _length, _variant, check_model, load, model_options
+from kvpolicy_lab.bench.decode import DTYPES, Variant, _variant, check_model, load, model_options
 
 HELP = "peak memory above the loaded model, bytes held, prefill and decode-step times: one process per cache"
 
@@ -351,11 +351,11 @@ def _cache(text: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``kvpolicy bench memory``; each value is checked at parse time."""
     from kvpolicy.commands._parser import add_list
-    from kvpolicy.commands._types import positive_int
+    from kvpolicy.commands._types import positive_int, token_count
     from kvpolicy_lab.commands._types import non_negative_int, out_dir
 
     model_options(parser)
-    add_list(parser, "--lengths", _length, default=[8192, 16384], metavar="TOKENS",
+    add_list(parser, "--lengths", token_count, default=[8192, 16384], metavar="TOKENS",
              help="prompt lengths (e.g. 8k 16384)")  # fmt: skip
     add_list(parser, "--caches", _cache, default=list(DEFAULT_VARIANTS), metavar="CACHE",
              help="cache variants (those of kvpolicy bench decode, plus none: no cache)")  # fmt: skip

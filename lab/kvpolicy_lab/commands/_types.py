@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from kvpolicy.errors import ConfigError
+from kvpolicy.errors import ConfigError, did_you_mean
 
 
 def at_least(minimum: int, what: str = "an integer") -> Callable[[str], int]:
@@ -31,6 +31,54 @@ def at_least(minimum: int, what: str = "an integer") -> Callable[[str], int]:
 
     parse.__name__ = f"int_min_{minimum}"
     return parse
+
+
+def spec_of(kind: str, known: Callable[[], list[str]]) -> Callable[[str], str]:
+    """The type of one value of a ``name[:key=value...]`` flag (``--policy``, ``--task``...) whose name must be one
+    of ``known()``; another name is refused with the closest one. The parameters are checked when the grid is
+    built."""
+
+    def parse(text: str) -> str:
+        name = text.split(":", 1)[0]
+        names = known()
+        if name not in names:
+            raise argparse.ArgumentTypeError(
+                f"unknown {kind} {name!r}{did_you_mean(name, names)} (one of: {', '.join(names)})"
+            )
+        return text
+
+    parse.__name__ = kind
+    return parse
+
+
+def preset_spec(text: str) -> str:
+    """``preset[:key=value...]`` whose preset is a registered preset, a shipped preset file or a preset file's
+    path (:func:`kvpolicy.preset_source.resolve`); another name is refused with the closest one."""
+    from kvpolicy import preset_source
+
+    try:
+        preset_source.check(text.split(":", 1)[0])
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def baseline_spec(text: str) -> str:
+    """``dynamic`` or ``hf-<quanto|hqq>-<bits>`` (``[:key=value...]``); another name is refused with the closest one."""
+    from kvpolicy_lab.eval.grid import parse_baseline
+
+    try:
+        spec = parse_baseline(text)
+        known_backend = spec.kind == "dynamic" or spec.args.get("backend") in ("quanto", "hqq")
+    except ConfigError:
+        known_backend = False
+    if not known_backend:
+        name = text.split(":", 1)[0]
+        known = ["dynamic", "hf-quanto-2", "hf-quanto-4", "hf-hqq-2", "hf-hqq-4"]
+        raise argparse.ArgumentTypeError(
+            f"unknown baseline {name!r}{did_you_mean(name, known)} (dynamic, hf-quanto-<bits> or hf-hqq-<bits>)"
+        )
+    return text
 
 
 def non_negative_int(text: str) -> int:

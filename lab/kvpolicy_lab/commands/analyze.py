@@ -8,7 +8,7 @@ import dataclasses
 import os
 from typing import Any
 
-from kvpolicy.commands._types import DTYPES, dtype_name, positive_int
+from kvpolicy.commands._types import DTYPES, choice_of, dtype_name, model_name, positive_int, token_count
 from kvpolicy_lab.commands._types import available_device, non_negative_int, out_dir, out_file
 
 
@@ -58,14 +58,20 @@ def _rotation(args: argparse.Namespace) -> int:
     return 0
 
 
+def _transforms() -> list[str]:
+    from kvpolicy import registry
+
+    return registry.names("transforms")
+
+
 def _model_options(p: argparse.ArgumentParser) -> None:
     """The options every analysis shares: which model, where, and the text's length."""
-    p.add_argument("--model", default="smollm2",
+    p.add_argument("--model", type=model_name, default="smollm2",
                    help="smollm2, gemma3-270m, tiny-<llama|qwen2|mistral>[-LAYERS], a local path or a hub id "
                    "(a hub id not in the local cache needs --online)")  # fmt: skip
     p.add_argument("--dtype", type=dtype_name, choices=DTYPES, default="float32", help="model dtype")
     p.add_argument("--device", type=available_device, default="cpu", help="cpu, cuda, cuda:N or mps")
-    p.add_argument("--context", type=positive_int, default=2048, help="tokens of standard-library text")
+    p.add_argument("--context", type=token_count, default=2048, help="tokens of standard-library text (2048, 8k...)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="which text (the lm task's sample seed)")
     p.add_argument("--online", action="store_true", help="allow downloading from the Hugging Face hub")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
@@ -94,7 +100,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="per layer, the error of quantized keys with and without a rotation, weighted by the model's queries",
     )
     _model_options(r)
-    r.add_argument("--transform", default="hadamard", help="a registered transform (kvpolicy list shows them)")
+    r.add_argument("--transform", type=choice_of("transform", _transforms), default="hadamard",
+                   help="a registered transform (kvpolicy list shows them)")  # fmt: skip
     r.add_argument("--seed-transform", type=non_negative_int, default=0, help="the transform's seed")
     r.add_argument("--bits", type=int, choices=(2, 3, 4, 8), default=2, help="key bits")
     r.add_argument("--group-size", type=positive_int, default=64, help="tokens per key group")

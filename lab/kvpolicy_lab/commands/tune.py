@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvpolicy.commands._parser import add_list
-from kvpolicy.commands._types import DTYPES, dtype_name, positive_int
+from kvpolicy.commands._types import DTYPES, dtype_name, model_name, positive_int, token_count
 from kvpolicy.errors import ConfigError
 from kvpolicy_lab.commands._types import check_output, device_name, out_dir, out_file, positive_float
 
@@ -119,7 +119,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "single-tier compositions on held-out texts, and write a preset file that CompressedCache.from_config "
         "loads (--preset-file). Resumable: the runs live in --out.",
     )  # fmt: skip
-    p.add_argument("--model", default="smollm2",
+    p.add_argument("--model", type=model_name, default="smollm2",
                    help="smollm2, gemma3-270m, tiny-<llama|qwen2|mistral>[-LAYERS], a local path or a hub id "
                    "(a hub id not in the local cache needs --online)")  # fmt: skip
     p.add_argument(
@@ -128,7 +128,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         required=True,
         help="bits per element, everything held (a hybrid model's: over its full-attention layers)",
     )
-    p.add_argument("--context", type=positive_int, default=2048, help="context tokens")
+    p.add_argument("--context", type=token_count, default=2048, help="context tokens (2048, 8k...)")
     p.add_argument("--preset-file", dest="preset", type=out_file, required=True, metavar="FILE",
                    help="the preset file to write (.toml; CompressedCache.from_config reads it)")  # fmt: skip
     p.add_argument("--out", type=out_dir, default=None, metavar="DIR",
@@ -136,13 +136,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "the preset file: FILE without .toml, plus -runs)")  # fmt: skip
     p.add_argument("--screen", type=positive_int, default=40, help="compositions screened")
     p.add_argument("--screen-samples", type=positive_int, default=1, help="screening texts")
-    p.add_argument("--screen-tokens", type=positive_int, default=32, help="screening tokens per text")
+    p.add_argument("--screen-tokens", type=token_count, default=32, help="screening tokens per text")
     p.add_argument("--trials", type=positive_int, default=9, help="compositions calibrated")
     p.add_argument("--compare", type=positive_int, default=2, help="single-tier rivals scored held out")
     p.add_argument("--samples", type=positive_int, default=3, help="calibration texts")
-    p.add_argument("--tokens", type=positive_int, default=128, help="calibration tokens per text")
+    p.add_argument("--tokens", type=token_count, default=128, help="calibration tokens per text")
     p.add_argument("--heldout-samples", type=positive_int, default=5, help="held-out texts")
-    p.add_argument("--heldout-tokens", type=positive_int, default=256, help="held-out tokens per text")
+    p.add_argument("--heldout-tokens", type=token_count, default=256, help="held-out tokens per text")
     add_list(p, "--windows", positive_int, default=[16, 42], metavar="W", help="log windows tried")
     add_list(p, "--key-groups", positive_int, default=[64], metavar="G",
              help="group sizes of the keys (per channel) tried")  # fmt: skip

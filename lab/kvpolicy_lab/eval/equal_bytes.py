@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpolicy.errors import ConfigError
+from kvpolicy.errors import ConfigError, did_you_mean
 from kvpolicy_lab.eval.caches import CacheSpec, held_bytes
 
 #: knob of each built-in policy / preset / baseline (plugins: give CacheSpec.size_params)
@@ -204,6 +204,7 @@ def anchor_of(specs: list[CacheSpec], name: str | None) -> CacheSpec:
     for s in specs:
         if s.label == name:
             return s
+    labels = [s.label for s in specs]
     raise ConfigError(
-        f"--equal-bytes anchor {name!r} is not a cache label of the grid; labels: {[s.label for s in specs]}"
+        f"--equal-bytes anchor {name!r} is not a cache label of the grid{did_you_mean(name, labels)} (labels: {labels})"
     )

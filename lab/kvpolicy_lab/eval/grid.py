@@ -485,35 +485,16 @@ def spec_from_entry(entry: dict[str, Any]) -> CacheSpec:
 
 def load_config(path: str | Path) -> dict[str, Any]:
     """Read a TOML or JSON grid file into a dict."""
+    from kvpolicy import textfile
+
     p = Path(path).expanduser()
-    if not p.is_file():
-        raise ConfigError(f"config file {str(path)!r} " + ("is a directory" if p.is_dir() else "does not exist"))
     if p.suffix not in (".json", ".toml"):
         raise ConfigError(f"config file must end in .toml or .json; got {p.name!r}")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {str(path)!r} cannot be read: {exc}") from None
-    d = _parse_json(p, text) if p.suffix == ".json" else _parse_toml(p, text)
+    load = textfile.load_json if p.suffix == ".json" else textfile.load_toml
+    d = load(path, "config file")
     if not isinstance(d, dict):
         raise ConfigError(f"{p}: the top level must be an object of config keys; got a {type(d).__name__}")
     return d
-
-
-def _parse_json(p: Path, text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{p}: invalid JSON ({exc})") from None
-
-
-def _parse_toml(p: Path, text: str) -> dict[str, Any]:
-    import tomllib
-
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{p}: invalid TOML ({exc})") from None
 
 
 def grid_from_dict(d: dict[str, Any]) -> Grid:
@@ -536,9 +517,16 @@ def grid_from_dict(d: dict[str, Any]) -> Grid:
 
 def check_model_available(name: str, online: bool) -> None:
     """Fail fast, before any work, for a model that cannot be loaded here."""
+    import argparse
+
+    from kvpolicy.commands._types import model_name
     from kvpolicy.tiny import parse_tiny
     from kvpolicy_lab.eval.gemma import ALIASES as GEMMA3
 
+    try:
+        model_name(name)  # a misspelt built-in name or tiny family: refused with the closest one
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigError(str(exc)) from None
     if parse_tiny(name) is not None or name.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct", *GEMMA3):
         return
     path = Path(name).expanduser()
@@ -557,5 +545,5 @@ def check_model_available(name: str, online: bool) -> None:
     if not isinstance(found, str):
         raise ConfigError(
             f"model {name!r} is not a local path, not a built-in name ('smollm2', 'gemma3-270m', 'tiny-llama') and "
-            "not in the local Hugging Face cache; the hub is not contacted unless you pass --online (online = true)"
+            "not in the local Hugging Face cache; the hub is not contacted unless you pass --online"
         )

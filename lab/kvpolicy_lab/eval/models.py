@@ -443,9 +443,15 @@ def _load_pretrained(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only)
+    if Path(source).is_dir():
+        from kvpolicy.model_folder import read_config
+
+        read_config(source)  # a malformed config, or one that needs the folder's own code, is refused here
+    # never the model's own code: a config, model or tokenizer that needs it is refused by transformers
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only, trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(
         source,
+        trust_remote_code=False,
         dtype=dtype,
         attn_implementation=attn_implementation,
         local_files_only=local_files_only,

@@ -836,13 +836,19 @@ def make_task(name: str, **params: Any) -> Task:
     """Build a task by name with its parameters; unknown names or parameters raise ConfigError."""
     cls = TASKS.get(name)
     if cls is None:
-        raise ConfigError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
+        from kvpolicy.errors import did_you_mean
+
+        raise ConfigError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}{did_you_mean(name, TASKS)}")
     import dataclasses
 
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(params) - known)
     if unknown:
-        raise ConfigError(f"task {name!r}: unknown parameter(s) {unknown}; accepted: {sorted(known)}")
+        from kvpolicy.errors import did_you_mean
+
+        raise ConfigError(
+            f"task {name!r}: unknown parameter(s) {unknown}; accepted: {sorted(known)}{did_you_mean(unknown[0], known)}"
+        )
     tuple_fields = {f.name for f in dataclasses.fields(cls) if isinstance(f.default, tuple)}
     fixed = {}
     for k, v in params.items():
