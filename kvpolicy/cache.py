@@ -187,17 +187,56 @@ def _position_ids(kwargs: dict[str, Any]) -> torch.Tensor | None:
     return position_ids
 
 
-def _layer_memory(layer: CacheLayerMixin, layer_idx: int, seen: set[tuple[str, int]]) -> LayerBytes:
+def _layer_memory(layer: Any, layer_idx: int, seen: set[tuple[str, int]]) -> LayerBytes:
+    """What ``layer`` holds: a compressed layer reports its segments; any other layer (transformers' own: sliding
+    windows, linear-attention or convolution states, indexers, layers holding nothing) counts every tensor it
+    holds as full precision, with a 16-bit baseline of the same elements (what ``DynamicCache`` would hold)."""
     if isinstance(layer, CompressedLayer):
         return layer.memory(seen)
     segments = dict.fromkeys(SEGMENTS, 0)
-    kind = type(layer).__name__
-    if not layer.is_initialized or layer.keys is None or layer.keys.dim() != 4:
-        return LayerBytes(layer_idx, layer.get_seq_length(), segments, 0, kind=kind)
-    segments["full_precision"] = nbytes(layer.keys) + nbytes(layer.values)
-    b, h, n, d = layer.keys.shape
-    baseline = n * b * h * (d + layer.values.shape[-1]) * 2
-    return LayerBytes(layer_idx, layer.get_seq_length(), segments, baseline, layer.keys.element_size(), kind)
+    baseline, width = 0, None
+    for t in held_tensors(layer):
+        segments["full_precision"] += nbytes(t)
+        baseline += t.numel() * 2 if t.is_floating_point() else nbytes(t)
+        if width is None and t.is_floating_point():
+            width = t.element_size()
+    return LayerBytes(layer_idx, _tokens(layer), segments, baseline, width or 2, type(layer).__name__)
+
+
+def held_tensors(layer: Any) -> list[torch.Tensor]:
+    """The tensors with elements that a cache layer kvpolicy does not own holds, each once: its attributes, and the
+    dicts, lists and tuples in them (linear-attention layers keep conv and recurrent states in dicts by index).
+    Zero-dimensional tensors (counters, window sizes) are bookkeeping, not held tokens or states."""
+    out: list[torch.Tensor] = []
+    ids: set[int] = set()
+    todo = list(vars(layer).values()) if hasattr(layer, "__dict__") else []
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, torch.Tensor):
+            if obj.dim() > 0 and obj.numel() > 0 and id(obj) not in ids:
+                ids.add(id(obj))
+                out.append(obj)
+        elif isinstance(obj, (Mapping, list, tuple)) and id(obj) not in ids:
+            ids.add(id(obj))  # a container reached twice (or holding itself) is walked once
+            todo.extend(obj.values() if isinstance(obj, Mapping) else obj)
+    return out
+
+
+def in_use(layer: Any) -> bool:
+    """Whether a layer of a cache has received anything: a compressed layer its first update, any other layer a
+    tensor with elements (:func:`held_tensors`)."""
+    if isinstance(layer, CompressedLayer):
+        return bool(layer.is_initialized)
+    return bool(held_tensors(layer))
+
+
+def _tokens(layer: Any) -> int:
+    """Tokens a layer kvpolicy does not own has seen (``get_seq_length``, an int or a 0-d tensor); 0 if it
+    cannot tell."""
+    try:
+        return int(layer.get_seq_length())
+    except Exception:  # a layer of an unknown kind: the report still counts its tensors
+        return 0
 
 
 class CompressedCache(Cache):
@@ -343,7 +382,7 @@ class CompressedCache(Cache):
                     "layers left to transformers (only 'full_attention' layers are compressed)"
                 )
             self.layers = [self._new_layer(i) for i in range(len(self._layer_types))]
-            if not any(isinstance(layer, CompressedLayer) for layer in self.layers):
+            if self.action.compresses and not any(isinstance(layer, CompressedLayer) for layer in self.layers):
                 kinds = sorted(set(self._layer_types))
                 warnings.warn(
                     f"CompressedCache: config= leaves no layer compressed (layer types: {kinds}); only "
@@ -418,7 +457,8 @@ class CompressedCache(Cache):
         transformers' own layers, and defaults that cannot serve the model's head dim are replaced
         (``repr`` shows them as ``adapted=[...]``). The same as ``CompressedCache(config=model.config,
         ...)`` or ``from_preset(preset, config=model.config, ...)``, after checking that the model is one
-        kvpolicy can compress.
+        kvpolicy can compress. With ``action="none"`` a model without full-attention layers (every layer
+        sliding-window, say) is served too: every layer is then transformers' own, as in ``DynamicCache``.
 
         Parameters
         ----------
@@ -433,19 +473,24 @@ class CompressedCache(Cache):
         Raises
         ------
         ConfigError
-            If ``model`` has no transformers config, declares no attention layer, or has layers of a type
-            transformers has no cache layer for (the error names the model class); or for bad keywords.
+            If ``model`` has no transformers config, declares no full-attention layer while the action
+            compresses, or has layers of a type transformers has no cache layer for (the error names the model
+            class); or for bad keywords.
         """
         if "config" in kwargs:
             raise ConfigError(
                 "for_model reads config from the model; drop config= (or build CompressedCache(config=...))"
             )
-        config = model_check.check_model(model)
+        config = model_check.check_model(model, compresses=False)
         if preset is None:
-            return cls(config=config, **kwargs)
-        if preset in registry.names("presets"):
-            return cls.from_preset(preset, config=config, **kwargs)
-        return cls.from_config(preset, config=config, **kwargs)
+            spec = specs.CacheSpec.resolve(**kwargs)
+        elif preset in registry.names("presets"):
+            spec = specs.CacheSpec.from_preset(preset, **kwargs)
+        else:
+            spec = specs.CacheSpec.from_file(preset, **kwargs)
+        if spec.action.compresses:
+            model_check.check_model(model)
+        return cls.from_spec(spec, config)
 
     @classmethod
     def from_config(cls, path: str | Path, **overrides: Any) -> CompressedCache:
@@ -567,8 +612,10 @@ class CompressedCache(Cache):
         return {i: _described(layer) for i, layer in enumerate(self.layers) if isinstance(layer, CompressedLayer)}
 
     def memory_report(self) -> MemoryReport:
-        """Bytes held (from the tensors actually held) vs a 16-bit cache of the same tokens; layers
-        left to transformers (sliding-window layers) count as full precision."""
+        """Bytes held (from the tensors actually held) vs a 16-bit cache of the same tokens. Layers left to
+        transformers (sliding windows, linear-attention and convolution states, indexers...) count every tensor
+        they hold as full precision, against a baseline of the same elements at 16 bits: a ``DynamicCache`` would
+        hold them too."""
         seen: set[tuple[str, int]] = set()  # positions shared by layers count once
         return MemoryReport([_layer_memory(layer, i, seen) for i, layer in enumerate(self.layers)])
 
