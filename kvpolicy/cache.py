@@ -19,11 +19,12 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvpolicy import distributed, fused, model_check, registry
+from kvpolicy import distributed, fused, inference_tensors, model_check, registry
 from kvpolicy import layer_bits as per_layer
 from kvpolicy import spec as specs
 from kvpolicy.actions.base import Action
 from kvpolicy.backends.base import Backend
+from kvpolicy.continuation import Continuation, refuse_empty
 from kvpolicy.errors import CacheFileError, ConfigError
 from kvpolicy.layer.engine import LayerEngine
 from kvpolicy.memory import LayerBytes, MemoryReport
@@ -358,6 +359,11 @@ class CompressedCache(Cache):
         super().__init__(layers=[])
         self._book = PositionBook()  # the demoted positions of shared policies, held once for all layers
         self._unreleased: list[int] = []  # layers whose multi-token update of this forward awaits release
+        #: the rows' positions so far, read at the first compressed layer of each forward (``_watched``): a forward
+        #: that does not continue them (generate given a cache filled before) is refused
+        self._continuation = Continuation()
+        self._watched: int | None = None
+        self._inference = False  # the cache ran under torch.inference_mode() since it last left it (_outside)
         self._layer_types: list[str] | None = None
         self._layer_kwargs: list[dict] = []
         self._config = config  # the model's, when given: save() records its identity
@@ -522,6 +528,7 @@ class CompressedCache(Cache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._outside()
         if layer_idx == 0 and self.layer_bits and self.layers and self.layers[0].is_initialized:
             # a second forward: every layer of the model has been seen, so the map can be checked
             missing = sorted(i for i in self.layer_bits if i >= len(self.layers))
@@ -542,6 +549,10 @@ class CompressedCache(Cache):
             self.check_model_config(config, f"{getattr(config, 'model_type', 'transformers')} model")
         while len(self.layers) <= layer_idx:
             self.layers.append(self._new_layer(len(self.layers)))
+        if self._watched is None and isinstance(self.layers[layer_idx], CompressedLayer):
+            self._watched = layer_idx
+        if layer_idx == self._watched:  # once per forward
+            self._continuation.step(_position_ids(kwargs), self.layers[layer_idx].get_seq_length())
         if self._unreleased:
             self._release_before(layer_idx)
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -550,6 +561,50 @@ class CompressedCache(Cache):
         if multi and layer.engine.held.pending:
             self._unreleased.append(layer_idx)
         return out
+
+    def _outside(self) -> None:
+        """Before a call that may change what the cache holds: remember a call under ``torch.inference_mode()``, and
+        on the first call outside it after one, turn every inference tensor held into an ordinary one
+        (:func:`kvpolicy.inference_tensors.normalize`), so that the step can update it in place or autograd can
+        record it. Both directions work: a prefill in inference mode then decoding outside it, and the reverse."""
+        if torch.is_inference_mode_enabled():
+            self._inference = True
+        elif self._inference:
+            inference_tensors.normalize(self.layers, self._book, self._continuation)
+            self._inference = False
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        self._outside()
+        if layer_idx < len(self.layers) and isinstance(self.layers[layer_idx], CompressedLayer):
+            refuse_empty(query_length, self.layers[layer_idx].get_seq_length())
+        return super().get_mask_sizes(query_length, layer_idx)
+
+    # the cache-wide state of the rows moves with them (each layer moves its own)
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._outside()
+        super().reorder_cache(beam_idx)
+        self._continuation.map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._outside()
+        super().batch_select_indices(indices)
+        self._continuation.map_rows(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._outside()
+        super().batch_repeat_interleave(repeats)
+        self._continuation.map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._outside()
+        super().crop(tokens_to_remove)
+        if tokens_to_remove < 0:
+            self._continuation.crop(-tokens_to_remove)
+
+    def reset(self) -> None:
+        self._outside()
+        super().reset()
+        self._continuation.reset()
 
     def _release_before(self, layer_idx: int) -> None:
         """Demote the multi-token updates of the layers before ``layer_idx`` in this forward: their
@@ -597,6 +652,7 @@ class CompressedCache(Cache):
     def positions(self, layer_idx: int) -> dict[str, torch.Tensor]:
         """``{"full": ..., "compressed": ..., "staged_keys": ...}`` for one layer (see
         :meth:`CompressedLayer.positions`)."""
+        self._outside()
         if layer_idx >= len(self.layers):
             raise IndexError(f"layer_idx={layer_idx} but the cache holds {len(self.layers)} layers so far")
         layer = self.layers[layer_idx]
@@ -616,6 +672,7 @@ class CompressedCache(Cache):
         transformers (sliding windows, linear-attention and convolution states, indexers...) count every tensor
         they hold as full precision, against a baseline of the same elements at 16 bits: a ``DynamicCache`` would
         hold them too."""
+        self._outside()
         seen: set[tuple[str, int]] = set()  # positions shared by layers count once
         return MemoryReport([_layer_memory(layer, i, seen) for i, layer in enumerate(self.layers)])
 
@@ -653,6 +710,7 @@ class CompressedCache(Cache):
         """
         from kvpolicy import cache_io
 
+        self._outside()
         return cache_io.save(self, path, model, entropy_coding)
 
     @classmethod
