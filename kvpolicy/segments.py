@@ -93,6 +93,8 @@ class LayerSegments:
         #: an error that left the policy and the store out of step (the layer cannot go on)
         self.failed: str | None = None
         self._first_block_taken = False  # see _awaits_first_block
+        #: the store took centres or a fit from the pending append before holding anything (_set_first_centres)
+        self._adopted = False
 
     # ------------------------------------------------------------------ building
     def start(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -237,6 +239,7 @@ class LayerSegments:
         for mine, theirs in zip(_streams(self.store), _streams(probe), strict=True):
             if mine.centre and mine.q is None and theirs.stream_centre is not None:
                 mine.first_centre = theirs.stream_centre
+        self._adopted = len(self.store) == 0
 
     def _positions(self, demoted: list[int] | torch.Tensor) -> torch.Tensor:
         """What ``PolicyState.append`` returned, as ``(rows, k)`` int32 positions on the layer's device."""
@@ -320,8 +323,20 @@ class LayerSegments:
         self.values = self.values[:, :, :-k]
         self.length -= k
         if self.compressing:
-            self.full_pos = self.full_pos[:, :-k].contiguous()
+            self.full_pos = self.full_pos[:, :-k].clone(memory_format=torch.contiguous_format)
             self.pending -= k
+            if self._adopted and len(self.store) == 0:
+                self._forget_adopted()
+
+    def _forget_adopted(self) -> None:
+        """A crop removed tokens of the append whose demotion gave the empty store its centres or fit: a fresh
+        store (with the positions and the query moments held) waits for the first block again, which the demotion
+        of what is left gives it, as if the removed tokens had never come."""
+        fresh = wrap_store(self.action.new_store(self.backend, self.layer_idx), self.transform, self.action)
+        fresh.positions = self.store.positions
+        fresh.adopt_moments(self.store)
+        self.store = fresh
+        self._adopted = self._first_block_taken = False
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply ``fn`` to the batch dimension of every held tensor (beam reorder, batch select)."""
