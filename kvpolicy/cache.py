@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -561,6 +561,38 @@ class CompressedCache(Cache):
         if multi and layer.engine.held.pending:
             self._unreleased.append(layer_idx)
         return out
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]:
+        """Each layer's history as ``DynamicCache`` iterates its own: ``(keys, values, sliding_window)``, keys and
+        values ``(batch, kv_heads, tokens, head_dim)`` in position order, ``sliding_window`` a 0-d tensor for a
+        sliding layer left to transformers (else ``None``); ``(None, None, None)`` for a layer that holds nothing
+        (or no keys, such as a linear-attention layer). A compressed layer's history is materialised as attention
+        reads it (its demoted tokens dequantized, a tensor of the whole length), so ``DynamicCache(iter(cache))``
+        holds what this cache attends over (exactly its tokens with ``action="none"``).
+
+        Raises
+        ------
+        ValueError
+            For a layer that evicted tokens: its keys no longer stand for every position, and no history of the
+            cache's length can be given (read ``cache.positions(i)`` and the layer instead).
+        """
+        self._outside()
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, CompressedLayer):
+                keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+                yield keys, values, getattr(layer, "_sliding_window_tensor", None)
+                continue
+            if not layer.is_initialized:
+                yield None, None, None
+                continue
+            keys, values = layer.attention_view("ordered")
+            if keys.shape[-2] != layer.get_seq_length():
+                raise ValueError(
+                    f"CompressedCache: layer {i} holds {keys.shape[-2]} of its {layer.get_seq_length()} tokens "
+                    f"(action {layer.engine.action.name!r} evicted the others), so its keys and values cannot stand "
+                    "for the history DynamicCache would iterate; read cache.positions(i) and the layer's keys instead"
+                )
+            yield keys, values, None
 
     def _outside(self) -> None:
         """Before a call that may change what the cache holds: remember a call under ``torch.inference_mode()``, and
