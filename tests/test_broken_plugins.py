@@ -14,21 +14,13 @@ import subprocess
 import sys
 
 import pytest
+from test_command_plugins import no_plugins  # noqa: F401  (the fixture: only the built-ins)
 from test_plugin_loading import FakeSite
 
 import kvpolicy
 from kvpolicy import registry
 from kvpolicy.cli import build_parser, main
 from kvpolicy.hookspecs import hookimpl
-
-
-@pytest.fixture
-def builtins_only(monkeypatch):
-    """Only the built-ins (no entry point loads), and the registry as it was afterwards."""
-    monkeypatch.setenv(registry.DISABLE_ENV, "1")
-    registry.reset()
-    yield
-    registry.reset()
 
 
 def _runs(sub) -> None:
@@ -80,7 +72,8 @@ def _plugin(register):
 
 
 @pytest.mark.parametrize(("register", "problem"), list(BROKEN_COMMANDS.values()), ids=list(BROKEN_COMMANDS))
-def test_a_broken_command_plugin_is_skipped_and_every_command_runs(builtins_only, capsys, register, problem):
+@pytest.mark.usefixtures("no_plugins")
+def test_a_broken_command_plugin_is_skipped_and_every_command_runs(capsys, register, problem):
     registry.register(_plugin(register), name="broken-cmd")
     warning = rf"kvpolicy command 'broken' from broken-cmd .* skipped: .*{problem}"
     with pytest.warns(registry.PluginWarning, match=warning):
@@ -98,12 +91,14 @@ def test_a_broken_command_plugin_is_skipped_and_every_command_runs(builtins_only
     assert refused.value.code == 2 and "invalid choice: 'broken'" in capsys.readouterr().err
 
 
-def test_a_nested_plugin_command_with_every_func_set_joins(builtins_only, capsys):
+@pytest.mark.usefixtures("no_plugins")
+def test_a_nested_plugin_command_with_every_func_set_joins():
     registry.register(_plugin(lambda sub: _nested(sub, with_func=("a", "b"))), name="nested-cmd")
     assert main(["broken", "b"]) == 0
 
 
-def test_a_command_name_two_plugins_register_reports_the_conflict_when_run(builtins_only, capsys):
+@pytest.mark.usefixtures("no_plugins")
+def test_a_command_name_two_plugins_register_reports_the_conflict_when_run(capsys):
     class Mine:
         @hookimpl
         def kvpolicy_register_commands(self):
