@@ -5,9 +5,10 @@ update it in place ("Inplace update to inference tensor outside InferenceMode") 
 ("Inference tensors cannot be saved for backward"). A cache filled inside the mode (``chunked_prefill`` runs in
 it, so does a user's ``with torch.inference_mode():`` prefill) holds such tensors in every part that allocated
 state there: the segments, the stores and their staging, centres, fits and coefficient tables, the policies'
-states (H2O's scores), the shared positions. :func:`normalize` replaces each of them by an ordinary copy, once,
-before the first step outside the mode; tensors held in several places (positions shared between layers) stay
-shared.
+states (H2O's scores), the shared positions. :func:`normalize` replaces each of them, once, before the first
+step outside the mode, by an ordinary tensor over the same storage (no copy: the same bytes, offset, shape and
+strides), so views and tensors held in several places (positions shared between layers) stay shared. Tensor
+subclasses of other libraries (quanto's, hqq's) are left as they are: their backends do not update them in place.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import torch
 
 
 def normalize(*roots: Any) -> int:
-    """Replace every inference tensor reachable from ``roots`` by an ordinary copy (in place, where it is held).
+    """Replace every inference tensor reachable from ``roots`` by an ordinary tensor over the same storage (in
+    place, where it is held).
 
     Reachable: attributes of objects with a ``__dict__`` (frozen dataclasses included), items of lists and dicts,
     and tuples (rebuilt). Modules (Python's and ``torch.nn.Module``), classes, functions and weak references are
-    not entered. A tensor reached several times is copied once and every holder gets the same copy.
+    not entered. A tensor reached several times is replaced once and every holder gets the same replacement.
 
     Parameters
     ----------
@@ -33,7 +35,7 @@ def normalize(*roots: Any) -> int:
     Returns
     -------
     int
-        The number of tensors copied.
+        The number of tensors replaced.
     """
     copies: dict[int, torch.Tensor] = {}
     seen: set[int] = set()
@@ -45,11 +47,13 @@ def normalize(*roots: Any) -> int:
 def _fixed(value: Any, copies: dict[int, torch.Tensor], seen: set[int]) -> Any:
     """``value`` with its inference tensors replaced (the same object when nothing inside it changed identity)."""
     if isinstance(value, torch.Tensor):
-        if not value.is_inference():
+        if not value.is_inference() or type(value) not in (torch.Tensor, torch.nn.Parameter):
             return value
         if id(value) not in copies:
             with torch.inference_mode(False):
-                copies[id(value)] = value.clone()
+                alias = torch.empty(0, dtype=value.dtype, device=value.device)
+                copies[id(value)] = alias.set_(value.untyped_storage(), value.storage_offset(), value.size(),
+                                               value.stride())  # fmt: skip
         return copies[id(value)]
     if isinstance(value, tuple):
         items = [_fixed(item, copies, seen) for item in value]
