@@ -12,18 +12,19 @@ from __future__ import annotations
 import dataclasses
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvpolicy import distributed, fused, model_check
+from kvpolicy import distributed, fused, inference_tensors, model_check
 from kvpolicy import layer_bits as per_layer
 from kvpolicy import spec as specs
 from kvpolicy.actions.base import Action
 from kvpolicy.backends.base import Backend
+from kvpolicy.continuation import Continuation, refuse_empty
 from kvpolicy.errors import CacheFileError, ConfigError
 from kvpolicy.layer.engine import LayerEngine
 from kvpolicy.layer.padding import StepMask
@@ -197,17 +198,56 @@ def _position_ids(kwargs: dict[str, Any]) -> torch.Tensor | None:
     return position_ids
 
 
-def _layer_memory(layer: CacheLayerMixin, layer_idx: int, seen: set[tuple[str, int]]) -> LayerBytes:
+def _layer_memory(layer: Any, layer_idx: int, seen: set[tuple[str, int]]) -> LayerBytes:
+    """What ``layer`` holds: a compressed layer reports its segments; any other layer (transformers' own: sliding
+    windows, linear-attention or convolution states, indexers, layers holding nothing) counts every tensor it
+    holds as full precision, with a 16-bit baseline of the same elements (what ``DynamicCache`` would hold)."""
     if isinstance(layer, CompressedLayer):
         return layer.memory(seen)
     segments = dict.fromkeys(SEGMENTS, 0)
-    kind = type(layer).__name__
-    if not layer.is_initialized or layer.keys is None or layer.keys.dim() != 4:
-        return LayerBytes(layer_idx, layer.get_seq_length(), segments, 0, kind=kind)
-    segments["full_precision"] = nbytes(layer.keys) + nbytes(layer.values)
-    b, h, n, d = layer.keys.shape
-    baseline = n * b * h * (d + layer.values.shape[-1]) * 2
-    return LayerBytes(layer_idx, layer.get_seq_length(), segments, baseline, layer.keys.element_size(), kind)
+    baseline, width = 0, None
+    for t in held_tensors(layer):
+        segments["full_precision"] += nbytes(t)
+        baseline += t.numel() * 2 if t.is_floating_point() else nbytes(t)
+        if width is None and t.is_floating_point():
+            width = t.element_size()
+    return LayerBytes(layer_idx, _tokens(layer), segments, baseline, width or 2, type(layer).__name__)
+
+
+def held_tensors(layer: Any) -> list[torch.Tensor]:
+    """The tensors with elements that a cache layer kvpolicy does not own holds, each once: its attributes, and the
+    dicts, lists and tuples in them (linear-attention layers keep conv and recurrent states in dicts by index).
+    Zero-dimensional tensors (counters, window sizes) are bookkeeping, not held tokens or states."""
+    out: list[torch.Tensor] = []
+    ids: set[int] = set()
+    todo = list(vars(layer).values()) if hasattr(layer, "__dict__") else []
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, torch.Tensor):
+            if obj.dim() > 0 and obj.numel() > 0 and id(obj) not in ids:
+                ids.add(id(obj))
+                out.append(obj)
+        elif isinstance(obj, (Mapping, list, tuple)) and id(obj) not in ids:
+            ids.add(id(obj))  # a container reached twice (or holding itself) is walked once
+            todo.extend(obj.values() if isinstance(obj, Mapping) else obj)
+    return out
+
+
+def in_use(layer: Any) -> bool:
+    """Whether a layer of a cache has received anything: a compressed layer its first update, any other layer a
+    tensor with elements (:func:`held_tensors`)."""
+    if isinstance(layer, CompressedLayer):
+        return bool(layer.is_initialized)
+    return bool(held_tensors(layer))
+
+
+def _tokens(layer: Any) -> int:
+    """Tokens a layer kvpolicy does not own has seen (``get_seq_length``, an int or a 0-d tensor); 0 if it
+    cannot tell."""
+    try:
+        return int(layer.get_seq_length())
+    except Exception:  # a layer of an unknown kind: the report still counts its tensors
+        return 0
 
 
 class CompressedCache(Cache):
@@ -356,6 +396,11 @@ class CompressedCache(Cache):
         self._unreleased: list[int] = []  # layers whose multi-token update of this forward awaits release
         self._mask: torch.Tensor | None = None  # the 2-D attention mask of this forward (note_attention_mask)
         self._step_mask: tuple[int, int, StepMask] | None = None  # (past, n, its columns), once per forward
+        #: the rows' positions so far, read at the first compressed layer of each forward (``_watched``): a forward
+        #: that does not continue them (generate given a cache filled before) is refused
+        self._continuation = Continuation()
+        self._watched: int | None = None
+        self._inference = False  # the cache ran under torch.inference_mode() since it last left it (_outside)
         self._layer_types: list[str] | None = None
         self._layer_kwargs: list[dict] = []
         self._config = config  # the model's, when given: save() records its identity
@@ -380,7 +425,7 @@ class CompressedCache(Cache):
                     "layers left to transformers (only 'full_attention' layers are compressed)"
                 )
             self.layers = [self._new_layer(i) for i in range(len(self._layer_types))]
-            if not any(isinstance(layer, CompressedLayer) for layer in self.layers):
+            if self.action.compresses and not any(isinstance(layer, CompressedLayer) for layer in self.layers):
                 kinds = sorted(set(self._layer_types))
                 warnings.warn(
                     f"CompressedCache: config= leaves no layer compressed (layer types: {kinds}); only "
@@ -455,7 +500,8 @@ class CompressedCache(Cache):
         transformers' own layers, and defaults that cannot serve the model's head dim are replaced
         (``repr`` shows them as ``adapted=[...]``). The same as ``CompressedCache(config=model.config,
         ...)`` or ``from_preset(preset, config=model.config, ...)``, after checking that the model is one
-        kvpolicy can compress.
+        kvpolicy can compress. With ``action="none"`` a model without full-attention layers (every layer
+        sliding-window, say) is served too: every layer is then transformers' own, as in ``DynamicCache``.
 
         Parameters
         ----------
@@ -471,18 +517,29 @@ class CompressedCache(Cache):
         Raises
         ------
         ConfigError
-            If ``model`` has no transformers config, declares no attention layer, or has layers of a type
-            transformers has no cache layer for (the error names the model class); for an unknown preset (with
-            the closest known name) or a bad preset file; or for bad keywords.
+            If ``model`` has no transformers config, declares no full-attention layer while the action
+            compresses, or has layers of a type transformers has no cache layer for (the error names the
+            model class); for an unknown preset (with the closest known name) or a bad preset file; or for
+            bad keywords.
         """
         if "config" in kwargs:
             raise ConfigError(
                 "for_model reads config from the model; drop config= (or build CompressedCache(config=...))"
             )
-        config = model_check.check_model(model)
+        config = model_check.check_model(model, compresses=False)
         if preset is None:
-            return cls(config=config, **kwargs)
-        return cls.from_preset(preset, config=config, **kwargs)
+            spec, source = specs.CacheSpec.resolve(**kwargs), None
+        else:
+            from kvpolicy import preset_source
+
+            source = preset_source.resolve(preset)
+            spec = specs.CacheSpec.from_source(source, **kwargs)
+        if spec.action.compresses:
+            model_check.check_model(model)
+        cache = cls.from_spec(spec, config)
+        if source is not None:
+            cache.preset = source
+        return cache
 
     @classmethod
     def from_config(cls, path: str | Path, **overrides: Any) -> CompressedCache:
@@ -530,6 +587,7 @@ class CompressedCache(Cache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._outside()
         if layer_idx == 0 and self.layer_bits and self.layers and self.layers[0].is_initialized:
             # a second forward: every layer of the model has been seen, so the map can be checked
             missing = sorted(i for i in self.layer_bits if i >= len(self.layers))
@@ -550,6 +608,10 @@ class CompressedCache(Cache):
             self.check_model_config(config, f"{getattr(config, 'model_type', 'transformers')} model")
         while len(self.layers) <= layer_idx:
             self.layers.append(self._new_layer(len(self.layers)))
+        if self._watched is None and isinstance(self.layers[layer_idx], CompressedLayer):
+            self._watched = layer_idx
+        if layer_idx == self._watched:  # once per forward
+            self._continuation.step(_position_ids(kwargs), self.layers[layer_idx].get_seq_length())
         if self._unreleased:
             self._release_before(layer_idx)
         layer = self.layers[layer_idx]
@@ -604,6 +666,82 @@ class CompressedCache(Cache):
         self._step_mask = (past, n, step)
         return step
 
+    def __iter__(self) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]:
+        """Each layer's history as ``DynamicCache`` iterates its own: ``(keys, values, sliding_window)``, keys and
+        values ``(batch, kv_heads, tokens, head_dim)`` in position order, ``sliding_window`` a 0-d tensor for a
+        sliding layer left to transformers (else ``None``); ``(None, None, None)`` for a layer that holds nothing
+        (or no keys, such as a linear-attention layer). A compressed layer's history is materialised as attention
+        reads it (its demoted tokens dequantized, a tensor of the whole length), so ``DynamicCache(iter(cache))``
+        holds what this cache attends over (exactly its tokens with ``action="none"``).
+
+        Raises
+        ------
+        ValueError
+            For a layer that evicted tokens: its keys no longer stand for every position, and no history of the
+            cache's length can be given (read ``cache.positions(i)`` and the layer instead).
+        """
+        self._outside()
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, CompressedLayer):
+                keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+                yield keys, values, getattr(layer, "_sliding_window_tensor", None)
+                continue
+            if not layer.is_initialized:
+                yield None, None, None
+                continue
+            keys, values = layer.attention_view("ordered")
+            if keys.shape[-2] != layer.get_seq_length():
+                raise ValueError(
+                    f"CompressedCache: layer {i} holds {keys.shape[-2]} of its {layer.get_seq_length()} tokens "
+                    f"(action {layer.engine.action.name!r} evicted the others), so its keys and values cannot stand "
+                    "for the history DynamicCache would iterate; read cache.positions(i) and the layer's keys instead"
+                )
+            yield keys, values, None
+
+    def _outside(self) -> None:
+        """Before a call that may change what the cache holds: remember a call under ``torch.inference_mode()``, and
+        on the first call outside it after one, turn every inference tensor held into an ordinary one
+        (:func:`kvpolicy.inference_tensors.normalize`), so that the step can update it in place or autograd can
+        record it. Both directions work: a prefill in inference mode then decoding outside it, and the reverse."""
+        if torch.is_inference_mode_enabled():
+            self._inference = True
+        elif self._inference:
+            inference_tensors.normalize(self.layers, self._book, self._continuation)
+            self._inference = False
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        self._outside()
+        if layer_idx < len(self.layers) and isinstance(self.layers[layer_idx], CompressedLayer):
+            refuse_empty(query_length, self.layers[layer_idx].get_seq_length())
+        return super().get_mask_sizes(query_length, layer_idx)
+
+    # the cache-wide state of the rows moves with them (each layer moves its own)
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._outside()
+        super().reorder_cache(beam_idx)
+        self._continuation.map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._outside()
+        super().batch_select_indices(indices)
+        self._continuation.map_rows(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._outside()
+        super().batch_repeat_interleave(repeats)
+        self._continuation.map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._outside()
+        super().crop(tokens_to_remove)
+        if tokens_to_remove < 0:
+            self._continuation.crop(-tokens_to_remove)
+
+    def reset(self) -> None:
+        self._outside()
+        super().reset()
+        self._continuation.reset()
+
     def _release_before(self, layer_idx: int) -> None:
         """Demote the multi-token updates of the layers before ``layer_idx`` in this forward: their
         attention has run (:meth:`CompressedLayer.release`)."""
@@ -652,6 +790,7 @@ class CompressedCache(Cache):
     def positions(self, layer_idx: int) -> dict[str, torch.Tensor]:
         """``{"full": ..., "compressed": ..., "staged_keys": ...}`` for one layer (see
         :meth:`CompressedLayer.positions`)."""
+        self._outside()
         if layer_idx >= len(self.layers):
             raise IndexError(f"layer_idx={layer_idx} but the cache holds {len(self.layers)} layers so far")
         layer = self.layers[layer_idx]
@@ -667,8 +806,11 @@ class CompressedCache(Cache):
         return {i: _described(layer) for i, layer in enumerate(self.layers) if isinstance(layer, CompressedLayer)}
 
     def memory_report(self) -> MemoryReport:
-        """Bytes held (from the tensors actually held) vs a 16-bit cache of the same tokens; layers
-        left to transformers (sliding-window layers) count as full precision."""
+        """Bytes held (from the tensors actually held) vs a 16-bit cache of the same tokens. Layers left to
+        transformers (sliding windows, linear-attention and convolution states, indexers...) count every tensor
+        they hold as full precision, against a baseline of the same elements at 16 bits: a ``DynamicCache`` would
+        hold them too."""
+        self._outside()
         seen: set[tuple[str, int]] = set()  # positions shared by layers count once
         return MemoryReport([_layer_memory(layer, i, seen) for i, layer in enumerate(self.layers)])
 
@@ -706,6 +848,7 @@ class CompressedCache(Cache):
         """
         from kvpolicy import cache_io
 
+        self._outside()
         return cache_io.save(self, path, model, entropy_coding)
 
     @classmethod

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Callable
+from typing import Any
 
 from kvpolicy.errors import ConfigError
 
@@ -61,11 +63,72 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvpolicy {__version__}",
                         help="print the version and exit")  # fmt: skip
-    names = ", ".join(name for name, _ in found)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help=f"one of: {names}{lab}")
-    for _, register in found:
-        register(sub)
+    from kvpolicy import registry
+
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    added = [name for name, register in found if _add_command(sub, name, register)]
+    clashes = registry.conflicts("commands")
+    for conflict in clashes:
+        _add_conflict(sub, conflict)
+    sub.help = f"one of: {', '.join([*added, *(c.name for c in clashes)])}{lab}"  # read when help is printed
     return parser
+
+
+def _add_command(sub: argparse._SubParsersAction, name: str, register: Callable) -> bool:
+    """Add the command ``name`` through its plugin's ``register(sub)``; a plugin whose ``register`` raises, adds no
+    parser named ``name``, adds other names beside it or sets no ``func`` to run is skipped with a
+    :class:`~kvpolicy.registry.PluginWarning` naming the command and its distribution, and whatever it added is
+    taken back, so that every other command (and ``--version``) still works. Returns whether it was added."""
+    parsers, helps = dict(sub._name_parser_map), list(sub._choices_actions)
+    try:
+        register(sub)
+    except Exception as exc:  # a plugin's bug must not take the command line down
+        problem = f"its register(subparsers) raised {type(exc).__name__}: {exc}"
+    else:
+        new = {key: p for key, p in sub._name_parser_map.items() if parsers.get(key) is not p}
+        mine = new.get(name)
+        others = sorted(key for key, p in new.items() if p is not mine)
+        if mine is None:
+            problem = f"its register(subparsers) added no subcommand named {name!r}"
+        elif others:
+            problem = f"its register(subparsers) also added {others}, which are not its name"
+        elif not _runs(mine):
+            problem = "its subcommand sets no func to run (parser.set_defaults(func=...))"
+        else:
+            return True
+    sub._name_parser_map.clear()
+    sub._name_parser_map.update(parsers)
+    sub._choices_actions[:] = helps
+    from kvpolicy import registry
+
+    source = next((str(src) for n, _, src in registry.entries("commands") if n == name), "a plugin")
+    warnings.warn(
+        f"kvpolicy command {name!r} from {source} is skipped: {problem}", registry.PluginWarning, stacklevel=3
+    )
+    return False
+
+
+def _runs(parser: argparse.ArgumentParser) -> bool:
+    """Whether every command line ``parser`` accepts sets a callable ``func``: its own default, or that of each of
+    its subcommands."""
+    if callable(parser.get_default("func")):
+        return True
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return bool(subs) and all(_runs(p) for a in subs for p in set(a.choices.values()))
+
+
+def _add_conflict(sub: argparse._SubParsersAction, conflict: Any) -> None:
+    """A command name registered by several plugins: running it reports the conflict (naming them) and how to
+    resolve it, and every other command works."""
+
+    def refuse(args: argparse.Namespace) -> int:
+        raise conflict.error()
+
+    # no prefix character a command line uses: whatever follows the name (flags included) is taken, not refused
+    p = sub.add_parser(conflict.name, help=f"(registered {len(conflict.sources)} times: see kvpolicy plugins)",
+                       add_help=False, prefix_chars="\0")  # fmt: skip
+    p.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
+    p.set_defaults(func=refuse)
 
 
 def _lab_missing(argv: list[str]) -> str | None:
@@ -108,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not callable(getattr(args, "func", None)):  # a plugin's subcommand whose own subcommand was left out
+        parser.error(f"{_prog(args)} needs a subcommand (see {_prog(args)} --help)")
     try:
         return args.func(args)
     except ConfigError as exc:

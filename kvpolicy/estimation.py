@@ -42,7 +42,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 #: transformers layer types left to transformers' own layers that hold keys and values (probed like a
 #: compressed layer: their report counts the tokens they keep)
 KV_KINDS = ("sliding_attention", "chunked_attention")
-#: layer types that hold no keys or values (0 bytes: a linear-attention layer's fixed-size state is not estimated)
+#: layer types that hold no keys or values (0 bytes: a linear-attention layer's fixed-size state is not estimated,
+#: though ``memory_report`` counts it once a model has filled it)
 EMPTY_KINDS = ("dummy", "conv", "linear_attention")
 
 
@@ -221,7 +222,8 @@ def estimate(
     block, which a one-head probe does not see, so its figures can be off by that padding. Layers
     left to transformers (sliding windows) count as memory_report counts them: full precision, the
     tokens they keep. Layers that hold no keys (linear attention, convolutions, layers sharing
-    another's cache) count 0 bytes: their fixed-size states are not estimated. A per-head policy's
+    another's cache) count 0 bytes: their fixed-size states are not estimated (``memory_report`` of a used cache
+    counts them). A per-head policy's
     positions are counted once per layer; on a model with one kv head, layers that happen to choose
     the same tokens share them in a real run, which then holds less.
 
@@ -348,7 +350,9 @@ def _spec(given: Any) -> Any:
 
     if isinstance(given, CacheSpec):
         return given
-    if any(layer.is_initialized for layer in given.layers):
+    from kvpolicy.cache import in_use
+
+    if any(in_use(layer) for layer in given.layers):
         raise ConfigError(
             f"estimate: the CompressedCache given already holds tokens ({given.get_seq_length()} in layer 0); pass an "
             "unused cache, its preset or its keywords (cache.memory_report() tells what a used one holds)"

@@ -12,13 +12,16 @@ from typing import Any
 from kvpolicy.errors import ConfigError
 
 
-def check_model(model: Any) -> Any:
+def check_model(model: Any, compresses: bool = True) -> Any:
     """``model.config`` after checking that kvpolicy can compress the model's cache.
 
     Parameters
     ----------
     model : transformers.PreTrainedModel
         The model (any object with a transformers ``config``).
+    compresses : bool
+        The cache's action compresses. ``False`` (``action="none"``): a model without a full-attention layer
+        is served too (every layer is transformers' own, the cache holds what ``DynamicCache`` holds).
 
     Returns
     -------
@@ -28,8 +31,8 @@ def check_model(model: Any) -> Any:
     Raises
     ------
     ConfigError
-        Naming the model class: no transformers config, no attention layer, or a layer type without a
-        transformers cache layer.
+        Naming the model class: no transformers config, no full-attention layer (when ``compresses``), or a
+        layer type without a transformers cache layer.
     """
     from transformers import PretrainedConfig
     from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, get_layer_types_and_kwargs
@@ -54,10 +57,11 @@ def check_model(model: Any) -> Any:
             f"for_model: {name} has layers of type(s) {unknown}, for which transformers has no cache layer; kvpolicy "
             f"compresses 'full_attention' layers and leaves {sorted(DYNAMIC_LAYER_TYPE_MAPPING)} to transformers"
         )
-    if "full_attention" not in kinds:
+    if compresses and "full_attention" not in kinds:
         raise ConfigError(
-            f"for_model: {name} has no full-attention layer (layer types: {sorted(set(kinds))}); kvpolicy has nothing "
-            "to compress in its cache"
+            f"for_model: {name} has no full-attention layer (layer types: {sorted(set(kinds))}); kvpolicy compresses "
+            "full-attention layers only, so it has nothing to compress in its cache. Use transformers' DynamicCache, "
+            "or action='none' for a CompressedCache that holds the same"
         )
     return config
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import reprlib
+import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -142,49 +143,57 @@ _manager: pluggy.PluginManager | None = None
 _tables: _Tables | None = None
 _sources: dict[str, Source] = {}
 _autoloaded = False
+#: held while the plugin manager, the entry points or the tables change: threads that make their first lookup
+#: together wait for one of them to load the entry points and build the tables (re-entrant: a plugin's import
+#: may look a name up)
+_lock = threading.RLock()
 
 
 def plugin_manager() -> pluggy.PluginManager:
     """The process-wide plugin manager (built-ins registered on first use; entry points are loaded
     on the first lookup through :func:`names`, :func:`get` or :func:`entries`)."""
     global _manager
-    if _manager is None:
-        from kvpolicy import __version__
+    with _lock:
+        if _manager is None:
+            from kvpolicy import __version__
 
-        pm = pluggy.PluginManager("kvpolicy")
-        pm.add_hookspecs(hookspecs)
-        pm.register(builtins, name=_BUILTIN_PLUGIN)
-        _sources[_BUILTIN_PLUGIN] = Source("kvpolicy", __version__, "built in")
-        _manager = pm
-    return _manager
+            pm = pluggy.PluginManager("kvpolicy")
+            pm.add_hookspecs(hookspecs)
+            pm.register(builtins, name=_BUILTIN_PLUGIN)
+            _sources[_BUILTIN_PLUGIN] = Source("kvpolicy", __version__, "built in")
+            _manager = pm
+        return _manager
 
 
 def register(plugin: object, name: str | None = None) -> None:
     """Register a plugin object (a module or instance with ``kvpolicy_register_*`` hooks) at run time."""
     global _tables
-    registered = plugin_manager().register(plugin, name=name)
-    if registered is not None:
-        _sources[registered] = Source(registered, None, "registered at run time")
-    _tables = None
+    with _lock:
+        registered = plugin_manager().register(plugin, name=name)
+        if registered is not None:
+            _sources[registered] = Source(registered, None, "registered at run time")
+        _tables = None
 
 
 def unregister(plugin: object) -> None:
     """Remove a plugin registered with :func:`register`."""
     global _tables
-    pm = plugin_manager()
-    name = pm.get_name(plugin)
-    pm.unregister(plugin)
-    _sources.pop(name or "", None)
-    _tables = None
+    with _lock:
+        pm = plugin_manager()
+        name = pm.get_name(plugin)
+        pm.unregister(plugin)
+        _sources.pop(name or "", None)
+        _tables = None
 
 
 def reset() -> None:
     """Forget every plugin and table; the next lookup starts afresh (re-reading the environment)."""
     global _manager, _tables, _autoloaded
-    _manager = None
-    _tables = None
-    _autoloaded = False
-    _sources.clear()
+    with _lock:
+        _manager = None
+        _tables = None
+        _autoloaded = False
+        _sources.clear()
 
 
 def _allowed() -> set[str] | None:
@@ -202,6 +211,12 @@ def load_entry_points() -> int:
     int
         Number of plugins registered by this call.
     """
+    with _lock:
+        return _load_entry_points()
+
+
+def _load_entry_points() -> int:
+    """:func:`load_entry_points`, with the registry's lock held."""
     global _autoloaded, _tables
     pm = plugin_manager()
     if _autoloaded:
@@ -230,7 +245,7 @@ def load_entry_points() -> int:
             warnings.warn(
                 f"kvpolicy plugin {ep_name!r} from {source} failed to load and is skipped: {type(exc).__name__}: {exc}",
                 PluginWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
             continue
         _sources[key] = source
@@ -242,7 +257,7 @@ def load_entry_points() -> int:
                 f"{ALLOW_ENV} names {missing}, but no installed distribution declares such an entry point "
                 f"in the group {ENTRY_POINT_GROUP!r}",
                 PluginWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
     _tables = None
     return count
@@ -317,7 +332,7 @@ def _skip(plugin_name: str, source: Source, problems: list[str]) -> None:
         f"kvpolicy plugin {plugin_name!r} from {source} is skipped, none of its names is registered: "
         + "; ".join(problems),
         PluginWarning,
-        stacklevel=5,  # _skip, _call_hooks, _collect, the public lookup, its caller
+        stacklevel=6,  # _skip, _call_hooks, _build_tables, _collect, the public lookup, its caller
     )
 
 
@@ -355,10 +370,20 @@ def _call_hooks(plugin_name: str, impls: dict[str, Any], source: Source) -> dict
 
 
 def _collect() -> _Tables:
+    tables = _tables
+    if tables is not None:  # built already: no lock on the path of every lookup
+        return tables
+    with _lock:
+        return _build_tables()
+
+
+def _build_tables() -> _Tables:
+    """The tables of every registered plugin, built once (with the registry's lock held) until a change of
+    plugins drops them."""
     global _tables
-    if _tables is not None:
+    if _tables is not None:  # another thread built them while this one waited for the lock
         return _tables
-    load_entry_points()
+    _load_entry_points()
     pm = plugin_manager()
     impls: dict[str, dict[str, Any]] = {}
     for kind in KINDS:

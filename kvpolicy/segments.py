@@ -93,6 +93,10 @@ class LayerSegments:
         #: an error that left the policy and the store out of step (the layer cannot go on)
         self.failed: str | None = None
         self._first_block_taken = False  # see _awaits_first_block
+        #: the store took centres or a fit from the pending append before holding anything (_set_first_centres)
+        self._adopted = False
+        #: the latest single-token appends that demoted nothing (a crop can take them back: :meth:`crop`)
+        self._quiet = 0
 
     # ------------------------------------------------------------------ building
     def start(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -142,7 +146,7 @@ class LayerSegments:
         compressing = self.store is not None
         if compressing and (self.pending or self.failed is not None or (self.policy.needs_scores and not self.scored)):
             self.settle()
-        start = self.length
+        start, moves = self.length, self.moves
         self.length += n
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
@@ -153,8 +157,10 @@ class LayerSegments:
         new = torch.arange(start, start + n, dtype=POSITION_DTYPE, device=self.keys.device)
         self.full_pos = torch.cat([self.full_pos, new.expand(self.full_pos.shape[0], n)], dim=1)
         self.pending = n
+        quiet, self._quiet = self._quiet, 0
         if n == 1:
             self.settle()
+            self._quiet = quiet + 1 if self.moves == moves else 0
 
     def settle(self) -> None:
         """Apply deferred demotions (and check that score-based policies got their scores)."""
@@ -237,6 +243,7 @@ class LayerSegments:
         for mine, theirs in zip(_streams(self.store), _streams(probe), strict=True):
             if mine.centre and mine.q is None and theirs.stream_centre is not None:
                 mine.first_centre = theirs.stream_centre
+        self._adopted = len(self.store) == 0
 
     def _positions(self, demoted: list[int] | torch.Tensor) -> torch.Tensor:
         """What ``PolicyState.append`` returned, as ``(rows, k)`` int32 positions on the layer's device."""
@@ -299,29 +306,71 @@ class LayerSegments:
         """Whether :meth:`crop` can remove the latest append now (see ``CompressedLayer.is_croppable``)."""
         if not self.compressing:
             return True
-        return not self.policy.needs_scores and self.pending > 0
+        return not self.policy.needs_scores and (self.pending > 0 or self._rewinds > 0)
+
+    @property
+    def _rewinds(self) -> int:
+        """How many of the latest single-token appends a crop can take back: those that demoted nothing, for a
+        policy whose state is a function of the length (``Policy.splits_appends``), so that a fresh state told of
+        the length left is the state the policy had then."""
+        return self._quiet if self.policy.splits_appends and not self.pending else 0
 
     def crop(self, k: int) -> None:
-        """Remove the last ``k`` tokens: exact while they are the latest multi-token append's and
-        still undemoted (the policy never learnt of them); anything else raises ``ValueError``."""
+        """Remove the last ``k`` tokens: exact while they are the latest multi-token append's and still undemoted
+        (the policy never learnt of them), or the latest single-token appends when they demoted nothing and the
+        policy's state is a function of the length (:attr:`_rewinds`); anything else raises ``ValueError``."""
         if self.compressing and self.policy.needs_scores:
             raise ValueError(
                 f"crop(tokens_to_remove={-k}): policy {self.policy.name!r} has already accumulated the "
                 "attention of the tokens to remove into the scores of the tokens it holds, which cannot be taken "
                 "back; assisted decoding is not supported with score-based policies"
             )
-        if self.compressing and k > self.pending:
+        rewind = self.compressing and k > self.pending
+        if rewind and k > self._rewinds:
             raise ValueError(
-                f"crop(tokens_to_remove={-k}) on layer {self.layer_idx}: only the {self.pending} "
-                "token(s) of the latest multi-token update can be removed; older tokens were already handed to "
-                f"the policy ({self.policy.name!r}) and may have been demoted"
+                f"crop(tokens_to_remove={-k}) on layer {self.layer_idx}: only the {self.pending} token(s) of the "
+                f"latest multi-token update, or the {self._rewinds} latest single-token step(s) that demoted "
+                f"nothing, can be removed; older tokens were already handed to the policy ({self.policy.name!r}) "
+                "and demoted, or its state cannot be wound back"
+                + ("" if self.policy.splits_appends else " (its selection depends on more than the length)")
             )
+        if rewind:
+            self._rewind(k)
         self.keys = self.keys[:, :, :-k]
         self.values = self.values[:, :, :-k]
         self.length -= k
         if self.compressing:
-            self.full_pos = self.full_pos[:, :-k].contiguous()
-            self.pending -= k
+            self.full_pos = self.full_pos[:, :-k].clone(memory_format=torch.contiguous_format)
+            if not rewind:  # a rewind happens with nothing pending
+                self.pending -= k
+            if self._adopted and len(self.store) == 0:
+                self._forget_adopted()
+
+    def _rewind(self, k: int) -> None:
+        """Put the policy's state back to before the latest ``k`` single-token appends (none demoted anything): a
+        fresh state told of the length left, checked to hold the full-precision positions left."""
+        state = self.policy.new_state(num_heads=self.keys.shape[1])
+        state.append(self.length - k)
+        told = torch.as_tensor(state.full_positions(), dtype=torch.long).cpu()
+        told = told if self.policy.per_head else told.reshape(1, -1)
+        left = self.full_pos[:, :-k].long().cpu()
+        if tuple(told.shape) != tuple(left.shape) or not torch.equal(told, left):
+            raise ValueError(
+                f"crop(tokens_to_remove={-k}) on layer {self.layer_idx}: policy {self.policy.name!r} told of "
+                f"{self.length - k} tokens holds other positions than the layer kept; it cannot be wound back"
+            )
+        self.state = state
+        self._quiet -= k
+
+    def _forget_adopted(self) -> None:
+        """A crop removed tokens of the append whose demotion gave the empty store its centres or fit: a fresh
+        store (with the positions and the query moments held) waits for the first block again, which the demotion
+        of what is left gives it, as if the removed tokens had never come."""
+        fresh = wrap_store(self.action.new_store(self.backend, self.layer_idx), self.transform, self.action)
+        fresh.positions = self.store.positions
+        fresh.adopt_moments(self.store)
+        self.store = fresh
+        self._adopted = self._first_block_taken = False
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply ``fn`` to the batch dimension of every held tensor (beam reorder, batch select)."""

@@ -103,8 +103,11 @@ def test_is_croppable_says_whether_crop_works(policy, action):
     assert layer().is_croppable
     cache.crop(-2)  # the prompt's last two tokens were never handed to the policy
     assert cache.get_seq_length() == 38
-    cache.update(*_kv(1, seed=1), 0)  # a decode step demotes
-    if action == "none":
+    held = set(cache.positions(0)["full"].tolist()) if action != "none" else set()
+    cache.update(*_kv(1, seed=1), 0)  # a decode step: a sliding window demotes, a log window not always
+    demoted = action != "none" and not held <= set(cache.positions(0)["full"].tolist())
+    assert demoted == (policy == "recent")
+    if not demoted:  # nothing to take back but the token: served (the log policy's state is its length's)
         assert layer().is_croppable
         cache.crop(-1)
         assert cache.get_seq_length() == 38

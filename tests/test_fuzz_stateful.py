@@ -372,6 +372,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.batch = 0
         self.fresh = True  # no batch yet (start, or after reset): the next prefill picks one
         self.pending = 0  # tokens of the latest multi-token forward not demoted yet (crop may remove them)
+        self.quiet = 0  # the latest single-token forwards that demoted nothing (crop may take them back)
         self.last_start = 0  # length before the latest forward
         self._reset_h2o()
 
@@ -432,6 +433,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.length += n
         self.last_start = start
         self.pending = n if n > 1 else 0
+        # a single step that demoted nothing, for a policy whose state is a function of the length, can be cropped
+        quiet = n == 1 and self._rewinds_by_length() and set(self.shared.fp(start)) <= set(self.shared.fp(start + 1))
+        self.quiet = self.quiet + 1 if quiet else 0
         self.check(reference=False)
         if n == 1:
             self._check_paths()
@@ -580,18 +584,22 @@ class CacheMachine(RuleBasedStateMachine):
         small = max(1, min(self.pending, self.length))
         k = data.draw(st.one_of(st.integers(1, small), st.integers(1, self.length)), label="tokens to remove")
         # transformers' Cache.is_croppable: whether crop can undo the latest update now
-        croppable = not self.compresses or (not self.per_head and self.pending > 0)
+        rewinds = self.quiet if not self.pending else 0
+        croppable = not self.compresses or (not self.per_head and (self.pending > 0 or rewinds > 0))
         assert self.cache.is_croppable == croppable, f"is_croppable with {self.pending} pending token(s)"
         if self.compresses and self.per_head:
             with pytest.raises(ValueError, match="cannot be taken"):
                 self.cache.crop(-k)
-        elif self.compresses and k > self.pending:
+        elif self.compresses and k > max(self.pending, rewinds):
             with pytest.raises(ValueError, match=rf"only the {self.pending} token\(s\)"):
                 self.cache.crop(-k)
         else:
             self.cache.crop(-k)
             self.ref_cache.crop(-k)
             self.length -= k
+            if self.compresses and k > self.pending:  # single steps taken back: nothing they did was demoted
+                self.quiet -= k
+                self.shared.settled = min(self.shared.settled, self.length)
             self.pending = max(0, self.pending - k)
             if self.shared is not None and self.last_start == 0:  # the prompt itself was cut
                 self.shared.prompt = (self.shared.prompt - k) or None
@@ -622,11 +630,15 @@ class CacheMachine(RuleBasedStateMachine):
         self.batch *= 2
         self.check()
 
+    def _rewinds_by_length(self) -> bool:
+        """Whether the subject's crop can take back single steps of this policy (its state is its length's)."""
+        return self.compresses and not self.per_head and bool(self.cache.policy.splits_appends)
+
     @rule()
     def reset(self) -> None:
         self.cache.reset()
         self.ref_cache.reset()
-        self.length = self.pending = self.last_start = 0
+        self.length = self.pending = self.last_start = self.quiet = 0
         self.fresh = True
         if self.shared is not None:
             self.shared.reset()

@@ -20,9 +20,13 @@ def backend_lines() -> list[str]:
     from kvpolicy.commands._usability import backend_usability
 
     names = registry.names("backends")
+    clashes = {conflict.name for conflict in registry.conflicts("backends")}
     width = max((len(n) for n in names), default=0)
     lines = ["backends here (usable; what it runs on, or what it needs):"]
     for name in names:
+        if name in clashes:
+            lines.append(f"  {name:<{width}}  ?   registered more than once: see conflicts")
+            continue
         state = backend_usability(name)
         note = f"  {state.note}" if state.note else ""
         lines.append(f"  {name:<{width}}  {'yes' if state.usable else 'no ':<3}{note}".rstrip())

@@ -129,7 +129,10 @@ class LowRank(Hadamard):
         xc = x - centre
         _, vectors = torch.linalg.eigh(xc.transpose(-1, -2) @ xc)  # ascending eigenvalues
         directions = vectors[..., -self.rank :].flip(-1)
-        return centre.float().contiguous(), directions.float().contiguous()
+        # standard strides (a loaded copy has them): at rank 1 eigh's column-major layout would otherwise leave
+        # the size-1 dimension a stride that sends the matmuls to another kernel, a few ulps apart
+        return (centre.float().clone(memory_format=torch.contiguous_format),
+                directions.float().clone(memory_format=torch.contiguous_format))  # fmt: skip
 
     def encode(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Coefficients ``(batch, kv_heads, n, rank)`` float32 as held: ``(codes, scales)``.

@@ -48,6 +48,11 @@ from kvpolicy.transforms.store import TransformedStore, cast_clamped
 
 #: the entries a query-weighted store adds to a transformed store's saved state
 STATE_KEYS = ("weights", "query_sq", "query_count", "key_var")
+#: the largest ``max_ratio``: weights stay within ``2 ** ±16`` of their geometric mean, so that weighted keys and
+#: weighted queries of any model dtype stay finite (float16 keys are held in float32 once transformed)
+MAX_RATIO = 2.0**32
+#: how far beyond ``log(max_ratio) / 2`` a saved weight's logarithm may be (float32 rounding of a fit's weights)
+LOG_TOLERANCE = 1e-4
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,7 @@ class QueryWeighted(Hadamard):
         minimises the expected score error of an isotropic quantizer.
     max_ratio : float
         The largest weight is at most ``max_ratio`` times the smallest (each within ``√max_ratio`` of
-        their geometric mean); ``>= 1``. Bounds what a channel that no query reads, or a constant
+        their geometric mean); in ``[1, 2**32]``. Bounds what a channel that no query reads, or a constant
         channel, can do to the others. Default 64.
     """
 
@@ -77,7 +82,7 @@ class QueryWeighted(Hadamard):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for param, value, low, high in (("power", self.power, 0.0, 1.0), ("max_ratio", self.max_ratio, 1.0, math.inf)):
+        for param, value, low, high in (("power", self.power, 0.0, 1.0), ("max_ratio", self.max_ratio, 1.0, MAX_RATIO)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
                 raise ConfigError(
                     f"QueryWeighted: {param} must be a number in [{low:g}, {high:g}]; got {param}={value!r}"
@@ -102,20 +107,46 @@ class QueryWeighted(Hadamard):
         Returns
         -------
         torch.Tensor
-            ``(batch, kv_heads, 1, head_dim)`` float32, positive, geometric mean 1 per row and head,
-            largest over smallest at most :attr:`max_ratio`.
+            ``(batch, kv_heads, 1, head_dim)`` float32, positive: the weights divided by their geometric mean
+            per row and head, each then clamped within ``√max_ratio`` of 1 (so largest over smallest at most
+            :attr:`max_ratio`). Finite for any finite moments, zeros included (computed in logarithms).
+
+        Raises
+        ------
+        NonFiniteError
+            If a moment is NaN or infinite.
+        ValueError
+            If a moment is negative.
         """
         if not (bool(torch.isfinite(query_sq).all()) and bool(torch.isfinite(key_var).all())):
             raise NonFiniteError(
                 f"{self!r}: the queries or keys reported to fit the key weights are not finite (NaN or Inf "
                 "reached attention); the model's activations are broken"
             )
-        tiny = torch.finfo(torch.float32).tiny
-        ratio = (query_sq / count).clamp_min(tiny) / key_var.clamp_min(tiny)
-        log_w = self.power * ratio.log()
+        if bool((query_sq < 0).any()) or bool((key_var < 0).any()):
+            raise ValueError(f"{self!r}: negative query or key moments (sums of squares and variances are >= 0)")
+        # in logarithms and float64: moments of any finite size (zeros, 1e38 against 1e-38) give finite weights
+        tiny = torch.finfo(torch.float64).tiny
+        log_ratio = (query_sq.double() / count).clamp_min(tiny).log() - key_var.double().clamp_min(tiny).log()
+        log_w = self.power * log_ratio
         log_w = log_w - log_w.mean(dim=-1, keepdim=True)
         half = math.log(self.max_ratio) / 2
-        return log_w.clamp(-half, half).exp().unsqueeze(2).contiguous()
+        return log_w.clamp(-half, half).exp().float().unsqueeze(2).contiguous()
+
+    def check_weights(self, weights: torch.Tensor) -> None:
+        """Raise ``ValueError`` unless ``weights`` ``(batch, kv_heads, 1, head_dim)`` are weights :meth:`fit` can
+        give: finite and positive, each within ``√max_ratio`` of 1 (within float32 rounding). A saved store's
+        weights are checked so before they weight a key: crafted ones (zeros, huge ranges) would turn keys or
+        queries into Inf, and attention into NaN."""
+        if not bool((torch.isfinite(weights) & (weights > 0)).all()):
+            raise ValueError("query-weighted store: weights must be finite and positive")
+        top = float(weights.double().log().abs().max()) if weights.numel() else 0.0
+        half = math.log(self.max_ratio) / 2
+        if top > half + LOG_TOLERANCE:
+            raise ValueError(
+                f"query-weighted store: a weight {math.exp(min(top, 700.0)):.6g} times (or 1 over that) the unit "
+                f"weight, beyond sqrt(max_ratio)={math.exp(half):.6g}: not weights {self!r} fits"
+            )
 
 
 @dataclass(frozen=True, eq=False)
@@ -268,9 +299,11 @@ class QueryWeightedStore(TransformedStore):
             if t is not None:
                 what = f"query-weighted store {name}"
                 t = state_check.tensor(t, what, torch.float32, (None,) * (4 if name == "weights" else 3))
-                if name == "weights" and not bool((t > 0).all() & torch.isfinite(t).all()):
-                    raise ValueError(f"{what} must be finite and positive")
+                if name == "weights":
+                    self.transform.check_weights(t)
                 state_check.finite(t, what)
+                if bool((t < 0).any()):
+                    raise ValueError(f"{what} must be >= 0 (a sum of squares or a variance)")
             loaded[name] = t
         count = state_check.integer(state["query_count"], "query_count", 0)
         fitted = loaded["weights"] is not None

@@ -159,3 +159,41 @@ def test_by_name_in_a_fresh_interpreter():
     # prompt 24 -> 6 + 4 kept; 3 generated tokens fed back are kept too
     assert lines[1] == "quantize kvpolicy_snapkv.policy (1, 28) (1, 2, 13)"
     assert lines[2] == "evict kvpolicy_snapkv.policy (1, 28) (1, 2, 13)"
+
+
+def test_threads_building_their_first_caches_together_all_find_snapkv():
+    """Installed, the plugin is found by every thread that builds its first cache at the same moment as the
+    others (the registry loads entry points once, under a lock), and stays found. Each round resets the
+    registry and forgets the plugin's modules, so every round is a first lookup."""
+    code = textwrap.dedent(
+        """
+        import json, sys, threading
+        from kvpolicy import CompressedCache, registry
+
+        errors, missing_after = [], 0
+        for _ in range(10):
+            registry.reset()
+            for name in [m for m in sys.modules if m.startswith("kvpolicy_snapkv")]:
+                del sys.modules[name]
+            barrier = threading.Barrier(8)
+
+            def build():
+                barrier.wait()
+                try:
+                    CompressedCache(policy="snapkv", capacity=6, window=4, action="evict")
+                except Exception as exc:
+                    errors.append(f"{type(exc).__name__}: {exc}")
+
+            threads = [threading.Thread(target=build) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            missing_after += "snapkv" not in registry.names("policies")
+        print(json.dumps({"errors": errors, "missing_after": missing_after}))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k not in (registry.DISABLE_ENV, registry.ALLOW_ENV)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == '{"errors": [], "missing_after": 0}'
