@@ -608,15 +608,17 @@ class CompressedCache(Cache):
             self.check_model_config(config, f"{getattr(config, 'model_type', 'transformers')} model")
         while len(self.layers) <= layer_idx:
             self.layers.append(self._new_layer(len(self.layers)))
-        if self._watched is None and isinstance(self.layers[layer_idx], CompressedLayer):
+        if self._watched is None and self.action.compresses and isinstance(self.layers[layer_idx], CompressedLayer):
             self._watched = layer_idx
-        if layer_idx == self._watched:  # once per forward
-            self._continuation.step(_position_ids(kwargs), self.layers[layer_idx].get_seq_length())
+        layer = self.layers[layer_idx]
+        step = None
+        if self._mask is not None and isinstance(layer, CompressedLayer) and layer.engine.action.compresses:
+            step = kwargs[MASK_KWARG] = self._columns(layer.get_seq_length(), key_states)
+        if layer_idx == self._watched:  # once per forward; padding columns are the layers' to judge
+            real = None if step is None or not step.padded else step.columns
+            self._continuation.step(_position_ids(kwargs), layer.get_seq_length(), real)
         if self._unreleased:
             self._release_before(layer_idx)
-        layer = self.layers[layer_idx]
-        if self._mask is not None and isinstance(layer, CompressedLayer) and layer.engine.action.compresses:
-            kwargs[MASK_KWARG] = self._columns(layer.get_seq_length(), key_states)
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         multi = key_states.shape[-2] > 1 and isinstance(layer, CompressedLayer) and layer.engine.held is not None
         if multi and layer.engine.held.pending:

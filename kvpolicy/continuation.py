@@ -41,10 +41,13 @@ class Continuation:
     def __init__(self) -> None:
         self.top: torch.Tensor | None = None
 
-    def step(self, position_ids: torch.Tensor | None, length: int) -> None:
+    def step(self, position_ids: torch.Tensor | None, length: int, real: torch.Tensor | None = None) -> None:
         """Check and record the positions ``(batch or 1, n)`` of a step on a cache holding ``length`` tokens.
 
         Positions that are not a 2-d tensor (none given, or a multimodal model's 3-d rope positions) are not read.
+        ``real`` (``(batch, n)`` bool, from the forward's attention mask): the columns that are tokens; padding
+        columns are not read (a row of padding only is not checked), so that padding the layers refuse is
+        refused as padding.
 
         Raises
         ------
@@ -54,7 +57,10 @@ class Continuation:
         """
         if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.numel() == 0:
             return
-        last = position_ids.detach().amax(dim=-1).to(torch.int64)
+        positions = position_ids.detach().to(torch.int64)
+        if real is not None and real.shape[-1] == positions.shape[-1]:
+            positions = positions.masked_fill(~real.to(positions.device), -1)
+        last = positions.amax(dim=-1)
         top = self.top
         if top is None or (top.shape[0] != last.shape[0] and 1 not in (top.shape[0], last.shape[0])):
             self.top = last + 1  # a first step (or one of another batch, which the layers refuse themselves)

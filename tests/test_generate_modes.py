@@ -207,7 +207,7 @@ def test_contrastive_low_memory_crops_single_steps_where_nothing_was_demoted(mod
 
 
 # ---------------------------------------------------------------------- one cache, several generate calls
-@pytest.mark.parametrize("name", ["none", "kvpolicy-3bit", "one-liner"])
+@pytest.mark.parametrize("name", ["kvpolicy-3bit", "one-liner"])
 @pytest.mark.parametrize("length", [1, 100, 200, 321, 330, 331])
 def test_a_cache_reused_with_a_prompt_no_longer_than_it_holds_is_refused(model, name, length):
     """The first call leaves 331 tokens in the cache (320 + 12 generated, the last not fed); a second call whose
@@ -219,6 +219,28 @@ def test_a_cache_reused_with_a_prompt_no_longer_than_it_holds_is_refused(model, 
     prompt = torch.cat([first.sequences, _ids(seed=9)], dim=1)[:, :length]
     with pytest.raises(ValueError, match=r"Build a new cache per generate call, or call cache\.reset\(\)"):
         _generate(model, prompt, cache, "greedy")
+
+
+@pytest.mark.parametrize("length", [1, 100, 200, 321, 330, 331])
+def test_a_reused_cache_with_action_none_does_what_dynamic_cache_does(model, length):
+    """action="none" is DynamicCache exactly, misuse included: where DynamicCache serves the reused cache, so does
+    it, with the same tokens and logits; where DynamicCache fails (nothing left to feed), it refuses by name."""
+    ids = _ids()
+    results = []
+    for name in ("none", "dynamic"):
+        cache = _cache(name)
+        first = _generate(model, ids, cache, "greedy")
+        prompt = torch.cat([first.sequences, _ids(seed=9)], dim=1)[:, :length]
+        try:
+            results.append(_generate(model, prompt, cache, "greedy"))
+        except Exception as exc:  # DynamicCache fails with whatever the model raises
+            results.append(exc)
+    ours, theirs = results
+    if isinstance(theirs, Exception):
+        assert isinstance(ours, ValueError)
+        assert "Build a new cache per generate call" in str(ours)
+    else:
+        _same(ours, theirs)
 
 
 @pytest.mark.parametrize("mode", ["greedy", "chunked-prefill", "sampling"])
