@@ -49,6 +49,8 @@ from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.serde import Fp8QuantizationDeserializer, Fp8QuantizationSerializer
 
 PRESETS = ("kvpolicy-3bit", "kvpolicy-3.5bit", "kvpolicy-4bit")
+#: LMCache's chunk size, in tokens
+CHUNK = 256
 #: (name, layout of one 256-token chunk, head_dim)
 STACKS = (("SmolLM2-135M", (2, 30, 256, 192), 64), ("8B-shaped", (2, 32, 256, 1024), 128))
 
@@ -121,7 +123,7 @@ def bits() -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------------------------ kl
-def kl(texts: int, context: int, tokens: int, presets: list[str]) -> dict[str, Any]:
+def kl(texts: int, context: int, tokens: int, presets: list[str], recompute: list[int]) -> dict[str, Any]:
     from transformers import DynamicCache
 
     from kvpolicy.quality import compare, next_token_kl, teacher_forced_logits
@@ -141,18 +143,23 @@ def kl(texts: int, context: int, tokens: int, presets: list[str]) -> dict[str, A
             prompt = DynamicCache(config=model.config)
             model(text[:, : context - 1], cache=prompt, use_cache=True)
             chunks = to_chunks(prompt)
-            for codec in codecs:
-                name = "uncompressed chunks (no serde)" if codec is None else codec.name
-                loaded = chunks if codec is None else [round_trip(codec, c)[0] for c in chunks]
-                cache = from_chunks(loaded, head_dim, model.config)
-                got = teacher_forced_logits(model, text[:, context - 1 :], 1, cache)
-                per_row.setdefault(name, []).append(_scores(next_token_kl(ref, got), ref, got))
+            for recomputed in recompute:
+                reused = chunks if recomputed == 1 else chunks[: (context - recomputed) // CHUNK]
+                for codec in codecs:
+                    name = (
+                        f"{'uncompressed chunks (no serde)' if codec is None else codec.name}, {recomputed} recomputed"
+                    )
+                    loaded = reused if codec is None else [round_trip(codec, c)[0] for c in reused]
+                    cache = from_chunks(loaded, head_dim, model.config)
+                    start = sum(c.shape[2] for c in loaded)
+                    got = teacher_forced_logits(model, text[:, start:], context - start, cache)
+                    per_row.setdefault(name, []).append(_scores(next_token_kl(ref, got), ref, got))
             print(f"text {i}: " + ", ".join(f"{n} {r[-1]['kl']:.4f}" for n, r in per_row.items()), flush=True)
     for preset in presets:
         report = compare(model, preset, ids, prompt_tokens=context, decode_tokens=tokens)
         per_row[f"{preset} in memory (CompressedCache)"] = [{"kl": t.kl, "top1": t.top1} for t in report.texts]
     return {
-        "texts": [s.sample_id for s in samples], "context": context, "tokens": tokens,
+        "texts": [s.sample_id for s in samples], "context": context, "tokens": tokens, "recomputed": recompute,
         "rows": {name: _summary(rows) for name, rows in per_row.items()},
     }  # fmt: skip
 
@@ -214,10 +221,21 @@ def main() -> None:
     p.add_argument("--texts", type=int, default=5)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--tokens", type=int, default=256)
+    p.add_argument(
+        "--recompute",
+        nargs="+",
+        type=int,
+        default=[1, 256],
+        help="context tokens the model recomputes after the reused chunks: 1 (every chunk reused, the last "
+        "one partial) or a multiple of 256 (the full chunks before them reused)",
+    )
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args()
+    bad = [r for r in args.recompute if r != 1 and (r % CHUNK or not 0 < r < args.context)]
+    if bad:
+        p.error(f"--recompute takes 1 or multiples of {CHUNK} below --context; got {bad}")
     if args.threads:
         torch.set_num_threads(args.threads)
     result: dict[str, Any] = {
@@ -237,7 +255,7 @@ def main() -> None:
             dec = f"decode {row['decode_ms']:7.1f} ms ({row['decode_mb_s']:6.0f} MB/s)"
             print(f"{name:<16} {enc}  {dec}  {row['time_vs_fp8']:.2f}x fp8")
     if "kl" in args.parts:
-        result["kl"] = kl(args.texts, args.context, args.tokens, args.presets)
+        result["kl"] = kl(args.texts, args.context, args.tokens, args.presets, args.recompute)
         for name, row in result["kl"]["rows"].items():
             k = row["kl"]
             print(f"{name:<44} KL {k['mean']:.4f} ± {k['se']:.4f} (worst {k['worst']:.4f})  top-1 "
