@@ -21,7 +21,7 @@ import time
 
 os.environ["LMCACHE_TRACK_USAGE"] = "false"
 
-import torch  # noqa: E402
+import torch
 
 
 def manager(adapter: str):

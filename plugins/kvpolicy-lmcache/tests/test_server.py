@@ -16,7 +16,6 @@ import urllib.request
 import pytest
 import torch
 from conftest import chunk, free_port, key, redis_sizes, wait_for_port
-
 from kvpolicy_lmcache import ChunkCodec
 
 SERDE = {"type": "kvpolicy", "preset": "kvpolicy-3bit", "head_dim": 64}

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import HERE, chunk, key, redis_sizes
-
 from kvpolicy_lmcache import ChunkCodec
 
 SERDE = {"type": "kvpolicy", "preset": "kvpolicy-3bit"}
@@ -35,7 +34,8 @@ def chunks() -> list[dict]:
 
 
 def run(mode: str, adapter: dict, data: Path, out: Path | None = None) -> None:
-    cmd = [sys.executable, str(HERE / "storage_worker.py"), mode, "--adapter", json.dumps(adapter), "--chunks", str(data)]
+    worker = str(HERE / "storage_worker.py")
+    cmd = [sys.executable, worker, mode, "--adapter", json.dumps(adapter), "--chunks", str(data)]
     if out is not None:
         cmd += ["--out", str(out)]
     env = {**os.environ, "LMCACHE_TRACK_USAGE": "false"}
