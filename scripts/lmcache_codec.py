@@ -126,7 +126,8 @@ def bits() -> list[dict[str, Any]]:
 def kl(texts: int, context: int, tokens: int, presets: list[str], recompute: list[int]) -> dict[str, Any]:
     from transformers import DynamicCache
 
-    from kvpolicy.quality import compare, next_token_kl, teacher_forced_logits
+    from kvpolicy import CompressedCache
+    from kvpolicy.quality import teacher_forced_logits
     from kvpolicy_lab.eval.models import load_smollm2
     from kvpolicy_lab.eval.tasks import LanguageModeling
 
@@ -134,38 +135,38 @@ def kl(texts: int, context: int, tokens: int, presets: list[str], recompute: lis
     head_dim = model.config.head_dim
     samples = LanguageModeling(samples_per_context=texts, tokens=tokens).samples(tokenizer, context, seed=0)
     ids = [torch.tensor(s.ids[: context + tokens]) for s in samples]
-    codecs: list[Any] = [None, Fp8(), *(KVPolicy(p, head_dim) for p in presets)]
+    codecs: list[Any] = [Fp8(), *(KVPolicy(p, head_dim) for p in presets)]
     per_row: dict[str, list[dict[str, float]]] = {}
     with torch.inference_mode():
         for i, text in enumerate(ids):
             text = text.unsqueeze(0)
             ref = teacher_forced_logits(model, text, context, DynamicCache(config=model.config))
+            for preset in presets:  # the preset held in memory: the context prefilled whole, then decoded
+                got = teacher_forced_logits(model, text, context, CompressedCache.for_model(model, preset))
+                per_row.setdefault(f"{preset} in memory (CompressedCache)", []).append(_scores(ref, got))
             prompt = DynamicCache(config=model.config)
             model(text[:, : context - 1], cache=prompt, use_cache=True)
             chunks = to_chunks(prompt)
             for recomputed in recompute:
                 reused = chunks if recomputed == 1 else chunks[: (context - recomputed) // CHUNK]
                 for codec in codecs:
-                    name = (
-                        f"{'uncompressed chunks (no serde)' if codec is None else codec.name}, {recomputed} recomputed"
-                    )
-                    loaded = reused if codec is None else [round_trip(codec, c)[0] for c in reused]
+                    loaded = [round_trip(codec, c)[0] for c in reused]
                     cache = from_chunks(loaded, head_dim, model.config)
                     start = sum(c.shape[2] for c in loaded)
                     got = teacher_forced_logits(model, text[:, start:], context - start, cache)
-                    per_row.setdefault(name, []).append(_scores(next_token_kl(ref, got), ref, got))
+                    per_row.setdefault(f"{codec.name}, {recomputed} recomputed", []).append(_scores(ref, got))
             print(f"text {i}: " + ", ".join(f"{n} {r[-1]['kl']:.4f}" for n, r in per_row.items()), flush=True)
-    for preset in presets:
-        report = compare(model, preset, ids, prompt_tokens=context, decode_tokens=tokens)
-        per_row[f"{preset} in memory (CompressedCache)"] = [{"kl": t.kl, "top1": t.top1} for t in report.texts]
     return {
         "texts": [s.sample_id for s in samples], "context": context, "tokens": tokens, "recomputed": recompute,
         "rows": {name: _summary(rows) for name, rows in per_row.items()},
     }  # fmt: skip
 
 
-def _scores(kls: torch.Tensor, ref: torch.Tensor, got: torch.Tensor) -> dict[str, float]:
-    return {"kl": float(kls.double().mean()), "top1": float((ref.argmax(-1) == got.argmax(-1)).double().mean())}
+def _scores(ref: torch.Tensor, got: torch.Tensor) -> dict[str, float]:
+    from kvpolicy.quality import next_token_kl
+
+    kl = next_token_kl(ref, got).double().mean()
+    return {"kl": float(kl), "top1": float((ref.argmax(-1) == got.argmax(-1)).double().mean())}
 
 
 def _summary(rows: list[dict[str, float]]) -> dict[str, Any]:

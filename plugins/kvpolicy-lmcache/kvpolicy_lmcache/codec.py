@@ -21,7 +21,8 @@ from typing import Any, ClassVar
 import torch
 
 from kvpolicy.errors import ConfigError, did_you_mean
-from kvpolicy_lmcache import kvparts, payload
+from kvpolicy.transforms.store import cast_clamped
+from kvpolicy_lmcache import fast, kvparts, payload
 from kvpolicy_lmcache.kvparts import Parts, Template
 
 #: chunk dtypes whose K/V groups are coded
@@ -31,6 +32,10 @@ CODED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INFERRED_HEAD_DIMS = (64, 32, 16, 8)
 #: the preset of a codec configured without one
 DEFAULT_PRESET = "kvpolicy-3bit"
+#: how groups are encoded and decoded: ``"auto"`` compiles codebook formats behind a block Hadamard rotation
+#: (:mod:`kvpolicy_lmcache.fast`) and takes the reference path for anything else; ``"reference"`` always
+#: takes kvpolicy's own quantizer and the transform's matrix (:mod:`kvpolicy_lmcache.kvparts`)
+KERNELS = ("auto", "reference")
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,8 @@ class GroupPlan:
         The channels of each stored vector (coded groups).
     templates : tuple of Template
         The keys' and the values' block templates (coded groups).
+    rotation : fast.Rotation or None
+        The rotation the compiled path applies (coded groups it serves; ``None``: the reference path).
     """
 
     shape: tuple[int, ...]
@@ -59,6 +66,7 @@ class GroupPlan:
     why: str = ""
     head_dim: int | None = None
     templates: tuple[Template, ...] = ()
+    rotation: fast.Rotation | None = field(default=None, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -117,6 +125,7 @@ class ChunkCodec:
     key_bits: int | None = None
     value_bits: int | None = None
     head_dim: int | None = None
+    kernel: str = "auto"
     parts: Parts = field(init=False, repr=False, compare=False)
 
     #: the adapter-config keys :meth:`from_config` accepts besides these parameters (LMCache's own)
@@ -129,6 +138,8 @@ class ChunkCodec:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ConfigError(f"kvpolicy codec: {name} must be an integer; got {name}={value!r}")
+        if self.kernel not in KERNELS:
+            raise ConfigError(f"kvpolicy codec: kernel must be one of {list(KERNELS)}; got kernel={self.kernel!r}")
         if self.head_dim is not None and self.head_dim < 1:
             raise ConfigError(f"kvpolicy codec: head_dim must be >= 1; got head_dim={self.head_dim}")
         overrides = {n: getattr(self, n) for n in ("seed", "norm_bits") if getattr(self, n) is not None}
@@ -149,7 +160,7 @@ class ChunkCodec:
         """
         if not isinstance(config, dict):
             raise ConfigError(f"kvpolicy codec: the serde config must be a JSON object; got {config!r:.80}")
-        known = ("preset", "seed", "norm_bits", "key_bits", "value_bits", "head_dim")
+        known = ("preset", "seed", "norm_bits", "key_bits", "value_bits", "head_dim", "kernel")
         for name in config:
             if name not in known and name not in cls.LMCACHE_KEYS:
                 raise ConfigError(
@@ -201,7 +212,10 @@ class ChunkCodec:
             )
         block = (layers, hidden // head_dim, tokens, head_dim)
         templates = tuple(kvparts.template(kvparts.for_dtype(f, dtype), block) for f in self._formats())
-        return GroupPlan(shape, dtype, "coded", "", head_dim, templates)
+        rotation = None
+        if self.kernel == "auto" and fast.serves(self.parts.keys, self.parts.values):
+            rotation = fast.rotation(self.parts.transform, head_dim)
+        return GroupPlan(shape, dtype, "coded", "", head_dim, templates, rotation)
 
     def _infer_head_dim(self, hidden: int) -> int | None:
         for d in INFERRED_HEAD_DIMS:
@@ -278,9 +292,12 @@ class ChunkCodec:
         assert head_dim is not None
         out = []
         for role, (fmt, tmpl) in enumerate(zip(self._formats(), g.templates, strict=True)):
-            x = tensor[role].reshape(layers, tokens, hidden // head_dim, head_dim).permute(0, 2, 1, 3)
-            x = self.parts.transform.forward(x.float())
-            tensors = kvparts.quantize(kvparts.for_dtype(fmt, g.dtype), x)
+            x = tensor[role].reshape(layers, tokens, hidden // head_dim, head_dim)
+            if g.rotation is not None:
+                tensors = fast.encode(kvparts.for_dtype(fmt, g.dtype), g.rotation, x.float().contiguous(), g.dtype)
+            else:
+                x = self.parts.transform.forward(x.permute(0, 2, 1, 3).float())
+                tensors = kvparts.quantize(kvparts.for_dtype(fmt, g.dtype), x)
             for s in tmpl.sections:
                 t = tensors[s.name]
                 if t.dtype != s.dtype or tuple(t.shape) != s.shape:  # a format storing data-dependent shapes
@@ -347,13 +364,23 @@ class ChunkCodec:
             dst.copy_(parts[0])
             return
         _, layers, tokens, hidden = g.shape
+        assert g.head_dim is not None
         for role, block in enumerate(parts):
-            x = self.parts.transform.inverse(block.dequantize().float())  # (layers, heads, tokens, head_dim)
-            dst[role].copy_(x.permute(0, 2, 1, 3).reshape(layers, tokens, hidden))
+            if g.rotation is not None:
+                x = torch.empty(layers, tokens, hidden // g.head_dim, g.head_dim)
+                fast.decode(block, g.rotation, x)
+            else:  # (layers, heads, tokens, head_dim) back to (layers, tokens, heads, head_dim)
+                x = self.parts.transform.inverse(block.dequantize().float()).permute(0, 2, 1, 3)
+            x = x.reshape(layers, tokens, hidden)
+            # a float16 reconstruction a rounding beyond 65504 is clamped, not turned into infinity (bfloat16
+            # has float32's range)
+            dst[role].copy_(cast_clamped(x, dst.dtype) if dst.dtype == torch.float16 else x)
 
     def __repr__(self) -> str:
         given = [f"{n}={getattr(self, n)!r}" for n in ("seed", "norm_bits", "key_bits", "value_bits", "head_dim")
                  if getattr(self, n) is not None]  # fmt: skip
+        if self.kernel != "auto":
+            given.append(f"kernel={self.kernel!r}")
         p = self.parts
         return (
             f"ChunkCodec(preset={self.preset!r}{''.join(', ' + g for g in given)}; keys={p.keys!r}, "

@@ -51,10 +51,11 @@ def kvpolicy_store(preset: str, x: torch.Tensor, head_dim: int) -> tuple[torch.T
 @pytest.mark.parametrize("preset", ["kvpolicy-3bit", "kvpolicy-3.5bit", "kvpolicy-4bit"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_loaded_chunk_equals_what_kvpolicys_store_holds(preset, dtype):
-    """float32 and float16 chunks: the codec quantizes the rotated tokens in float32 as kvpolicy's store
-    does, so the loaded chunk is exactly the preset's last tier as a CompressedCache holds it."""
+    """float32 and float16 chunks: the reference path quantizes the rotated tokens in float32 as kvpolicy's
+    store does, so the loaded chunk is exactly the preset's last tier as a CompressedCache holds it (the
+    compiled path is checked against this one in test_fast.py)."""
     x = chunk(3, 50, 2, 64, dtype)
-    (got,), _ = round_trip(ChunkCodec(preset=preset, head_dim=64), [x])
+    (got,), _ = round_trip(ChunkCodec(preset=preset, head_dim=64, kernel="reference"), [x])
     keys, values = kvpolicy_store(preset, x, 64)
     assert torch.equal(got[0], keys) and torch.equal(got[1], values)
 
@@ -64,7 +65,7 @@ def test_bfloat16_chunks_are_quantized_from_float32_rotations():
     and quantizing; the codec keeps the rotation in float32, so its chunks are at least as close to the
     original (and equal in format and size)."""
     x = chunk(2, 64, 2, 64, torch.bfloat16)
-    (got,), _ = round_trip(ChunkCodec(head_dim=64), [x])
+    (got,), _ = round_trip(ChunkCodec(head_dim=64, kernel="reference"), [x])
     held = kvpolicy_store("kvpolicy-3bit", x, 64)
     for r in (0, 1):
         err = float((got[r].float() - x[r].float()).norm() / x[r].float().norm())
@@ -215,6 +216,7 @@ def test_encoding_is_deterministic():
         ({"norm_bits": 4}, "norm_bits must be one of"),
         ({"key_bits": 5}, "bits must be one of"),
         ({"head_dim": 0}, "head_dim must be >= 1"),
+        ({"kernel": "cuda"}, "kernel must be one of"),
     ],
 )
 def test_bad_configurations_are_refused_naming_the_parameter(kwargs, match):
