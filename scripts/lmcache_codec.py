@@ -13,14 +13,18 @@ Needs the plugin's environment (``pip install torch==2.13.0 lmcache==0.5.6 -e . 
   context then ``--tokens`` teacher-forced tokens. The reference is ``DynamicCache`` over the whole
   context. Each codec row prefills ``context - 1`` tokens, cuts their KV into 256-token chunks (the last
   one partial), stores and loads each chunk through the codec's LMCache serializer and deserializer, puts
-  them into a fresh ``DynamicCache`` and decodes on from the context's last token, as a server reusing a
-  stored prompt does. ``in memory`` rows run the same preset in a ``CompressedCache``
-  (:func:`kvpolicy.quality.compare`, the context prefilled whole). KL is the mean next-token
-  ``KL(reference || row)`` per text, then the mean over texts ± standard error and the worst text;
+  them into a fresh ``DynamicCache`` (:mod:`kvpolicy_lmcache.hf`) and decodes on from the context's last
+  token, as a server reusing a stored prompt does (``--recompute 1``); with ``--recompute 256`` only the full chunks before the last 256
+  context tokens are reused and the model recomputes those (LMCache stores full chunks only unless
+  ``save_unfull_chunk`` is set, so a prompt's last partial chunk is always recomputed). ``in memory`` rows
+  run the same preset in a ``CompressedCache`` (``CompressedCache.for_model``, the context prefilled
+  whole, then decoded). KL is the mean next-token ``KL(reference || row)`` per text, then the mean over
+  texts ± standard error and the worst text;
 - ``speed``: encode and decode of one 256-token bfloat16 chunk of the 8B-shaped stack (random normal
-  values) through each codec's LMCache serializer and deserializer, interleaved: ``--rounds`` rounds, each
-  timing every codec once, after one warm-up round; the median per codec, its MB/s (uncompressed chunk
-  bytes over the time) and the ratio of each codec's encode + decode time to fp8's.
+  values) through each codec's LMCache serializer and deserializer (kvpolicy's compiled kernel, and the
+  first preset once more with ``kernel="reference"``), interleaved: ``--rounds`` rounds, each timing every
+  codec once, after one warm-up round; the median per codec, its MB/s (uncompressed chunk bytes over the
+  time) and the ratio of each codec's encode + decode time to fp8's.
 
 Usage::
 
@@ -87,9 +91,9 @@ class Fp8:
 class KVPolicy:
     """kvpolicy's codec through its LMCache serializer and deserializer."""
 
-    def __init__(self, preset: str, head_dim: int | None) -> None:
-        codec = ChunkCodec(preset=preset, head_dim=head_dim)
-        self.name = preset
+    def __init__(self, preset: str, head_dim: int | None, kernel: str = "auto") -> None:
+        codec = ChunkCodec(preset=preset, head_dim=head_dim, kernel=kernel)
+        self.name = preset if kernel == "auto" else f"{preset} ({kernel} kernel)"
         self.ser, self.de = KVPolicySerializer(codec), KVPolicyDeserializer(codec)
 
 
@@ -123,7 +127,9 @@ def bits() -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------------------------ kl
-def kl(texts: int, context: int, tokens: int, presets: list[str], recompute: list[int]) -> dict[str, Any]:
+def kl(
+    texts: int, context: int, tokens: int, presets: list[str], recompute: list[int], partial: Path | None = None
+) -> dict[str, Any]:
     from transformers import DynamicCache
 
     from kvpolicy import CompressedCache
@@ -156,6 +162,8 @@ def kl(texts: int, context: int, tokens: int, presets: list[str], recompute: lis
                     got = teacher_forced_logits(model, text[:, start:], context - start, cache)
                     per_row.setdefault(f"{codec.name}, {recomputed} recomputed", []).append(_scores(ref, got))
             print(f"text {i}: " + ", ".join(f"{n} {r[-1]['kl']:.4f}" for n, r in per_row.items()), flush=True)
+            if partial is not None:  # the rows so far, after every text
+                partial.write_text(json.dumps(per_row, indent=1) + "\n")
     return {
         "texts": [s.sample_id for s in samples], "context": context, "tokens": tokens, "recomputed": recompute,
         "rows": {name: _summary(rows) for name, rows in per_row.items()},
@@ -186,7 +194,7 @@ def _summary(rows: list[dict[str, float]]) -> dict[str, Any]:
 def speed(rounds: int, presets: list[str]) -> dict[str, Any]:
     _, shape, head_dim = STACKS[1]
     chunk = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    codecs = [Fp8(), *(KVPolicy(p, head_dim) for p in presets)]
+    codecs = [Fp8(), *(KVPolicy(p, head_dim) for p in presets), KVPolicy(presets[0], head_dim, "reference")]
     times: dict[str, dict[str, list[float]]] = {c.name: {"encode": [], "decode": []} for c in codecs}
     layout = MemoryLayoutDesc(shapes=[chunk.shape], dtypes=[chunk.dtype])
     buffers = {c.name: torch.empty(c.ser.estimate_serialized_size(layout), dtype=torch.uint8) for c in codecs}
@@ -254,9 +262,10 @@ def main() -> None:
         for name, row in result["speed"]["rows"].items():
             enc = f"encode {row['encode_ms']:7.1f} ms ({row['encode_mb_s']:6.0f} MB/s)"
             dec = f"decode {row['decode_ms']:7.1f} ms ({row['decode_mb_s']:6.0f} MB/s)"
-            print(f"{name:<16} {enc}  {dec}  {row['time_vs_fp8']:.2f}x fp8")
+            print(f"{name:<36} {enc}  {dec}  {row['time_vs_fp8']:.2f}x fp8")
     if "kl" in args.parts:
-        result["kl"] = kl(args.texts, args.context, args.tokens, args.presets, args.recompute)
+        partial = args.out.with_suffix(".partial.json") if args.out else None
+        result["kl"] = kl(args.texts, args.context, args.tokens, args.presets, args.recompute, partial)
         for name, row in result["kl"]["rows"].items():
             k = row["kl"]
             print(f"{name:<44} KL {k['mean']:.4f} ± {k['se']:.4f} (worst {k['worst']:.4f})  top-1 "
