@@ -14,9 +14,10 @@ Needs the plugin's environment (``pip install torch==2.13.0 lmcache==0.5.6 -e . 
   context. Each codec row prefills ``context - 1`` tokens, cuts their KV into 256-token chunks (the last
   one partial), stores and loads each chunk through the codec's LMCache serializer and deserializer, puts
   them into a fresh ``DynamicCache`` (:mod:`kvpolicy_lmcache.hf`) and decodes on from the context's last
-  token, as a server reusing a stored prompt does (``--recompute 1``); with ``--recompute 256`` only the full chunks before the last 256
-  context tokens are reused and the model recomputes those (LMCache stores full chunks only unless
-  ``save_unfull_chunk`` is set, so a prompt's last partial chunk is always recomputed). ``in memory`` rows
+  token, as a server reusing a stored prompt does (``--recompute 1``); with ``--recompute 256`` only the
+  full chunks before the last 256 context tokens are reused and the model recomputes those (LMCache stores
+  full chunks only unless ``save_unfull_chunk`` is set, so a prompt's last partial chunk is always
+  recomputed). ``in memory`` rows
   run the same preset in a ``CompressedCache`` (``CompressedCache.for_model``, the context prefilled
   whole, then decoded). KL is the mean next-token ``KL(reference || row)`` per text, then the mean over
   texts ± standard error and the worst text;
@@ -48,7 +49,7 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 import torch
 from kvpolicy_lmcache import ChunkCodec
 from kvpolicy_lmcache.hf import from_chunks, to_chunks
-from kvpolicy_lmcache.serde import KVPolicyDeserializer, KVPolicySerializer
+from kvpolicy_lmcache.serde import KVPolicyDeserializer, KVPolicySerializer, TensorObj
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.serde import Fp8QuantizationDeserializer, Fp8QuantizationSerializer
 
@@ -57,26 +58,6 @@ PRESETS = ("kvpolicy-3bit", "kvpolicy-3.5bit", "kvpolicy-4bit")
 CHUNK = 256
 #: (name, layout of one 256-token chunk, head_dim)
 STACKS = (("SmolLM2-135M", (2, 30, 256, 192), 64), ("8B-shaped", (2, 32, 256, 1024), 128))
-
-
-class Obj:
-    """The part of LMCache's ``MemoryObj`` the serializers read: one tensor per group, or a byte buffer."""
-
-    def __init__(self, *tensors: torch.Tensor) -> None:
-        self.tensors = list(tensors)
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        return self.tensors[0]
-
-    def get_tensor(self, i: int) -> torch.Tensor:
-        return self.tensors[i]
-
-    def get_shapes(self) -> list[torch.Size]:
-        return [t.shape for t in self.tensors]
-
-    def get_dtypes(self) -> list[torch.dtype]:
-        return [t.dtype for t in self.tensors]
 
 
 class Fp8:
@@ -104,9 +85,9 @@ def round_trip(codec: Any, chunk: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``chunk`` stored and loaded through ``codec``: the loaded chunk and the bytes stored."""
     size = codec.ser.estimate_serialized_size(MemoryLayoutDesc(shapes=[chunk.shape], dtypes=[chunk.dtype]))
     buf = torch.empty(size, dtype=torch.uint8)
-    n = codec.ser.serialize(Obj(chunk), Obj(buf), KEY)
+    n = codec.ser.serialize(TensorObj(chunk), TensorObj(buf), KEY)
     out = torch.empty_like(chunk)
-    codec.de.deserialize(Obj(buf[:n]), Obj(out), KEY)
+    codec.de.deserialize(TensorObj(buf[:n]), TensorObj(out), KEY)
     return out, n
 
 
@@ -203,9 +184,9 @@ def speed(rounds: int, presets: list[str]) -> dict[str, Any]:
         for c in codecs:
             buf = buffers[c.name]
             t0 = time.perf_counter()
-            n = c.ser.serialize(Obj(chunk), Obj(buf), KEY)
+            n = c.ser.serialize(TensorObj(chunk), TensorObj(buf), KEY)
             t1 = time.perf_counter()
-            c.de.deserialize(Obj(buf[:n]), Obj(out), KEY)
+            c.de.deserialize(TensorObj(buf[:n]), TensorObj(out), KEY)
             t2 = time.perf_counter()
             if r:
                 times[c.name]["encode"].append(t1 - t0)

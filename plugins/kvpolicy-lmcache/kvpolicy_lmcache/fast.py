@@ -51,9 +51,7 @@ def rotation(transform: Transform, head_dim: int) -> Rotation | None:
     if matrix is None:
         return None
     r = matrix(head_dim).double()
-    block = head_dim & -head_dim
-    while block > 256:  # blocks of at most 256: the largest transform kvpolicy builds per block
-        block //= 2
+    block = head_dim & -head_dim  # the largest power of two dividing head_dim, as kvpolicy's Hadamard builds it
     index = torch.arange(head_dim)
     signs = torch.sign(r[index, (index // block) * block])
     h = torch.ones(1, 1, dtype=torch.float64)

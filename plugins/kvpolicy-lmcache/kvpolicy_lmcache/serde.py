@@ -56,6 +56,32 @@ def _buffer(obj: MemoryObj, what: str) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+class TensorObj:
+    """What the serializer and deserializer read of LMCache's ``MemoryObj``, over plain tensors: a chunk's
+    group tensors, or one flat ``uint8`` byte buffer. For running them outside LMCache's memory manager
+    (measurements, tests)."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self.tensors = list(tensors)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The first (for a byte buffer: the only) tensor."""
+        return self.tensors[0]
+
+    def get_tensor(self, i: int) -> torch.Tensor:
+        """Group ``i``'s tensor."""
+        return self.tensors[i]
+
+    def get_shapes(self) -> list[torch.Size]:
+        """The groups' shapes."""
+        return [t.shape for t in self.tensors]
+
+    def get_dtypes(self) -> list[torch.dtype]:
+        """The groups' dtypes."""
+        return [t.dtype for t in self.tensors]
+
+
 class _Plans:
     """Logs how each layout is stored, once per layout (which groups are coded, which kept verbatim)."""
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvpolicy_lmcache.serde import TensorObj
 from lmcache.v1.distributed.api import ObjectKey
 
 HERE = Path(__file__).parent
@@ -27,24 +28,7 @@ def key(i: int = 1, model: str = "test-model", rank: int = 0, group: int = 0) ->
     return ObjectKey(chunk_hash=bytes([i % 256]) * 32, model_name=model, kv_rank=rank, object_group_id=group)
 
 
-class Obj:
-    """What LMCache's serializers read of a ``MemoryObj``: its group tensors, or its byte buffer."""
-
-    def __init__(self, *tensors: torch.Tensor) -> None:
-        self.tensors = list(tensors)
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        return self.tensors[0]
-
-    def get_tensor(self, i: int) -> torch.Tensor:
-        return self.tensors[i]
-
-    def get_shapes(self) -> list[torch.Size]:
-        return [t.shape for t in self.tensors]
-
-    def get_dtypes(self) -> list[torch.dtype]:
-        return [t.dtype for t in self.tensors]
+Obj = TensorObj  # what LMCache's serializers read of a MemoryObj, over plain tensors
 
 
 def chunk(layers: int, tokens: int, heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0):

@@ -38,7 +38,7 @@ def ulp(dtype: torch.dtype) -> float:
     preset=st.sampled_from(["kvpolicy-3bit", "kvpolicy-3.5bit", "kvpolicy-4bit"]),
     dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
     tokens=st.integers(1, 80),
-    head_dim=st.sampled_from([8, 16, 64, 128, 256]),
+    head_dim=st.sampled_from([8, 16, 64, 80, 96, 128, 256]),
     norm_bits=st.sampled_from([8, 16]),
     seed=st.integers(0, 2**64 - 1),
 )
