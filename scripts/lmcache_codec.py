@@ -17,10 +17,10 @@ Needs the plugin's environment (``pip install torch==2.13.0 lmcache==0.5.6 -e . 
   token, as a server reusing a stored prompt does (``--recompute 1``); with ``--recompute 256`` only the
   full chunks before the last 256 context tokens are reused and the model recomputes those (LMCache stores
   full chunks only unless ``save_unfull_chunk`` is set, so a prompt's last partial chunk is always
-  recomputed). ``in memory`` rows
-  run the same preset in a ``CompressedCache`` (``CompressedCache.for_model``, the context prefilled
-  whole, then decoded). KL is the mean next-token ``KL(reference || row)`` per text, then the mean over
-  texts ± standard error and the worst text;
+  recomputed). ``in memory`` rows run the same preset in a ``CompressedCache``
+  (``CompressedCache.for_model``, the context prefilled whole, then decoded on kvpolicy's fused attention,
+  as docs/frontier.md measures it). KL is the mean next-token ``KL(reference || row)`` per text, then the
+  mean over texts ± standard error and the worst text;
 - ``speed``: encode and decode of one 256-token bfloat16 chunk of the 8B-shaped stack (random normal
   values) through each codec's LMCache serializer and deserializer (kvpolicy's compiled kernel, and the
   first preset once more with ``kernel="reference"``), interleaved: ``--rounds`` rounds, each timing every
@@ -114,11 +114,13 @@ def kl(
     from transformers import DynamicCache
 
     from kvpolicy import CompressedCache
+    from kvpolicy.fused import enable_fused
     from kvpolicy.quality import teacher_forced_logits
     from kvpolicy_lab.eval.models import load_smollm2
     from kvpolicy_lab.eval.tasks import LanguageModeling
 
     model, tokenizer = load_smollm2()
+    enable_fused(model)  # CompressedCache attends over its packed codes (as the frontier measures); others as before
     head_dim = model.config.head_dim
     samples = LanguageModeling(samples_per_context=texts, tokens=tokens).samples(tokenizer, context, seed=0)
     ids = [torch.tensor(s.ids[: context + tokens]) for s in samples]
