@@ -325,8 +325,10 @@ class ChunkCodec:
         Raises
         ------
         PayloadError
-            A payload of another version, codec, layout or key, a truncated or damaged one, or one whose
-            blocks kvpolicy's checks refuse; the message names the chunk key and what differs.
+            A payload of another version, codec, layout or key, a truncated or damaged one, one whose
+            blocks kvpolicy's checks refuse, or one that decodes to NaN or Inf (no finite chunk does: a
+            payload crafted with scales out of the destination's range); the message names the chunk key
+            and what differs.
         """
         name = payload.describe_key(key)
         if buf.dtype != torch.uint8 or buf.dim() != 1:
@@ -337,11 +339,13 @@ class ChunkCodec:
         payload.check(memoryview(buf.numpy()), head, total, name)
         offset = payload.body_offset(len(head))
         decoded = []
-        for i, g in enumerate(plan):  # every block is read and checked before any destination is written
+        for i, (g, dst) in enumerate(zip(plan, groups, strict=True)):
+            # every group is read, checked and decoded before any destination is written
             parts, offset = self._read_group(g, buf, offset, f"group {i}", name)
-            decoded.append(parts)
-        for g, parts, dst in zip(plan, decoded, groups, strict=True):
-            self._write_group(g, parts, dst)
+            decoded.append(self._decode_group(g, parts, dst.dtype, f"group {i}", name))
+        for values, dst in zip(decoded, groups, strict=True):
+            for role, v in enumerate(values):
+                (dst if len(values) == 1 else dst[role]).copy_(v)
 
     def _read_group(self, g: GroupPlan, buf: torch.Tensor, offset: int, where: str, name: str) -> tuple[list, int]:
         if g.mode == "raw":
@@ -359,12 +363,13 @@ class ChunkCodec:
                 raise payload.PayloadError(name, f"the {('keys', 'values')[role]} of {where}: {exc}") from None
         return blocks, offset
 
-    def _write_group(self, g: GroupPlan, parts: list, dst: torch.Tensor) -> None:
+    def _decode_group(self, g: GroupPlan, parts: list, dtype: torch.dtype, where: str, name: str) -> list:
+        """A group's contents in ``dtype``: the raw group, or the keys and the values of a coded one."""
         if g.mode == "raw":
-            dst.copy_(parts[0])
-            return
+            return [parts[0]]
         _, layers, tokens, hidden = g.shape
         assert g.head_dim is not None
+        out = []
         for role, block in enumerate(parts):
             if g.rotation is not None:
                 x = torch.empty(layers, tokens, hidden // g.head_dim, g.head_dim)
@@ -374,7 +379,12 @@ class ChunkCodec:
             x = x.reshape(layers, tokens, hidden)
             # a float16 reconstruction a rounding beyond 65504 is clamped, not turned into infinity (bfloat16
             # has float32's range)
-            dst[role].copy_(cast_clamped(x, dst.dtype) if dst.dtype == torch.float16 else x)
+            x = cast_clamped(x, dtype) if dtype == torch.float16 else x.to(dtype)
+            if not bool(torch.isfinite(x).all()):
+                what = ("keys", "values")[role]
+                raise payload.PayloadError(name, f"the {what} of {where} decode to NaN or Inf (scales out of range)")
+            out.append(x)
+        return out
 
     def __repr__(self) -> str:
         given = [f"{n}={getattr(self, n)!r}" for n in ("seed", "norm_bits", "key_bits", "value_bits", "head_dim")

@@ -211,3 +211,15 @@ def test_non_finite_centres_are_refused_even_when_re_signed():
         struct.pack_into("<H", data, offset + 2 * 5, bits)
         resign(torch.frombuffer(data, dtype=torch.uint8))
         refused(data, match="the keys of group 0: its centre hold NaN or Inf")
+
+
+def test_scales_beyond_the_destinations_range_are_refused_even_when_re_signed():
+    """A scale base kvpolicy's checks allow (up to float32's range) but that no chunk of this dtype gives:
+    the decoded values would be infinite, so the payload is refused before anything is written."""
+    from kvpolicy.formats.scale_codes import BASE_MAX
+
+    offset, _ = SECTIONS[(0, "values", "scale_base")]
+    data = bytearray(PAYLOAD)
+    struct.pack_into("<h", data, offset, BASE_MAX)
+    resign(torch.frombuffer(data, dtype=torch.uint8))
+    refused(data, match="the values of group 0 decode to NaN or Inf")
