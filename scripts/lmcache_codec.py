@@ -109,7 +109,13 @@ def bits() -> list[dict[str, Any]]:
 
 # ------------------------------------------------------------------------------------------------ kl
 def kl(
-    texts: int, context: int, tokens: int, presets: list[str], recompute: list[int], partial: Path | None = None
+    texts: int,
+    context: int,
+    tokens: int,
+    presets: list[str],
+    recompute: list[int],
+    partial: Path | None = None,
+    only: list[int] | None = None,
 ) -> dict[str, Any]:
     from transformers import DynamicCache
 
@@ -123,6 +129,8 @@ def kl(
     enable_fused(model)  # CompressedCache attends over its packed codes (as the frontier measures); others as before
     head_dim = model.config.head_dim
     samples = LanguageModeling(samples_per_context=texts, tokens=tokens).samples(tokenizer, context, seed=0)
+    if only is not None:  # a share of the texts, for runs in several processes (merged by text id)
+        samples = [samples[i] for i in only]
     ids = [torch.tensor(s.ids[: context + tokens]) for s in samples]
     codecs: list[Any] = [Fp8(), *(KVPolicy(p, head_dim) for p in presets)]
     per_row: dict[str, list[dict[str, float]]] = {}
@@ -221,6 +229,7 @@ def main() -> None:
         help="context tokens the model recomputes after the reused chunks: 1 (every chunk reused, the last "
         "one partial) or a multiple of 256 (the full chunks before them reused)",
     )
+    p.add_argument("--only", nargs="+", type=int, default=None, help="measure these texts (indices) of the --texts")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -248,7 +257,7 @@ def main() -> None:
             print(f"{name:<36} {enc}  {dec}  {row['time_vs_fp8']:.2f}x fp8")
     if "kl" in args.parts:
         partial = args.out.with_suffix(".partial.json") if args.out else None
-        result["kl"] = kl(args.texts, args.context, args.tokens, args.presets, args.recompute, partial)
+        result["kl"] = kl(args.texts, args.context, args.tokens, args.presets, args.recompute, partial, args.only)
         for name, row in result["kl"]["rows"].items():
             k = row["kl"]
             print(f"{name:<44} KL {k['mean']:.4f} ± {k['se']:.4f} (worst {k['worst']:.4f})  top-1 "
