@@ -1,0 +1,100 @@
+"""The compiled path (numba) against the reference path (kvpolicy's quantizer and the transform's matrix):
+the same payload format, the same codes up to coordinates within rounding of a cell boundary, and the same
+reconstruction up to the last bit of the chunk's dtype; payloads of either path decode with the other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from conftest import chunk, key
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvpolicy_lmcache import ChunkCodec, fast
+
+from kvpolicy.transforms import Hadamard
+from kvpolicy.transforms.base import Transform
+
+
+def encode(codec: ChunkCodec, x: torch.Tensor) -> torch.Tensor:
+    buf = torch.empty(codec.payload_size([x.shape], [x.dtype]), dtype=torch.uint8)
+    codec.encode([x], buf, key())
+    return buf
+
+
+def decode(codec: ChunkCodec, buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(like)
+    codec.decode(buf, [out], key())
+    return out
+
+
+def ulp(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    preset=st.sampled_from(["kvpolicy-3bit", "kvpolicy-3.5bit", "kvpolicy-4bit"]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    tokens=st.integers(1, 80),
+    head_dim=st.sampled_from([8, 16, 64, 80, 96, 128, 256]),
+    norm_bits=st.sampled_from([8, 16]),
+    seed=st.integers(0, 2**64 - 1),
+)
+def test_the_compiled_path_writes_and_reads_what_the_reference_does(preset, dtype, tokens, head_dim, norm_bits, seed):
+    x = chunk(2, tokens, 2, head_dim, dtype, seed=seed % 1000)
+    compiled = ChunkCodec(preset=preset, head_dim=head_dim, norm_bits=norm_bits, seed=seed)
+    reference = ChunkCodec(preset=preset, head_dim=head_dim, norm_bits=norm_bits, seed=seed, kernel="reference")
+    assert compiled.plan([x.shape], [x.dtype])[0].rotation is not None
+    a, b = encode(compiled, x), encode(reference, x)
+    assert a.numel() == b.numel()
+    assert float((a != b).float().mean()) < 0.01  # bytes of codes near a boundary, and their scales
+    for buf in (a, b):  # either payload decodes with either path, to the last bit of the dtype
+        y1, y2 = decode(compiled, buf, x), decode(reference, buf, x)
+        scale = float(y2.float().abs().max())
+        assert float((y1.float() - y2.float()).abs().max()) <= 4 * ulp(dtype) * scale
+    err = [float((decode(c, buf, x).float() - x.float()).norm() / x.float().norm()) for c, buf in
+           ((compiled, a), (reference, b))]  # fmt: skip
+    assert abs(err[0] - err[1]) < 1e-3, err
+
+
+def test_the_rotation_is_read_from_the_matrix():
+    rot = fast.rotation(Hadamard(seed=5), 96)  # blocks of 32
+    assert rot is not None and rot.block == 32 and set(rot.signs.tolist()) <= {-1.0, 1.0}
+
+
+@dataclass(frozen=True)
+class Shuffled(Transform):
+    """An orthogonal transform whose matrix is not a block Hadamard one (a permutation)."""
+
+    name = "shuffled"
+
+    def matrix(self, head_dim: int, device: str = "cpu") -> torch.Tensor:
+        return torch.eye(head_dim)[torch.randperm(head_dim, generator=torch.Generator().manual_seed(0))]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.float() @ self.matrix(x.shape[-1])).to(x.dtype)
+
+    def inverse(self, y: torch.Tensor) -> torch.Tensor:
+        return (y.float() @ self.matrix(y.shape[-1]).T).to(y.dtype)
+
+
+def test_other_matrices_and_formats_take_the_reference_path():
+    assert fast.rotation(Shuffled(), 64) is None
+    assert fast.rotation(Hadamard(0), 64) is not None
+    from kvpolicy.formats import Lattice
+
+    parts = ChunkCodec(preset="kvpolicy-3bit").parts
+    assert fast.serves(parts.keys, parts.values)
+    assert not fast.serves(Lattice(bits=2), parts.values)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_non_finite_chunks_are_refused_by_the_compiled_path(dtype):
+    from kvpolicy.errors import NonFiniteError
+
+    x = chunk(1, 8, 1, 64, dtype)
+    x[0, 0, 2, 7] = float("inf")
+    with pytest.raises(NonFiniteError):
+        encode(ChunkCodec(), x)
