@@ -9,7 +9,8 @@ from conftest import teacher_forced_logits
 from kvpolicy import CompressedCache
 from kvpolicy.actions.quantize import Quantize
 from kvpolicy.attention import disable_scores, enable_scores
-from kvpolicy.fused import disable_fused, enable_fused
+from kvpolicy.fused import attend_parts, disable_fused, enable_fused
+from kvpolicy.layer.parts import Part
 
 #: a rotated 2-bit codebook cache whose demotions flush per-channel groups of values with staging non-empty
 CODEBOOK = {"policy": "log", "window": 8, "bits": 2, "key_scheme": "codebook", "key_centre": True}
@@ -64,3 +65,67 @@ def with_nan(path, out, shape: tuple[int, ...], count: int):
         tensors[k] = tensors[k] * float("nan")
     save_file(tensors, str(out), metadata=meta)
     return out
+
+
+class Held:
+    """An action's store behind a transform's bound basis, driven as a layer drives them: what these tests
+    read a transform's tokens through (``Held.of(engine)`` for a layer's)."""
+
+    def __init__(self, transform, action=None, backend=None, rows: int = 1) -> None:
+        from kvpolicy.backends.torch_backend import TorchBackend
+
+        action = action or Quantize(bits=2, scheme="codebook", key_centre=True)
+        self.store = action.new_store(backend or TorchBackend(), 0)
+        self.store.positions = torch.empty(rows, 0, dtype=torch.int32)
+        self.basis = transform.bind()
+
+    @classmethod
+    def of(cls, engine) -> Held:
+        held = cls.__new__(cls)
+        held.store, held.basis = engine.store, engine.basis
+        return held
+
+    def add(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        if not self.basis.fitted:
+            self.basis.fit(keys, values)
+        self.basis.add(self.store, keys, values, positions)
+
+    def observe_queries(self, query: torch.Tensor, keys: torch.Tensor) -> None:
+        if self.basis.wants_queries:
+            self.basis.observe(query, keys)
+
+    def keys(self) -> torch.Tensor:
+        return self.basis.unmap_keys(self.store.keys(), self.store.positions)
+
+    def values(self) -> torch.Tensor:
+        return self.basis.unmap_values(self.store.values())
+
+    def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """Fused attention over the store's parts alone (an empty full-precision segment)."""
+        empty = self.store.keys()[:, :, :0]
+        return attend_parts(query, [*self.store.parts(), Part(empty, empty)], scale, self.basis)
+
+    def nbytes(self) -> dict[str, int]:
+        out = dict(self.store.nbytes())
+        for role, n in self.basis.nbytes().items():
+            out[role] = out.get(role, 0) + n
+        return out
+
+    def map_batch(self, fn) -> None:
+        self.store.map_batch(fn)
+        self.basis.map_batch(fn)
+
+    def state_dict(self) -> dict:
+        return {"inner": self.store.state_dict(), **self.basis.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.store.load_state_dict(state["inner"])
+        self.basis.load_state_dict({k: v for k, v in state.items() if k != "inner"}, self.store.positions.device)
+
+    def validate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        held = self.basis.held_dtype(keys.dtype)
+        self.store.validate(keys[:, :, :0].to(held), values[:, :, :0].to(held))
+        self.basis.validate(keys, values, self.store.positions)
+
+    def __len__(self) -> int:
+        return len(self.store)

@@ -18,7 +18,6 @@ from conftest import tiny_model
 
 from kvpolicy import CompressedCache
 from kvpolicy.attention import disable_scores, enable_scores
-from kvpolicy.segments import _streams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -125,7 +124,7 @@ def test_a_crop_before_the_store_holds_anything_forgets_the_fit_and_centres_it_t
                 model(ids[:, t : t + 1], cache=cache, use_cache=True)
     checked = 0
     for a, b in zip(cropped.layers, fresh.layers, strict=True):
-        held_a, held_b = _fitted(a.engine.store), _fitted(b.engine.store)
+        held_a, held_b = _fitted(a.engine), _fitted(b.engine)
         assert held_a.keys() == held_b.keys()
         for key, value in held_b.items():  # keys computed in a 30- and an 8-token forward: float noise apart
             torch.testing.assert_close(held_a[key], value, rtol=0, atol=1e-5)
@@ -135,10 +134,12 @@ def test_a_crop_before_the_store_holds_anything_forgets_the_fit_and_centres_it_t
         assert torch.equal(value, fresh.positions(0)[key]), key
 
 
-def _fitted(store) -> dict[str, torch.Tensor]:
-    """What a store took from its first block: a low-rank basis and centre, and each centred stream's centre."""
-    out = {name: getattr(store, name) for name in ("directions", "centre") if getattr(store, name, None) is not None}
-    for i, stream in enumerate(_streams(store)):
+def _fitted(engine) -> dict[str, torch.Tensor]:
+    """What a layer took from its first block: a low-rank basis and centre, and each centred stream's centre."""
+    basis, store = engine.basis, engine.store
+    out = {name: getattr(basis, name) for name in ("directions", "centre") if getattr(basis, name, None) is not None}
+    stores = store._stores() if hasattr(store, "_stores") else [store]  # one per tier
+    for i, stream in enumerate(s for st in stores for s in (st.k, st.v)):
         if stream.centre and stream.stream_centre is not None:
             out[f"stream {i}"] = stream.stream_centre
     return out

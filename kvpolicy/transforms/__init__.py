@@ -7,10 +7,9 @@ built in; plugins register more through the ``kvpolicy_register_transforms`` hoo
 (docs/how-to/write-a-plugin.md).
 """
 
-from kvpolicy.transforms.base import NoTransform, Transform
+from kvpolicy.transforms.base import Basis, NoTransform, Transform
 from kvpolicy.transforms.hadamard import Hadamard
 from kvpolicy.transforms.lowrank import LowRank
 from kvpolicy.transforms.query_weighted import QueryWeighted
-from kvpolicy.transforms.store import TransformedStore, wrap
 
-__all__ = ["Hadamard", "LowRank", "NoTransform", "QueryWeighted", "Transform", "TransformedStore", "wrap"]
+__all__ = ["Basis", "Hadamard", "LowRank", "NoTransform", "QueryWeighted", "Transform"]
