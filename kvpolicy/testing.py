@@ -534,7 +534,7 @@ def check_basis(transform: Transform, head_dim: int = 64, seed: int = 0) -> None
 
     got_k, got_v = read(basis, store)
     for what, got, want in (("keys", got_k, keys), ("values", got_v, values)):
-        # what a basis holds beside the store may be coded (a low-rank part's 8-bit coefficients): 2⁻⁶ RMS
+        # what a basis holds beside the store may be coded (8-bit coefficients of a part of each key): 2⁻⁶ RMS
         err = float((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
         assert err <= 2**-6, f"{transform!r}: unmap_{what} differs from the {what} added by {err:.3g} relative RMS"
     # fused attention over the store's parts (and a full-precision segment) equals softmax attention over
@@ -1206,7 +1206,7 @@ def _check_attend(backend: Any, fmts: list[Any], dtype: Any, device: Any, seed: 
         assert out.shape == ref_out.shape and lse.shape == ref_lse.shape, f"{what}: shapes"
         worst = max(float((out - ref_out).abs().max()), float((lse - ref_lse).abs().max()))
         assert worst <= tol, f"{what}: differs from dense attention over the dequantized blocks by {worst:.3g}"
-        # the same with an additive score per query and token (attend_biased: a low-rank part of the keys)
+        # the same with an additive score per query and token (attend_biased: a score term of a transform)
         bias = torch.randn(2, 2, 3, n, generator=gen).to(device=device)
         out, lse = backend.attend_biased(query, kq, vq, BACKEND_HEAD_DIM**-0.5, bias)
         ref_out, ref_lse = dense(query, backend.dequantize(kq), backend.dequantize(vq), BACKEND_HEAD_DIM**-0.5, bias)

@@ -120,7 +120,8 @@ def test_cache_keywords_route_seed_to_the_transform():
     assert "transform" not in repr(CompressedCache(policy="log"))  # the default stays out of result names
     with pytest.raises(ConfigError, match=r"unknown keyword\(s\) \['seed'\].*'transform': \[\]"):
         CompressedCache(policy="log", seed=3)
-    registered = r"\['hadamard', 'lowrank', 'none', 'query-hadamard'\]"
+    registered = re.escape(str(registry.names("transforms")))  # the built-in ones, and any plugin's
+    assert {"hadamard", "none"} <= set(registry.names("transforms"))
     with pytest.raises(ConfigError, match=rf"unknown transform 'rotate'; registered transforms: {registered}"):
         CompressedCache(transform="rotate")
     with pytest.raises(ConfigError, match="transform must be a registered name or a Transform object"):

@@ -114,7 +114,7 @@ class Basis:
     :data:`HELD_DTYPE` where the model's dtype could not hold them), come back through ``inverse`` in the
     model's dtype, and fused attention rotates the query into the stored basis and the output back. A
     transform that fits or keeps more returns a subclass from :meth:`Transform.bind` and overrides the
-    methods it needs (the research plugin's low-rank and query-weighted transforms are worked examples).
+    methods it needs (the research plugin, ``plugins/kvpolicy-research``, holds worked examples).
 
     Attributes
     ----------

@@ -1,16 +1,26 @@
-"""Compositions and runs shared by the tests of transforms that fit something in their store
-(``"query-hadamard"``, ``"lowrank"``): group flushes with staging non-empty, tier moves, GQA, batch 2."""
+"""What the research plugin's tests share: tiny models, fixtures, and compositions of transforms that fit
+something per layer (``"query-hadamard"``, ``"lowrank"``): group flushes with staging non-empty, tier moves,
+GQA, batch 2. (Fixtures: conftest.py.)"""
 
 from __future__ import annotations
 
 import torch
-from conftest import teacher_forced_logits
 
 from kvpolicy import CompressedCache
 from kvpolicy.actions.quantize import Quantize
 from kvpolicy.attention import disable_scores, enable_scores
 from kvpolicy.fused import attend_parts, disable_fused, enable_fused
 from kvpolicy.layer.parts import Part
+from kvpolicy.quality import teacher_forced_logits
+from kvpolicy.tiny import random_model
+
+__all__ = ["teacher_forced_logits"]
+
+
+def tiny_model(family: str, attn: str = "sdpa", layers: int = 2, seed: int = 0) -> torch.nn.Module:
+    """A tiny random causal LM of ``family`` with head_dim 64 (:func:`kvpolicy.tiny.random_model`)."""
+    return random_model(family, layers=layers, seed=seed, attn=attn)
+
 
 #: a rotated 2-bit codebook cache whose demotions flush per-channel groups of values with staging non-empty
 CODEBOOK = {"policy": "log", "window": 8, "bits": 2, "key_scheme": "codebook", "key_centre": True}

@@ -1,4 +1,4 @@
-"""The ``"lowrank"`` transform (kvpolicy.transforms.lowrank): each KV head's principal key directions held
+"""The ``"lowrank"`` transform (kvpolicy_research.lowrank): each KV head's principal key directions held
 beside the codes as coefficients, the residual rotated and quantized."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import teacher_forced_logits, tiny_model
-from fitted_transform_cases import CODEBOOK, Held, composition, with_nan
-from fitted_transform_cases import ids as _ids
-from fitted_transform_cases import logits as _logits
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvpolicy_research.lowrank import GROW, LowRank, LowRankBasis
+from research_cases import CODEBOOK, Held, composition, teacher_forced_logits, tiny_model, with_nan
+from research_cases import ids as _ids
+from research_cases import logits as _logits
 
 from kvpolicy import CompressedCache
 from kvpolicy.actions.quantize import Quantize
@@ -22,8 +22,7 @@ from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import CacheFileError, ConfigError, NonFiniteError
 from kvpolicy.fused import disable_fused, enable_fused
 from kvpolicy.testing import check_transform
-from kvpolicy.transforms import Hadamard, LowRank
-from kvpolicy.transforms.lowrank import GROW, LowRankBasis
+from kvpolicy.transforms import Hadamard
 
 
 def _store(transform: LowRank, bits: int = 2, backend=None, rows: int = 1) -> Held:
@@ -350,7 +349,7 @@ def test_a_corrupt_file_is_refused_with_a_cache_file_error(tmp_path):
 def test_the_example_preset_file_is_kvpolicy_3bit_with_the_low_rank_part():
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "presets" / "kvpolicy-3bit-lowrank.toml"
+    path = Path(__file__).resolve().parents[1] / "examples" / "kvpolicy-3bit-lowrank.toml"
     cache = CompressedCache.from_config(path)
     assert cache.transform == LowRank(rank=8)
     assert repr(cache) == repr(CompressedCache.from_preset("kvpolicy-3bit", transform="lowrank"))

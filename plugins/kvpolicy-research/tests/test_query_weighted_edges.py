@@ -13,14 +13,14 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvpolicy_research.query_weighted import MAX_RATIO, QueryWeighted
+from research_cases import tiny_model
 
 from kvpolicy import CompressedCache
 from kvpolicy.attention import disable_scores, enable_scores
 from kvpolicy.errors import CacheFileError, ConfigError, MetadataOverflowError, NonFiniteError
-from kvpolicy.transforms.query_weighted import MAX_RATIO, QueryWeighted
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

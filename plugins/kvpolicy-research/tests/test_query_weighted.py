@@ -1,4 +1,4 @@
-"""The ``"query-hadamard"`` transform (kvpolicy.transforms.query_weighted): keys weighted per channel by the
+"""The ``"query-hadamard"`` transform (kvpolicy_research.query_weighted): keys weighted per channel by the
 queries the attention wrapper reports, then rotated."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import math
 
 import pytest
 import torch
-from conftest import teacher_forced_logits, tiny_model
-from fitted_transform_cases import CODEBOOK, Held, composition, with_nan
-from fitted_transform_cases import ids as _ids
-from fitted_transform_cases import logits as _logits
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvpolicy_research.query_weighted import QueryWeighted, QueryWeightedBasis
+from research_cases import CODEBOOK, Held, composition, teacher_forced_logits, tiny_model, with_nan
+from research_cases import ids as _ids
+from research_cases import logits as _logits
 
 from kvpolicy import CompressedCache
 from kvpolicy.actions.quantize import Quantize
@@ -21,8 +21,7 @@ from kvpolicy.attention import disable_scores, enable_scores
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import CacheFileError, ConfigError, NonFiniteError
 from kvpolicy.testing import check_transform
-from kvpolicy.transforms import Hadamard, QueryWeighted
-from kvpolicy.transforms.query_weighted import QueryWeightedBasis
+from kvpolicy.transforms import Hadamard
 
 # ------------------------------------------------------------------ the transform
 
@@ -287,7 +286,7 @@ def test_a_corrupt_file_is_refused_with_a_cache_file_error(tmp_path):
 def test_the_example_preset_files_are_the_presets_with_query_weighted_keys(name):
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "presets" / f"{name}-qh.toml"
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}-qh.toml"
     cache = CompressedCache.from_config(path)
     assert isinstance(cache.transform, QueryWeighted)
     assert repr(cache) == repr(CompressedCache.from_preset(name, transform="query-hadamard"))
