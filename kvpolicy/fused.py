@@ -107,13 +107,16 @@ def attend_parts(query: torch.Tensor, parts: list[Part], scale: float, basis: Ba
     full = parts[-1]
     hk = full.keys.shape[1]
     q = query.reshape(b, hk, (hq // hk) * nq, d)  # the query heads of a group share their kv head
-    stored = parts[:-1]
-    fk, fv = full.keys, full.values
-    if basis is None and any(p.backend is None for p in stored):  # staged tokens join the segment
-        dense = [p for p in stored if p.backend is None]
-        stored = [p for p in stored if p.backend is not None]
-        fk = torch.cat([*(p.keys for p in dense), fk], dim=2)
-        fv = torch.cat([*(p.values for p in dense), fv], dim=2)
+    keys, values, stored = [], [], []
+    for part in parts[:-1]:
+        if basis is None and part.backend is None:  # staged tokens in the model's basis join the segment
+            keys.append(part.keys)
+            values.append(part.values)
+        else:
+            stored.append(part)
+    keys.append(full.keys)
+    values.append(full.values)
+    fk, fv = (keys[0], values[0]) if len(keys) == 1 else (torch.cat(keys, dim=2), torch.cat(values, dim=2))
     pieces = []
     if fk.shape[2]:
         pieces.append(dense_attention(q, fk, fv, scale))

@@ -275,7 +275,8 @@ class LayerEngine:
         # LayerSegments.holds_demoted, inlined (len(store), inlined)
         held = self.action.keeps_demoted and segments.store.positions.shape[-1] > 0
         scores = self.policy.needs_scores
-        queries = segments.wants_queries
+        basis = segments.basis
+        queries = basis is not None and basis.wants_queries
         reason = self.plan.fused_reason
         if scores:
             segments.scored = False
@@ -307,7 +308,7 @@ class LayerEngine:
             parts = segments.store.parts()
             parts.append(Part(segments.keys, segments.values))
         ticket = handoff.Ticket(
-            self, parts=parts, basis=segments.basis, scores=scores, queries=queries,
+            self, parts=parts, basis=basis, scores=scores, queries=queries,
             layout=self.layout if agnostic else "ordered", strict=self.attention == "fused",
             version=self._version + segments.moves,
         )  # fmt: skip
