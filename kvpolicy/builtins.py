@@ -45,9 +45,9 @@ def kvpolicy_register_backends() -> dict[str, type]:
 
 @hookimpl
 def kvpolicy_register_transforms() -> dict[str, type]:
-    from kvpolicy.transforms import Hadamard, LowRank, NoTransform, QueryWeighted
+    from kvpolicy.transforms import Hadamard, NoTransform
 
-    return {"none": NoTransform, "hadamard": Hadamard, "query-hadamard": QueryWeighted, "lowrank": LowRank}
+    return {"none": NoTransform, "hadamard": Hadamard}
 
 
 @hookimpl

@@ -291,15 +291,13 @@ class CompressedCache(Cache):
         The model's config. Needed for models with sliding-window layers (Gemma 2/3, Mistral
         configs with ``sliding_window`` set): those layers are left to transformers' own sliding
         layer and only full-attention layers are compressed. Without it every layer is compressed.
-    transform : {"none", "hadamard", "query-hadamard", "lowrank"} or Transform
+    transform : {"none", "hadamard"}, a plugin's name, or Transform
         A change of basis applied to demoted tokens before the action stores them. ``"none"``
         (default). ``"hadamard"``: a randomized Hadamard rotation, which spreads outlier channels
-        over all of them (:class:`~kvpolicy.transforms.hadamard.Hadamard`). ``"query-hadamard"``:
-        keys first weighted per channel by what the prompt's queries read, then rotated; it needs
-        kvpolicy's attention on the model (:func:`kvpolicy.fused.enable_fused` or
-        :func:`kvpolicy.attention.enable_scores`; :class:`~kvpolicy.transforms.query_weighted.QueryWeighted`).
-        ``"lowrank"``: each KV head's principal key directions held beside the codes, the rest
-        rotated (:class:`~kvpolicy.transforms.lowrank.LowRank`). Or a transform object.
+        over all of them (:class:`~kvpolicy.transforms.hadamard.Hadamard`). Plugins register more
+        (``kvpolicy plugins`` lists them); one whose basis fits on the prompt's queries
+        (``Transform.needs_queries``) needs kvpolicy's attention on the model
+        (:func:`kvpolicy.fused.enable_fused` or :func:`kvpolicy.attention.enable_scores`). Or a transform object.
     layer_bits : mapping of int to int or (int, int), optional
         Code widths of single layers, ``{layer index: bits or (key_bits, value_bits)}``, with the
         action's other settings: ``{0: 4, -1: (4, 2)}``. Negative indices count from the last layer

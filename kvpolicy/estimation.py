@@ -409,7 +409,7 @@ def _one(
 def _feed(cache: Any, indices: list[int], tokens: int, head_dim: int, dtype: torch.dtype) -> None:
     """One multi-token update of ``(1, 1, tokens, head_dim)`` random keys and values per layer of ``indices``,
     in order, as a prefill would; a score-based policy is given random attention scores for it, and a store
-    that fits itself on the queries (``transform="query-hadamard"``) random queries."""
+    whose basis fits itself on the queries (``Transform.needs_queries``) random queries."""
     from kvpolicy.cache import CompressedLayer
 
     generator = torch.Generator().manual_seed(0)
@@ -431,7 +431,7 @@ def _feed(cache: Any, indices: list[int], tokens: int, head_dim: int, dtype: tor
 
 def feed_random_queries(layer: Any, keys: torch.Tensor, generator: torch.Generator) -> None:
     """Give ``layer`` random normal queries shaped like ``keys`` (``(batch, kv_heads, n, head_dim)``, the keys
-    just appended) when its store fits itself on the queries (``transform="query-hadamard"``) and waits for
+    just appended) when its basis fits itself on the queries (``Transform.needs_queries``) and waits for
     them: for callers that fill a cache through ``Cache.update`` without running attention (a byte estimate,
     a synthetic benchmark), in place of what kvpolicy's attention wrapper would report. Any other layer is
     left alone, and ``generator`` is not drawn from."""

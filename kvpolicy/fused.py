@@ -6,7 +6,8 @@ or kvpolicy's score-reporting ``"kvpolicy_sdpa"``/``"kvpolicy_eager"``) to ``"kv
 
 On a decode step (one new token), a :class:`~kvpolicy.cache.CompressedLayer` hands its history
 to attention as a :mod:`kvpolicy.handoff` pair whose ticket carries its parts
-(:class:`kvpolicy.layer.parts.Part`: keys, values, the backend that reads them and their basis).
+(:class:`kvpolicy.layer.parts.Part`: keys, values, the backend that reads them and their positions) and
+the layer's transform (:class:`kvpolicy.transforms.base.Basis`), in whose basis the store's parts lie.
 This function never reads the layer: it computes, for the queries of each kv head,
 
 - attention over the full-precision segment plus the few stored tokens still staged
@@ -45,8 +46,8 @@ from kvpolicy.attention import register_wrappers, strip_wrapper, unwatch_forward
 from kvpolicy.backends.base import dense_attention
 from kvpolicy.errors import ConfigError
 from kvpolicy.handoff import HandedOff, all_visible, warn_once
-from kvpolicy.layer.parts import Part
-from kvpolicy.transforms.store import cast_clamped
+from kvpolicy.layer.parts import Part, columns
+from kvpolicy.transforms.base import Basis, cast_clamped
 
 PREFIX = "kvpolicy_fused_"
 INNER = ("sdpa", "eager")
@@ -77,7 +78,7 @@ def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor,
     return out, lse
 
 
-def attend_parts(query: torch.Tensor, parts: list[Part], scale: float) -> torch.Tensor:
+def attend_parts(query: torch.Tensor, parts: list[Part], scale: float, basis: Basis | None = None) -> torch.Tensor:
     """Attention of decode queries over disjoint parts of a history: ``merge(attend(q, p) for p in parts)``.
 
     Parameters
@@ -85,15 +86,17 @@ def attend_parts(query: torch.Tensor, parts: list[Part], scale: float) -> torch.
     query : torch.Tensor
         ``(batch, q_heads, q, head_dim)``.
     parts : list of Part
-        The held tokens (:mod:`kvpolicy.layer.parts`); the last is the full-precision segment
-        ``(batch, kv_heads, n_full, head_dim)``. Full-precision parts in the model's basis are attended
-        as one (their keys concatenated in order); the others, all in one basis, with the query rotated
-        into it once, their merged output mapped back with ``basis.inverse`` before the merge with the
-        first: the history is never rebuilt in the model's basis. A basis that ``scores_beside_codes`` scores
-        what each token holds outside the codes once (``basis.score_table``), and each part adds its tokens'
-        share (``basis.bias_at``, by the part's positions) to its scores.
+        The held tokens (:mod:`kvpolicy.layer.parts`): the store's, then the full-precision segment
+        ``(batch, kv_heads, n_full, head_dim)`` in the model's basis. Without ``basis`` the full-precision
+        parts are attended as one (their keys concatenated in order), each packed part on its own.
     scale : float
         Score scale.
+    basis : Basis, optional
+        The layer's transform (:class:`kvpolicy.transforms.base.Basis`), in whose basis the store's parts
+        are held: the query is mapped into it once (``map_query``), the store's merged output mapped back
+        (``unmap_output``) before the merge with the segment, and the basis' score term (``score_term``,
+        per position) added to each part's scores at its tokens' positions: the history is never rebuilt
+        in the model's basis.
 
     Returns
     -------
@@ -101,27 +104,32 @@ def attend_parts(query: torch.Tensor, parts: list[Part], scale: float) -> torch.
         ``(batch, q_heads, q, head_dim_v)`` float32.
     """
     b, hq, nq, d = query.shape
-    hk = parts[-1].keys.shape[1]
+    full = parts[-1]
+    hk = full.keys.shape[1]
     q = query.reshape(b, hk, (hq // hk) * nq, d)  # the query heads of a group share their kv head
     keys, values, stored = [], [], []
-    for part in parts:
-        if part.backend is None and part.basis is None:
+    for part in parts[:-1]:
+        if basis is None and part.backend is None:  # staged tokens in the model's basis join the segment
             keys.append(part.keys)
             values.append(part.values)
         else:
             stored.append(part)
+    keys.append(full.keys)
+    values.append(full.values)
     fk, fv = (keys[0], values[0]) if len(keys) == 1 else (torch.cat(keys, dim=2), torch.cat(values, dim=2))
     pieces = []
     if fk.shape[2]:
         pieces.append(dense_attention(q, fk, fv, scale))
     if stored:
-        basis = stored[0].basis
-        q_stored = q if basis is None else basis.forward(q.float())
-        # what each token holds beside its codes (a low-rank part of its key): scored once, taken by position
-        beside = basis.score_table(q, scale) if getattr(basis, "scores_beside_codes", False) else None
+        q_stored, term = (q, None) if basis is None else (basis.map_query(q), basis.score_term(q, scale))
         partial = []
         for part in stored:
-            bias = None if beside is None else basis.bias_at(beside, part.positions)
+            if term is not None and part.positions is None:
+                raise ValueError(
+                    f"{basis.transform!r} adds a score term at each stored token's position, and a part of the store "
+                    "does not say its tokens' positions (DemotedStore.parts must give Part.positions)"
+                )
+            bias = None if term is None else columns(term, part.positions)
             if part.backend is None:
                 partial.append(dense_attention(q_stored, part.keys, part.values, scale, bias))
             elif bias is None:
@@ -129,7 +137,7 @@ def attend_parts(query: torch.Tensor, parts: list[Part], scale: float) -> torch.
             else:
                 partial.append(part.backend.attend_biased(q_stored, part.keys, part.values, scale, bias))
         out, lse = partial[0] if len(partial) == 1 else merge(partial)
-        pieces.append((out if basis is None else basis.inverse(out), lse))
+        pieces.append((out if basis is None else basis.unmap_output(out), lse))
     out = pieces[0][0] if len(pieces) == 1 else merge(pieces)[0]  # merging one piece changes nothing
     return out.reshape(b, hq, nq, out.shape[-1])
 
@@ -208,7 +216,7 @@ def _make(inner_name: str):
             decline = _why_not(module, attention_mask, key.shape[2], dropout, kwargs)
             if decline is None:
                 scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-                out = attend_parts(query, ticket.parts, scale)
+                out = attend_parts(query, ticket.parts, scale, ticket.basis)
                 ticket.fused()
                 # the attention of finite values stays within their range: a float32 result a rounding past
                 # float16's edge is clamped, not made infinite

@@ -64,11 +64,13 @@ class Ticket:
     parts : list of Part, optional
         The held tokens, for fused decode attention (:mod:`kvpolicy.layer.parts`); ``None``: this
         step cannot run fused.
+    basis : Basis, optional
+        The transform bound to the layer (:class:`kvpolicy.transforms.base.Basis`), in whose basis the
+        store's parts are held; ``None``: the model's.
     scores : bool
         Whether the layer's policy needs the attention mass of this forward.
     queries : bool
-        Whether the layer's store waits for this forward's queries (a query-weighted transform,
-        :mod:`kvpolicy.transforms.query_weighted`).
+        Whether the layer's basis waits for this forward's queries (:meth:`kvpolicy.transforms.base.Basis.observe`).
     layout : {"ordered", "agnostic"}
         The view the layer would like when materialised; ``"agnostic"`` is used only when the
         consumer checked the mask.
@@ -84,13 +86,15 @@ class Ticket:
     """
 
     def __init__(
-        self, layer: Any, *, parts: list[Any] | None = None, scores: bool = False, queries: bool = False,
+        self, layer: Any, *, parts: list[Any] | None = None, basis: Any = None, scores: bool = False,
+        queries: bool = False,
         layout: str = "ordered", strict: bool = False, key_mask: torch.Tensor | None = None,
         views: tuple[torch.Tensor, torch.Tensor] | None = None, version: int | None = None,
     ) -> None:  # fmt: skip
         self._layer = weakref.ref(layer)
         self.version = layer.version if version is None else version
         self.parts = parts
+        self.basis = basis
         #: whether fused decode attention may serve this step (from :attr:`parts`)
         self.fusable = parts is not None
         self.scores = scores

@@ -24,7 +24,7 @@ class LayerBytes:
         (full-precision keys/values waiting for a complete per-channel group), ``positions``
         (index tensors), ``scale_base`` (with one-byte codebook or lattice scales: the origin of
         their logarithmic grid, one int16 per batch row and head) and ``transform`` (what a
-        transform holds: a rotation matrix, query weights, a low-rank basis).
+        transform holds: a rotation matrix, per-channel weights, a fitted basis).
     baseline_bytes : int
         A 16-bit cache holding the same tokens: ``tokens * batch * kv_heads * head_dim * 2 * 2``.
     element_size : int

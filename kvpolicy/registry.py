@@ -425,6 +425,12 @@ def entries(kind: str) -> list[tuple[str, Any, Source]]:
     return [(name, obj, source) for name, (obj, source) in sorted(table.items())]
 
 
+def provider(kind: str, name: str) -> str | None:
+    """The distribution that registers ``name`` of ``kind`` (``None``: none does, or several)."""
+    found = _collect().parts[_check_kind(kind)].get(name)
+    return None if found is None else found[1].distribution
+
+
 def conflicts(kind: str | None = None) -> list[Conflict]:
     """The names registered more than once.
 

@@ -23,8 +23,7 @@ from kvpolicy.backends.base import Backend
 from kvpolicy.memory import LayerBytes
 from kvpolicy.policies.base import Policy, PolicyState
 from kvpolicy.positions import MAX_POSITION, POSITION_DTYPE, PositionBook, check_length, storage_bytes
-from kvpolicy.transforms import Transform
-from kvpolicy.transforms import wrap as wrap_store
+from kvpolicy.transforms.base import Basis, Transform
 
 #: the segments of a memory report, in order
 SEGMENTS = ("full_precision", "codes", "scales", "zeros", "staging", "positions")
@@ -59,7 +58,10 @@ class LayerSegments:
         Its logical positions, int32, sorted: ``(1, n_full)`` for shared policies, ``(kv_heads, n_full)``
         for per-head ones (``None`` when the action does not compress).
     store : DemotedStore or None
-        The demoted tokens (``store.positions`` is laid out like ``full_pos``).
+        The demoted tokens (``store.positions`` is laid out like ``full_pos``), in :attr:`basis`.
+    basis : Basis or None
+        The transform bound to this layer (:meth:`Transform.bind`), which maps what the store receives and
+        gives back; ``None`` for the identity, or an action that keeps no demoted tokens.
     length : int
         Tokens seen (logical length).
     pending : int
@@ -85,6 +87,7 @@ class LayerSegments:
         self.full_pos: torch.Tensor | None = None
         self.state: PolicyState | None = None
         self.store: DemotedStore | None = None
+        self.basis: Basis | None = None
         self.length = 0
         self.pending = 0
         self.moves = 0
@@ -95,6 +98,8 @@ class LayerSegments:
         self._first_block_taken = False  # see _awaits_first_block
         #: the store took centres or a fit from the pending append before holding anything (_set_first_centres)
         self._adopted = False
+        #: the basis as it was before that fit, restored by a crop that takes the append back
+        self._unfitted: Basis | None = None
         #: the latest single-token appends that demoted nothing (a crop can take them back: :meth:`crop`)
         self._quiet = 0
 
@@ -117,14 +122,50 @@ class LayerSegments:
         rows = key_states.shape[1] if self.policy.per_head else 1
         device = key_states.device
         self.state = self.policy.new_state(num_heads=key_states.shape[1])
-        self.store = wrap_store(self.action.new_store(self.backend, self.layer_idx), self.transform, self.action)
-        self.store.positions = torch.empty(rows, 0, dtype=POSITION_DTYPE, device=device)
+        self.store = self._new_store(torch.empty(rows, 0, dtype=POSITION_DTYPE, device=device))
+        if self.action.keeps_demoted and not self.transform.identity:
+            self.basis = self.transform.bind()
         self.full_pos = torch.empty(rows, 0, dtype=POSITION_DTYPE, device=device)
 
     @property
     def compressing(self) -> bool:
         """Whether the action compresses (a policy state and a store exist once started)."""
         return self.store is not None
+
+    def _new_store(self, positions: torch.Tensor) -> DemotedStore:
+        store = self.action.new_store(self.backend, self.layer_idx)
+        store.positions = positions
+        return store
+
+    def _put(self, store: DemotedStore, basis: Basis | None, keys: torch.Tensor, values: torch.Tensor,
+             positions: torch.Tensor) -> None:  # fmt: skip
+        """Give demoted tokens ``(batch, kv_heads, n, head_dim)`` at ``positions`` to ``store``, through
+        ``basis`` (fitted on them first if it has not been)."""
+        if basis is None:
+            store.add(keys, values, positions)
+            return
+        if not basis.fitted:
+            basis.fit(keys, values)
+        basis.add(store, keys, values, positions)
+
+    @property
+    def wants_queries(self) -> bool:
+        """Whether the basis waits for the queries of the next forward (:meth:`Basis.observe`)."""
+        return self.basis is not None and self.basis.wants_queries
+
+    def observe_queries(self, query: torch.Tensor, keys: torch.Tensor) -> None:
+        """The queries ``(batch, q_heads, q, head_dim)`` of a forward and the keys ``(batch, kv_heads, n,
+        head_dim)`` they read, for a basis that waits for them."""
+        if self.wants_queries:
+            self.basis.observe(query, keys)
+
+    def awaits_first_block(self) -> bool:
+        """Whether the store or the basis still takes a statistic from the first block it receives (a centred
+        stream's centre: :meth:`DemotedStore.awaits_first_block`; a basis that fits on the first demotion's keys
+        and is not fitted yet): how the first demotion is batched would then change what is stored, so it is
+        demoted in one piece and at the time it always was (the call after a multi-token append)."""
+        basis = self.basis
+        return self.store.awaits_first_block() or (basis is not None and basis.fits_keys and not basis.fitted)
 
     @property
     def holds_demoted(self) -> bool:
@@ -199,9 +240,9 @@ class LayerSegments:
         """
         if not self.compressing or not self.pending or self.failed is not None:
             return 0
-        if awaits_first_block(self.store):
+        if self.awaits_first_block():
             self._set_first_centres()
-            if awaits_first_block(self.store):
+            if self.awaits_first_block():
                 return 0  # the next call demotes the whole append at once, as the store's first block
         if self.policy.needs_scores:
             if not self.scored:
@@ -225,24 +266,24 @@ class LayerSegments:
     def _set_first_centres(self) -> None:
         """Give the store's centred streams that hold nothing yet the centre the next call's unsplit
         demotion of the whole pending append would give them: that demotion is run once into a fresh
-        copy of the store (a copy of the policy's state choosing), whose first-block centres are then
-        set on this store, and so is what the copy's store fitted on that block (``adopt_fit``: a low-rank
-        basis). The demotion itself can then be split and chunked and still store what it always did.
-        Streams that copy leaves empty keep waiting for their first block."""
+        store of the action (a copy of the policy's state choosing), whose first-block centres this store
+        then takes (:meth:`DemotedStore.take_first_block`); an unfitted basis is fitted on that block first.
+        The demotion itself can then be split and chunked and still store what it always did. Streams that
+        fresh store leaves empty keep waiting for their first block."""
         if self.policy.needs_scores and not self.scored:
             return
         pos = self._positions(copy.deepcopy(self.state).append(self.pending))
         if pos.shape[1] == 0:
             return
-        probe = wrap_store(self.action.new_store(self.backend, self.layer_idx), self.transform, self.action)
-        probe.positions = self.store.positions[:, :0]
-        probe.adopt_moments(self.store)
         idx = torch.searchsorted(self.full_pos, pos)
-        probe.add(take(self.keys, idx), take(self.values, idx), pos)
-        self.store.adopt_fit(probe)
-        for mine, theirs in zip(_streams(self.store), _streams(probe), strict=True):
-            if mine.centre and mine.q is None and theirs.stream_centre is not None:
-                mine.first_centre = theirs.stream_centre
+        keys, values = take(self.keys, idx), take(self.values, idx)
+        basis = self.basis
+        if basis is not None and not basis.fitted:
+            self._unfitted = copy.copy(basis)
+            basis.fit(keys, values)
+        probe = self._new_store(self.store.positions[:, :0])
+        self._put(probe, None if basis is None else copy.copy(basis), keys, values, pos)
+        self.store.take_first_block(probe)
         self._adopted = len(self.store) == 0
 
     def _positions(self, demoted: list[int] | torch.Tensor) -> torch.Tensor:
@@ -273,7 +314,7 @@ class LayerSegments:
         chunk = k if self._awaits_first_block() else DEMOTE_CHUNK
         for lo in range(0, k, chunk):
             part = idx[:, lo : lo + chunk]
-            self.store.add(take(self.keys, part), take(self.values, part), pos[:, lo : lo + chunk])
+            self._put(self.store, self.basis, take(self.keys, part), take(self.values, part), pos[:, lo : lo + chunk])
         if self.book is not None and rows == 1:
             self.store.positions = self.book.intern(self.store.positions)
         self.keys = take(self.keys, keep_idx)
@@ -281,11 +322,11 @@ class LayerSegments:
         self.full_pos = self.full_pos.gather(1, keep_idx)
 
     def _awaits_first_block(self) -> bool:
-        """:func:`awaits_first_block` of the store, remembered once False (a stream that has its first
-        block or centre keeps it)."""
+        """:meth:`awaits_first_block`, remembered once False (a stream that has its first block or centre
+        keeps it, and so does a fitted basis)."""
         if self._first_block_taken:
             return False
-        waiting = awaits_first_block(self.store)
+        waiting = self.awaits_first_block()
         self._first_block_taken = not waiting
         return waiting
 
@@ -366,10 +407,9 @@ class LayerSegments:
         """A crop removed tokens of the append whose demotion gave the empty store its centres or fit: a fresh
         store (with the positions and the query moments held) waits for the first block again, which the demotion
         of what is left gives it, as if the removed tokens had never come."""
-        fresh = wrap_store(self.action.new_store(self.backend, self.layer_idx), self.transform, self.action)
-        fresh.positions = self.store.positions
-        fresh.adopt_moments(self.store)
-        self.store = fresh
+        self.store = self._new_store(self.store.positions)
+        if self._unfitted is not None:
+            self.basis, self._unfitted = self._unfitted, None
         self._adopted = self._first_block_taken = False
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -378,6 +418,10 @@ class LayerSegments:
         self.values = fn(self.values)
         if self.store is not None:
             self.store.map_batch(fn)
+        if self.basis is not None:
+            self.basis.map_batch(fn)
+        if self._unfitted is not None:
+            self._unfitted.map_batch(fn)
 
     # ------------------------------------------------------------------ reading
     def view(self, layout: str = "ordered") -> tuple[torch.Tensor, torch.Tensor]:
@@ -387,6 +431,8 @@ class LayerSegments:
         if not self.holds_demoted:
             return self.keys, self.values
         dk, dv = self.store.keys(), self.store.values()
+        if self.basis is not None:
+            dk, dv = self.basis.unmap_keys(dk, self.store.positions), self.basis.unmap_values(dv)
         if layout == "agnostic":
             return torch.cat([dk, self.keys], dim=-2), torch.cat([dv, self.values], dim=-2)
         return (
@@ -434,8 +480,12 @@ class LayerSegments:
             segments["positions"] += storage_bytes(self.full_pos, seen)
         if self.store is not None:
             shared = self.store.shared()  # counted from their storage: other layers may hold them too
+            own = [self.store.nbytes()]
+            if self.basis is not None:
+                shared += self.basis.shared()
+                own.append(self.basis.nbytes())
             kinds = {role for role, _ in shared}
-            for role, n in self.store.nbytes().items():
+            for role, n in (item for held in own for item in held.items()):
                 if role not in kinds:
                     segments[role] = segments.get(role, 0) + n
             for role, t in shared:
@@ -454,9 +504,15 @@ class LayerSegments:
         if self.compressing:
             out.update(
                 full_pos=self.full_pos, pending=self.pending, scored=self.scored, state=self.state.state_dict(),
-                store=self.store.state_dict(),
+                store=self._store_state(),
             )  # fmt: skip
         return out
+
+    def _store_state(self) -> dict[str, Any]:
+        """The store's state; with a basis, the basis' state holding the store's under ``"inner"``."""
+        if self.basis is None:
+            return self.store.state_dict()
+        return {"inner": self.store.state_dict(), **self.basis.state_dict()}
 
     #: the entries :meth:`state_dict` writes (the first three always, the rest when compressing)
     STATE_KEYS = ("length", "keys", "values", "full_pos", "pending", "scored", "state", "store")
@@ -495,8 +551,7 @@ class LayerSegments:
         if self.policy.needs_scores and not self.scored:  # save() refuses such a layer (settle raises)
             raise ValueError(f"scored=false: policy {self.policy.name!r} saved without the scores of its last forward")
         self.state.load_state_dict(state["state"])
-        self.store.load_state_dict(state["store"])
-        self.store.validate(keys, values)
+        self._load_store(state["store"], keys, values)
         demoted = state_check.tensor(self.store.positions, "demoted positions", POSITION_DTYPE, (rows, None))
         stored = demoted.shape[1]
         if not self.action.keeps_demoted and stored:
@@ -518,29 +573,23 @@ class LayerSegments:
         if problems:
             raise ValueError(f"the saved parts disagree: {'; '.join(problems)}")
 
-
-def _streams(store: Any) -> list[Any]:
-    """The quantized streams inside ``store`` (through transforms and tiers), in a fixed order."""
-    out, todo = [], [store]
-    while todo:
-        obj = todo.pop(0)
-        if hasattr(obj, "centre") and hasattr(obj, "q"):  # a QuantizedStream
-            out.append(obj)
-            continue
-        todo.extend(getattr(obj, "middles", ()))
-        todo.extend(child for name in ("inner", "bottom", "k", "v") if (child := getattr(obj, name, None)) is not None)
-    return out
-
-
-def awaits_first_block(store: Any) -> bool:
-    """Whether ``store`` or a stream inside it still takes a statistic from the first block it receives (a
-    centred codebook stream, ``key_centre=True``, holding nothing and given no centre yet; a store whose
-    ``awaits_fit`` is true, such as the ``"lowrank"`` transform's before its basis is fitted): how the
-    first demotion is batched would then change what is stored, so :class:`LayerSegments` demotes it in
-    one piece and at the time it always did (the call after a multi-token append)."""
-    if store.awaits_fit:  # a store that fits a statistic of its own on its first block
-        return True
-    return any(s.centre and s.q is None and s.first_centre is None for s in _streams(store))
+    def _load_store(self, state: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Restore the store's state (and the basis', around it: :meth:`_store_state`) and check it against the
+        layer's full-precision ``keys``/``values``."""
+        basis = self.basis
+        if basis is None:
+            self.store.load_state_dict(state)
+            self.store.validate(keys, values)
+            return
+        if not isinstance(state, dict) or "inner" not in state:
+            raise ValueError(
+                f"transformed store: expected a mapping holding the store's state under 'inner'; got {state!r:.60}"
+            )
+        self.store.load_state_dict(state["inner"])
+        basis.load_state_dict({k: v for k, v in state.items() if k != "inner"}, self.store.positions.device)
+        held = basis.held_dtype(keys.dtype)
+        self.store.validate(keys[:, :, :0].to(held), values[:, :, :0].to(held))
+        basis.validate(keys, values, self.store.positions)
 
 
 def take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

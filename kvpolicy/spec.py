@@ -608,10 +608,15 @@ def _named_part(value: Any, kind: str, where: str) -> Any:
 
 # ---------------------------------------------------------------------- the saved form of a part
 def _part(obj: Any, role: str) -> dict[str, Any]:
-    """``{"name", "params"}`` of a part; a parameter that is itself a part, or a list of them, is nested as
-    ``{"part": {"role", "name", "params"}}``."""
+    """``{"name", "params"}`` of a part, with ``"from"``: the distribution that registers it when that is not
+    kvpolicy (so that a file's reader without it is told what to install); a parameter that is itself a part,
+    or a list of them, is nested as ``{"part": {"role", "name", "params"}}``."""
     params = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else {}
-    return {"name": obj.name, "params": {key: _encode(value, role, obj, key) for key, value in params.items()}}
+    out = {"name": obj.name, "params": {key: _encode(value, role, obj, key) for key, value in params.items()}}
+    source = registry.provider(NESTED_ROLES[role][0], obj.name)
+    if source not in (None, "kvpolicy"):
+        out["from"] = source
+    return out
 
 
 def _encode(value: Any, role: str, owner: Any, key: str) -> Any:
@@ -636,7 +641,7 @@ def _decode(value: Any, role: str, where: str) -> Any:
 
 def _rebuild(data: Any, role: str, where: str) -> Any:
     """The part :func:`_part` described (nested parts first)."""
-    state_check.entries(data, f"the {role}", ("name", "params"), ("role",))
+    state_check.entries(data, f"the {role}", ("name", "params"), ("role", "from"))
     kind = NESTED_ROLES[state_check.choice(role, "a part's role", NESTED_ROLES)][0]
     if not isinstance(data["name"], str) or not isinstance(data["params"], dict):
         raise ValueError(f"the {role}: a part is a name and a mapping of parameters")
@@ -644,6 +649,9 @@ def _rebuild(data: Any, role: str, where: str) -> Any:
     try:
         cls = registry.get(kind, data["name"])
     except ConfigError as exc:
-        msg = f"{where!r} was saved with {role} {data['name']!r}, which is not installed: {exc}"
+        msg = f"{where!r} was saved with {role} {data['name']!r:.60}, which is not installed: {exc}"
+        dist = data.get("from")
+        if isinstance(dist, str) and dist.replace("-", "").replace("_", "").isalnum() and len(dist) <= 60:
+            msg += f". The distribution {dist!r} registers it: install it (pip install {dist})"
         raise CacheFileError(msg) from None
     return cls(**params)

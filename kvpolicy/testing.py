@@ -389,7 +389,14 @@ def check_transform(
       (plus a few float32 ulps of the vector's norm);
     - be deterministic: a pickled copy (another process) computes the same ``forward`` bit for bit;
     - refuse a head dim it cannot serve with :class:`~kvpolicy.errors.ConfigError`, in
-      ``check_head_dim``, before any use.
+      ``check_head_dim``, before any use;
+    - bind a :class:`~kvpolicy.transforms.base.Basis` (``transform.bind()``) that, driven the way a layer
+      drives it (queries observed while it wants them, ``fit`` on the first demotion, ``add`` into a plain
+      full-precision store), gives the tokens back (``unmap_keys``/``unmap_values``) and serves fused
+      attention over the store's parts (``map_query``, ``score_term``, ``unmap_output``:
+      :func:`kvpolicy.fused.attend_parts`) equal to softmax attention over the tokens; saves and loads its
+      state so that the loaded basis reads the store bit for bit; and moves its per-row state with a batch
+      operation (``map_batch``) as the row run alone.
 
     Parameters
     ----------
@@ -457,7 +464,104 @@ def check_transform(
         copy = pickle.loads(pickle.dumps(transform))
         assert copy == transform and torch.equal(copy.forward(x), y), f"{transform!r}: a pickled copy differs"
 
+    @settings(max_examples=max(4, max_examples // 4), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(transform=transforms, d=st.sampled_from(head_dims), seed=st.integers(0, 2**16))
+    def seam(transform: Transform, d: int, seed: int) -> None:
+        try:
+            transform.check_head_dim(d)
+            transform.check_key_head_dim(d)
+        except ConfigError:
+            assume(False)
+        check_basis(transform, d, seed)
+
     contract()
+    seam()
+
+
+class _PlainStore:
+    """A store that keeps demoted tokens as given, in arrival order (the seam check's: exact, so that what
+    :func:`check_basis` measures is the basis alone)."""
+
+    def __init__(self, positions: torch.Tensor) -> None:
+        self.positions = positions
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def add(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        import torch
+
+        self.k = keys if self.k is None else torch.cat([self.k, keys], dim=2)
+        self.v = values if self.v is None else torch.cat([self.v, values], dim=2)
+        self.positions = torch.cat([self.positions, positions], dim=1)
+
+    def keys(self) -> torch.Tensor:
+        return self.k
+
+    def values(self) -> torch.Tensor:
+        return self.v
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.k, self.v = fn(self.k), fn(self.v)
+
+
+def check_basis(transform: Transform, head_dim: int = 64, seed: int = 0) -> None:
+    """The seam half of :func:`check_transform`, for one transform and head dim (see there)."""
+    import torch
+
+    from kvpolicy.fused import attend_parts
+    from kvpolicy.layer.parts import Part
+    from kvpolicy.transforms.base import Basis
+
+    g = torch.Generator().manual_seed(seed)
+    b, h, n, d = 2, 2, 24, head_dim
+    keys = torch.randn(b, h, n, d, generator=g) * (1 + torch.rand(1, h, 1, d, generator=g) * 4)
+    values = torch.randn(b, h, n, d, generator=g)
+    positions = torch.randperm(n + 8, generator=g)[:n].view(1, n).to(torch.int32)
+    basis = transform.bind()
+    assert isinstance(basis, Basis) and basis.transform == transform, f"{transform!r}: bind() is not its Basis"
+    assert basis.wants_queries == transform.needs_queries, f"{transform!r}: wants_queries disagrees with needs_queries"
+    for _ in range(2 if basis.wants_queries else 0):  # the prompt's forwards
+        basis.observe(torch.randn(b, 2 * h, 5, d, generator=g), keys)
+    if not basis.fitted:
+        basis.fit(keys[:, :, :16], values[:, :, :16])
+    assert basis.fitted and not basis.wants_queries, f"{transform!r}: fit() left the basis unfitted"
+    store = _PlainStore(positions[:, :0])
+    basis.add(store, keys[:, :, :16], values[:, :, :16], positions[:, :16])  # the first demotion, then another
+    basis.add(store, keys[:, :, 16:], values[:, :, 16:], positions[:, 16:])
+
+    def read(bs: Basis, st_: _PlainStore) -> tuple[torch.Tensor, torch.Tensor]:
+        return bs.unmap_keys(st_.keys(), st_.positions), bs.unmap_values(st_.values())
+
+    got_k, got_v = read(basis, store)
+    for what, got, want in (("keys", got_k, keys), ("values", got_v, values)):
+        # what a basis holds beside the store may be coded (8-bit coefficients of a part of each key): 2⁻⁶ RMS
+        err = float((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
+        assert err <= 2**-6, f"{transform!r}: unmap_{what} differs from the {what} added by {err:.3g} relative RMS"
+    # fused attention over the store's parts (and a full-precision segment) equals softmax attention over
+    # the tokens the basis gives back (the materialised path)
+    query = torch.randn(b, 2 * h, 1, d, generator=g)
+    full_k, full_v = torch.randn(b, h, 3, d, generator=g), torch.randn(b, h, 3, d, generator=g)
+    parts = [Part(store.keys(), store.values(), None, store.positions), Part(full_k, full_v)]
+    fused = attend_parts(query, parts, d**-0.5, basis)
+    k_all = torch.cat([got_k, full_k], dim=2).repeat_interleave(2, dim=1)
+    v_all = torch.cat([got_v, full_v], dim=2).repeat_interleave(2, dim=1)
+    want = torch.softmax(query @ k_all.transpose(-1, -2) * d**-0.5, dim=-1) @ v_all
+    worst = float((fused - want).abs().max())
+    assert worst <= 1e-4, f"{transform!r}: fused attention over its parts differs from softmax by {worst:.3g}"
+    # saved and loaded, the basis reads the store bit for bit
+    loaded = transform.bind()
+    loaded.load_state_dict(basis.state_dict(), keys.device)
+    loaded.validate(keys[:, :, :0], values[:, :, :0], store.positions)
+    again = read(loaded, store)
+    assert torch.equal(again[0], got_k) and torch.equal(again[1], got_v), f"{transform!r}: a loaded basis differs"
+    # a batch operation moves the basis' per-row state with the store's rows
+    row = torch.tensor([1])
+    basis.map_batch(lambda t: t.index_select(0, row))
+    store.map_batch(lambda t: t.index_select(0, row))
+    moved = read(basis, store)
+    assert torch.equal(moved[0], got_k[1:]) and torch.equal(moved[1], got_v[1:]), (
+        f"{transform!r}: after map_batch the basis reads another row than it held"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1102,7 +1206,7 @@ def _check_attend(backend: Any, fmts: list[Any], dtype: Any, device: Any, seed: 
         assert out.shape == ref_out.shape and lse.shape == ref_lse.shape, f"{what}: shapes"
         worst = max(float((out - ref_out).abs().max()), float((lse - ref_lse).abs().max()))
         assert worst <= tol, f"{what}: differs from dense attention over the dequantized blocks by {worst:.3g}"
-        # the same with an additive score per query and token (attend_biased: a low-rank part of the keys)
+        # the same with an additive score per query and token (attend_biased: a score term of a transform)
         bias = torch.randn(2, 2, 3, n, generator=gen).to(device=device)
         out, lse = backend.attend_biased(query, kq, vq, BACKEND_HEAD_DIM**-0.5, bias)
         ref_out, ref_lse = dense(query, backend.dequantize(kq), backend.dequantize(vq), BACKEND_HEAD_DIM**-0.5, bias)

@@ -1,13 +1,13 @@
 """Python calls into kvpolicy during one layer's fused decode step, counted with ``sys.setprofile``.
 
-Builds a tiny random Llama in code (as the tests do), prefills a prompt with a ``CompressedCache``
-under kvpolicy's fused attention, then decodes a few tokens. During each decode step, every Python
-call made while layer 1's attention module runs (``cache.update``, the attention function, the
-merge) is recorded; a call into a kvpolicy module counts, and a *switch* is a call into a kvpolicy
-module other than the one of the kvpolicy call before it. Printed: the counts of the first decode
-step that demotes nothing and of the first that demotes (tokens moved into the store), per cache,
-with the modules visited, and the same counts split into the layer's and attention's calls and the
-stores' own (actions, backends, transforms, kernels: ``parts()``, ``add``).
+Builds a tiny random Llama in code (as the tests do), prefills a prompt of :data:`PROMPT` tokens (long
+enough that the keys' per-channel groups are full, so the fused step reads codes, not only staged
+tokens) with a ``CompressedCache`` under kvpolicy's fused attention, then decodes. During each decode
+step, every Python call made while layer 1's attention module runs (``cache.update``, the attention
+function, the merge) is recorded; a call into a kvpolicy module counts, and a *switch* is a call into a
+kvpolicy module other than the one of the kvpolicy call before it. Printed for the first decode step
+that demotes nothing and the first that demotes (tokens moved into the store), per cache: the calls, the
+switches and the modules visited, beside the targets (:data:`TARGETS`).
 
 Usage::
 
@@ -32,12 +32,12 @@ from kvpolicy.tiny import random_model
 
 ROOT = str(Path(kvpolicy.__file__).resolve().parent)
 CACHES: dict[str, Callable[[], CompressedCache]] = {
-    "one-liner (log, quantize, bits=2)": lambda: CompressedCache(policy="log", action="quantize", bits=2),
-    "kvpolicy-3bit (tiered)": lambda: CompressedCache.from_preset("kvpolicy-3bit"),
+    "one-liner": lambda: CompressedCache(policy="log", action="quantize", bits=2),
+    "kvpolicy-3bit": lambda: CompressedCache.from_preset("kvpolicy-3bit"),
 }
-#: modules whose calls are the stores' own work (see :meth:`Counter.split`)
-STORE_SIDE = ("kvpolicy.actions", "kvpolicy.backends", "kvpolicy.transforms", "kvpolicy.kernels")
-PROMPT = 200
+#: (calls, switches) a step that demotes nothing should stay within (None: no target)
+TARGETS = {"one-liner": (30, 12), "kvpolicy-3bit": (45, None)}
+PROMPT = 600
 STEPS = 40
 LAYER = 1
 
@@ -47,8 +47,7 @@ def _module(filename: str) -> str | None:
     path = filename if filename.startswith(ROOT) else str(Path(filename).resolve())
     if not path.startswith(ROOT + "/"):
         return None
-    rel = Path(path).relative_to(ROOT).with_suffix("")
-    return ".".join(("kvpolicy", *rel.parts))
+    return ".".join(("kvpolicy", *Path(path).relative_to(ROOT).with_suffix("").parts))
 
 
 class Counter:
@@ -62,25 +61,15 @@ class Counter:
         if event != "call":
             return
         filename = frame.f_code.co_filename
-        module = self._modules.get(filename)
         if filename not in self._modules:
-            module = self._modules[filename] = _module(filename)
+            self._modules[filename] = _module(filename)
+        module = self._modules[filename]
         if module is not None:
             self.calls.append((module, frame.f_code.co_qualname))
 
     @property
     def switches(self) -> int:
-        mods = [m for m, _ in self.calls]
-        return sum(a != b for a, b in itertools.pairwise(mods))
-
-    def split(self) -> tuple[int, int, int]:
-        """``(calls outside the stores, calls inside them, switches with a store's calls as one module)``:
-        the stores' own work (``parts()``, ``add``: actions, backends, transforms, kernels)
-        counted apart from the layer's and attention's."""
-        outside = [m if not m.startswith(STORE_SIDE) else "store" for m, _ in self.calls]
-        inside = sum(m == "store" for m in outside)
-        switches = sum(a != b for a, b in itertools.pairwise(outside))
-        return len(outside) - inside, inside, switches
+        return sum(a != b for (a, _), (b, _) in itertools.pairwise(self.calls))
 
 
 def measure(make: Callable[[], CompressedCache]) -> list[tuple[bool, Counter]]:
@@ -102,18 +91,18 @@ def measure(make: Callable[[], CompressedCache]) -> list[tuple[bool, Counter]]:
 
     try:
         cache = make()
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(3, 96, (1, PROMPT + STEPS), generator=g)
+        ids = torch.randint(3, 96, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(0))
         with torch.inference_mode():
             model(ids[:, :PROMPT], cache=cache, use_cache=True)
             model(ids[:, PROMPT : PROMPT + 1], cache=cache, use_cache=True)  # settles the prompt's demotion
+            held = cache.positions(LAYER)
+            coded = held["compressed"].numel() - held["staged_keys"].numel()
+            assert coded >= 128, f"only {coded} tokens held as key codes: the step would read no codes"
             attn.forward = counted
             for t in range(PROMPT + 1, PROMPT + STEPS):
-                layer = cache.layers[LAYER]
-                before = int(layer.positions()["compressed"].numel())
+                before = cache.positions(LAYER)["compressed"].numel()
                 model(ids[:, t : t + 1], cache=cache, use_cache=True)
-                after = int(layer.positions()["compressed"].numel())
-                steps[-1] = (after > before, steps[-1][1])
+                steps[-1] = (cache.positions(LAYER)["compressed"].numel() > before, steps[-1][1])
             paths = sorted({str(p) for p in cache.attention_paths().values()})
     finally:
         attn.forward = forward
@@ -135,13 +124,12 @@ def main() -> None:
             if found is None:
                 print(f"{name}: no decode step found for {label}")
                 continue
-            modules = sorted({m for m, _ in found.calls})
-            outside, inside, switches = found.split()
-            print(
-                f"{name}, {label}: {len(found.calls)} calls into kvpolicy, {found.switches} module switches, "
-                f"{len(modules)} modules; outside the stores {outside} calls and {switches} switches (the stores "
-                f"as one module), inside them {inside} calls"
+            calls, switches = TARGETS[name]
+            target = (
+                "" if demotes else f" (target: <= {calls} calls" + (f", <= {switches} switches)" if switches else ")")
             )
+            modules = sorted({m for m, _ in found.calls})
+            print(f"{name}, {label}: {len(found.calls)} calls, {found.switches} module switches{target}")
             print(f"    modules: {', '.join(modules)}")
             if args.verbose:
                 for module, fn in found.calls:

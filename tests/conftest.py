@@ -13,9 +13,12 @@ from kvpolicy.quality import teacher_forced_logits
 from kvpolicy.tiny import random_model, tiny_gemma3  # noqa: F401  (tests import tiny_gemma3 from here)
 
 # No third-party plugin loads by entry point in the tests (each test that needs one registers it), except
-# the lab's subcommands when kvpolicy-lab is installed (its tests drive the kvpolicy command).
-if importlib.util.find_spec("kvpolicy_lab") is not None:
-    os.environ.setdefault("KVPOLICY_PLUGINS", "kvpolicy_lab")
+# the lab's subcommands when kvpolicy-lab is installed (its tests drive the kvpolicy command), and the research
+# plugin's transforms when it is installed (the lab's tuning spaces and analyses name them).
+_LOADED = [ep for module, ep in (("kvpolicy_lab", "kvpolicy_lab"), ("kvpolicy_research", "research-transforms"))
+           if importlib.util.find_spec(module) is not None]  # fmt: skip
+if _LOADED:
+    os.environ.setdefault("KVPOLICY_PLUGINS", ",".join(_LOADED))
 else:
     os.environ.setdefault("KVPOLICY_DISABLE_PLUGIN_AUTOLOAD", "1")
 

@@ -304,7 +304,7 @@ def test_codebook_caches_decode_through_the_kernel_alone(monkeypatch, kw):
     got, ref, cache = fused_and_materialized(**dict(group_size=None, transform="hadamard", backend="cpu") | kw)
     assert set(cache.attention_paths().values()) == {"fused (cpu)"}
     if "tiers" in kw:
-        assert all(p.shape[1] for p in cache.layers[0].engine.store.inner.tier_positions())  # both tiers hold tokens
+        assert all(p.shape[1] for p in cache.layers[0].engine.store.tier_positions())  # both tiers hold tokens
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
 
 

@@ -688,7 +688,7 @@ def test_fused_decode_with_rotation_reads_rotated_codes_in_the_kernel(monkeypatc
     assert set(cache.attention_paths().values()) == {"fused (triton)"}
     layer = cache.layers[0]
     store = layer.engine.store
-    assert store.basis == Hadamard() and store.inner.k.q is not None  # rotated codes, read fused
+    assert layer.engine.basis.transform == Hadamard() and store.k.q is not None  # rotated codes, read fused
     assert torch.equal(ref.sequences, got.sequences)
     assert torch.allclose(torch.stack(ref.logits), torch.stack(got.logits), rtol=1e-5, atol=1e-5)
 

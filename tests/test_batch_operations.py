@@ -46,23 +46,13 @@ COMPOSITIONS = {
     "lattice": (dict(policy="log", window=4, bits=2, scheme="lattice", transform="hadamard"), False),
     # transforms
     "hadamard": (dict(policy="log", window=4, transform="hadamard", **MINMAX), False),
-    "query-hadamard": (dict(policy="log", window=4, **{**CODEBOOK, "transform": "query-hadamard"}), None),
-    "lowrank": (dict(policy="log", window=4, rank=4, **{**CODEBOOK, "transform": "lowrank"}), None),
-    "lowrank-16bit": (
-        dict(policy="recent", window=6, transform="lowrank", rank=2, coefficient_bits=16, **MINMAX),
-        False,
-    ),
 }
-
-
-#: compositions whose parts serve no float64 model, checked in float32
-FLOAT32 = {"query-hadamard"}
 
 
 @pytest.mark.parametrize("name", list(COMPOSITIONS))
 def test_every_part_moves_its_per_row_state_with_its_row(name):
     kwargs, padded = COMPOSITIONS[name]
-    check_batch_operations(kwargs, padded=padded, dtype=torch.float32 if name in FLOAT32 else None)
+    check_batch_operations(kwargs, padded=padded)
 
 
 @pytest.mark.parametrize("preset", [p for p in registry.names("presets") if p != "snapkv"])

@@ -182,6 +182,12 @@ def check_page(
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "examples").symlink_to(ROOT / "examples", target_is_directory=True)
     monkeypatch.syspath_prepend(str(workdir))
+    # a page runs as a user's process does: every installed plugin loads by its entry point (the research
+    # plugin's transforms, which the pages show); only what the page registers itself is taken back
+    monkeypatch.delenv(registry.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(registry.ALLOW_ENV, raising=False)
+    registry.reset()
+    registry.load_entry_points()
     plugins_before = set(registry.plugin_manager().get_plugins())
     # what the block before printed: ("ran", text) after a python block that ran, ("skipped", "") after one
     # that was skipped or not run, else None
@@ -239,6 +245,7 @@ def check_page(
             python_stopped = True
     for plugin in set(registry.plugin_manager().get_plugins()) - plugins_before:  # registered by the page
         registry.unregister(plugin)
+    registry.reset()  # the next lookup reads the tests' environment again
     for name, module in list(sys.modules.items()):  # modules the page imported from its file blocks
         if str(getattr(module, "__file__", None) or "").startswith(str(workdir)):
             del sys.modules[name]

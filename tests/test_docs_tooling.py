@@ -127,7 +127,7 @@ def test_the_built_site_has_no_literal_role_and_hides_the_internals(tmp_path):
     assert roles == {}
     api = "".join(t for p, t in pages.items() if "reference/api" in p.as_posix())
     internals = (
-        "actions.base.DemotedStore.adopt_fit",
+        "actions.base.DemotedStore.take_first_block",
         "actions.base.DemotedStore.staged_key_positions",
         "formats.base.QTensor.map_batch",
         "cache.CompressedLayer.update",

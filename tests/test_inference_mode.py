@@ -28,9 +28,6 @@ COMPOSITIONS = {
     "log-minmax": dict(policy="log", window=4, bits=2, **Q),
     "per-token-keys": dict(policy="log", window=4, bits=3, key_axis="token", **Q),
     "hadamard": dict(policy="log", window=4, bits=2, transform="hadamard", **Q),
-    "lowrank-8": dict(policy="log", window=4, bits=4, transform="lowrank", rank=4, **Q),
-    "lowrank-16-r1": dict(policy="log", window=4, bits=4, transform="lowrank", rank=1, coefficient_bits=16, **Q),
-    "query-hadamard": dict(policy="log", window=4, bits=4, transform="query-hadamard", **Q),
     "codebook-centred": dict(policy="log", window=4, bits=3, scheme="codebook", key_centre=True, transform="hadamard"),
     "lattice": dict(policy="log", window=4, bits=2, scheme="lattice", transform="hadamard"),
     "tiered": dict(
@@ -67,7 +64,7 @@ def _cache(spec) -> CompressedCache:
 @pytest.fixture(scope="module")
 def model():
     m = tiny_model("llama")
-    enable_scores(m)  # H2O's scores and the query-weighted store's queries
+    enable_scores(m)  # H2O's scores
     yield m
     disable_scores(m)
 
@@ -106,7 +103,7 @@ def test_state_made_in_inference_mode_serves_every_other_mode(model, name):
 def test_save_and_positions_after_an_inference_mode_prefill(model, tmp_path):
     """Reading a cache (positions, bytes, save) settles deferred demotions, which write the store in place."""
     ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(1))
-    cache = _cache(COMPOSITIONS["lowrank-8"])
+    cache = _cache(COMPOSITIONS["codebook-centred"])
     chunked_prefill(model, ids, cache, 16)
     cache.positions(0)
     cache.save(tmp_path / "c.kvc", model=model)

@@ -146,12 +146,12 @@ def test_three_tiers_hold_the_middle_between_the_ends():
     cache.update(x[:, :, :1], x[:, :, :1], 0)
     store = cache.layers[0].engine.store
     errors = []
-    for tier in [*store.inner.middles, None]:
-        inner = store.inner.bottom if tier is None else tier.inner
+    for tier in [*store.middles, None]:
+        inner = store.bottom if tier is None else tier.inner
         pos = inner.positions[0].long()
-        got = store.transform.inverse(inner.keys())
+        got = cache.layers[0].engine.basis.transform.inverse(inner.keys())
         errors.append(float((got - x[:, :, pos]).pow(2).mean()))
-    assert len(store.inner.middles) == 2 and errors[0] < errors[1] < errors[2]
+    assert len(store.middles) == 2 and errors[0] < errors[1] < errors[2]
 
 
 def test_saved_cache_continues_identically(tmp_path):

@@ -525,7 +525,6 @@ def tie_analysis(ref_calls: list, tp_calls: list, heads: slice) -> dict[str, Any
 
 def _streams(store: Any) -> list[tuple[Any, Any]]:
     """The (keys, values) streams of a layer's store: one pair, or one per tier."""
-    store = getattr(store, "inner", store)  # behind a transform
     stores = store._stores() if hasattr(store, "_stores") else [store]
     return [(s.k, s.v) for s in stores]
 

@@ -33,27 +33,16 @@ class DemotedStore(ABC):
     #: ``(1, n)`` (shared policies) or ``(kv_heads, n)`` (per-head policies) int32 positions of the
     #: stored tokens, in demotion (= storage) order
     positions: torch.Tensor
-    #: the transform whose basis :meth:`parts` are expressed in (``None``: the model's own);
-    #: set by :class:`~kvpolicy.transforms.store.TransformedStore`
-    basis: Any = None
-    #: whether the store waits for the queries of the next forward (:meth:`observe_queries`)
-    wants_queries: bool = False
-    #: whether the store fits a statistic of its own on the first block it receives (the layer then demotes
-    #: that block whole, or feeds it to a probe whose fit this store takes: :meth:`adopt_fit`)
-    awaits_fit: bool = False
 
-    def observe_queries(self, query: torch.Tensor, keys: torch.Tensor) -> None:  # noqa: B027 - optional hook
-        """The queries ``(batch, q_heads, q, head_dim)`` of a forward and the keys ``(batch, kv_heads, n,
-        head_dim)`` they read, for a store that :attr:`wants_queries` (a query-weighted transform's)."""
+    def awaits_first_block(self) -> bool:
+        """Whether the first block this store receives sets a statistic its later blocks share (a centred
+        stream's centre): the layer then hands its first demotion whole, or hands it first to a fresh store of
+        the same action whose statistics this one takes (:meth:`take_first_block`). Default: False."""
+        return False
 
-    def adopt_fit(self, other: DemotedStore) -> None:  # noqa: B027 - optional hook
-        """Take what ``other`` fitted on its first block, when ``other`` was given the block this store is
-        about to receive first (a probe: :class:`kvpolicy.segments.LayerSegments`). Default: nothing."""
-
-    def adopt_moments(self, other: DemotedStore) -> None:  # noqa: B027 - optional hook
-        """Take the statistics ``other`` (a store of the same composition) gathered for fits it has not made
-        yet (a query-weighted transform's query moments), so that this empty store's first demotion stores
-        what ``other``'s would."""
+    def take_first_block(self, probe: DemotedStore) -> None:  # noqa: B027 - optional hook
+        """Take the statistics ``probe`` (a fresh store of the same action, given the block this store is
+        about to receive first) set from its first block, for the streams that still wait for theirs."""
 
     @abstractmethod
     def add(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
@@ -110,13 +99,13 @@ class DemotedStore(ABC):
         disjointness from the full-precision positions)."""
 
     def parts(self) -> list[Part]:
-        """The stored tokens as parts for fused decode attention (:mod:`kvpolicy.layer.parts`), in the
-        basis of :attr:`basis`, without materialising them where the store can avoid it.
+        """The stored tokens as parts for fused decode attention (:mod:`kvpolicy.layer.parts`), each with its
+        tokens' positions, without materialising them where the store can avoid it.
 
         Default: the tokens of :meth:`keys` and :meth:`values` as one full-precision part (correct,
         not cheaper than materialising); a store with packed blocks returns them as they lie.
         """
-        return [Part(self.keys(), self.values())]
+        return [Part(self.keys(), self.values(), None, self.positions)]
 
     def staged_key_positions(self) -> torch.Tensor:
         """``(rows, k)`` positions whose keys wait at full precision inside the store (a quantizer's
@@ -129,7 +118,7 @@ class DemotedStore(ABC):
 
     def shared(self) -> list[tuple[str, torch.Tensor]]:
         """``(segment, tensor)`` for tensors other layers may hold too (counted once per memory
-        report, by storage): the positions, and what a transform keeps."""
+        report, by storage): the positions."""
         return [("positions", self.positions)]
 
     def __len__(self) -> int:

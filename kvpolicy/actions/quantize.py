@@ -632,8 +632,8 @@ class QuantizedStream:
         self.q: QTensor | None = None
         self.staging: torch.Tensor | None = None
         #: ``centre``: the float32 centre ``(batch, kv_heads, 1, head_dim)`` the first block is to be
-        #: quantized around, when set before it arrives (:meth:`kvpolicy.segments.LayerSegments.release`
-        #: sets the mean of the first block an unsplit demotion would have made); ``None`` otherwise, and
+        #: quantized around, when set before it arrives (:meth:`QuantizedStore.take_first_block` sets the
+        #: mean of the first block an unsplit demotion would have made); ``None`` otherwise, and
         #: again once the first block is held (the block holds its centre: :attr:`stream_centre`)
         self.first_centre: torch.Tensor | None = None
         self._proposed_centre: torch.Tensor | None = None
@@ -873,17 +873,27 @@ class QuantizedStore(DemotedStore):
         kq, vq = self.k.q, self.v.q
         nk, nv = (0 if kq is None else kq.shape[2]), (0 if vq is None else vq.shape[2])
         m = min(nk, nv)
-        basis = self.basis  # None: a transformed store rebases the parts (TransformedStore.parts)
         out: list[Part] = []
         if self.positions.shape[-1] != m:
             # a stream whose quantized tokens all lie before m holds the tail in its staging buffer alone
             keys = self.k.staging if nk == m and self.k.staging is not None else self.k.read_from(m)
             values = self.v.staging if nv == m and self.v.staging is not None else self.v.read_from(m)
-            out.append(Part(keys, values, None, basis, self.positions[:, m:]))
+            out.append(Part(keys, values, None, self.positions[:, m:]))
         if m:
             quantized = (kq if nk == m else kq.narrow(0, m), vq if nv == m else vq.narrow(0, m))
-            out.append(Part(*quantized, self.k.backend, basis, self.positions[:, :m]))
+            out.append(Part(*quantized, self.k.backend, self.positions[:, :m]))
         return out
+
+    def awaits_first_block(self) -> bool:
+        """Whether a centred stream holds nothing and was given no centre yet."""
+        return any(s.centre and s.q is None and s.first_centre is None for s in (self.k, self.v))
+
+    def take_first_block(self, probe: DemotedStore) -> None:
+        """Each centred stream that holds nothing yet takes the centre ``probe``'s stream (a
+        :class:`QuantizedStore` of the same action) set from its first block."""
+        for mine, theirs in zip((self.k, self.v), (probe.k, probe.v), strict=True):  # type: ignore[attr-defined]
+            if mine.centre and mine.q is None and theirs.stream_centre is not None:
+                mine.first_centre = theirs.stream_centre
 
     def staged_key_positions(self) -> torch.Tensor:
         """Positions whose keys still wait in the full-precision staging buffer."""

@@ -271,10 +271,15 @@ class TieredStore(DemotedStore):
         (:func:`kvpolicy.fused.attend_parts` merges any number of them)."""
         bottom = self.bottom.parts()
         tail = [p for p in bottom if p.backend is None]
-        middles = [
-            Part(t.inner.k.q, t.inner.v.q, self.backend, None, t.positions) for t in self.middles if len(t.inner)
-        ]
+        middles = [Part(t.inner.k.q, t.inner.v.q, self.backend, t.positions) for t in self.middles if len(t.inner)]
         return tail + middles + [p for p in bottom if p.backend is not None]
+
+    def awaits_first_block(self) -> bool:
+        return any(s.awaits_first_block() for s in self._stores())
+
+    def take_first_block(self, probe: DemotedStore) -> None:
+        for mine, theirs in zip(self._stores(), probe._stores(), strict=True):  # type: ignore[attr-defined]
+            mine.take_first_block(theirs)
 
     def staged_key_positions(self) -> torch.Tensor:
         return self.bottom.staged_key_positions()

@@ -224,8 +224,8 @@ class Backend:
         self, query: torch.Tensor, keys: QTensor, values: QTensor, scale: float, bias: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`attend` with ``bias`` ``(batch, kv_heads, q, n)`` added to the scaled scores of each token
-        before the softmax (a transform that holds part of each key outside the codes,
-        :mod:`kvpolicy.transforms.lowrank`, scores that part itself and hands it in here).
+        before the softmax (a transform that holds part of each key outside the codes scores that part
+        itself, :meth:`kvpolicy.transforms.base.Basis.score_term`, and the fused path hands it in here).
 
         Here: the reference, over this backend's :meth:`dequantize` (one segment's keys and values are
         decoded in float32 for the step; nothing is kept). The ``torch`` backend scores the blocks group by

@@ -30,7 +30,7 @@ from kvpolicy.policies.base import Policy, PolicyState
 from kvpolicy.positions import PositionBook
 from kvpolicy.segments import SEGMENTS, LayerSegments
 from kvpolicy.spec import Plan, plan
-from kvpolicy.transforms import Transform
+from kvpolicy.transforms.base import Basis, Transform
 
 #: the warning (once per process) of a padded batch whose padding was read from positions alone
 POSITIONS_ONLY = (
@@ -141,6 +141,11 @@ class LayerEngine:
     def store(self) -> DemotedStore | None:
         """The action's store of demoted tokens (None without compression or before the first step)."""
         return None if self.held is None else self.held.store
+
+    @property
+    def basis(self) -> Basis | None:
+        """The transform bound to this layer, in whose basis :attr:`store` holds its tokens (``None``: the model's)."""
+        return None if self.held is None else self.held.basis
 
     @property
     def state(self) -> PolicyState | None:
@@ -270,7 +275,8 @@ class LayerEngine:
         # LayerSegments.holds_demoted, inlined (len(store), inlined)
         held = self.action.keeps_demoted and segments.store.positions.shape[-1] > 0
         scores = self.policy.needs_scores
-        queries = segments.store.wants_queries
+        basis = segments.basis
+        queries = basis is not None and basis.wants_queries
         reason = self.plan.fused_reason
         if scores:
             segments.scored = False
@@ -302,8 +308,9 @@ class LayerEngine:
             parts = segments.store.parts()
             parts.append(Part(segments.keys, segments.values))
         ticket = handoff.Ticket(
-            self, parts=parts, scores=scores, queries=queries, layout=self.layout if agnostic else "ordered",
-            strict=self.attention == "fused", version=self._version + segments.moves,
+            self, parts=parts, basis=basis, scores=scores, queries=queries,
+            layout=self.layout if agnostic else "ordered", strict=self.attention == "fused",
+            version=self._version + segments.moves,
         )  # fmt: skip
         if n > 1:  # only a multi-token update is released later (decode steps demote in step)
             self._handed = weakref.ref(ticket)
@@ -348,14 +355,14 @@ class LayerEngine:
 
     @property
     def wants_queries(self) -> bool:
-        """Whether the store waits for the queries of the next forward (a query-weighted transform)."""
-        return self.held is not None and self.held.store is not None and self.held.store.wants_queries
+        """Whether the layer's basis waits for the queries of the next forward (:meth:`Basis.observe`)."""
+        return self.held is not None and self.held.wants_queries
 
     def observe_queries(self, query: torch.Tensor, keys: torch.Tensor) -> None:
         """The queries ``(batch, q_heads, q, head_dim)`` of a forward over this layer and the keys ``(batch,
-        kv_heads, n, head_dim)`` they read, for a store that waits for them."""
-        if self.wants_queries:
-            self.held.store.observe_queries(query, keys)
+        kv_heads, n, head_dim)`` they read, for a basis that waits for them."""
+        if self.held is not None:
+            self.held.observe_queries(query, keys)
 
     def observe(self, scores: torch.Tensor, layout: str = "ordered") -> None:
         """Attention mass per returned key, ``(kv_heads, keys)`` with keys in ``layout``'s order;

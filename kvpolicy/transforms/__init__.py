@@ -1,16 +1,11 @@
 """Transforms: an orthogonal change of basis of demoted tokens, between the policy and the action.
 
-``"none"`` (:class:`NoTransform`, the default), ``"hadamard"`` (:class:`Hadamard`), ``"query-hadamard"``
-(:class:`QueryWeighted`: keys weighted per channel by the queries, then rotated) and ``"lowrank"``
-(:class:`LowRank`: each key's principal-direction part held beside the codes, the residual rotated) are
-built in; plugins register more through the ``kvpolicy_register_transforms`` hook
-(docs/how-to/write-a-plugin.md).
+``"none"`` (:class:`NoTransform`, the default) and ``"hadamard"`` (:class:`Hadamard`) are built in; plugins
+register more through the ``kvpolicy_register_transforms`` hook, each binding its per-layer state as a
+:class:`Basis` (docs/how-to/write-a-plugin.md).
 """
 
-from kvpolicy.transforms.base import NoTransform, Transform
+from kvpolicy.transforms.base import Basis, NoTransform, Transform
 from kvpolicy.transforms.hadamard import Hadamard
-from kvpolicy.transforms.lowrank import LowRank
-from kvpolicy.transforms.query_weighted import QueryWeighted
-from kvpolicy.transforms.store import TransformedStore, wrap
 
-__all__ = ["Hadamard", "LowRank", "NoTransform", "QueryWeighted", "Transform", "TransformedStore", "wrap"]
+__all__ = ["Basis", "Hadamard", "NoTransform", "Transform"]

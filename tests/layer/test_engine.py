@@ -118,11 +118,12 @@ def test_the_parts_of_every_store_kind_give_the_materialised_attention():
         engine, (keys, _) = _run(_engine(action=action, transform=transform), 45, 2)
         parts = ticket_of(keys).parts
         assert all(isinstance(p, Part) for p in parts) and parts[-1].backend is None
-        got = attend_parts(query, parts, 0.125)
+        basis = ticket_of(keys).basis
+        assert basis is engine.basis and (basis is None) == (transform is None)
+        got = attend_parts(query, parts, 0.125, basis)
         stored = engine.store.parts()
-        assert [(p.backend, p.basis) for p in parts[:-1]] == [(p.backend, p.basis) for p in stored]
-        assert all(p.basis == engine.store.basis for p in stored)
-        again = attend_parts(query, [*stored, Part(engine.keys, engine.values)], 0.125)
+        assert [p.backend for p in parts[:-1]] == [p.backend for p in stored]
+        again = attend_parts(query, [*stored, Part(engine.keys, engine.values)], 0.125, basis)
         assert torch.equal(got, again)
         k, v = engine.view("ordered")
         ref, _ = dense_attention(query.reshape(1, 2, 2, D), k, v, 0.125)

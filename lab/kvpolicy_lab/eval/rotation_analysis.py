@@ -227,7 +227,7 @@ def analyze_rotation(
     ------
     ConfigError
         If ``context`` holds no whole group, the model has no full-attention layer, ``transform``
-        cannot serve the model's head_dim, or its store holds a fit of its own (it defines ``wrap_store``: keys
+        cannot serve the model's head_dim, or its basis fits something per layer (``Transform.fits``: keys
         weighted by the queries, a low-rank part held apart), which the analysis, applying ``forward`` alone,
         would leave out.
     """
@@ -236,7 +236,7 @@ def analyze_rotation(
 
     if context < group_size:
         raise ConfigError(f"analyze rotation: context={context} holds no whole group of group_size={group_size}")
-    if getattr(transform, "wrap_store", None) is not None:
+    if transform.fits:
         raise ConfigError(
             f"analyze rotation: transform {transform.name!r} fits something of its own inside the cache's store "
             "(keys weighted by the queries, or a low-rank part held apart), which this analysis of a plain rotation "

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvpolicy.errors import ConfigError, did_you_mean
-from kvpolicy.transforms.store import cast_clamped
+from kvpolicy.transforms.base import cast_clamped
 from kvpolicy_lmcache import fast, kvparts, payload
 from kvpolicy_lmcache.kvparts import Parts, Template
 

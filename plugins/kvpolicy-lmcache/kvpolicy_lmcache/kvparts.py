@@ -131,7 +131,7 @@ def resolve(preset: str, overrides: dict[str, Any], key_bits: int | None, value_
                 "serves formats that store every token on its own (codebook or lattice, or per-token min-max)"
             )
     transform = spec.transform
-    if transform.needs_queries or hasattr(type(transform), "wrap_store"):
+    if transform.fits:
         raise ConfigError(
             f"kvpolicy codec: preset {preset!r} uses transform {transform.name!r}, which fits itself to a model "
             "(its queries or its first keys); a codec sees chunks alone. Use a preset with transform 'hadamard'"

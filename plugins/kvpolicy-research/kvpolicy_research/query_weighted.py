@@ -31,20 +31,17 @@ kvpolicy's wrapper) raises, naming the remedy.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from kvpolicy import state_check
-from kvpolicy.actions.base import DemotedStore
 from kvpolicy.errors import ConfigError, NonFiniteError
-from kvpolicy.layer.parts import Part
+from kvpolicy.transforms.base import Basis, cast_clamped
 from kvpolicy.transforms.hadamard import Hadamard
-from kvpolicy.transforms.store import TransformedStore, cast_clamped
 
 #: the entries a query-weighted store adds to a transformed store's saved state
 STATE_KEYS = ("weights", "query_sq", "query_count", "key_var")
@@ -77,8 +74,8 @@ class QueryWeighted(Hadamard):
     max_ratio: float = 64.0
 
     name = "query-hadamard"
-    #: the store needs the queries of the forwards before its first demotion (the attention wrapper reports them)
-    needs_queries: ClassVar[bool] = True
+    fits = True
+    needs_queries = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -88,9 +85,9 @@ class QueryWeighted(Hadamard):
                     f"QueryWeighted: {param} must be a number in [{low:g}, {high:g}]; got {param}={value!r}"
                 )
 
-    def wrap_store(self, inner: DemotedStore) -> QueryWeightedStore:
-        """The store that holds ``inner``'s tokens in this transform's basis, with its key weights."""
-        return QueryWeightedStore(inner, self)
+    def bind(self) -> QueryWeightedBasis:
+        """The layer's basis: the query moments until its first demotion, then the key weights."""
+        return QueryWeightedBasis(self)
 
     def fit(self, query_sq: torch.Tensor, count: int, key_var: torch.Tensor) -> torch.Tensor:
         """The key weights from the moments the attention wrapper reported.
@@ -149,58 +146,42 @@ class QueryWeighted(Hadamard):
             )
 
 
-@dataclass(frozen=True, eq=False)
-class KeyWeightedBasis:
-    """The basis a query-weighted store's parts are held in: queries ``(q / w) R``, outputs ``y Rᵀ``.
-
-    ``forward`` is applied to the decode queries ``(batch, kv_heads, q, head_dim)`` by the fused path
-    (:func:`kvpolicy.fused.attend_parts`) and ``inverse`` to its output over the values, which were only
-    rotated.
-    """
-
-    transform: QueryWeighted
-    #: ``(batch, kv_heads, 1, head_dim)`` float32
-    weights: torch.Tensor
-
-    def forward(self, query: torch.Tensor) -> torch.Tensor:
-        return self.transform.forward(query.float() / self.weights)
-
-    def inverse(self, y: torch.Tensor) -> torch.Tensor:
-        return self.transform.inverse(y)
-
-
-class QueryWeightedStore(TransformedStore):
-    """A :class:`~kvpolicy.transforms.store.TransformedStore` whose keys are weighted per channel before
-    the rotation (see the module docstring).
+class QueryWeightedBasis(Basis):
+    """One layer's query-weighted basis: the moments the attention wrapper reports until the first demotion,
+    then the key weights fitted on them (see the module docstring).
 
     Attributes
     ----------
     weights : torch.Tensor or None
-        ``(batch, kv_heads, 1, head_dim)`` float32 once fitted (at the first :meth:`add`).
+        ``(batch, kv_heads, 1, head_dim)`` float32 once fitted (at the first demotion).
     query_sq : torch.Tensor or None
         ``(batch, kv_heads, head_dim)`` float32 ``Σ q²`` of the queries reported before the fit.
     query_count : int
         Query rows in :attr:`query_sq`.
     key_var : torch.Tensor or None
-        ``(batch, kv_heads, head_dim)`` float32, the variance of each key channel over the latest
-        reported history.
+        ``(batch, kv_heads, head_dim)`` float32, the variance of each key channel over the latest reported
+        history.
     """
 
     transform: QueryWeighted
 
-    def __init__(self, inner: DemotedStore, transform: QueryWeighted) -> None:
-        super().__init__(inner, transform)
+    def __init__(self, transform: QueryWeighted) -> None:
+        super().__init__(transform)
         self.weights: torch.Tensor | None = None
         self.query_sq: torch.Tensor | None = None
         self.query_count = 0
         self.key_var: torch.Tensor | None = None
 
     @property
-    def wants_queries(self) -> bool:
-        """Whether the weights still wait for queries (until the first :meth:`add`)."""
+    def wants_queries(self) -> bool:  # type: ignore[override]
+        """Whether the weights still wait for queries (until the first demotion)."""
         return self.weights is None
 
-    def observe_queries(self, query: torch.Tensor, keys: torch.Tensor) -> None:
+    @property
+    def fitted(self) -> bool:  # type: ignore[override]
+        return self.weights is not None
+
+    def observe(self, query: torch.Tensor, keys: torch.Tensor) -> None:
         """Accumulate the moments of one forward: ``query`` ``(batch, q_heads, q, head_dim)`` in the model's
         basis, ``keys`` ``(batch, kv_heads, n, head_dim)``, the history it read. Ignored once fitted."""
         if self.weights is not None:
@@ -219,80 +200,64 @@ class QueryWeightedStore(TransformedStore):
             k = keys.detach()
             self.key_var = torch.var(k if k.dtype == torch.float32 else k.float(), dim=2, unbiased=False)
 
-    def adopt_moments(self, other: DemotedStore) -> None:
-        """Take ``other``'s moments (and weights, if fitted): this store then weights keys as ``other`` does."""
-        if isinstance(other, QueryWeightedStore):
-            self.weights, self.query_sq, self.query_count, self.key_var = (
-                other.weights,
-                other.query_sq,
-                other.query_count,
-                other.key_var,
+    def fit(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The key weights from the moments reported so far (which are then dropped)."""
+        if self.query_count == 0 or self.key_var is None:
+            raise RuntimeError(
+                f"transform {self.transform.name!r} fits its key weights on the queries of the forwards before "
+                "a layer's first demotion, and none were reported: the model's attention is not kvpolicy's. "
+                "Call kvpolicy.attention.enable_scores(model) (or kvpolicy.fused.enable_fused(model)) once "
+                "before running the model."
             )
+        assert self.query_sq is not None
+        weights = self.transform.fit(self.query_sq, self.query_count, self.key_var)
+        if weights.shape[:2] != keys.shape[:2] or weights.shape[-1] != keys.shape[-1]:
+            raise ValueError(f"queries reported for {tuple(weights.shape)} weights, keys are {tuple(keys.shape)}")
+        self.weights = weights.to(keys.device)
+        self.query_sq = self.key_var = None
+        self.query_count = 0
 
-    def add(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        if self.weights is None:
-            if self.query_count == 0 or self.key_var is None:
-                raise RuntimeError(
-                    f"transform {self.transform.name!r} fits its key weights on the queries of the forwards before "
-                    "a layer's first demotion, and none were reported: the model's attention is not kvpolicy's. "
-                    "Call kvpolicy.attention.enable_scores(model) (or kvpolicy.fused.enable_fused(model)) once "
-                    "before running the model."
-                )
-            weights = self.transform.fit(self.query_sq, self.query_count, self.key_var)
-            if weights.shape[:2] != keys.shape[:2] or weights.shape[-1] != keys.shape[-1]:
-                raise ValueError(f"queries reported for {tuple(weights.shape)} weights, keys are {tuple(keys.shape)}")
-            self.weights = weights.to(keys.device)
-            self.query_sq = self.key_var = None
-            self.query_count = 0
-        super().add(keys, values, positions)
-
-    def _forward_keys(self, keys: torch.Tensor) -> torch.Tensor:
+    def map_keys(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.transform.forward(keys.float() * self.weights).to(keys.dtype)
 
-    def keys(self) -> torch.Tensor:
-        y = self.inner.keys()
+    def unmap_keys(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.weights is None:
-            return self._back(y)
-        dtype = y.dtype if self._dtype is None else self._dtype
-        return cast_clamped(self.transform.inverse(y.float()) / self.weights, dtype)
+            return self._back(keys)
+        dtype = keys.dtype if self.dtype is None else self.dtype
+        return cast_clamped(self.transform.inverse(keys.float()) / self.weights, dtype)
 
-    def parts(self) -> list[Part]:
-        """The inner store's parts, in the weighted basis (:class:`KeyWeightedBasis`)."""
+    def map_query(self, query: torch.Tensor) -> torch.Tensor:
+        """``(q / w) R``."""
         if self.weights is None:
-            return super().parts()
-        basis = KeyWeightedBasis(self.transform, self.weights)
-        return [dataclasses.replace(p, basis=basis) for p in self.inner.parts()]
+            return super().map_query(query)
+        return self.transform.forward(query.float() / self.weights)
 
     def _held(self) -> list[torch.Tensor]:
         return [t for t in (self.weights, self.query_sq, self.key_var) if t is not None]
 
     def nbytes(self) -> dict[str, int]:
-        """The inner store's, with the weights (or the moments awaiting the fit) under ``scales``."""
-        out = dict(self.inner.nbytes())
-        out["scales"] = out.get("scales", 0) + sum(t.numel() * t.element_size() for t in self._held())
-        return out
+        """The weights (or the moments awaiting the fit) under ``scales``."""
+        return {"scales": sum(t.numel() * t.element_size() for t in self._held())}
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        super().map_batch(fn)
         self.weights = None if self.weights is None else fn(self.weights)
         self.query_sq = None if self.query_sq is None else fn(self.query_sq)
         self.key_var = None if self.key_var is None else fn(self.key_var)
 
     def state_dict(self) -> dict[str, Any]:
-        """The transformed store's state, with the weights and the moments awaiting the fit."""
+        """The base state, with the weights and the moments awaiting the fit."""
         out = super().state_dict()
         out.update(weights=self.weights, query_sq=self.query_sq, query_count=self.query_count, key_var=self.key_var)
         return out
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
         """Restore :meth:`state_dict`; shapes against the layer are checked in :meth:`validate`."""
         if not isinstance(state, dict):
             raise ValueError(f"a query-weighted store's state must be a dict; got {type(state).__name__}")
         missing = [k for k in STATE_KEYS if k not in state]
         if missing:
             raise ValueError(f"a query-weighted store's state lacks {missing}")
-        rest = {k: v for k, v in state.items() if k not in STATE_KEYS}
-        super().load_state_dict(rest)
+        super().load_state_dict({k: v for k, v in state.items() if k not in STATE_KEYS}, device)
         loaded = {}
         for name in ("weights", "query_sq", "key_var"):
             t = state[name]
@@ -314,21 +279,18 @@ class QueryWeightedStore(TransformedStore):
             raise ValueError(f"query-weighted store: query_count={count} disagrees with the moments held")
         if fitted and loaded["weights"].shape[2] != 1:
             raise ValueError(f"query-weighted store: weights of shape {tuple(loaded['weights'].shape)}")
-        self.weights, self.query_sq, self.key_var, self.query_count = (
-            loaded["weights"],
-            loaded["query_sq"],
-            loaded["key_var"],
-            count,
-        )
+        self.weights, self.query_sq, self.key_var = loaded["weights"], loaded["query_sq"], loaded["key_var"]
+        self.query_count = count
 
-    def validate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """The transformed store's checks, and weights held exactly when tokens are, shaped for the layer's keys."""
-        super().validate(keys, values)
+    def validate(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """The base checks, and weights held exactly when tokens are, shaped for the layer's keys."""
+        super().validate(keys, values, positions)
         b, h, _, d = keys.shape
-        if (self.weights is not None) != (len(self.inner) > 0):
+        count = positions.shape[-1]
+        if (self.weights is not None) != (count > 0):
             raise ValueError(
-                f"query-weighted store: {'weights' if self.weights is not None else 'no weights'} for "
-                f"{len(self.inner)} tokens held"
+                f"query-weighted store: {'weights' if self.weights is not None else 'no weights'} for {count} "
+                "tokens held"
             )
         if self.weights is not None and tuple(self.weights.shape) != (b, h, 1, d):
             raise ValueError(f"query-weighted store: weights {tuple(self.weights.shape)} for keys {(b, h, '...', d)}")

@@ -1,4 +1,4 @@
-"""The ``"lowrank"`` transform (kvpolicy.transforms.lowrank): each KV head's principal key directions held
+"""The ``"lowrank"`` transform (kvpolicy_research.lowrank): each KV head's principal key directions held
 beside the codes as coefficients, the residual rotated and quantized."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import teacher_forced_logits, tiny_model
-from fitted_transform_cases import CODEBOOK, composition, with_nan
-from fitted_transform_cases import ids as _ids
-from fitted_transform_cases import logits as _logits
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvpolicy_research.lowrank import GROW, LowRank, LowRankBasis
+from research_cases import CODEBOOK, Held, composition, teacher_forced_logits, tiny_model, with_nan
+from research_cases import ids as _ids
+from research_cases import logits as _logits
 
 from kvpolicy import CompressedCache
 from kvpolicy.actions.quantize import Quantize
@@ -22,15 +22,11 @@ from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import CacheFileError, ConfigError, NonFiniteError
 from kvpolicy.fused import disable_fused, enable_fused
 from kvpolicy.testing import check_transform
-from kvpolicy.transforms import Hadamard, LowRank, TransformedStore, wrap
-from kvpolicy.transforms.lowrank import GROW, LowRankStore
+from kvpolicy.transforms import Hadamard
 
 
-def _store(transform: LowRank, bits: int = 2, backend=None) -> TransformedStore:
-    action = Quantize(bits=bits, scheme="codebook", key_centre=True)
-    store = wrap(action.new_store(backend or TorchBackend(), 0), transform, action)
-    store.positions = torch.empty(1, 0, dtype=torch.int32)
-    return store
+def _store(transform: LowRank, bits: int = 2, backend=None, rows: int = 1) -> Held:
+    return Held(transform, Quantize(bits=bits, scheme="codebook", key_centre=True), backend or TorchBackend(), rows)
 
 
 def _low_rank_keys(b: int, h: int, n: int, d: int, r: int, seed: int) -> torch.Tensor:
@@ -143,45 +139,28 @@ def test_the_coefficient_table_grows_by_whole_steps_and_holds_rows_by_position()
     store = _store(LowRank(rank=2))
     keys = _low_rank_keys(1, 2, 70, 16, 2, 7)
     store.add(keys[:, :, :30], keys[:, :, :30], torch.arange(5, 35, dtype=torch.int32)[None])
-    assert store.coefficients.shape == (1, 2, 2, GROW)
-    assert not bool(store.coefficients[..., :5].any())  # positions never demoted hold zeros
+    assert store.basis.coefficients.shape == (1, 2, 2, GROW)
+    assert not bool(store.basis.coefficients[..., :5].any())  # positions never demoted hold zeros
     store.add(keys[:, :, 30:], keys[:, :, 30:], torch.arange(35, 75, dtype=torch.int32)[None])
-    assert store.coefficients.shape == (1, 2, 2, 2 * GROW)
-    want = (keys.float() - store.centre) @ store.directions
-    got = store.coefficients_at(torch.arange(5, 75, dtype=torch.int32)[None])
-    torch.testing.assert_close(got, want, rtol=0, atol=float(store.coefficient_scales.float().max()))
+    assert store.basis.coefficients.shape == (1, 2, 2, 2 * GROW)
+    want = (keys.float() - store.basis.centre) @ store.basis.directions
+    got = store.basis.coefficients_at(torch.arange(5, 75, dtype=torch.int32)[None])
+    torch.testing.assert_close(got, want, rtol=0, atol=float(store.basis.coefficient_scales.float().max()))
 
 
 def test_beam_reorder_moves_each_rows_fit_and_coefficients():
     store = _store(LowRank(rank=3))
     keys = torch.randn(3, 1, 12, 16, generator=torch.Generator().manual_seed(8))
     store.add(keys, keys, torch.arange(12, dtype=torch.int32)[None])
-    before = {k: getattr(store, k).clone() for k in ("centre", "directions", "coefficients", "coefficient_scales")}
+    before = {
+        k: getattr(store.basis, k).clone() for k in ("centre", "directions", "coefficients", "coefficient_scales")
+    }
     order = torch.tensor([2, 0, 1])
     materialised = store.keys()[order]
     store.map_batch(lambda t: t.index_select(0, order))
     for name, t in before.items():
-        assert torch.equal(getattr(store, name), t[order]), name
+        assert torch.equal(getattr(store.basis, name), t[order]), name
     assert torch.equal(store.keys(), materialised)
-
-
-def test_parts_without_positions_are_served_materialised():
-    """An inner store whose parts do not say where their tokens lie: one full-precision part, which the fused
-    function attends in the model's basis."""
-    from kvpolicy.backends.base import dense_attention
-    from kvpolicy.fused import attend_parts
-    from kvpolicy.layer.parts import Part
-
-    store = _store(LowRank(rank=2))
-    keys = torch.randn(1, 2, 10, 16, generator=torch.Generator().manual_seed(9))
-    store.add(keys, keys, torch.arange(10, dtype=torch.int32)[None])
-    original = store.inner.parts
-    store.inner.parts = lambda: [Part(p.keys, p.values, p.backend, p.basis) for p in original()]
-    parts = store.parts()
-    assert len(parts) == 1 and parts[0].backend is None and parts[0].basis is None
-    q = torch.randn(1, 2, 1, 16)
-    want, _ = dense_attention(q, store.keys(), store.values(), 0.25)
-    torch.testing.assert_close(attend_parts(q, [*parts, Part(keys[:, :, :0], keys[:, :, :0])], 0.25), want)
 
 
 # ------------------------------------------------------------------ in a cache
@@ -199,9 +178,9 @@ def test_fused_equals_materialized(name, family, backend, cpu_kernel):
     ref, _ = _logits(model, "scores", ids, 38, **kw)
     got, cache = _logits(model, "fused", ids, 38, **kw)
     assert set(cache.attention_paths().values()) == {f"fused ({backend})"}
-    store = cache.layers[0].engine.store
+    basis = cache.layers[0].engine.basis
     heads = model.config.num_key_value_heads
-    assert isinstance(store, LowRankStore) and store.directions.shape == (2, heads, 64, 4)
+    assert isinstance(basis, LowRankBasis) and basis.directions.shape == (2, heads, 64, 4)
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
 
 
@@ -284,9 +263,9 @@ def test_each_padded_row_fits_the_basis_it_would_alone():
             model.generate(input_ids=ids[1:, 5:], cache=alone, max_new_tokens=4, do_sample=False)
     finally:
         disable_fused(model)
-    row = cache.layers[0].engine.rows[1].store
-    torch.testing.assert_close(row.centre, alone.layers[0].engine.store.centre, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(row.keys(), alone.layers[0].engine.store.keys(), rtol=1e-4, atol=1e-4)
+    row, single = Held.of(cache.layers[0].engine.rows[1]), Held.of(alone.layers[0].engine)
+    torch.testing.assert_close(row.basis.centre, single.basis.centre, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(row.keys(), single.keys(), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("prefill", [30, 6], ids=["fitted", "awaiting-the-fit"])
@@ -301,8 +280,7 @@ def test_a_saved_cache_loads_and_continues_bit_for_bit(tmp_path, prefill):
         path = tmp_path / "c.kvc"
         cache.save(path, model=model)  # applies the demotions pending
         loaded = CompressedCache.load(path, model=model)
-        store = loaded.layers[0].engine.store
-        assert (store.directions is None) == (prefill == 6)
+        assert (loaded.layers[0].engine.basis.directions is None) == (prefill == 6)
         want = teacher_forced_logits(model, ids[:, prefill:], 1, copy.deepcopy(cache))
         assert torch.equal(teacher_forced_logits(model, ids[:, prefill:], 1, loaded), want)
     finally:
@@ -371,7 +349,7 @@ def test_a_corrupt_file_is_refused_with_a_cache_file_error(tmp_path):
 def test_the_example_preset_file_is_kvpolicy_3bit_with_the_low_rank_part():
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "presets" / "kvpolicy-3bit-lowrank.toml"
+    path = Path(__file__).resolve().parents[1] / "examples" / "kvpolicy-3bit-lowrank.toml"
     cache = CompressedCache.from_config(path)
     assert cache.transform == LowRank(rank=8)
     assert repr(cache) == repr(CompressedCache.from_preset("kvpolicy-3bit", transform="lowrank"))
@@ -381,18 +359,17 @@ def test_per_head_positions_find_each_heads_own_coefficients():
     """A per-head policy demotes other positions in each KV head (positions ``(kv_heads, n)``): each head's
     coefficients are put and found at its own positions, and the fused parts agree with the materialised keys."""
     from kvpolicy.backends.base import dense_attention
-    from kvpolicy.fused import attend_parts
-    from kvpolicy.layer.parts import Part
 
-    store = _store(LowRank(rank=16, coefficient_bits=16))
-    store.positions = torch.empty(2, 0, dtype=torch.int32)
+    store = _store(LowRank(rank=16, coefficient_bits=16), rows=2)
     keys = torch.randn(2, 2, 12, 16, generator=torch.Generator().manual_seed(12))
     positions = torch.stack([torch.arange(0, 24, 2), torch.arange(40, 52)]).to(torch.int32)  # (kv_heads, n)
     store.add(keys, keys, positions)
-    assert store.coefficients.shape[-1] == GROW and bool(store.coefficients[:, 1, :, 40:52].any())
-    assert not bool(store.coefficients[:, 0, :, 40:52].any()) and not bool(store.coefficients[:, 1, :, :24].any())
+    assert store.basis.coefficients.shape[-1] == GROW and bool(store.basis.coefficients[:, 1, :, 40:52].any())
+    assert not bool(store.basis.coefficients[:, 0, :, 40:52].any()) and not bool(
+        store.basis.coefficients[:, 1, :, :24].any()
+    )
     torch.testing.assert_close(store.keys(), keys, rtol=0, atol=2e-3 * float(keys.abs().max()))
     q = torch.randn(2, 2, 1, 16, generator=torch.Generator().manual_seed(13))
     want, _ = dense_attention(q, store.keys(), store.values(), 0.25)
-    got = attend_parts(q, [*store.parts(), Part(keys[:, :, :0], keys[:, :, :0])], 0.25)
+    got = store.attend(q, 0.25)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

@@ -25,10 +25,11 @@ little.
 
 Scores stay exact in the held form: ``q · k̂ = q · μ + (q U) · ĉ + (P q) R · ê``. The fused decode path
 rotates ``P q`` into the codes' basis once per step and scores the codes as for ``"hadamard"``; it adds
-``(q U) · ĉ + q · μ`` to each token's score (:meth:`LowRankBasis.score_table`, once per step for the whole
-table, taken by each part at its tokens' positions, through :meth:`kvpolicy.backends.base.Backend.attend_biased`;
-the ``cpu`` kernel adds it to each tile's scores). The coefficients are kept in a table with a column per
-position, so that tokens the tiers move or reorder find theirs.
+``(q U) · ĉ + q · μ`` to each token's score: the basis' score term (:meth:`LowRankBasis.score_term`, once
+per step for the whole table), which the fused path takes at each part's positions and every backend adds to
+its scores (:meth:`kvpolicy.backends.base.Backend.attend_biased`; the ``cpu`` kernel adds it to each tile's).
+The coefficients are kept in a table with a column per position, so that tokens the tiers move or reorder
+find theirs.
 
 Bytes: the coefficients (``r`` bytes per token and head at 8 bits) are counted with the codes; their scales,
 ``μ`` and ``U`` (float32, ``head_dim · (r + 1)`` per row and head) with the scales. The table has a row for
@@ -38,7 +39,6 @@ and counted.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,11 +46,10 @@ from typing import Any
 import torch
 
 from kvpolicy import state_check
-from kvpolicy.actions.base import DemotedStore
 from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
-from kvpolicy.layer.parts import Part
+from kvpolicy.layer.parts import columns
+from kvpolicy.transforms.base import Basis, cast_clamped
 from kvpolicy.transforms.hadamard import Hadamard
-from kvpolicy.transforms.store import TransformedStore, cast_clamped
 
 #: the entries a low-rank store adds to a transformed store's saved state
 STATE_KEYS = ("centre", "directions", "coefficients", "coefficient_scales")
@@ -80,6 +79,7 @@ class LowRank(Hadamard):
     coefficient_bits: int = 8
 
     name = "lowrank"
+    fits = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -102,9 +102,9 @@ class LowRank(Hadamard):
                 f"[1, {head_dim}] for this model"
             )
 
-    def wrap_store(self, inner: DemotedStore) -> LowRankStore:
-        """The store that holds ``inner``'s tokens as residuals, with their coefficients and the basis."""
-        return LowRankStore(inner, self)
+    def bind(self) -> LowRankBasis:
+        """The layer's basis: its mean and directions once fitted, and the coefficient table."""
+        return LowRankBasis(self)
 
     def fit(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The mean and the principal directions of ``keys``.
@@ -165,64 +165,6 @@ class LowRank(Hadamard):
         return codes.float() if scales is None else codes.float() * scales.float()
 
 
-@dataclass(frozen=True, eq=False)
-class LowRankBasis:
-    """The basis a low-rank store's parts are held in.
-
-    ``forward`` takes decode queries ``(batch, kv_heads, q, head_dim)`` to the residual's rotated basis
-    (``(P q) R``), ``inverse`` maps the attention output over the rotated values back. What each token holds
-    outside the codes is scored once per step for the whole table (:meth:`score_table`), and each part
-    takes its tokens' scores by position (:meth:`bias_at`).
-    """
-
-    transform: LowRank
-    #: ``(batch, kv_heads, 1, head_dim)`` float32
-    centre: torch.Tensor
-    #: ``(batch, kv_heads, head_dim, rank)`` float32, ``U``
-    directions: torch.Tensor
-    #: the store's coefficient table ``(batch, kv_heads, rank, P)`` and its scales ``(batch, kv_heads, 1, P)`` or None
-    table: torch.Tensor
-    table_scales: torch.Tensor | None
-    #: tells the fused function that parts carry scores beside their codes (:meth:`score_table`, :meth:`bias_at`)
-    scores_beside_codes = True
-
-    def forward(self, query: torch.Tensor) -> torch.Tensor:
-        q = query.float()
-        return self.transform.forward(q - (q @ self.directions) @ self.directions.transpose(-1, -2))
-
-    def inverse(self, y: torch.Tensor) -> torch.Tensor:
-        return self.transform.inverse(y)
-
-    def score_table(self, query: torch.Tensor, scale: float) -> torch.Tensor:
-        """``scale · ((q U) · ĉ_p + q · μ)`` for each query and each position ``p`` of the table.
-
-        ``query`` ``(batch, kv_heads, q, head_dim)`` in the model's basis. Returns
-        ``(batch, kv_heads, q, P)`` float32 (positions never demoted score ``q · μ``; no part names them).
-        """
-        q = query.float()
-        scores = (q @ self.directions) @ self.table.float()
-        if self.table_scales is not None:
-            scores = scores * self.table_scales.float()
-        return (scores + q @ self.centre.transpose(-1, -2)) * scale
-
-    @staticmethod
-    def bias_at(table_scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The columns of :meth:`score_table` at ``positions`` ``(1 or kv_heads, n)``: ``(batch, kv_heads, q, n)``."""
-        return _columns(table_scores, positions)
-
-
-def _columns(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Columns of ``table`` ``(batch, kv_heads, w, P)`` at ``positions`` ``(1 or kv_heads, n)``.
-
-    Returns ``(batch, kv_heads, w, n)``. (Shared positions select from a 2-d view: one ``index_select`` over
-    the last dim, several times faster on CPU than over a middle dim of the 4-d tensor.)"""
-    idx = positions.to(device=table.device, dtype=torch.long)
-    b, h, w, p = table.shape
-    if idx.shape[0] == 1:
-        return table.reshape(b * h * w, p).index_select(1, idx[0]).view(b, h, w, idx.shape[1])
-    return table.gather(3, idx[None, :, None, :].expand(b, h, w, idx.shape[1]))
-
-
 def _put(table: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor) -> None:
     """``table`` ``(batch, kv_heads, w, P)`` at ``positions`` ``(1 or kv_heads, n)`` := ``columns``
     ``(batch, kv_heads, w, n)``, in place."""
@@ -234,14 +176,14 @@ def _put(table: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor) ->
         table.scatter_(3, idx[None, :, None, :].expand(b, h, w, n), columns)
 
 
-class LowRankStore(TransformedStore):
-    """A :class:`~kvpolicy.transforms.store.TransformedStore` that holds each key's rank-``r`` part beside the
-    codes and hands the inner store the rotated residual (see the module docstring).
+class LowRankBasis(Basis):
+    """One layer's low-rank basis: the mean and principal directions fitted on its first demotion, and each
+    demoted key's coefficients, held beside the codes of its rotated residual (see the module docstring).
 
     Attributes
     ----------
     centre : torch.Tensor or None
-        ``(batch, kv_heads, 1, head_dim)`` float32 once fitted (at the first :meth:`add`).
+        ``(batch, kv_heads, 1, head_dim)`` float32 once fitted.
     directions : torch.Tensor or None
         ``(batch, kv_heads, head_dim, rank)`` float32, ``U``: orthonormal columns.
     coefficients : torch.Tensor or None
@@ -251,47 +193,35 @@ class LowRankStore(TransformedStore):
     """
 
     transform: LowRank
+    #: the fit reads the first demotion's keys: the layer hands it whole
+    fits_keys = True
 
-    def __init__(self, inner: DemotedStore, transform: LowRank) -> None:
-        super().__init__(inner, transform)
+    def __init__(self, transform: LowRank) -> None:
+        super().__init__(transform)
         self.centre: torch.Tensor | None = None
         self.directions: torch.Tensor | None = None
         self.coefficients: torch.Tensor | None = None
         self.coefficient_scales: torch.Tensor | None = None
-        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
-    def awaits_fit(self) -> bool:
-        """Whether the basis waits for the first demotion (the layer then demotes its first block whole)."""
-        return self.directions is None
+    def fitted(self) -> bool:  # type: ignore[override]
+        return self.directions is not None
 
-    def adopt_fit(self, other: DemotedStore) -> None:
-        """Take ``other``'s centre and basis (a probe fed the demotion this store would receive first)."""
-        if isinstance(other, LowRankStore) and self.directions is None and other.directions is not None:
-            self.centre, self.directions = other.centre, other.directions
+    def fit(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.centre, self.directions = self.transform.fit(keys)
 
-    # ------------------------------------------------------------------ adding
-    def add(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        fitted = self.directions is not None
-        centre, directions = (self.centre, self.directions) if fitted else self.transform.fit(keys)
-        assert centre is not None and directions is not None
-        centre, directions = centre.to(keys.device), directions.to(keys.device)
-        codes, scales = self.transform.encode((keys.float() - centre) @ directions)
-        codes, scales = codes.transpose(-1, -2), None if scales is None else scales.transpose(-1, -2)
-        self._pending = (centre, directions)
-        try:
-            super().add(keys, values, positions)
-        finally:
-            self._pending = None
-        if not fitted:
-            self.centre, self.directions = centre, directions
-        self._write(codes, scales, positions)
+    # ------------------------------------------------------------------ storing
+    def add(self, store: Any, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Store the rotated residuals of ``keys`` (and the rotated ``values``), then their coefficients."""
+        assert self.centre is not None and self.directions is not None
+        codes, scales = self.transform.encode((keys.float() - self.centre) @ self.directions)
+        super().add(store, keys, values, positions)
+        self._write(codes.transpose(-1, -2), None if scales is None else scales.transpose(-1, -2), positions)
 
-    def _forward_keys(self, keys: torch.Tensor) -> torch.Tensor:
-        assert self._pending is not None
-        centre, directions = self._pending
-        x = keys.float() - centre
-        residual = x - (x @ directions) @ directions.transpose(-1, -2)
+    def map_keys(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        assert self.centre is not None and self.directions is not None
+        x = keys.float() - self.centre
+        residual = x - (x @ self.directions) @ self.directions.transpose(-1, -2)
         return self.transform.forward(residual).to(keys.dtype)
 
     def _write(self, codes: torch.Tensor, scales: torch.Tensor | None, positions: torch.Tensor) -> None:
@@ -319,73 +249,67 @@ class LowRankStore(TransformedStore):
 
     # ------------------------------------------------------------------ reading
     def coefficients_at(self, positions: torch.Tensor) -> torch.Tensor:
-        """The decoded coefficients of the tokens at ``positions`` ``(rows, n)``.
-
-        Returns ``(batch, kv_heads, n, rank)`` float32."""
+        """The decoded coefficients of the tokens at ``positions`` ``(rows, n)``: ``(batch, kv_heads, n, rank)``
+        float32."""
         assert self.coefficients is not None
-        scales = None if self.coefficient_scales is None else _columns(self.coefficient_scales, positions)
-        return self.transform.decode(_columns(self.coefficients, positions), scales).transpose(-1, -2)
+        scales = None if self.coefficient_scales is None else columns(self.coefficient_scales, positions)
+        return self.transform.decode(columns(self.coefficients, positions), scales).transpose(-1, -2)
 
-    def keys(self) -> torch.Tensor:
-        y = self.inner.keys()
+    def unmap_keys(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``μ + ĉ Uᵀ + P (R⁻¹ ê)`` for the store's rotated residuals ``keys`` at ``positions``."""
         if self.directions is None:
-            return self._back(y)
+            return self._back(keys)
         assert self.centre is not None
-        residual = self.transform.inverse(y.float())
+        residual = self.transform.inverse(keys.float())
         residual = residual - (residual @ self.directions) @ self.directions.transpose(-1, -2)
-        own = self.coefficients_at(self.inner.positions) @ self.directions.transpose(-1, -2)
-        dtype = y.dtype if self._dtype is None else self._dtype
-        return cast_clamped(self.centre + own + residual, dtype)
+        own = self.coefficients_at(positions) @ self.directions.transpose(-1, -2)
+        return cast_clamped(self.centre + own + residual, keys.dtype if self.dtype is None else self.dtype)
 
-    def parts(self) -> list[Part]:
-        """The inner store's parts in the residual's basis (:class:`LowRankBasis`), each with its tokens'
-        coefficients; one full-precision part of the materialised tokens if the inner store's parts do not
-        say where their tokens lie."""
+    def map_query(self, query: torch.Tensor) -> torch.Tensor:
+        """``(P q) R``: the query's part that scores the residuals."""
         if self.directions is None:
-            return super().parts()
-        assert self.centre is not None
-        inner = self.inner.parts()
-        if any(p.positions is None for p in inner):
-            return [Part(self.keys(), self.values())]
-        assert self.coefficients is not None
-        basis = LowRankBasis(self.transform, self.centre, self.directions, self.coefficients, self.coefficient_scales)
-        return [dataclasses.replace(p, basis=basis) for p in inner]
+            return super().map_query(query)
+        q = query.float()
+        return self.transform.forward(q - (q @ self.directions) @ self.directions.transpose(-1, -2))
+
+    def score_term(self, query: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """``scale · ((q U) · ĉ_p + q · μ)`` for each query and each position ``p`` of the table: ``(batch,
+        kv_heads, q, P)`` float32 (positions never demoted score ``q · μ``; no part names them)."""
+        if self.directions is None:
+            return None
+        assert self.centre is not None and self.coefficients is not None
+        q = query.float()
+        scores = (q @ self.directions) @ self.coefficients.float()
+        if self.coefficient_scales is not None:
+            scores = scores * self.coefficient_scales.float()
+        return (scores + q @ self.centre.transpose(-1, -2)) * scale
 
     # ------------------------------------------------------------------ bookkeeping
+    def _tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return self.centre, self.directions, self.coefficients, self.coefficient_scales
+
     def nbytes(self) -> dict[str, int]:
-        """The inner store's, with the coefficients under ``codes``; their scales, ``μ`` and ``U`` under ``scales``."""
-        out = dict(self.inner.nbytes())
-        size = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
-        out["codes"] = out.get("codes", 0) + size(self.coefficients)
-        out["scales"] = out.get("scales", 0) + size(self.coefficient_scales) + size(self.centre) + size(self.directions)
-        return out
+        """The coefficients under ``codes``; their scales, ``μ`` and ``U`` under ``scales``."""
+        size = [0 if t is None else t.numel() * t.element_size() for t in self._tensors()]
+        return {"codes": size[2], "scales": size[3] + size[0] + size[1]}
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        super().map_batch(fn)
         self.centre, self.directions, self.coefficients, self.coefficient_scales = (
-            None if t is None else fn(t)
-            for t in (self.centre, self.directions, self.coefficients, self.coefficient_scales)
+            None if t is None else fn(t) for t in self._tensors()
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """The transformed store's state, with the centre, the basis and the coefficient table."""
-        out = super().state_dict()
-        out.update(
-            centre=self.centre,
-            directions=self.directions,
-            coefficients=self.coefficients,
-            coefficient_scales=self.coefficient_scales,
-        )
-        return out
+        """The base state, with the centre, the basis and the coefficient table."""
+        return {**super().state_dict(), **dict(zip(STATE_KEYS, self._tensors(), strict=True))}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
         """Restore :meth:`state_dict`; shapes against the layer are checked in :meth:`validate`."""
         if not isinstance(state, dict):
             raise ValueError(f"a low-rank store's state must be a dict; got {type(state).__name__}")
         missing = [k for k in STATE_KEYS if k not in state]
         if missing:
             raise ValueError(f"a low-rank store's state lacks {missing}")
-        super().load_state_dict({k: v for k, v in state.items() if k not in STATE_KEYS})
+        super().load_state_dict({k: v for k, v in state.items() if k not in STATE_KEYS}, device)
         eight = self.transform.coefficient_bits == 8
         dtypes = {
             "centre": torch.float32, "directions": torch.float32,
@@ -420,20 +344,19 @@ class LowRankStore(TransformedStore):
         self.centre, self.directions = loaded["centre"], loaded["directions"]
         self.coefficients, self.coefficient_scales = loaded["coefficients"], scales
 
-    def validate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """The transformed store's checks, and a fit held exactly when tokens are, shaped for the layer's keys,
-        with a coefficient row for every held position."""
-        super().validate(keys, values)
+    def validate(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """The base checks, and a fit held exactly when tokens are, shaped for the layer's keys, with a
+        coefficient row for every held position."""
+        super().validate(keys, values, positions)
         b, h, _, d = keys.shape
-        held = len(self.inner) > 0
-        if (self.directions is not None) != held:
-            raise ValueError(f"low-rank store: {'no basis' if held else 'a basis'} for {len(self.inner)} tokens held")
+        count = positions.shape[-1]
+        if (self.directions is not None) != (count > 0):
+            raise ValueError(f"low-rank store: {'no basis' if count else 'a basis'} for {count} tokens held")
         if self.directions is None:
             return
         assert self.centre is not None and self.coefficients is not None
         r = self.transform.rank
-        expect = {"centre": (b, h, 1, d), "directions": (b, h, d, r)}
-        for name, shape in expect.items():
+        for name, shape in (("centre", (b, h, 1, d)), ("directions", (b, h, d, r))):
             if tuple(getattr(self, name).shape) != shape:
                 raise ValueError(f"low-rank store: {name} {tuple(getattr(self, name).shape)}, expected {shape}")
         c = self.coefficients
@@ -443,6 +366,6 @@ class LowRankStore(TransformedStore):
             raise ValueError(
                 f"low-rank store: coefficient scales {tuple(self.coefficient_scales.shape)} for {tuple(c.shape)}"
             )
-        top = int(self.inner.positions.max())
+        top = int(positions.max())
         if top >= c.shape[3]:
             raise ValueError(f"low-rank store: position {top} held, coefficients for {c.shape[3]} positions")

@@ -13,14 +13,14 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvpolicy_research.query_weighted import MAX_RATIO, QueryWeighted
+from research_cases import tiny_model
 
 from kvpolicy import CompressedCache
 from kvpolicy.attention import disable_scores, enable_scores
 from kvpolicy.errors import CacheFileError, ConfigError, MetadataOverflowError, NonFiniteError
-from kvpolicy.transforms.query_weighted import MAX_RATIO, QueryWeighted
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -85,7 +85,7 @@ def _filled(model, prompt: int = 30) -> tuple[CompressedCache, torch.Tensor]:
     with torch.no_grad():
         model(ids[:, :prompt], cache=cache, use_cache=True)
         model(ids[:, prompt : prompt + 1], cache=cache, use_cache=True)
-    assert all(layer.engine.store.weights is not None for layer in cache.layers)
+    assert all(layer.engine.basis.weights is not None for layer in cache.layers)
     return cache, ids
 
 
@@ -109,7 +109,7 @@ def _crafted(weights: torch.Tensor, kind: str) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["zero", "inf", "nan", "negative", "huge-range", "past-max-ratio"])
 def test_a_file_with_crafted_weights_is_refused(model, tmp_path, kind):
     cache, _ = _filled(model)
-    store = cache.layers[1].engine.store
+    store = cache.layers[1].engine.basis
     store.weights = _crafted(store.weights, kind)
     path = tmp_path / "c.kvc"
     cache.save(path, model=model)
@@ -123,7 +123,7 @@ def test_a_file_with_negative_moments_is_refused(model, tmp_path, which):
     cache = CompressedCache(**{**KW, "window": 32})  # nothing demoted: the moments wait for the fit
     with torch.no_grad():
         model(ids, cache=cache, use_cache=True)
-    store = cache.layers[0].engine.store
+    store = cache.layers[0].engine.basis
     assert store.weights is None and store.query_sq is not None
     setattr(store, which, -getattr(store, which))
     cache.save(tmp_path / "c.kvc", model=model)
@@ -143,7 +143,7 @@ def test_the_most_extreme_weights_a_fit_gives_decode_finite_logits_or_refuse(mod
         model(ids[:, :30], cache=cache, use_cache=True)
         model(ids[:, 30:31], cache=cache, use_cache=True)
     for layer in cache.layers:
-        store = layer.engine.store
+        store = layer.engine.basis
         w = torch.ones_like(store.weights)
         w[..., 0::2], w[..., 1::2] = 2.0**16, 2.0**-16
         transform.check_weights(w)

@@ -1,4 +1,4 @@
-"""The ``"query-hadamard"`` transform (kvpolicy.transforms.query_weighted): keys weighted per channel by the
+"""The ``"query-hadamard"`` transform (kvpolicy_research.query_weighted): keys weighted per channel by the
 queries the attention wrapper reports, then rotated."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import math
 
 import pytest
 import torch
-from conftest import teacher_forced_logits, tiny_model
-from fitted_transform_cases import CODEBOOK, composition, with_nan
-from fitted_transform_cases import ids as _ids
-from fitted_transform_cases import logits as _logits
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvpolicy_research.query_weighted import QueryWeighted, QueryWeightedBasis
+from research_cases import CODEBOOK, Held, composition, teacher_forced_logits, tiny_model, with_nan
+from research_cases import ids as _ids
+from research_cases import logits as _logits
 
 from kvpolicy import CompressedCache
 from kvpolicy.actions.quantize import Quantize
@@ -21,8 +21,7 @@ from kvpolicy.attention import disable_scores, enable_scores
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import CacheFileError, ConfigError, NonFiniteError
 from kvpolicy.testing import check_transform
-from kvpolicy.transforms import Hadamard, QueryWeighted, TransformedStore
-from kvpolicy.transforms.query_weighted import QueryWeightedStore
+from kvpolicy.transforms import Hadamard
 
 # ------------------------------------------------------------------ the transform
 
@@ -87,13 +86,8 @@ def test_power_zero_gives_unit_weights_and_non_finite_moments_are_refused():
 # ------------------------------------------------------------------ the store
 
 
-def _store(transform, bits: int = 2) -> TransformedStore:
-    from kvpolicy.transforms import wrap
-
-    action = Quantize(bits=bits, scheme="codebook", key_centre=True)
-    store = wrap(action.new_store(TorchBackend(), 0), transform, action)
-    store.positions = torch.empty(1, 0, dtype=torch.int32)
-    return store
+def _store(transform, bits: int = 2) -> Held:
+    return Held(transform, Quantize(bits=bits, scheme="codebook", key_centre=True), TorchBackend())
 
 
 def test_keys_read_by_the_queries_keep_less_error_than_under_a_plain_rotation():
@@ -132,10 +126,10 @@ def test_beam_reorder_moves_each_rows_weights():
     keys = torch.randn(3, 1, 8, 64, generator=g) * torch.linspace(0.1, 3, 64)
     store.observe_queries(torch.randn(3, 2, 5, 64, generator=g) * torch.rand(3, 1, 1, 64, generator=g), keys)
     store.add(keys, keys, torch.arange(8, dtype=torch.int32)[None])
-    before = store.weights.clone()
+    before = store.basis.weights.clone()
     order = torch.tensor([2, 0, 1])
     store.map_batch(lambda t: t.index_select(0, order))
-    assert torch.equal(store.weights, before[order])
+    assert torch.equal(store.basis.weights, before[order])
     assert not torch.equal(before[0], before[1])
 
 
@@ -166,9 +160,9 @@ def test_fused_equals_materialized(name, family, backend, cpu_kernel):
     ref, _ = _logits(model, "scores", ids, 38, **kw)
     got, cache = _logits(model, "fused", ids, 38, **kw)
     assert set(cache.attention_paths().values()) == {f"fused ({backend})"}
-    store = cache.layers[0].engine.store
+    basis = cache.layers[0].engine.basis
     heads = model.config.num_key_value_heads
-    assert isinstance(store, QueryWeightedStore) and store.weights.shape == (2, heads, 1, 64)
+    assert isinstance(basis, QueryWeightedBasis) and basis.weights.shape == (2, heads, 1, 64)
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
 
 
@@ -221,9 +215,9 @@ def test_each_padded_row_fits_the_weights_it_would_alone():
     finally:
         disable_scores(model)
     rows = cache.layers[0].engine.rows
-    weights = [row.store.weights for row in rows]
+    weights = [row.basis.weights for row in rows]
     assert all(w.shape == (1, 2, 1, 64) for w in weights) and not torch.equal(weights[0], weights[1])
-    torch.testing.assert_close(weights[1], alone.layers[0].engine.store.weights, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(weights[1], alone.layers[0].engine.basis.weights, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("prefill", [30, 6], ids=["fitted", "awaiting-the-fit"])
@@ -239,9 +233,9 @@ def test_a_saved_cache_loads_and_continues_bit_for_bit(tmp_path, prefill):
         path = tmp_path / "c.kvc"
         cache.save(path, model=model)  # applies the demotions pending
         loaded = CompressedCache.load(path, model=model)
-        store = loaded.layers[0].engine.store
-        assert (store.weights is None) == (prefill == 6)
-        assert (store.query_count == 0) == (prefill == 30)
+        basis = loaded.layers[0].engine.basis
+        assert (basis.weights is None) == (prefill == 6)
+        assert (basis.query_count == 0) == (prefill == 30)
         want = teacher_forced_logits(model, ids[:, prefill:], 1, copy.deepcopy(cache))
         assert torch.equal(teacher_forced_logits(model, ids[:, prefill:], 1, loaded), want)
     finally:
@@ -292,7 +286,7 @@ def test_a_corrupt_file_is_refused_with_a_cache_file_error(tmp_path):
 def test_the_example_preset_files_are_the_presets_with_query_weighted_keys(name):
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "presets" / f"{name}-qh.toml"
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}-qh.toml"
     cache = CompressedCache.from_config(path)
     assert isinstance(cache.transform, QueryWeighted)
     assert repr(cache) == repr(CompressedCache.from_preset(name, transform="query-hadamard"))
