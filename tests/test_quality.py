@@ -140,8 +140,15 @@ def test_the_worst_text_is_the_one_with_the_largest_kl():
     assert json.loads(json.dumps(data)) == data
     # rows built without their per-token KL have no tail: NaN, None in the dict, and no tail rows printed
     assert data["kl"] == {"mean": report.kl, "se": report.kl_se, "worst": 0.3, "p99": None, "p999": None, "max": None}
-    assert data["worst_index"] == 1 and data["texts"][2] == {"kl": 0.2, "top1": 0.99, "delta_nll": 0.5, "tokens": 8,
-                                                             "kl_p99": None, "kl_p999": None, "kl_tokens": None}
+    assert data["worst_index"] == 1 and data["texts"][2] == {
+        "kl": 0.2,
+        "top1": 0.99,
+        "delta_nll": 0.5,
+        "tokens": 8,
+        "kl_p99": None,
+        "kl_p999": None,
+        "kl_tokens": None,
+    }
     assert math.isnan(report.kl_p999) and math.isnan(rows[0].kl_p99)
     text = str(report)
     assert "worst (text 1)" in text and "50.0%" in text and "± s.e." in text and "p99" not in text

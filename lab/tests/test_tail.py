@@ -156,7 +156,7 @@ def test_the_frontier_page_gets_the_tail_section(tail_run, tmp_path):
     assert (f"| `kvpolicy-3bit` | {t.bits:.2f} | {t.kl:.4f} | {t.kl_worst:.4f} | {t.kl_p99:.4f} | {t.kl_p999:.4f} | "
             f"{t.kl_max:.4f} | {t.relative:.1f}× |") in mine  # fmt: skip
     assert "| one-liner, `bits=2` |" in mine and "- `kvpolicy-4.5bit`: not measured" in mine
-    assert f"Measured with `kvpolicy ablate --config examples/configs/frontier-tail.toml --out {tail_run}" in mine
+    assert f"Reproduce with `kvpolicy ablate --config examples/configs/frontier-tail.toml --out {tail_run}" in mine
     assert "2 CPU cores" in mine and "torch 2." in mine
     assert (
         f"kvpolicy ablate --config examples/configs/frontier-tail.toml --out {tail_run} --threads 2\n"

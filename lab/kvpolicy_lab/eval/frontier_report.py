@@ -65,7 +65,8 @@ MODEL_NOTES = {
                    "cache compresses",
 }  # fmt: skip
 #: where the tail run (``examples/configs/frontier-tail.toml``) was measured
-TAIL_HARDWARE = "2 CPU cores (AMD EPYC, shared with other jobs), float32"
+TAIL_HARDWARE = ("2 CPU cores (AMD EPYC, shared with other jobs), as two shards (`--shard 0/2` and `1/2`, "
+                 "`--threads 1`) merged with `--merge`, float32")  # fmt: skip
 #: caches drawn as anchors (labels of the committed config)
 ANCHORS = ("hf-quanto-2b", "hf-quanto-4b", "hf-hqq-2b", "hf-hqq-4b", "logquant", "kivi")
 

@@ -129,13 +129,13 @@ def one_liner_relative_tail(measured: dict[str, Tail], bits: float) -> tuple[flo
     if not points:
         return None
     if bits <= points[0][0]:
-        return points[0][1], f"`{points[0][2]}` at {points[0][0]:.2f} bits, the fewest measured"
+        return points[0][1], f"the nearest, `{points[0][2]}` at {points[0][0]:.2f} bits, the fewest measured"
     if bits >= points[-1][0]:
-        return points[-1][1], f"`{points[-1][2]}` at {points[-1][0]:.2f} bits, the most measured"
+        return points[-1][1], f"the nearest, `{points[-1][2]}` at {points[-1][0]:.2f} bits, the most measured"
     for (b0, r0, c0), (b1, r1, c1) in itertools.pairwise(points):
         if b0 <= bits <= b1:
             w = (bits - b0) / (b1 - b0)
-            return r0 + w * (r1 - r0), f"between `{c0}` at {b0:.2f} bits and `{c1}` at {b1:.2f}"
+            return r0 + w * (r1 - r0), f"interpolated between `{c0}` at {b0:.2f} bits and `{c1}` at {b1:.2f}"
     raise AssertionError("unreachable: the bits lie within the measured range")
 
 
@@ -168,7 +168,7 @@ def verdict_line(v: Verdict) -> str:
         rule = "rule: no one-liner measured"
     else:
         word = "passes" if v.passes_rule else "**fails**"
-        rule = (f"the one-liner's relative tail there {v.reference:.1f}× (from {v.reference_from}), so {v.ratio:.2f}× "
+        rule = (f"the one-liner's relative tail there {v.reference:.1f}× ({v.reference_from}), so {v.ratio:.2f}× "
                 f"it: {word} the rule (≤ {RULE_FACTOR:g}×)")  # fmt: skip
     target = "reached" if v.meets_target else "**not reached**"
     return f"{head}; {rule}; target p99.9 ≤ {TARGET_FACTOR:g}× the mean: {target}."
@@ -199,13 +199,14 @@ def tail_section(run_dir: str | Path, command: str, hardware: str, title: Callab
     out = [
         "## The tail of the per-token KL",
         "",
-        f"{title(model)} at context {context}. A cache that is fine on average and wrong on one token in a thousand derails a long generation, so "
-        "beside the mean KL each cache's tail: the 99th and 99.9th percentiles (p99, p99.9) of the per-token KL "
+        f"{title(model)} at context {context}. A cache that is fine on average and wrong on one token in a "
+        "thousand derails a long generation, so beside the mean KL each cache's tail: the 99th and 99.9th "
+        "percentiles (p99, p99.9) of the per-token KL "
         f"pooled over every scored token of every text ({' or '.join(str(n) for n in sorted(tokens)) or '?'} "
         f"tokens: {lm.get('samples_per_context', '?')} texts × {lm.get('tokens', '?')}), by linear "
         "interpolation between the sorted values (numpy's and torch's default), and the largest. The same "
         "texts and settings as the sections above; measured in a run of its own, so the means can differ from "
-        "theirs in the last digit.",
+        f"theirs in the last digit.{_few(tokens)}",
         "",
         md_table(head, body, ["left"] + ["right"] * (len(head) - 1)),
         "",
@@ -220,6 +221,26 @@ def tail_section(run_dir: str | Path, command: str, hardware: str, title: Callab
     if missing:
         out += [f"Not measured yet: {', '.join(f'`{c}`' for c in missing)} (the command below runs them and "
                 "skips the rest).", ""]  # fmt: skip
-    out += [f"Measured with `{command}` on {hardware}; `python scripts/check_tail.py {run_dir}` checks the rule "
-            "and exits 1 when a shipped preset breaks it or has no row.", ""]  # fmt: skip
+    out += [f"Reproduce with `{command}`; measured on {hardware}; `python scripts/check_tail.py {run_dir}` "
+            "checks the rule and exits 1 when a shipped preset breaks it or has no row.", ""]  # fmt: skip
     return out
+
+
+def _few(tokens: set[int]) -> str:
+    """A sentence on which order statistics the 99.9th percentile of ``n`` values lies between (one ``n``)."""
+    if len(tokens) != 1:
+        return ""
+    n = next(iter(tokens))
+    h = (n - 1) * 0.999
+    top = n - math.floor(h)  # the rank from the top of the lower one (1: the largest)
+    if top <= 1:
+        return " p99.9 is then the largest token KL."
+    if top == 2:
+        return f" With {n} tokens p99.9 lies between the two largest token KLs, so one or two tokens decide it."
+    return (f" With {n} tokens p99.9 lies between the {_nth(top)} and the {_nth(top - 1)} largest token KL, so a "
+            "handful of tokens decide it.")  # fmt: skip
+
+
+def _nth(k: int) -> str:
+    """``2`` -> ``"2nd"``, ``1`` -> ``"1st"`` (the largest is ``"1st"``)."""
+    return f"{k}{'th' if 10 <= k % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(k % 10, 'th')}"
