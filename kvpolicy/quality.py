@@ -15,8 +15,10 @@ next. Per text, over those positions:
 
 Scoring the prefill's prediction too is the convention of kvpolicy's results pages, so figures measured
 here compare with theirs. A :class:`QualityReport` holds one :class:`TextQuality` per text, the mean over
-texts with its standard error across texts, and the worst text (the largest KL) beside the mean: a
-mean can hide one text that a cache breaks.
+texts with its standard error across texts, the worst text (the largest KL) beside the mean, and the tail
+of the per-token KL: its 99th and 99.9th percentiles over every scored token of every text
+(:func:`token_percentile`). A mean can hide one text that a cache breaks, and one token in a thousand that
+derails a long generation.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import inspect
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +40,45 @@ HEADLINE_TEXTS = 5
 HEADLINE_TOKENS = 256
 #: the metrics of a :class:`TextQuality`, in the order they are printed
 METRICS = ("kl", "top1", "delta_nll")
+#: the percentiles of the per-token KL reported beside the mean, by the name of their attribute
+TAIL = {"kl_p99": 0.99, "kl_p999": 0.999}
+
+
+def token_percentile(values: torch.Tensor | Sequence[float], q: float) -> float:
+    """The ``q``-quantile of per-token values (KL in nats), by linear interpolation between order statistics.
+
+    The method is numpy's and torch's default, ``"linear"`` (type 7 of Hyndman and Fan): with the ``n``
+    values sorted, ``x[0] <= ... <= x[n-1]``, and ``h = (n - 1) q``, the quantile is
+    ``x[floor(h)] + (h - floor(h)) (x[floor(h) + 1] - x[floor(h)])``. ``q = 0`` gives the smallest
+    value and ``q = 1`` the largest.
+
+    With few values the upper percentiles rest on the largest few: for ``n <= 1001`` the 99.9th
+    percentile lies between the two largest values (``h >= n - 2``), so it is nearly the maximum, and for
+    ``n <= 101`` so does the 99th. :class:`QualityReport` says so when it prints such a figure.
+
+    Parameters
+    ----------
+    values : torch.Tensor or sequence of float
+        ``(n,)`` values, ``n >= 1`` (any shape is flattened).
+    q : float
+        The quantile, in ``[0, 1]`` (0.999 for the 99.9th percentile).
+
+    Returns
+    -------
+    float
+        The quantile, computed in float64 (NaN when a value is NaN).
+
+    Raises
+    ------
+    ConfigError
+        ``q`` outside ``[0, 1]``, or no values.
+    """
+    if isinstance(q, bool) or not isinstance(q, int | float) or not 0.0 <= q <= 1.0:
+        raise ConfigError(f"token_percentile: q must be a number in [0, 1]; got q={q!r}")
+    x = torch.as_tensor(values, dtype=torch.float64).flatten().cpu()
+    if x.numel() == 0:
+        raise ConfigError("token_percentile: values must hold at least one value; got none")
+    return float(torch.quantile(x, q, interpolation="linear"))
 
 
 @dataclass(frozen=True)
@@ -55,18 +96,49 @@ class TextQuality:
         (positive: the cache predicts the text worse).
     tokens : int
         Positions scored.
+    kl_tokens : tuple of float or None
+        The KL at each scored position, in order (``tokens`` values; :attr:`kl` is their mean), from which
+        the percentiles come; None for a row built without them (its percentiles are then NaN).
     """
 
     kl: float
     top1: float
     delta_nll: float
     tokens: int
+    kl_tokens: tuple[float, ...] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:
             raise ConfigError(f"TextQuality: tokens must be an integer >= 1; got tokens={self.tokens!r}")
         if not 0.0 <= self.top1 <= 1.0:
             raise ConfigError(f"TextQuality: top1 must be a share in [0, 1]; got top1={self.top1!r}")
+        if self.kl_tokens is not None:
+            values = tuple(float(v) for v in self.kl_tokens)
+            if len(values) != self.tokens:
+                raise ConfigError(
+                    f"TextQuality: kl_tokens must hold one KL per scored position (tokens={self.tokens}); got "
+                    f"{len(values)} values"
+                )
+            mean = math.fsum(values) / len(values)
+            if not math.isclose(mean, self.kl, rel_tol=1e-6, abs_tol=1e-12) and not math.isnan(mean):
+                raise ConfigError(
+                    f"TextQuality: kl must be the mean of kl_tokens; got kl={self.kl!r} and a mean of {mean!r}"
+                )
+            object.__setattr__(self, "kl_tokens", values)
+
+    @property
+    def kl_p99(self) -> float:
+        """The 99th percentile of this text's per-token KL (:func:`token_percentile`; NaN without
+        :attr:`kl_tokens`)."""
+        return self._percentile(TAIL["kl_p99"])
+
+    @property
+    def kl_p999(self) -> float:
+        """The 99.9th percentile of this text's per-token KL (NaN without :attr:`kl_tokens`)."""
+        return self._percentile(TAIL["kl_p999"])
+
+    def _percentile(self, q: float) -> float:
+        return math.nan if self.kl_tokens is None else token_percentile(self.kl_tokens, q)
 
 
 @dataclass(frozen=True)
@@ -91,6 +163,12 @@ class QualityReport:
     The standard errors are across texts (``stdev / sqrt(n)``), since the positions of one text are
     correlated; they are ``nan`` for a single text. Differences smaller than two standard errors are
     noise, and evaluation.md §5 asks for at least 5 texts × 256 tokens for a headline number.
+
+    The tail (:attr:`kl_p99`, :attr:`kl_p999`, :attr:`kl_max`) pools every scored token of every text
+    (:attr:`scored_tokens` values) before taking the percentile, so that one bad token anywhere counts;
+    each text's own percentiles are its row's (:attr:`TextQuality.kl_p99`). With 1,001 tokens or fewer in
+    all, the 99.9th percentile lies between the two largest token KLs (:func:`token_percentile`), and the
+    printed report says so.
     """
 
     texts: tuple[TextQuality, ...]
@@ -137,6 +215,33 @@ class QualityReport:
         return self._se("delta_nll")
 
     @property
+    def scored_tokens(self) -> int:
+        """The positions scored, over all texts: the values the tail's percentiles are taken over."""
+        return sum(t.tokens for t in self.texts)
+
+    @property
+    def kl_p99(self) -> float:
+        """The 99th percentile of the per-token KL over every scored token of every text, in nats
+        (:func:`token_percentile`; NaN when a row holds no :attr:`TextQuality.kl_tokens`)."""
+        return self._pooled(TAIL["kl_p99"])
+
+    @property
+    def kl_p999(self) -> float:
+        """The 99.9th percentile of the per-token KL over every scored token of every text, in nats (NaN when
+        a row holds no per-token values); with 1,001 tokens or fewer it lies between the two largest."""
+        return self._pooled(TAIL["kl_p999"])
+
+    @property
+    def kl_max(self) -> float:
+        """The largest per-token KL of any text, in nats (NaN when a row holds no per-token values)."""
+        return self._pooled(1.0)
+
+    def _pooled(self, q: float) -> float:
+        if any(t.kl_tokens is None for t in self.texts):
+            return math.nan
+        return token_percentile([v for t in self.texts for v in t.kl_tokens], q)  # type: ignore[union-attr]
+
+    @property
     def worst_index(self) -> int:
         """The index of the text with the largest KL (the first of equal ones)."""
         return max(range(len(self.texts)), key=lambda i: self.texts[i].kl)
@@ -154,17 +259,23 @@ class QualityReport:
         return statistics.stdev(getattr(t, name) for t in self.texts) / math.sqrt(n) if n > 1 else math.nan
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dict: the settings, each metric's mean, standard error and worst-text value, and the
-        rows (``nan`` standard errors become ``None``)."""
+        """A JSON-able dict: the settings, each metric's mean, standard error and worst-text value, the KL's
+        tail over all scored tokens (``kl``'s ``p99``, ``p999`` and ``max``), and the rows, each with its own
+        percentiles and its per-token KL (``nan`` figures become ``None``)."""
         worst = self.worst
         out: dict[str, Any] = {
             "cache": self.cache, "prompt_tokens": self.prompt_tokens, "decode_tokens": self.decode_tokens,
             "bits_per_element": self.bits_per_element, "n_texts": len(self.texts), "worst_index": self.worst_index,
+            "scored_tokens": self.scored_tokens,
         }  # fmt: skip
         for name in METRICS:
-            se = self._se(name)
-            out[name] = {"mean": self._mean(name), "se": None if math.isnan(se) else se, "worst": getattr(worst, name)}
-        out["texts"] = [{f.name: getattr(t, f.name) for f in fields(t)} for t in self.texts]
+            out[name] = {"mean": self._mean(name), "se": _none(self._se(name)), "worst": getattr(worst, name)}
+        out["kl"].update(p99=_none(self.kl_p99), p999=_none(self.kl_p999), max=_none(self.kl_max))
+        out["texts"] = [
+            {"kl": t.kl, "top1": t.top1, "delta_nll": t.delta_nll, "tokens": t.tokens, "kl_p99": _none(t.kl_p99),
+             "kl_p999": _none(t.kl_p999), "kl_tokens": None if t.kl_tokens is None else list(t.kl_tokens)}
+            for t in self.texts
+        ]  # fmt: skip
         return out
 
     def __str__(self) -> str:
@@ -179,14 +290,35 @@ class QualityReport:
         worst = self.worst
         rows.append((f"worst (text {self.worst_index})", f"{worst.kl:.4g}", f"{worst.top1:.1%}",
                      f"{worst.delta_nll:+.4g}"))  # fmt: skip
+        tail = not math.isnan(self.kl_max)
+        if tail:
+            rows += [("p99 of tokens", f"{self.kl_p99:.4g}", "", ""),
+                     ("p99.9 of tokens", f"{self.kl_p999:.4g}", "", "")]  # fmt: skip
         width = [max(len(row[c]) for row in rows) for c in range(4)]
         lines = [head, f"  cache: {self.cache}"]
         for row in rows:
             cells = [row[0].ljust(width[0]), *(v.rjust(w) for v, w in zip(row[1:], width[1:], strict=True))]
-            lines.append("  " + "  ".join(cells))
+            lines.append("  " + ("  ".join(cells)).rstrip())
+        if tail:
+            note = f"  (p99, p99.9: percentiles of the per-token KL over all {self.scored_tokens} scored tokens"
+            near = [name for name, q in (("p99", 0.99), ("p99.9", 0.999)) if _near_max(self.scored_tokens, q)]
+            if near:
+                verb = "rests" if len(near) == 1 else "rest"
+                note += f"; so few that {' and '.join(near)} {verb} on the largest two: max {self.kl_max:.4g}"
+            lines.append(note + ")")
         if n < HEADLINE_TEXTS or self.decode_tokens < HEADLINE_TOKENS:
             lines.append(f"  (a headline number needs >= {HEADLINE_TEXTS} texts × {HEADLINE_TOKENS} tokens)")
         return "\n".join(lines)
+
+
+def _none(value: float) -> float | None:
+    """``value``, or None for NaN (JSON has no NaN)."""
+    return None if math.isnan(value) else value
+
+
+def _near_max(n: int, q: float) -> bool:
+    """Whether :func:`token_percentile` of ``n`` values at ``q`` lies between the two largest (``(n-1) q >= n-2``)."""
+    return (n - 1) * q >= n - 2
 
 
 def compare(
@@ -234,7 +366,8 @@ def compare(
     Returns
     -------
     QualityReport
-        One row per text, the mean and its standard error across texts, and the worst text.
+        One row per text (with its per-token KL), the mean and its standard error across texts, the worst
+        text, and the 99th and 99.9th percentiles of the per-token KL over all scored tokens.
 
     Raises
     ------
@@ -319,10 +452,10 @@ def _one_text(model: torch.nn.Module, ids: torch.Tensor, prompt: int, candidate:
         kl.append(next_token_kl(ref, got))
         agree.append(ref.argmax(-1) == got.argmax(-1))
         delta.append(nll(got, target) - nll(ref, target))
-    n = len(kl)
+    per_token = torch.cat(kl).double()
     return TextQuality(
-        kl=float(torch.cat(kl).double().mean()), top1=float(torch.cat(agree).double().mean()),
-        delta_nll=float(torch.cat(delta).double().mean()), tokens=n,
+        kl=float(per_token.mean()), top1=float(torch.cat(agree).double().mean()),
+        delta_nll=float(torch.cat(delta).double().mean()), tokens=len(kl), kl_tokens=tuple(per_token.tolist()),
     )  # fmt: skip
 
 

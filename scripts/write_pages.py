@@ -79,12 +79,24 @@ def run_dir(text: str) -> Path:
     return path
 
 
-def reproduction(name: str, run: Path, page: Path) -> str:
-    """The two commands that regenerate page ``name`` (``results`` or ``frontier``), one per line: the
-    ablation run that fills ``run`` and this script writing ``page`` from it."""
+#: the grid of the frontier page's section on the tail of the per-token KL (``--tail``)
+TAIL_CONFIG = "examples/configs/frontier-tail.toml"
+
+
+def tail_run(tail: Path) -> str:
+    """The ablation run that fills the tail's run directory ``tail``."""
+    return f"kvpolicy ablate --config {TAIL_CONFIG} --out {tail} --threads {THREADS}"
+
+
+def reproduction(name: str, run: Path, page: Path, tail: Path | None = None) -> str:
+    """The commands that regenerate page ``name`` (``results`` or ``frontier``), one per line: the
+    ablation run that fills ``run`` (and the tail's run that fills ``tail``, when given) and this script
+    writing ``page`` from them."""
     spec = PAGES[name]
-    return (f"kvpolicy ablate --config {spec.config} --out {run} --threads {THREADS}\n"
-            f"python scripts/write_pages.py {name} --run {run} --page {page}")  # fmt: skip
+    runs = f"kvpolicy ablate --config {spec.config} --out {run} --threads {THREADS}\n"
+    if tail is None:
+        return runs + f"python scripts/write_pages.py {name} --run {run} --page {page}"
+    return runs + f"{tail_run(tail)}\npython scripts/write_pages.py {name} --run {run} --tail {tail} --page {page}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"the run directory (kvpolicy ablate --config {spec.config} --out DIR)")  # fmt: skip
         p.add_argument("--page", type=out_file, default=spec.page, metavar="FILE",
                        help="the page to write; its plots go to an img/ directory beside it")  # fmt: skip
+        if name == "frontier":
+            p.add_argument("--tail", type=run_dir, default=None, metavar="DIR",
+                           help=f"the run directory of the tail's grid (kvpolicy ablate --config {TAIL_CONFIG} "
+                           "--out DIR): adds the section on the tail of the per-token KL")  # fmt: skip
         p.set_defaults(parser=p)
     return parser
 
@@ -114,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         check_output(f"--page {str(args.page)!r}: its images directory", args.page.parent / images, "directory")
     except ConfigError as exc:
         args.parser.error(str(exc))
-    page = write(args.run, args.page, reproduction(args.page_name, args.run, args.page))
+    tail = getattr(args, "tail", None)
+    extra = {} if tail is None else {"tail": tail, "tail_command": tail_run(tail)}
+    page = write(args.run, args.page, reproduction(args.page_name, args.run, args.page, tail), **extra)
     print(f"wrote {page}")
     return 0
 

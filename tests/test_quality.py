@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_gemma3, tiny_model
-from transformers import DynamicCache
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache, LlamaConfig
 
 import kvpolicy
 from kvpolicy import CacheSpec, CompressedCache, ConfigError
-from kvpolicy.quality import QualityReport, TextQuality, compare
+from kvpolicy.quality import QualityReport, TextQuality, compare, token_percentile
 from kvpolicy.tiny import ByteTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -68,7 +73,7 @@ def test_numbers_equal_a_reference_computed_by_hand(model):
     data = texts(3, length=PROMPT + DECODE + 5)  # later tokens are not used
     report = compare(model, lambda: CompressedCache.for_model(model, **TWO_BIT), data,
                      prompt_tokens=PROMPT, decode_tokens=DECODE)  # fmt: skip
-    rows = []
+    rows, per_token = [], []
     for ids in data:
         ref = by_hand(model, ids, lambda: DynamicCache(config=model.config))
         got = by_hand(model, ids, lambda: CompressedCache(config=model.config, **TWO_BIT))
@@ -78,6 +83,7 @@ def test_numbers_equal_a_reference_computed_by_hand(model):
         delta = F.cross_entropy(got, target, reduction="none") - F.cross_entropy(ref, target, reduction="none")
         top1 = (ref.argmax(-1) == got.argmax(-1)).double()
         rows.append((kl.mean().item(), top1.mean().item(), delta.mean().item()))
+        per_token.append(kl.double().numpy())
     # compare computes the prompt's last logits alone (logits_to_keep=1), by_hand every position's: the lm_head
     # matmuls differ in shape, so their float32 sums round differently, and KL, a small difference of two
     # near-equal sums, carries that to about 1.4e-4 relative (measured)
@@ -90,6 +96,15 @@ def test_numbers_equal_a_reference_computed_by_hand(model):
     assert report.kl == pytest.approx(statistics.fmean(kls), rel=1e-3)
     assert report.kl_se == pytest.approx(statistics.stdev(kls) / math.sqrt(3), rel=1e-2)
     assert report.worst_index == max(range(3), key=kls.__getitem__)
+    # the tail: each position's KL, and numpy's linear percentiles of all of them pooled; one position's KL carries
+    # the same float32 rounding undivided, about 5e-7 nats here (measured), on KLs of about 5e-4
+    atol = 2e-6
+    for row, kl in zip(report.texts, per_token, strict=True):
+        assert np.allclose(row.kl_tokens, kl, rtol=1e-3, atol=atol)
+    pooled = np.concatenate(per_token)
+    assert report.scored_tokens == len(pooled) == 3 * DECODE
+    for got, q in ((report.kl_p99, 0.99), (report.kl_p999, 0.999), (report.kl_max, 1.0)):
+        assert got == pytest.approx(np.percentile(pooled, 100 * q, method="linear"), rel=1e-3, abs=atol)
 
 
 def test_every_form_of_cache_measures_the_same(model):
@@ -123,10 +138,20 @@ def test_the_worst_text_is_the_one_with_the_largest_kl():
     assert report.top1 == pytest.approx((0.9 + 0.5 + 0.99) / 3)
     data = report.to_dict()
     assert json.loads(json.dumps(data)) == data
-    assert data["kl"] == {"mean": report.kl, "se": report.kl_se, "worst": 0.3}
-    assert data["worst_index"] == 1 and data["texts"][2] == {"kl": 0.2, "top1": 0.99, "delta_nll": 0.5, "tokens": 8}
+    # rows built without their per-token KL have no tail: NaN, None in the dict, and no tail rows printed
+    assert data["kl"] == {"mean": report.kl, "se": report.kl_se, "worst": 0.3, "p99": None, "p999": None, "max": None}
+    assert data["worst_index"] == 1 and data["texts"][2] == {
+        "kl": 0.2,
+        "top1": 0.99,
+        "delta_nll": 0.5,
+        "tokens": 8,
+        "kl_p99": None,
+        "kl_p999": None,
+        "kl_tokens": None,
+    }
+    assert math.isnan(report.kl_p999) and math.isnan(rows[0].kl_p99)
     text = str(report)
-    assert "worst (text 1)" in text and "50.0%" in text and "± s.e." in text
+    assert "worst (text 1)" in text and "50.0%" in text and "± s.e." in text and "p99" not in text
     assert "a headline number needs >= 5 texts × 256 tokens" in text
     alone = QualityReport(rows[:1], "cache", 16, 8)
     assert math.isnan(alone.kl_se) and alone.to_dict()["kl"]["se"] is None and "± s.e." not in str(alone)
@@ -138,6 +163,139 @@ def test_a_report_from_a_real_run_prints(model):
     assert text.startswith(f"QualityReport: 2 texts × {DECODE} tokens after {PROMPT}, ")
     assert "bits per element" in text and report.cache in text
     assert f"worst (text {report.worst_index})" in text
+    # each row's per-token KL averages to its KL; the tail is printed, with a word on how few tokens it rests on
+    for row in report.texts:
+        assert len(row.kl_tokens) == DECODE and statistics.fmean(row.kl_tokens) == pytest.approx(row.kl, rel=1e-9)
+    assert re.search(rf"\n  p99.9 of tokens +{report.kl_p999:.4g}\n", text)
+    assert (f"percentiles of the per-token KL over all {2 * DECODE} scored tokens; so few that p99 and p99.9 rest "
+            f"on the largest two: max {report.kl_max:.4g})") in text  # fmt: skip
+
+
+# ---------------------------------------------------------------------- the tail
+def _type7(values: list[float], q: float) -> float:
+    """Hyndman and Fan's type 7 quantile written out: the independent reference for token_percentile."""
+    x = sorted(values)
+    h = (len(x) - 1) * q
+    lo = math.floor(h)
+    hi = min(lo + 1, len(x) - 1)
+    return x[lo] + (h - lo) * (x[hi] - x[lo])
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.floats(0, 50, allow_nan=False), min_size=1, max_size=3000),
+       q=st.sampled_from([0.0, 0.5, 0.9, 0.99, 0.999, 1.0]))  # fmt: skip
+def test_token_percentile_is_the_linear_interpolation_of_order_statistics(values, q):
+    got = token_percentile(values, q)
+    assert got == pytest.approx(_type7(values, q), rel=1e-12, abs=1e-12)
+    assert got == pytest.approx(float(np.quantile(np.array(values), q, method="linear")), rel=1e-12, abs=1e-12)
+    assert min(values) <= got <= max(values)
+
+
+def test_token_percentile_near_the_top_rests_on_the_largest_two():
+    # 1,001 values: (n - 1) q = 999.0 for q = 0.999, the second largest exactly; with one value more it moves below
+    values = [float(i) for i in range(1001)]
+    assert token_percentile(values, 0.999) == pytest.approx(999.0)
+    assert token_percentile([float(i) for i in range(1002)], 0.999) == pytest.approx(999.999)
+    assert token_percentile([7.0], 0.999) == 7.0
+    with pytest.raises(ConfigError, match=r"q must be a number in \[0, 1\]; got q=99"):
+        token_percentile(values, 99)
+    with pytest.raises(ConfigError, match="at least one value"):
+        token_percentile([], 0.5)
+
+
+def test_a_row_holds_one_kl_per_scored_token():
+    with pytest.raises(ConfigError, match=r"kl_tokens must hold one KL per scored position \(tokens=3\); got 2"):
+        TextQuality(0.1, 1.0, 0.0, 3, kl_tokens=(0.1, 0.2))
+    with pytest.raises(ConfigError, match=r"kl must be the mean of kl_tokens; got kl=0.5 and a mean of 0.1999"):
+        TextQuality(0.5, 1.0, 0.0, 3, kl_tokens=(0.1, 0.2, 0.3))
+    assert TextQuality(0.2, 1.0, 0.0, 3, kl_tokens=np.array([0.1, 0.2, 0.3])).kl_tokens == (0.1, 0.2, 0.3)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.floats(0, 20, allow_nan=False), min_size=1, max_size=400), min_size=1, max_size=6))
+def test_the_tail_is_ordered_and_pools_every_token(per_text):
+    rows = [TextQuality(math.fsum(k) / len(k), 1.0, 0.0, len(k), kl_tokens=k) for k in per_text]
+    report = QualityReport(rows, "cache", 4, max(len(k) for k in per_text))
+    pooled = np.array([v for k in per_text for v in k])
+    assert report.scored_tokens == len(pooled)
+    assert report.kl_p99 <= report.kl_p999 <= report.kl_max == pooled.max()
+    assert report.kl <= report.worst.kl <= report.kl_max * (1 + 1e-12)
+    assert report.kl_p999 == pytest.approx(np.percentile(pooled, 99.9), rel=1e-12, abs=1e-12)
+    for row in rows:
+        assert row.kl_p99 <= row.kl_p999 <= report.kl_max
+
+
+class _Marked(DynamicCache):
+    """The cache under test of :class:`_KnownKL` (it only marks which distribution the model answers with)."""
+
+
+class _KnownKL(torch.nn.Module):
+    """A stand-in causal LM whose next-token logits depend only on the last input token ``j``: uniform over
+    the vocabulary through a ``DynamicCache`` (the reference), and uniform but for logit ``c[j]`` on token 0
+    through a :class:`_Marked` cache. The KL of the two is then known in closed form:
+    ``KL(u || q) = log((e^c + V - 1) / V) - c / V``."""
+
+    def __init__(self, c: torch.Tensor):
+        super().__init__()
+        self.c = c.double()
+        self.embed = torch.nn.Embedding(len(c), 4)
+        self.config = LlamaConfig(vocab_size=len(c), hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                                  num_key_value_heads=1, intermediate_size=8)  # fmt: skip
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def forward(self, input_ids, cache=None, use_cache=True, logits_to_keep=0):
+        logits = torch.zeros(input_ids.shape[0], 1, len(self.c))
+        if isinstance(cache, _Marked):
+            logits[:, 0, 0] = self.c[input_ids[:, -1]].float()
+        return SimpleNamespace(logits=logits)
+
+    def kl(self, j: torch.Tensor) -> np.ndarray:
+        """The closed-form KL after input tokens ``j``, in float64."""
+        c, v = self.c[j].numpy(), len(self.c)
+        return np.log((np.exp(c) + v - 1) / v) - c / v
+
+
+def test_tail_percentiles_are_those_of_the_known_token_kls():
+    """Three texts whose every scored position has a KL known in closed form: the report's pooled and per-text
+    percentiles equal numpy's of those KLs, the mean their mean, the worst text the one with the largest mean."""
+    prompt, decode, n = 6, 400, 3
+    length = prompt + decode
+    g = torch.Generator().manual_seed(0)
+    c = torch.distributions.Exponential(torch.tensor(0.6)).sample((n * length,))  # a long right tail
+    c[torch.randint(0, n * length, (5,), generator=g)] = 12.0  # and a few tokens far out
+    model = _KnownKL(c)
+    data = [torch.arange(i * length, (i + 1) * length) for i in range(n)]
+    report = compare(model, _Marked, data, prompt_tokens=prompt, decode_tokens=decode)
+    # the scored positions of text i follow input tokens prompt - 1 .. length - 2 of that text
+    known = [model.kl(ids[prompt - 1 : length - 1]) for ids in data]
+    pooled = np.concatenate(known)
+    assert report.scored_tokens == n * decode == len(pooled)
+    for row, kl in zip(report.texts, known, strict=True):
+        # compare works in float32: over a vocabulary of 1,218 the log-partition's rounding is about 5e-7
+        assert np.allclose(row.kl_tokens, kl, rtol=1e-4, atol=5e-6)
+        assert row.kl == pytest.approx(kl.mean(), rel=1e-4)
+        assert row.kl_p99 == pytest.approx(np.quantile(kl, 0.99), rel=1e-4)
+        assert row.kl_p999 == pytest.approx(np.quantile(kl, 0.999), rel=1e-4)
+    assert report.kl_p99 == pytest.approx(np.quantile(pooled, 0.99), rel=1e-4)
+    assert report.kl_p999 == pytest.approx(np.quantile(pooled, 0.999), rel=1e-4)
+    assert report.kl_max == pytest.approx(pooled.max(), rel=1e-4)
+    assert report.kl == pytest.approx(statistics.fmean(k.mean() for k in known), rel=1e-4)
+    assert report.worst_index == int(np.argmax([k.mean() for k in known]))
+    assert report.kl < report.kl_p99 < report.kl_p999 <= report.kl_max  # the tail sits far above the mean
+    # the same figures in the dict (per text and pooled), through JSON and back
+    data_out = report.to_dict()
+    assert json.loads(json.dumps(data_out)) == data_out
+    assert (data_out["kl"]["p99"], data_out["kl"]["p999"], data_out["kl"]["max"]) == (
+        report.kl_p99, report.kl_p999, report.kl_max)  # fmt: skip
+    assert data_out["scored_tokens"] == n * decode
+    assert [t["kl_p999"] for t in data_out["texts"]] == [t.kl_p999 for t in report.texts]
+    assert data_out["texts"][1]["kl_tokens"] == list(report.texts[1].kl_tokens)
+    # 1,200 tokens: p99.9 interpolates below the largest two, and the report does not warn
+    text = str(report)
+    assert re.search(rf"\n  p99 of tokens +{report.kl_p99:.4g}\n  p99.9 of tokens +{report.kl_p999:.4g}\n", text)
+    assert "over all 1200 scored tokens)" in text and "largest two" not in text
 
 
 def test_sliding_window_model():

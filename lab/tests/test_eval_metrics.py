@@ -236,3 +236,31 @@ def test_worst_text_names_the_damaged_sample():
     # the mean over tokens of equal-length texts is the mean of the texts' means
     assert m["kl"].value == pytest.approx(m["kl_worst"].value / 3, rel=1e-5)
     assert m["kl_worst"].n == 3
+
+
+def test_the_tail_pools_every_token_of_every_text():
+    """``kl_p99`` and ``kl_p999`` are numpy's linear percentiles of the per-token KLs of all texts together,
+    computed here from each text's logits through the cache and the reference's, outside the runner."""
+    import numpy as np
+
+    from kvpolicy_lab.eval.metrics import next_token_kl, teacher_forced_logits
+
+    model, tok = tiny_model(TinySpec("llama", layers=2))
+    samples = LanguageModeling(samples_per_context=3, tokens=40).samples(tok, 96, seed=0)
+    refs = [measure.reference(model, s) for s in samples]
+    m = {x.name: x for x in measure.teacher_forced(model, samples, refs, GarbledCache, attention_error=False)}
+    per_text = []
+    for s, ref in zip(samples, refs, strict=True):
+        ids = torch.tensor([s.ids])
+        got = teacher_forced_logits(model, ids, s.prefill, GarbledCache())[0]
+        per_text.append(next_token_kl(ref.logits, got).double().numpy())
+    pooled = np.concatenate(per_text)
+    assert m["kl"].value == pytest.approx(pooled.mean(), rel=1e-5)
+    for name, q in (("kl_p99", 99), ("kl_p999", 99.9)):
+        assert m[name].n == len(pooled) == 3 * 40
+        assert m[name].value == pytest.approx(np.percentile(pooled, q, method="linear"), rel=1e-5)
+        assert m[name].extra["max"] == pytest.approx(pooled.max(), rel=1e-5)
+        assert list(m[name].extra["per_text"].values()) == pytest.approx(
+            [np.percentile(k, q) for k in per_text], rel=1e-5
+        )
+    assert m["kl"].value < m["kl_p99"].value <= m["kl_p999"].value <= m["kl_p999"].extra["max"]

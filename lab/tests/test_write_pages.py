@@ -95,15 +95,17 @@ def test_the_results_page_is_written_from_a_run(tmp_path):
     assert "| `log-2b` |" in text and "Wilson score interval" in text
 
 
-def test_the_committed_frontier_page_regenerates_from_the_committed_rows(tmp_path):
+def test_the_committed_frontier_page_regenerates_from_the_committed_rows(tmp_path, monkeypatch):
     """docs/frontier.md, and the table of every cache beside the rows (results/frontier/caches.md), are what the
-    script writes from results/frontier, byte for byte (the plots are left out of the comparison: matplotlib's
-    PNGs are not byte-stable across machines)."""
+    script writes from results/frontier and the tail's results/frontier-tail, byte for byte (the plots are left
+    out of the comparison: matplotlib's PNGs are not byte-stable across machines)."""
     script = write_pages()
-    run, page = Path("results/frontier"), Path("docs/frontier.md")
-    command = script.reproduction("frontier", run, page)
+    run, page, tail = Path("results/frontier"), Path("docs/frontier.md"), Path("results/frontier-tail")
+    command = script.reproduction("frontier", run, page, tail)
     from kvpolicy_lab.eval.frontier_report import TABLES, write_frontier_doc
 
-    written = write_frontier_doc(ROOT / run, tmp_path / "frontier.md", command, tmp_path / TABLES)
+    monkeypatch.chdir(ROOT)  # the page names the run directories as the command gives them
+    written = write_frontier_doc(run, tmp_path / "frontier.md", command, tmp_path / TABLES, tail=tail,
+                                 tail_command=script.tail_run(tail))  # fmt: skip
     assert written.read_text() == (ROOT / page).read_text()
     assert (tmp_path / TABLES).read_text() == (ROOT / run / TABLES).read_text()

@@ -27,6 +27,7 @@ from kvpolicy_lab.eval.plots import _pyplot, _save
 from kvpolicy_lab.eval.runner import current_rows, read_rows, report_rows
 from kvpolicy_lab.eval.stats import spearman
 from kvpolicy_lab.eval.summary import PASS_RATE_NOTE, fmt
+from kvpolicy_lab.eval.tail import tail_section
 
 #: where the page's plots go, relative to the page's directory (the links in the page use it as written)
 IMAGE_DIR = "img/frontier"
@@ -63,6 +64,9 @@ MODEL_NOTES = {
                    "tokens) stay transformers' own and the 3 full-attention layers (5, 11, 17) are the ones every "
                    "cache compresses",
 }  # fmt: skip
+#: where the tail run (``examples/configs/frontier-tail.toml``) was measured
+TAIL_HARDWARE = ("2 CPU cores (AMD EPYC, shared with other jobs), as two shards (`--shard 0/2` and `1/2`, "
+                 "`--threads 1`) merged with `--merge`, float32")  # fmt: skip
 #: caches drawn as anchors (labels of the committed config)
 ANCHORS = ("hf-quanto-2b", "hf-quanto-4b", "hf-hqq-2b", "hf-hqq-4b", "logquant", "kivi")
 
@@ -464,12 +468,18 @@ def orderings(first: list[Point], other: list[Point], names: tuple[str, str]) ->
     return out
 
 
-def write_frontier_doc(run_dir: str | Path, doc: str | Path, command: str, tables: str | Path | None = None) -> Path:
+def write_frontier_doc(
+    run_dir: str | Path, doc: str | Path, command: str, tables: str | Path | None = None,
+    tail: str | Path | None = None, tail_command: str = "",
+) -> Path:  # fmt: skip
     """Write ``doc`` (``docs/frontier.md``) from ``run_dir``; plots go to ``<doc dir>/img/frontier``, and the
     table of every cache measured to ``tables`` (by default ``<run_dir>/caches.md``, :data:`TABLES`).
 
     ``command``: what regenerates the page, one command per line (``scripts/write_pages.py`` gives the
-    ablation run and its own command line), shown in the page's last section."""
+    ablation run and its own command line), shown in the page's last section. ``tail``: the run directory of
+    ``examples/configs/frontier-tail.toml`` (the shipped presets and the one-liner with the tail of their
+    per-token KL), made by ``tail_command``; its section (:func:`kvpolicy_lab.eval.tail.tail_section`) comes
+    after the models' sections."""
     run, doc = Path(run_dir), Path(doc)
     config, rows = current_rows(run)
     failed = [r for r in report_rows(read_rows(run), set(config.get("cells", []))) if r["metric"] == "error"]
@@ -551,6 +561,11 @@ def write_frontier_doc(run_dir: str | Path, doc: str | Path, command: str, table
                 short = (MODEL_SHORT.get(models[0], models[0]), MODEL_SHORT.get(model, model))
                 parts += [f"### {_title(model)} against {_title(models[0])} at context {context}", "",
                           *orderings(first[context], pts, short), ""]  # fmt: skip
+    if tail is not None:
+        tail_config, _ = current_rows(Path(tail))
+        hardware = (f"{TAIL_HARDWARE}, torch {tail_config.get('torch', '?')}, transformers "
+                    f"{tail_config.get('transformers', '?')}")  # fmt: skip
+        parts += tail_section(tail, tail_command, hardware, _title)
     parts += [
         "## How this page was made",
         "",

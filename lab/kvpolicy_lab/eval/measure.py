@@ -7,6 +7,9 @@ The uncompressed reference (transformers' ``DynamicCache``) of each sample is co
   over tokens; the tokens of one text are correlated, so the error is a lower bound);
 - ``kl`` and ``top1``: ``KL(p_reference || p_cache)`` of each next-token distribution and the
   agreement of their argmax;
+- ``kl_worst``: the largest of the texts' mean KLs; ``kl_p99`` and ``kl_p999``: the 99th and 99.9th
+  percentiles of the per-token KL over every scored token of every text
+  (:func:`kvpolicy.quality.token_percentile`), each text's own in ``extra["per_text"]``;
 - ``attn_error``: attention-output relative error per layer (:mod:`kvpolicy_lab.eval.probes`), over the
   teacher-forced decoding steps; the value is the mean over layers;
 - task scores (accuracy, exact match, edit similarity, LongBench score);
@@ -39,6 +42,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from kvpolicy.quality import TAIL, token_percentile
 from kvpolicy_lab.eval.caches import baseline_bytes, budget_bits, global_layers, held_bytes
 from kvpolicy_lab.eval.metrics import last_only, next_token_kl, nll
 from kvpolicy_lab.eval.probes import AttentionErrorProbe
@@ -295,6 +299,7 @@ def teacher_forced(
         Metric("kl", *_mean_se(kl), n=kl.numel()),
         Metric("top1", *_mean_se(top1), n=top1.numel()),
         _worst_text(samples, kls),
+        *_tail(samples, kls),
     ]
     if layer_err:
         per_layer = [statistics.fmean(v) for v in zip(*layer_err, strict=True)]
@@ -313,6 +318,20 @@ def _worst_text(samples: list[Sample], kls: list[torch.Tensor]) -> Metric:
     """
     means = {s.sample_id: float(k.mean()) for s, k in zip(samples, kls, strict=True)}
     return Metric("kl_worst", max(means.values()), n=len(means), extra={"per_text": means})
+
+
+def _tail(samples: list[Sample], kls: list[torch.Tensor]) -> list[Metric]:
+    """``kl_p99`` and ``kl_p999``: percentiles of the per-token KL pooled over every sample's scored tokens
+    (``n`` of them; :func:`kvpolicy.quality.token_percentile`). ``extra["per_text"]`` maps each sample's id
+    to its own percentile, and ``extra["max"]`` is the largest token KL (with 1,001 tokens or fewer the
+    99.9th percentile lies between the two largest)."""
+    pooled = torch.cat([k.flatten() for k in kls])
+    out = []
+    for name, q in TAIL.items():
+        per_text = {s.sample_id: token_percentile(k, q) for s, k in zip(samples, kls, strict=True)}
+        out.append(Metric(name, token_percentile(pooled, q), n=pooled.numel(),
+                          extra={"per_text": per_text, "max": float(pooled.max())}))  # fmt: skip
+    return out
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ METRICS = {
     "delta_nll": "ΔNLL (nats)",
     "kl": "KL (nats)",
     "kl_worst": "KL, worst text",
+    "kl_p99": "KL p99 (tokens)",
+    "kl_p999": "KL p99.9 (tokens)",
     "top1": "top-1",
     "attn_error": "attn rel. err",
     "accuracy": "accuracy",
@@ -134,7 +136,9 @@ def write_summary(out: Path, rows: list[dict[str, Any]], grid: Any, sizings: lis
         "`config.json`. Rows: `results.jsonl` (`extra.attention_paths`: how many decode layer-steps took each path).",
         "",
         "ΔNLL, KL and top-1 are teacher-forced against the uncompressed cache on the same tokens (± standard "
-        "error over tokens); attention error is the per-layer relative error of the attention output on the same "
+        "error over tokens); KL, worst text is the largest of the texts' mean KLs, and KL p99 and p99.9 the "
+        "percentiles of the per-token KL over every scored token of every text (linear interpolation); attention "
+        "error is the per-layer relative error of the attention output on the same "
         "input, averaged over layers; bytes held are counted from the tensors the cache holds after the last token; "
         f"{PASS_RATE_NOTE}.",
     ]
