@@ -872,28 +872,16 @@ ATTEND_TOLERANCE = {"float64": 1e-6, "float32": 1e-4, "float16": 2e-2, "bfloat16
 
 
 def backend_formats(backend: Any) -> list[Any]:
-    """The formats :func:`check_backend` checks by default: min-max groups at every width and axis the
-    backend's capabilities list (one group size each: 32, or the smallest multiple of its granularity
-    dividing the head dim), codebook formats at every codebook width when ``"codebook"`` is served (with
-    one-byte scales too where ``codebook_norm_bits`` lists 8), and lattice formats at every lattice width when
-    ``"lattice"`` is served."""
-    from kvpolicy.formats import Codebook, Lattice, MinMax
+    """The formats :func:`check_backend` checks by default: the :meth:`~kvpolicy.formats.base.Format.examples`
+    of every registered format (built in or a plugin's) that the backend serves (:meth:`Backend.serves`)."""
+    from kvpolicy import registry
 
-    caps = backend.capabilities
-    out: list[Any] = []
-    if "minmax" in caps.schemes:
-        mult = max(caps.group_size_multiple, 8)
-        group = 32 if 32 % mult == 0 else next(g for g in range(mult, BACKEND_HEAD_DIM + 1, mult) if 64 % g == 0)
-        out += [MinMax(bits, group, axis) for bits in caps.bits for axis in caps.axes]
-    if "codebook" in caps.schemes:
-        out += [Codebook(bits) for bits in caps.codebook_bits]
-        if 8 in caps.codebook_norm_bits:
-            out += [Codebook(bits, norm_bits=8) for bits in caps.codebook_bits]
-    if "lattice" in caps.schemes:
-        out += [Lattice(bits) for bits in Lattice.bits_allowed]
-        if 8 in caps.codebook_norm_bits:
-            out += [Lattice(bits, norm_bits=8) for bits in Lattice.bits_allowed]
-    return out
+    return [
+        fmt
+        for name in registry.names("formats")
+        for fmt in registry.get("formats", name).examples(backend)
+        if backend.serves(fmt)
+    ]
 
 
 def _inputs(shape: tuple[int, ...], dtype: Any, device: Any, seed: int) -> list[Any]:

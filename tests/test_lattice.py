@@ -277,7 +277,7 @@ def test_bad_parameters_are_refused_naming_them():
         Lattice(4)
     with pytest.raises(ConfigError, match=r"Lattice: norm_bits must be one of \[16, 8\]; got norm_bits=12"):
         Lattice(2, norm_bits=12)
-    with pytest.raises(ConfigError, match=r"scheme='lattice'; it supports bits in \[2, 3\]"):
+    with pytest.raises(ConfigError, match=r"'lattice' refuses bits=4: Lattice: bits must be one of \[2, 3\]"):
         Quantize(bits=4, scheme="lattice")
     for d in (10, 12):
         with pytest.raises(ConfigError, match=rf"head_dim={d} does not split .* head_dim must be a multiple of 8"):
@@ -295,7 +295,7 @@ def test_without_a_rotation_is_refused():
 @pytest.mark.parametrize("backend", ["quanto", "hqq"])
 def test_backends_without_the_scheme_refuse_it(backend):
     pytest.importorskip({"quanto": "optimum.quanto", "hqq": "hqq"}[backend])
-    with pytest.raises(ConfigError, match=rf"backend {backend!r} does not support (key_)?scheme='lattice'"):
+    with pytest.raises(ConfigError, match=rf"backend {backend!r} does not serve (key_)?scheme='lattice'"):
         CompressedCache(policy="recent", window=2, bits=2, scheme="lattice", transform="hadamard", backend=backend)
 
 

@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from kvpolicy.backends.base import FITS
 from kvpolicy.errors import ConfigError
+from kvpolicy.formats.base import FITS
 from kvpolicy.formats.lattice import LATTICE_BITS
 
 #: the log policy's windows searched by default
