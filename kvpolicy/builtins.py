@@ -60,7 +60,6 @@ def kvpolicy_register_presets() -> dict[str, object]:
 def kvpolicy_register_formats() -> dict[str, object]:
     return {
         "minmax": "kvpolicy.formats.packed:MinMax", "codebook": "kvpolicy.formats.codebook:Codebook",
-        "lattice": "kvpolicy.formats.lattice:Lattice",
     }  # fmt: skip
 
 

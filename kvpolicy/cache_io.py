@@ -28,7 +28,7 @@ from kvpolicy.segments import LayerSegments
 from kvpolicy.spec import CacheSpec
 
 
-def save(cache: Any, path: str | Path, model: Any = None, entropy_coding: bool = False) -> int:
+def save(cache: Any, path: str | Path, model: Any = None, codec: str | None = None) -> int:
     """See :meth:`kvpolicy.CompressedCache.save`."""
     layers = [_layer_state(layer, i, cache.layer_class) for i, layer in enumerate(cache.layers)]
     config = model if model is not None else cache._config
@@ -39,7 +39,7 @@ def save(cache: Any, path: str | Path, model: Any = None, entropy_coding: bool =
         "layer_types": cache._layer_types,
         "layer_kwargs": cache._layer_kwargs if cache._layer_types is not None else None,
     }
-    return persist.write(path, header, {"layers": layers}, entropy_coding)
+    return persist.write(path, header, {"layers": layers}, codec)
 
 
 def composition(cache: Any) -> dict[str, Any]:
@@ -102,7 +102,7 @@ def _layer_state(layer: Any, idx: int, layer_class: type) -> dict[str, Any]:
     return out
 
 
-#: a header's entries (``distributed`` is absent from older files, ``coding`` from files not entropy-coded)
+#: a header's entries (``distributed`` is absent from older files, ``coding`` and ``codec`` from files not coded)
 HEADER_KEYS = ("composition", "model", "layer_types", "layer_kwargs", "format", "version", "tree", "checksums")
 
 
@@ -114,7 +114,7 @@ def load(cls: type, path: str | Path, device: Any = None, model: Any = None) -> 
         _check_device(each, where)
     header, tree = persist.read(path, None if per_layer else device)
     try:
-        state_check.entries(header, "header", HEADER_KEYS, ("distributed", "coding"))
+        state_check.entries(header, "header", HEADER_KEYS, ("distributed", "coding", "codec"))
         state_check.entries(tree, "tree", ("layers",))
         layers = tree["layers"]
         if not isinstance(layers, list):

@@ -69,8 +69,8 @@ ALLOW_ENV = "KVPOLICY_PLUGINS"
 _BUILTIN_PLUGIN = "kvpolicy.builtins"
 #: what a message says where a name is not registered that a file or a composition of an earlier release may hold
 MOVED = (
-    "a format a plugin registers is named once it is installed (the research formats: "
-    "pip install ./plugins/kvpolicy-research)"
+    "a format or codec a plugin registers is named once that plugin is installed (the research formats and "
+    "file codecs: pip install ./plugins/kvpolicy-research)"
 )
 
 

@@ -399,11 +399,18 @@ def test_the_repr_of_one_byte_scales_is_the_keywords_that_build_it(kw):
 def test_the_cpu_kernel_decodes_one_byte_scales_to_the_very_scales_of_the_format_decoder():
     """The kernel reads one-byte codes and their base as stored (no decoded copy): its output equals, bit for
     bit, the kernel's output over the same blocks holding the float32 scales ``decode_scales`` gives, for
-    codebook and lattice roles beside min-max, float16 and bfloat16 ones, norms from float32's subnormal range
-    to 1e15, and token counts that take the kernel's eight-token and one-token paths."""
+    codebook roles beside min-max, float16 and bfloat16 ones, norms from float32's subnormal range to 1e15, and
+    token counts that take the kernel's eight-token and one-token paths."""
+    check_one_byte_scales_in_the_cpu_kernel(
+        [(Codebook(3, norm_bits=8), Codebook(2, norm_bits=8)), (Codebook(2, norm_bits=8), Codebook(3, "float16")),
+         (MinMax(4, 32, "channel", meta_dtype="float16"), Codebook(3, norm_bits=8)),
+         (Codebook(4, "float32", norm_bits=8), Codebook(3, "bfloat16", norm_bits=8))]
+    )  # fmt: skip
 
+
+def check_one_byte_scales_in_the_cpu_kernel(pairs: list) -> None:
+    """The check above over ``(key format, value format)`` pairs (a plugin's scaled formats' tests call it)."""
     from kvpolicy.backends.cpu_backend import CpuBackend
-    from kvpolicy.formats.lattice import Lattice
 
     cpu = CpuBackend()
     gen = torch.Generator().manual_seed(8)
@@ -413,9 +420,6 @@ def test_the_cpu_kernel_decodes_one_byte_scales_to_the_very_scales_of_the_format
             return block
         return dataclasses.replace(block, scales=block.scale_values(), scale_base=None)
 
-    pairs = [(Codebook(3, norm_bits=8), Codebook(2, norm_bits=8)), (Lattice(2, norm_bits=8), Codebook(3, "float16")),
-             (MinMax(4, 32, "channel", meta_dtype="float16"), Codebook(3, norm_bits=8)),
-             (Codebook(4, "float32", norm_bits=8), Lattice(3, "bfloat16", norm_bits=8))]  # fmt: skip
     for kf, vf in pairs:
         for n, magnitude in ((1, 1.0), (9, 1e-41), (64, 1e15), (131, 1e-20)):
             n = 32 * (n // 32 + 1) if isinstance(kf, MinMax) else n

@@ -32,7 +32,6 @@ COMPOSITIONS = {
     "lowrank-16-r1": dict(policy="log", window=4, bits=4, transform="lowrank", rank=1, coefficient_bits=16, **Q),
     "query-hadamard": dict(policy="log", window=4, bits=4, transform="query-hadamard", **Q),
     "codebook-centred": dict(policy="log", window=4, bits=3, scheme="codebook", key_centre=True, transform="hadamard"),
-    "lattice": dict(policy="log", window=4, bits=2, scheme="lattice", transform="hadamard"),
     "tiered": dict(
         policy="log",
         window=4,

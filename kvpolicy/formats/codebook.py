@@ -15,7 +15,7 @@ and the reconstruction's norm is biased low by the quantization's lost energy). 
 per-group zero-point: bits per element are ``bits + 16 / head_dim`` (2.25 at 2 bits with
 ``head_dim=64``), against ``bits + 32 / G`` for min-max groups of ``G``.
 
-With ``norm_bits=8`` (:class:`Codebook`, and the lattice format) the scale is a one-byte log-scale code
+With ``norm_bits=8`` (:class:`Codebook`, and any :class:`ScaledFormat`) the scale is a one-byte log-scale code
 instead (``bits + 8 / head_dim`` bits per element, plus one 16-bit base per batch row and head of a stream,
 :attr:`ScaledBlock.scale_base`; :mod:`kvpolicy.formats.scale_codes`).
 
@@ -139,8 +139,8 @@ def centroids(bits: int, device: torch.device | str = "cpu") -> torch.Tensor:
 @dataclass
 class ScaledBlock(QTensor):
     """Per-token codes with one scale per vector and an optional centre shared by the block's tokens: the
-    storage of codebook and lattice blocks (:class:`CodebookTensor`,
-    :class:`~kvpolicy.formats.lattice.LatticeTensor`), whose subclasses say what the codes mean.
+    storage of codebook blocks (:class:`CodebookTensor`) and of any format whose codes index a table
+    (:meth:`table`), whose subclasses say what the codes mean.
 
     Attributes
     ----------

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from kvpolicy import persist, state_check
+from kvpolicy import state_check
 from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.errors import MetadataOverflowError, NonFiniteError
 from kvpolicy.layer.parts import Part
@@ -184,7 +184,7 @@ class TransformedStore(DemotedStore):
                 raise ValueError(f"transformed store: dims {dims!r:.40} is not [key head_dim, value head_dim]")
             self._dims = (state_check.integer(dims[0], "dims[0]", 1), state_check.integer(dims[1], "dims[1]", 1))
             self._device = self.inner.positions.device
-        self._dtype = None if dtype is None else persist.dtype_of(dtype, "a transformed store's dtype")
+        self._dtype = None if dtype is None else state_check.dtype_of(dtype, "a transformed store's dtype")
 
     def validate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """The inner store's checks (its tokens in the dtype they are held in), and head dims and a
@@ -209,9 +209,9 @@ class TransformedStore(DemotedStore):
         return self.inner.staged_value_positions()
 
 
-#: the names of the model dtypes a transformed store records (read with :func:`kvpolicy.persist.dtype_of`)
+#: the names of the model dtypes a transformed store records (read with :func:`kvpolicy.state_check.dtype_of`)
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def _name(dtype: torch.dtype) -> str:
-    return persist.dtype_name(dtype)
+    return state_check.dtype_name(dtype)

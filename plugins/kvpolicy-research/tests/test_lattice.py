@@ -9,15 +9,17 @@ import torch
 from conftest import fused_and_materialized, saved_cache_continues, teacher_forced_logits, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvpolicy_research import lattice
+from kvpolicy_research.lattice import Lattice, LatticeTensor
+from research_parts import ensure_registered, research_parts  # noqa: F401 - registers the plugin's parts
 
 from kvpolicy import CompressedCache
 from kvpolicy.actions.quantize import Quantize
 from kvpolicy.backends.base import dense_attention
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import ConfigError
-from kvpolicy.formats import codebook, lattice
-from kvpolicy.formats.lattice import Lattice, LatticeTensor
-from kvpolicy.testing import check_backend
+from kvpolicy.formats import codebook
+from kvpolicy.testing import check_backend, check_format
 
 #: Conway & Sloane, "Sphere Packings, Lattices and Groups", Table 2.3: the normalized second moment of D4
 G_D4 = 0.0766032
@@ -361,6 +363,10 @@ def test_lattice_stays_close_to_uncompressed_and_closer_with_more_bits():
         got = torch.log_softmax(teacher_forced_logits(model, ids, 60, cache), -1)
         kl[bits] = float((ref.exp() * (ref - got)).sum(-1).mean())
     assert kl[3] < kl[2] < 5e-3
+
+
+def test_the_format_passes_check_format():
+    check_format(Lattice)  # the torch backend and the cpu kernel: the backends it names
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])

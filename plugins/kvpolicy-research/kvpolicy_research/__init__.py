@@ -1,0 +1,1 @@
+"""kvpolicy-research: research parts of kvpolicy as a plugin (formats, file codecs, transforms)."""
