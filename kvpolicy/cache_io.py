@@ -196,7 +196,30 @@ def _moved(node: Any, device: Any) -> Any:
     return node
 
 
+def _check_formats_whole(node: Any) -> None:
+    """Every format a saved composition holds lists all its options: one left out would take the format's
+    default, which the stored blocks need not share (fitted and min-max ranges hold the same bytes), so
+    the loaded cache would continue with other logits."""
+    from kvpolicy import registry
+
+    if isinstance(node, list):
+        for item in node:
+            _check_formats_whole(item)
+    if not isinstance(node, dict):
+        return
+    part = node.get("part")
+    if isinstance(part, dict) and part.get("role") == "format" and part.get("name") in registry.names("formats"):
+        params = part.get("params")
+        cls = registry.get("formats", part["name"])
+        missing = sorted(set(cls.options()) - set(cls.options_added) - set(params or {}))
+        if not isinstance(params, dict) or missing:
+            raise ValueError(f"composition: the saved format {part['name']!r} lacks its options {missing}")
+    for value in node.values():
+        _check_formats_whole(value)
+
+
 def _build(cls: type, header: dict[str, Any], layers: int, where: str) -> Any:
+    _check_formats_whole(header["composition"])
     spec = CacheSpec.from_dict(header["composition"], where)
     outside = [i for i, _ in spec.layer_bits if i >= layers]
     if outside:

@@ -272,6 +272,9 @@ class Format(ABC):
     #: :class:`~kvpolicy.formats.codebook.ScaledBlock`)
     backends: ClassVar[tuple[str, ...]] = ("torch",)
     grouped: ClassVar[bool] = False
+    #: options added after the format's first release: a saved spec without one holds its default (a saved
+    #: spec lacking any other option is refused, as its default need not be what the stored blocks hold)
+    options_added: ClassVar[tuple[str, ...]] = ()
     #: code widths the format has
     bits_allowed: ClassVar[tuple[int, ...]] = ()
     #: head dims must be a multiple of this (codes packed into whole bytes)

@@ -637,6 +637,7 @@ class ScaledFormat(Format):
     norm_bits: int = 16
 
     backends: ClassVar[tuple[str, ...]] = ("torch", "cpu")
+    options_added: ClassVar[tuple[str, ...]] = ("norm_bits",)
     #: channels per code index (the width of the rows of :meth:`ScaledBlock.table`; 1: a table of values)
     point_dim: ClassVar[int] = 1
     head_dim_multiple: ClassVar[int] = 8
