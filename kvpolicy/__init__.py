@@ -23,7 +23,6 @@ _EXPORTS = {
     "CacheSpec": "kvpolicy.spec",
     "Codebook": "kvpolicy.formats.codebook",
     "MinMax": "kvpolicy.formats.packed",
-    "Lattice": "kvpolicy.formats.lattice",
     "CompressedCache": "kvpolicy.cache",
     "CompressedLayer": "kvpolicy.cache",
     "ConfigError": "kvpolicy.errors",
@@ -58,7 +57,6 @@ __all__ = [
     "Evict",
     "Hadamard",
     "HeavyHitters",
-    "Lattice",
     "LogWindow",
     "MemoryReport",
     "MetadataOverflowError",
@@ -96,7 +94,6 @@ if TYPE_CHECKING:
     )
     from kvpolicy.estimation import estimate
     from kvpolicy.formats.codebook import Codebook
-    from kvpolicy.formats.lattice import Lattice
     from kvpolicy.formats.packed import MinMax
     from kvpolicy.layer_bits import boundary
     from kvpolicy.memory import MemoryReport

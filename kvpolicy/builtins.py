@@ -1,4 +1,5 @@
-"""The built-in parts, registered through the same hooks as third-party plugins."""
+"""The built-in parts, registered through the same hooks as third-party plugins (each class named by its
+module, imported at its first lookup)."""
 
 from __future__ import annotations
 
@@ -6,62 +7,58 @@ from kvpolicy.hookspecs import command, hookimpl
 
 
 @hookimpl
-def kvpolicy_register_policies() -> dict[str, type]:
-    from kvpolicy.policies.h2o import HeavyHitters
-    from kvpolicy.policies.log import LogWindow
-    from kvpolicy.policies.recent import RecentWindow
-    from kvpolicy.policies.sink import SinkWindow
-    from kvpolicy.policies.sinks import Sinks
-
-    return {"log": LogWindow, "recent": RecentWindow, "sink": SinkWindow, "h2o": HeavyHitters, "sinks": Sinks}
-
-
-@hookimpl
-def kvpolicy_register_actions() -> dict[str, type]:
-    from kvpolicy.actions.evict import Evict
-    from kvpolicy.actions.none import NoCompression
-    from kvpolicy.actions.quantize import Quantize
-    from kvpolicy.actions.tiered import Tiered
-
-    return {"quantize": Quantize, "evict": Evict, "none": NoCompression, "tiered": Tiered}
-
-
-@hookimpl
-def kvpolicy_register_backends() -> dict[str, type]:
-    from kvpolicy.backends.cpu_backend import CpuBackend
-    from kvpolicy.backends.hqq_backend import HQQBackend
-    from kvpolicy.backends.quanto_backend import QuantoBackend
-    from kvpolicy.backends.torch_backend import TorchBackend
-    from kvpolicy.backends.triton_backend import TritonBackend
-
+def kvpolicy_register_policies() -> dict[str, object]:
     return {
-        "torch": TorchBackend,
-        "triton": TritonBackend,
-        "quanto": QuantoBackend,
-        "hqq": HQQBackend,
-        "cpu": CpuBackend,
+        "log": "kvpolicy.policies.log:LogWindow", "recent": "kvpolicy.policies.recent:RecentWindow",
+        "sink": "kvpolicy.policies.sink:SinkWindow", "h2o": "kvpolicy.policies.h2o:HeavyHitters",
+        "sinks": "kvpolicy.policies.sinks:Sinks",
+    }  # fmt: skip
+
+
+@hookimpl
+def kvpolicy_register_actions() -> dict[str, object]:
+    return {
+        "quantize": "kvpolicy.actions.quantize:Quantize", "evict": "kvpolicy.actions.evict:Evict",
+        "none": "kvpolicy.actions.none:NoCompression", "tiered": "kvpolicy.actions.tiered:Tiered",
+    }  # fmt: skip
+
+
+@hookimpl
+def kvpolicy_register_backends() -> dict[str, object]:
+    return {
+        "torch": "kvpolicy.backends.torch_backend:TorchBackend",
+        "triton": "kvpolicy.backends.triton_backend:TritonBackend",
+        "quanto": "kvpolicy.backends.quanto_backend:QuantoBackend",
+        "hqq": "kvpolicy.backends.hqq_backend:HQQBackend",
+        "cpu": "kvpolicy.backends.cpu_backend:CpuBackend",
     }
 
 
 @hookimpl
-def kvpolicy_register_transforms() -> dict[str, type]:
-    from kvpolicy.transforms import Hadamard, NoTransform
+def kvpolicy_register_transforms() -> dict[str, object]:
+    return {
+        "none": "kvpolicy.transforms.base:NoTransform", "hadamard": "kvpolicy.transforms.hadamard:Hadamard",
+    }  # fmt: skip
 
-    return {"none": NoTransform, "hadamard": Hadamard}
+
+#: the built-in presets: name -> the function of :mod:`kvpolicy.presets` building its composition
+PRESETS = {
+    "logquant": "logquant", "logquant-4bit": "logquant_4bit", "kivi": "kivi", "h2o": "h2o",
+    "streamingllm": "streamingllm", "kvpolicy-3bit": "kvpolicy_3bit", "kvpolicy-3.5bit": "kvpolicy_3_5bit",
+    "kvpolicy-4bit": "kvpolicy_4bit", "kvpolicy-4.5bit": "kvpolicy_4_5bit",
+}  # fmt: skip
 
 
 @hookimpl
 def kvpolicy_register_presets() -> dict[str, object]:
-    from kvpolicy import presets
-
-    return dict(presets.BUILTIN_PRESETS)
+    return {name: f"kvpolicy.presets:{function}" for name, function in PRESETS.items()}
 
 
 @hookimpl
-def kvpolicy_register_formats() -> dict[str, type]:
-    from kvpolicy.formats import BUILTIN
-
-    return dict(BUILTIN)
+def kvpolicy_register_formats() -> dict[str, object]:
+    return {
+        "minmax": "kvpolicy.formats.packed:MinMax", "codebook": "kvpolicy.formats.codebook:Codebook",
+    }  # fmt: skip
 
 
 #: the core's subcommands (the kvpolicy-lab distribution registers its own through the same hook)

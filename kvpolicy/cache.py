@@ -814,7 +814,7 @@ class CompressedCache(Cache):
         seen: set[tuple[str, int]] = set()  # positions shared by layers count once
         return MemoryReport([_layer_memory(layer, i, seen) for i, layer in enumerate(self.layers)])
 
-    def save(self, path: str | Path, model: Any = None, entropy_coding: bool = False) -> int:
+    def save(self, path: str | Path, model: Any = None, codec: str | None = None) -> int:
         """Write this cache to ``path`` (one safetensors file with a JSON header; no pickle).
 
         The file holds the composition, the model's identity (architecture, layers, kv heads, head
@@ -828,28 +828,29 @@ class CompressedCache(Cache):
         model : PreTrainedModel or PretrainedConfig, optional
             The model the cache belongs to, to record its architecture (``config=`` given at
             construction is used otherwise); :meth:`load` checks a model against it.
-        entropy_coding : bool, default False
-            Store each tensor entropy-coded (:mod:`kvpolicy.entropy`: an order-0 model per byte
-            plane, packed codes coded code by code) where that makes it smaller. Lossless: the
-            loaded cache is bit-identical. Needs the ``constriction`` package
-            (``pip install 'kvpolicy[entropy]'``) to save and to load; such a file is format
-            version 2, which kvpolicy releases before this option refuse by name.
+        codec : str, optional
+            Store each tensor coded by the file codec registered under this name where that makes it
+            smaller (:class:`kvpolicy.persist.Codec`, from a plugin: the research plugin registers a
+            lossless one). The loaded cache is bit-identical; loading needs the codec's plugin
+            (without it the error names the plugin). Such a file is format version 2.
 
         Returns
         -------
         int
-            The file's size in bytes (without entropy coding: within a few kB of
+            The file's size in bytes (without a codec: within a few kB of
             ``memory_report().total_bytes`` plus what the policy state holds, e.g. H2O's scores).
 
         Raises
         ------
+        ConfigError
+            ``codec`` names no registered codec (nothing is written).
         ImportError
-            ``entropy_coding=True`` without constriction installed (nothing is written).
+            The codec's dependencies are missing (nothing is written).
         """
         from kvpolicy import cache_io
 
         self._outside()
-        return cache_io.save(self, path, model, entropy_coding)
+        return cache_io.save(self, path, model, codec)
 
     @classmethod
     def load(cls, path: str | Path, device: Any = None, model: Any = None) -> CompressedCache:

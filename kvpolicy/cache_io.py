@@ -28,7 +28,7 @@ from kvpolicy.segments import LayerSegments
 from kvpolicy.spec import CacheSpec
 
 
-def save(cache: Any, path: str | Path, model: Any = None, entropy_coding: bool = False) -> int:
+def save(cache: Any, path: str | Path, model: Any = None, codec: str | None = None) -> int:
     """See :meth:`kvpolicy.CompressedCache.save`."""
     layers = [_layer_state(layer, i, cache.layer_class) for i, layer in enumerate(cache.layers)]
     config = model if model is not None else cache._config
@@ -39,7 +39,7 @@ def save(cache: Any, path: str | Path, model: Any = None, entropy_coding: bool =
         "layer_types": cache._layer_types,
         "layer_kwargs": cache._layer_kwargs if cache._layer_types is not None else None,
     }
-    return persist.write(path, header, {"layers": layers}, entropy_coding)
+    return persist.write(path, header, {"layers": layers}, codec)
 
 
 def composition(cache: Any) -> dict[str, Any]:
@@ -102,7 +102,7 @@ def _layer_state(layer: Any, idx: int, layer_class: type) -> dict[str, Any]:
     return out
 
 
-#: a header's entries (``distributed`` is absent from older files, ``coding`` from files not entropy-coded)
+#: a header's entries (``distributed`` is absent from older files, ``coding`` and ``codec`` from files not coded)
 HEADER_KEYS = ("composition", "model", "layer_types", "layer_kwargs", "format", "version", "tree", "checksums")
 
 
@@ -114,7 +114,7 @@ def load(cls: type, path: str | Path, device: Any = None, model: Any = None) -> 
         _check_device(each, where)
     header, tree = persist.read(path, None if per_layer else device)
     try:
-        state_check.entries(header, "header", HEADER_KEYS, ("distributed", "coding"))
+        state_check.entries(header, "header", HEADER_KEYS, ("distributed", "coding", "codec"))
         state_check.entries(tree, "tree", ("layers",))
         layers = tree["layers"]
         if not isinstance(layers, list):
@@ -196,7 +196,30 @@ def _moved(node: Any, device: Any) -> Any:
     return node
 
 
+def _check_formats_whole(node: Any) -> None:
+    """Every format a saved composition holds lists all its options: one left out would take the format's
+    default, which the stored blocks need not share (fitted and min-max ranges hold the same bytes), so
+    the loaded cache would continue with other logits."""
+    from kvpolicy import registry
+
+    if isinstance(node, list):
+        for item in node:
+            _check_formats_whole(item)
+    if not isinstance(node, dict):
+        return
+    part = node.get("part")
+    if isinstance(part, dict) and part.get("role") == "format" and part.get("name") in registry.names("formats"):
+        params = part.get("params")
+        cls = registry.get("formats", part["name"])
+        missing = sorted(set(cls.options()) - set(cls.options_added) - set(params or {}))
+        if not isinstance(params, dict) or missing:
+            raise ValueError(f"composition: the saved format {part['name']!r} lacks its options {missing}")
+    for value in node.values():
+        _check_formats_whole(value)
+
+
 def _build(cls: type, header: dict[str, Any], layers: int, where: str) -> Any:
+    _check_formats_whole(header["composition"])
     spec = CacheSpec.from_dict(header["composition"], where)
     outside = [i for i, _ in spec.layer_bits if i >= layers]
     if outside:

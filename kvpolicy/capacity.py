@@ -4,7 +4,7 @@
 after the prefill, with :func:`kvpolicy.estimate` as the measure. Estimates cost time in proportion to the
 prompt (they quantize a one-head probe of it), so the search does not probe long prompts one after another:
 
-- it estimates the bytes at ``P``, ``2P`` and ``3P`` tokens (:data:`LATTICE` = ``P``: 5,376 = 2^8 x 3 x 7, a
+- it estimates the bytes at ``P``, ``2P`` and ``3P`` tokens (:data:`STEP` = ``P``: 5,376 = 2^8 x 3 x 7, a
   multiple of the windows and group sizes compositions use: 4, 16, 32, 42, 64, 128...). A cache whose windows
   and groups repeat within ``P`` tokens holds the same number of bytes more for every ``P`` tokens more once
   it is past them; when the two steps agree, the bytes at ``kP + r`` tokens are those at ``P + r`` plus
@@ -30,8 +30,8 @@ from typing import Any
 
 from kvpolicy.errors import ConfigError
 
-#: the lattice step of the search (see the module docstring)
-LATTICE = 5376
+#: the search step of the search (see the module docstring)
+STEP = 5376
 #: the longest prompt a cache can hold (the largest int32 position, plus one)
 MAX_PROMPT = (1 << 31) - 1
 #: the composition :func:`longest_prompt` takes for transformers' ``DynamicCache``
@@ -66,7 +66,7 @@ class Fit:
 
 class Curve:
     """The bytes a composition's cache holds after a prompt, as a function of its length (see the module
-    docstring): exact estimates, each made once, extended along the lattice step where it holds.
+    docstring): exact estimates, each made once, extended along the search step where it holds.
 
     Parameters
     ----------
@@ -119,19 +119,19 @@ class Curve:
         return self._seen[n]
 
     def step(self) -> int | None:
-        """The bytes every :data:`LATTICE` tokens add past the first, when the estimates at one, two and three
+        """The bytes every :data:`STEP` tokens add past the first, when the estimates at one, two and three
         steps agree on it (``None`` when they do not)."""
-        p = LATTICE
+        p = STEP
         f1, f2, f3 = self.held(p), self.held(2 * p), self.held(3 * p)
         return f2 - f1 if f2 - f1 == f3 - f2 and f2 >= f1 else None
 
-    def at_lattice(self, k: int) -> int:
-        """The bytes held after ``k * LATTICE`` tokens (``k >= 1``): an exact estimate up to three steps, then
+    def at_step(self, k: int) -> int:
+        """The bytes held after ``k * STEP`` tokens (``k >= 1``): an exact estimate up to three steps, then
         extended along :meth:`step`, or an exact estimate where the step does not hold."""
         step = self.step() if k > 3 else None
         if step is None:
-            return self.held(k * LATTICE)
-        return self.held(LATTICE) + (k - 1) * step
+            return self.held(k * STEP)
+        return self.held(STEP) + (k - 1) * step
 
 
 def longest_prompt(
@@ -185,7 +185,7 @@ class _TooLong(Exception):
 
 
 def _search(curve: Curve, budget: int) -> Fit:
-    p, held = LATTICE, curve.held
+    p, held = STEP, curve.held
     if held(1) > budget:
         return Fit(budget, 0, 0)
     if held(p) > budget:
@@ -196,7 +196,7 @@ def _search(curve: Curve, budget: int) -> Fit:
     if step == 0:
         return Fit(budget, MAX_PROMPT, f3, unbounded=True)
     if step is not None:
-        k = 1 + (budget - f1) // step  # the last lattice point that fits: k * p tokens
+        k = 1 + (budget - f1) // step  # the last step that fits: k * p tokens
         if k * p >= MAX_PROMPT:
             return Fit(budget, MAX_PROMPT, f1 + (MAX_PROMPT // p - 1) * step, extrapolated=True)
         offset = (k - 1) * step

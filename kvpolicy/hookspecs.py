@@ -1,5 +1,5 @@
 """pluggy hook specifications: the one extension surface for policies, actions, backends, transforms,
-presets, quantized tensor formats and subcommands of the ``kvpolicy`` command.
+presets, quantized tensor formats, saved-file codecs and subcommands of the ``kvpolicy`` command.
 
 The built-in parts register through these same hooks (:mod:`kvpolicy.builtins`); third-party
 distributions implement them in the module an entry point of the group ``kvpolicy`` names
@@ -19,7 +19,8 @@ hookimpl = pluggy.HookimplMarker("kvpolicy")
 
 @hookspec
 def kvpolicy_register_policies() -> dict[str, type]:
-    """Return ``{name: Policy subclass}``."""
+    """Return ``{name: Policy subclass}`` (or ``"module:Class"``, imported at its first lookup; so for every
+    kind of part)."""
 
 
 @hookspec
@@ -46,6 +47,12 @@ def kvpolicy_register_presets() -> dict[str, object]:
 def kvpolicy_register_formats() -> dict[str, type]:
     """Return ``{name: Format subclass}`` (a quantized tensor format, :mod:`kvpolicy.formats`; the name is
     the ``scheme`` that selects it in ``Quantize``)."""
+
+
+@hookspec
+def kvpolicy_register_codecs() -> dict[str, type]:
+    """Return ``{name: Codec subclass}`` (how a saved cache's tensors are coded, :class:`kvpolicy.persist.Codec`;
+    the name selects it in ``cache.save(path, codec=name)`` and is recorded in the file)."""
 
 
 @hookspec

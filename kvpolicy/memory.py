@@ -22,7 +22,7 @@ class LayerBytes:
         Bytes by segment: ``full_precision`` (uncompressed keys and values), ``codes`` (packed
         quantized codes), ``scales`` and ``zeros`` (per-group metadata), ``staging``
         (full-precision keys/values waiting for a complete per-channel group), ``positions``
-        (index tensors), ``scale_base`` (with one-byte codebook or lattice scales: the origin of
+        (index tensors), ``scale_base`` (with one-byte scales of scaled table codes: the origin of
         their logarithmic grid, one int16 per batch row and head) and ``transform`` (what a
         transform holds: a rotation matrix, per-channel weights, a fitted basis).
     baseline_bytes : int

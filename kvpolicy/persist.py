@@ -9,10 +9,11 @@ replaced by a reference, as a JSON header in the safetensors metadata (key ``"kv
     {"format": "kvpolicy-cache", "version": 1, ..., "tree": {..., "keys": {"$tensor": "t3", ...}},
      "checksums": {"t3": "<sha256 of t3's bytes>", ...}}
 
-With ``entropy_coding=True`` a stored tensor that codes smaller is stored as its coded payload
-(:mod:`kvpolicy.entropy`) and listed under ``"coding"`` with the dtype, shape and symbol width it
-decodes to; such a file is version 2. Its checksum is the decoded tensor's: what is loaded is what
-is checked.
+Saved with a codec (``cache.save(path, codec=name)``: a :class:`Codec` a plugin registers through the
+``kvpolicy_register_codecs`` hook), a stored tensor that codes smaller is stored as its coded payload,
+listed under ``"coding"`` with the dtype and shape it decodes to and the codec's own parameters, and the
+header names the codec (``"codec"``); such a file is version 2. Its checksum is the decoded tensor's: what
+is loaded is what is checked. Loading it needs the codec's plugin; without it the error says so.
 
 Tensors that share storage (positions a shared policy's layers hold once between them) are stored
 once: a group of views is written as the span of storage they cover when that is smaller than their
@@ -29,82 +30,102 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from kvpolicy import entropy
-from kvpolicy.errors import CacheFileError
+from kvpolicy.errors import CacheFileError, ConfigError
+from kvpolicy.state_check import dtype_name, dtype_of
 
 FORMAT = "kvpolicy-cache"
 #: the version of a file whose tensors are stored as they are held (this code reads it and writes it
-#: without entropy coding, so older readers load it)
+#: without a codec, so older readers load it)
 VERSION = 1
-#: the version of a file with entropy-coded tensors (:mod:`kvpolicy.entropy`; older readers refuse it)
+#: the version of a file with coded tensors (:class:`Codec`; older readers refuse it)
 CODED_VERSION = 2
 #: the versions this code reads; a file of another version is refused
 VERSIONS = (VERSION, CODED_VERSION)
 _META_KEY = "kvpolicy"
 
-_DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-        torch.int8, torch.uint8, torch.bool,
-    )
-}  # fmt: skip
+
+class Codec:
+    """How a saved file stores its tensors coded: registered by name through the ``kvpolicy_register_codecs``
+    hook, chosen by ``cache.save(path, codec=name)`` and named in the file, so that loading finds it again.
+
+    A codec is lossless: :meth:`decode` of :meth:`encode`'s payload gives the tensor back bit for bit.
+    :meth:`decode` reads untrusted bytes: it must check a payload against the declared dtype and shape
+    before it allocates, and raise :class:`~kvpolicy.errors.CacheFileError` on anything malformed.
+    """
+
+    #: the name files record (``"codec"``) and ``save(codec=...)`` takes
+    name: ClassVar[str] = ""
+    #: the file versions written by this codec before files named their codec (read without a name)
+    unnamed_versions: ClassVar[tuple[int, ...]] = ()
+
+    def require(self) -> None:
+        """Raise :class:`ImportError`, naming what to install, when the codec's dependencies are missing."""
+
+    def encode(self, t: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor] | None:
+        """``(params, payload)``: JSON parameters :meth:`decode` needs and a ``uint8`` payload, or ``None``
+        when coding would not make ``t`` smaller (it is then stored as it is)."""
+        raise NotImplementedError
+
+    def decode(
+        self, payload: torch.Tensor, dtype: torch.dtype, shape: list[int], params: dict[str, Any], what: str
+    ) -> torch.Tensor:
+        """The tensor of ``dtype`` and ``shape`` that ``payload`` codes (``what`` names it in errors)."""
+        raise NotImplementedError
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float16`` -> ``"float16"``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_of(name: Any, what: str = "dtype") -> torch.dtype:
-    """The dtype named ``name``, one of the dtypes a saved cache may hold: every dtype name read from a file
-    (a tensor reference, a store's or a block's state, the model identity) or from a configuration becomes a
-    dtype here, through this allowlist, never by a look-up on ``torch``.
+def codec_named(name: Any) -> Codec:
+    """An instance of the codec registered as ``name``.
 
     Raises
     ------
-    CacheFileError
-        If ``name`` is not one of the allowed names (the message names them).
+    ConfigError
+        When none is (the message lists those registered and says that codecs come from plugins).
     """
-    if not isinstance(name, str) or name not in _DTYPES:
-        raise CacheFileError(
-            f"{what}={name!r:.40} is not a dtype a saved cache holds; expected one of {sorted(_DTYPES)}"
+    from kvpolicy import registry
+
+    if not isinstance(name, str) or name not in registry.names("codecs"):
+        raise ConfigError(
+            f"codec must be the name of a registered codec, one of {registry.names('codecs')}; got codec={name!r} "
+            f"(codecs come from plugins: {registry.MOVED})"
         )
-    return _DTYPES[name]
+    return registry.get("codecs", name)()
 
 
 # ---------------------------------------------------------------------------------------- writing
-def write(path: str | Path, header: dict[str, Any], tree: Any, entropy_coding: bool = False) -> int:
+def write(path: str | Path, header: dict[str, Any], tree: Any, codec: str | None = None) -> int:
     """Write ``header`` (JSON values) and ``tree`` (JSON values and tensors) to ``path`` atomically,
-    each stored tensor entropy-coded where that makes it smaller when ``entropy_coding``.
+    each stored tensor coded by the registered :class:`Codec` named ``codec`` where that makes it smaller.
 
     Returns the file's size in bytes.
 
     Raises
     ------
+    ConfigError
+        ``codec`` names no registered codec.
     ImportError
-        ``entropy_coding`` without the constriction package (the message says what to install).
+        The codec's dependencies are missing (the message says what to install).
     """
     from safetensors.torch import save_file
 
-    if entropy_coding:
-        entropy.require()
+    coder = codec_named(codec) if codec is not None else None
+    if coder is not None:
+        coder.require()
     tensors: list[torch.Tensor] = []
     skeleton = _strip(tree, tensors)
     stored, refs = _pack(tensors)
     skeleton = _fill(skeleton, refs)
     checksums = {name: _sha256(t) for name, t in stored.items()}
     coding: dict[str, dict[str, Any]] = {}
-    for name, t in list(stored.items()) if entropy_coding else []:
-        coded = entropy.encode(t)
+    for name, t in list(stored.items()) if coder is not None else []:
+        coded = coder.encode(t)  # type: ignore[union-attr]
         if coded is not None:
-            coding[name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "width": coded[0]}
+            coding[name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), **coded[0]}
             stored[name] = coded[1]
-    version = {"version": CODED_VERSION, "coding": coding} if coding else {"version": VERSION}
+    version = {"version": CODED_VERSION, "codec": codec, "coding": coding} if coding else {"version": VERSION}
     meta = {**header, "format": FORMAT, **version, "tree": skeleton, "checksums": checksums}
     text = json.dumps(meta, separators=(",", ":"), allow_nan=False)
     path = Path(path)
@@ -211,15 +232,15 @@ def read(path: str | Path, device: str | torch.device | None = None) -> tuple[di
     neither repeat an element nor reach beyond the stored tensor. The distinct views of one stored
     tensor declare at most as many bytes as it holds times the number of layers in the file (only
     positions that several layers hold once are stored so). Nothing is allocated from a declared shape;
-    an entropy-coded tensor is decoded only after its payload is checked to be able to hold it (see
-    :func:`kvpolicy.entropy.decode`), and its checksum is checked on the decoded bytes.
+    a coded tensor is decoded by its codec (:meth:`Codec.decode`, which checks the payload before it
+    allocates), and its checksum is checked on the decoded bytes.
 
     Raises
     ------
     CacheFileError
         The file is missing, truncated, not a saved cache, of another format version, its header is
         malformed, a coded payload is corrupted, a tensor's (decoded) bytes do not match its checksum,
-        or the file is entropy-coded and constriction is not installed (the message says what to install).
+        or the file is coded by a codec no installed plugin registers (the message says what to install).
     """
     from safetensors import safe_open
 
@@ -267,29 +288,57 @@ def read(path: str | Path, device: str | torch.device | None = None) -> tuple[di
 
 
 def _decoded(header: dict[str, Any], tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
-    """``tensors`` with the entropy-coded ones decoded: every coding entry is checked (a stored tensor,
-    an allowed dtype, a shape of at most :data:`MAX_DIMS` sizes) before any is decoded, and each
-    payload by :func:`kvpolicy.entropy.decode` before it allocates."""
+    """``tensors`` with the coded ones decoded: every coding entry is checked (a stored tensor, an allowed
+    dtype, a shape of at most :data:`MAX_DIMS` sizes) before any is decoded, and each payload by its codec
+    (:meth:`Codec.decode`) before it allocates."""
     coded = header["version"] == CODED_VERSION
     coding = header.get("coding")
     if not coded:
-        if "coding" in header:
-            raise CacheFileError(f"{where!r}: a version {VERSION} file lists entropy-coded tensors")
+        if "coding" in header or "codec" in header:
+            raise CacheFileError(f"{where!r}: a version {VERSION} file lists coded tensors")
         return tensors
     if not isinstance(coding, dict) or not coding or not set(coding) <= set(tensors):
         raise CacheFileError(f"{where!r}: its 'coding' entry is not a mapping of stored tensors to their coding")
     plans = []
     for name, entry in coding.items():
-        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "width"}:
-            raise CacheFileError(f"{where!r}: the coding of tensor {name!r} is not a mapping of dtype, shape, width")
+        if not isinstance(entry, dict) or not {"dtype", "shape"} <= set(entry):
+            raise CacheFileError(f"{where!r}: the coding of tensor {name!r} is not a mapping of dtype, shape, ...")
         dtype = dtype_of(entry["dtype"], f"the coded dtype of tensor {name!r}")
-        plans.append((name, dtype, _ints(entry["shape"], "shape", where, 0), entry["width"]))
-    if not entropy.available():
-        raise CacheFileError(f"{where!r} holds entropy-coded tensors; loading it needs constriction: {entropy.INSTALL}")
+        params = {k: v for k, v in entry.items() if k not in ("dtype", "shape")}
+        plans.append((name, dtype, _ints(entry["shape"], "shape", where, 0), params))
+    coder = _file_codec(header, where)
+    try:
+        coder.require()
+    except ImportError as exc:
+        raise CacheFileError(f"{where!r} holds coded tensors ({coder.name!r}); loading it needs: {exc}") from None
     out = dict(tensors)
-    for name, dtype, shape, width in plans:
-        out[name] = entropy.decode(tensors[name], dtype, shape, width, f"{where!r}: tensor {name!r}")
+    for name, dtype, shape, params in plans:
+        out[name] = coder.decode(tensors[name], dtype, shape, params, f"{where!r}: tensor {name!r}")
     return out
+
+
+def _file_codec(header: dict[str, Any], where: str) -> Codec:
+    """The codec a coded file names (or, for a file of a version that named none, the codec that wrote those).
+
+    Raises
+    ------
+    CacheFileError
+        When no installed plugin registers it: the message says which plugin to install.
+    """
+    from kvpolicy import registry
+
+    name = header.get("codec")
+    if name is None:
+        name = next((n for n, cls, _ in registry.entries("codecs") if header["version"] in cls.unnamed_versions), None)
+        wanted = f"the codec of version {header['version']} files"
+    else:
+        wanted = f"codec {name!r}"
+    if not isinstance(name, str) or name not in registry.names("codecs"):
+        raise CacheFileError(
+            f"{where!r} holds tensors coded by {wanted:.80}, which no installed plugin registers (registered "
+            f"codecs: {registry.names('codecs')}); {registry.MOVED}"
+        )
+    return registry.get("codecs", name)()
 
 
 def _parse(text: str, where: str) -> dict[str, Any]:

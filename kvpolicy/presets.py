@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kvpolicy import builtins
 from kvpolicy.actions.quantize import Quantize
 from kvpolicy.policies.base import check_int
 from kvpolicy.policies.log import LogWindow
@@ -172,14 +173,7 @@ def kvpolicy_4_5bit(window: int = 4, seed: int = 0, norm_bits: int = 8) -> dict[
     }
 
 
+#: the built-in presets by name (registered in :mod:`kvpolicy.builtins`)
 BUILTIN_PRESETS: dict[str, Callable[..., dict[str, Any]]] = {
-    "logquant": logquant,
-    "logquant-4bit": logquant_4bit,
-    "kivi": kivi,
-    "h2o": h2o,
-    "streamingllm": streamingllm,
-    "kvpolicy-3bit": kvpolicy_3bit,
-    "kvpolicy-3.5bit": kvpolicy_3_5bit,
-    "kvpolicy-4bit": kvpolicy_4bit,
-    "kvpolicy-4.5bit": kvpolicy_4_5bit,
+    name: globals()[fn] for name, fn in builtins.PRESETS.items()
 }

@@ -1,4 +1,5 @@
-"""Names -> classes for policies, actions, backends, transforms, presets and formats, collected through pluggy hooks.
+"""Names -> classes for policies, actions, backends, transforms, presets, formats and file codecs, collected through
+pluggy hooks.
 
 Three kinds of plugin feed the same hooks (:mod:`kvpolicy.hookspecs`):
 
@@ -7,6 +8,9 @@ Three kinds of plugin feed the same hooks (:mod:`kvpolicy.hookspecs`):
   (``[project.entry-points."kvpolicy"] snapkv = "kvpolicy_snapkv"``), loaded on the first lookup,
   never on ``import kvpolicy``;
 - objects passed to :func:`register` at run time.
+
+A hook may name a class as ``"package.module:Class"`` instead of giving it: the module is imported at the
+first :func:`get` of that name (the built-ins register so, and a lookup never imports a part it does not need).
 
 Environment variables (read at the first lookup, or after :func:`reset`):
 
@@ -26,7 +30,9 @@ distribution and every problem found; everything else keeps working.
 
 from __future__ import annotations
 
+import importlib
 import os
+import re
 import reprlib
 import threading
 import warnings
@@ -39,10 +45,10 @@ import pluggy
 from kvpolicy import builtins, hookspecs
 from kvpolicy.errors import ConfigError, did_you_mean
 
-KINDS = ("policies", "actions", "backends", "transforms", "presets", "formats", "commands")
+KINDS = ("policies", "actions", "backends", "transforms", "presets", "formats", "codecs", "commands")
 _SINGULAR = {
     "policies": "policy", "actions": "action", "backends": "backend", "transforms": "transform", "presets": "preset",
-    "formats": "format", "commands": "command",
+    "formats": "format", "codecs": "codec", "commands": "command",
 }  # fmt: skip
 #: what each hook's dict maps names to, for messages
 _EXPECTED = {
@@ -52,6 +58,7 @@ _EXPECTED = {
     "transforms": "Transform subclass",
     "presets": "preset function",
     "formats": "Format subclass",
+    "codecs": "Codec subclass",
     "commands": "function register(subparsers)",
 }
 
@@ -60,6 +67,11 @@ ENTRY_POINT_GROUP = "kvpolicy"
 DISABLE_ENV = "KVPOLICY_DISABLE_PLUGIN_AUTOLOAD"
 ALLOW_ENV = "KVPOLICY_PLUGINS"
 _BUILTIN_PLUGIN = "kvpolicy.builtins"
+#: what a message says where a name is not registered that a file or a composition of an earlier release may hold
+MOVED = (
+    "a format or codec a plugin registers is named once that plugin is installed (the research formats and "
+    "file codecs: pip install ./plugins/kvpolicy-research)"
+)
 
 
 class PluginWarning(UserWarning):
@@ -268,31 +280,25 @@ def _show(value: object) -> str:
     return f"{reprlib.repr(value)} ({type(value).__name__})"
 
 
+#: the class every registered part of a kind subclasses, by module (imported when a part is checked: the registry
+#: imports no part's module, so every module may look names up here)
+_BASES = {
+    "policies": "kvpolicy.policies.base:Policy", "actions": "kvpolicy.actions.base:Action",
+    "transforms": "kvpolicy.transforms.base:Transform", "formats": "kvpolicy.formats.base:Format",
+    "codecs": "kvpolicy.persist:Codec", "backends": "kvpolicy.backends.base:Backend",
+}  # fmt: skip
+
+
 def _base_class(kind: str) -> type:
-    """The class every registered object of ``kind`` (not ``presets``) must subclass (imported lazily)."""
-    if kind == "policies":
-        from kvpolicy.policies.base import Policy
-
-        return Policy
-    if kind == "actions":
-        from kvpolicy.actions.base import Action
-
-        return Action
-    if kind == "transforms":
-        from kvpolicy.transforms.base import Transform
-
-        return Transform
-    if kind == "formats":
-        from kvpolicy.formats.base import Format
-
-        return Format
-    from kvpolicy.backends.base import Backend
-
-    return Backend
+    """The class every registered object of ``kind`` (not ``presets`` or ``commands``) must subclass."""
+    module, _, name = _BASES[kind].partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _part_problem(kind: str, obj: object) -> str | None:
     """What is wrong with ``obj`` as a registered object of ``kind``, or ``None`` if it is acceptable."""
+    if isinstance(obj, str) and re.fullmatch(r"[\w.]+:\w+", obj):
+        return None  # a part named by its module, checked when first looked up (_resolved)
     if kind == "presets":
         if callable(obj):
             return None
@@ -422,7 +428,7 @@ def entries(kind: str) -> list[tuple[str, Any, Source]]:
     conflict has no single object: see :func:`conflicts`)."""
     kind = _check_kind(kind)
     table = _collect().parts[kind]
-    return [(name, obj, source) for name, (obj, source) in sorted(table.items())]
+    return [(name, _resolved(table, kind, name), table[name][1]) for name in sorted(table)]
 
 
 def provider(kind: str, name: str) -> str | None:
@@ -461,4 +467,23 @@ def get(kind: str, name: str) -> Any:
     if not isinstance(name, str) or name not in table:
         hint = did_you_mean(name, names(kind)) if isinstance(name, str) else ""
         raise ConfigError(f"unknown {_SINGULAR[kind]} {name!r}; registered {kind}: {names(kind)}{hint}")
-    return table[name][0]
+    return _resolved(table, kind, name)
+
+
+def _resolved(table: dict[str, tuple[Any, Source]], kind: str, name: str) -> Any:
+    """The object registered as ``name``, a ``"module:Class"`` reference imported (once) and checked."""
+    obj, source = table[name]
+    if not isinstance(obj, str):
+        return obj
+    module, _, attr = obj.partition(":")
+    try:
+        resolved = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(
+            f"{_SINGULAR[kind]} {name!r} of {source} names {obj!r}, which cannot be imported: {exc}"
+        ) from None
+    problem = "a name, not a class" if isinstance(resolved, str) else _part_problem(kind, resolved)
+    if problem is not None:
+        raise ConfigError(f"{_SINGULAR[kind]} {name!r} of {source}: {problem}")
+    table[name] = (resolved, source)
+    return resolved

@@ -16,7 +16,37 @@ from typing import Any
 
 import torch
 
-from kvpolicy import persist
+from kvpolicy.errors import CacheFileError
+
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+        torch.int8, torch.uint8, torch.bool,
+    )
+}  # fmt: skip
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float16`` -> ``"float16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: Any, what: str = "dtype") -> torch.dtype:
+    """The dtype named ``name``, one of the dtypes a saved cache may hold: every dtype name read from a file
+    (a tensor reference, a store's or a block's state, the model identity) or from a configuration becomes a
+    dtype here, through this allowlist, never by a look-up on ``torch``.
+
+    Raises
+    ------
+    CacheFileError
+        If ``name`` is not one of the allowed names (the message names them).
+    """
+    if not isinstance(name, str) or name not in _DTYPES:
+        raise CacheFileError(
+            f"{what}={name!r:.40} is not a dtype a saved cache holds; expected one of {sorted(_DTYPES)}"
+        )
+    return _DTYPES[name]
 
 
 def entries(state: Any, what: str, required: Iterable[str], optional: Iterable[str] = ()) -> Mapping[str, Any]:
@@ -100,13 +130,13 @@ def positions(value: torch.Tensor, what: str, length: int) -> torch.Tensor:
 
 
 #: the dtypes of a cache's floating tensors (full-precision tokens, what blocks dequantize to), by name
-FLOAT_DTYPES = {name: persist.dtype_of(name) for name in ("float16", "bfloat16", "float32")}
+FLOAT_DTYPES = {name: dtype_of(name) for name in ("float16", "bfloat16", "float32")}
 
 
 def float_dtype(name: Any, what: str) -> torch.dtype:
-    """The dtype a saved ``name`` gives, one of :data:`FLOAT_DTYPES` (through :func:`kvpolicy.persist.dtype_of`,
-    never looked up on ``torch``)."""
-    return persist.dtype_of(choice(name, what, FLOAT_DTYPES), what)
+    """The dtype a saved ``name`` gives, one of :data:`FLOAT_DTYPES` (through :func:`dtype_of`, never looked up
+    on ``torch``)."""
+    return dtype_of(choice(name, what, FLOAT_DTYPES), what)
 
 
 def shape4(shape: Any, what: str) -> tuple[int, int, int, int]:

@@ -976,28 +976,16 @@ ATTEND_TOLERANCE = {"float64": 1e-6, "float32": 1e-4, "float16": 2e-2, "bfloat16
 
 
 def backend_formats(backend: Any) -> list[Any]:
-    """The formats :func:`check_backend` checks by default: min-max groups at every width and axis the
-    backend's capabilities list (one group size each: 32, or the smallest multiple of its granularity
-    dividing the head dim), codebook formats at every codebook width when ``"codebook"`` is served (with
-    one-byte scales too where ``codebook_norm_bits`` lists 8), and lattice formats at every lattice width when
-    ``"lattice"`` is served."""
-    from kvpolicy.formats import Codebook, Lattice, MinMax
+    """The formats :func:`check_backend` checks by default: the :meth:`~kvpolicy.formats.base.Format.examples`
+    of every registered format (built in or a plugin's) that the backend serves (:meth:`Backend.serves`)."""
+    from kvpolicy import registry
 
-    caps = backend.capabilities
-    out: list[Any] = []
-    if "minmax" in caps.schemes:
-        mult = max(caps.group_size_multiple, 8)
-        group = 32 if 32 % mult == 0 else next(g for g in range(mult, BACKEND_HEAD_DIM + 1, mult) if 64 % g == 0)
-        out += [MinMax(bits, group, axis) for bits in caps.bits for axis in caps.axes]
-    if "codebook" in caps.schemes:
-        out += [Codebook(bits) for bits in caps.codebook_bits]
-        if 8 in caps.codebook_norm_bits:
-            out += [Codebook(bits, norm_bits=8) for bits in caps.codebook_bits]
-    if "lattice" in caps.schemes:
-        out += [Lattice(bits) for bits in Lattice.bits_allowed]
-        if 8 in caps.codebook_norm_bits:
-            out += [Lattice(bits, norm_bits=8) for bits in Lattice.bits_allowed]
-    return out
+    return [
+        fmt
+        for name in registry.names("formats")
+        for fmt in registry.get("formats", name).examples(backend)
+        if backend.serves(fmt)
+    ]
 
 
 def _inputs(shape: tuple[int, ...], dtype: Any, device: Any, seed: int) -> list[Any]:
@@ -1051,6 +1039,62 @@ def _check_reconstruction(name: str, fmt: Any, x: Any, xh: Any, bound: str) -> N
             f"backend {name!r}: {fmt} reconstruction differs from the reference "
             f"(worst excess {float(excess.max()):.3g})"
         )
+
+
+def check_format(fmt_class: Any, backends: tuple[str, ...] | None = None, *, seed: int = 0) -> None:
+    """Check a format (:class:`~kvpolicy.formats.base.Format` subclass) against the format contract; call it from
+    a plain pytest test, with the format registered (a plugin's tests register it as its entry point would).
+
+    The format must be registered under its ``name`` (the one registry of formats); say what it is
+    (``block``, ``bits_allowed``); give specs that are frozen and hashable, equal to their copies, and refuse a
+    width it lacks with a :class:`~kvpolicy.errors.ConfigError` naming ``bits``; build each role's spec from
+    ``Quantize``'s shortcuts (:meth:`~kvpolicy.formats.base.Format.for_role`), with defaults among its options;
+    and pass :func:`check_backend` (``bound="reference"``) on each backend of ``backends`` (default: those its
+    ``backends`` name that are registered) over its :meth:`~kvpolicy.formats.base.Format.examples` the backend
+    serves, the format's own reference included.
+
+    Raises
+    ------
+    AssertionError
+        Naming the format and what is wrong.
+    """
+    import dataclasses
+
+    from kvpolicy import registry
+    from kvpolicy.errors import ConfigError
+    from kvpolicy.formats.base import Format, QTensor
+
+    assert isinstance(fmt_class, type) and issubclass(fmt_class, Format), f"{fmt_class!r} is not a Format subclass"
+    name = fmt_class.name
+    assert isinstance(name, str) and name, f"{fmt_class.__name__}: empty name"
+    assert name in registry.names("formats") and registry.get("formats", name) is fmt_class, (
+        f"format {name!r} is not registered as {fmt_class.__name__} (registered: {registry.names('formats')})"
+    )
+    assert issubclass(fmt_class.block, QTensor), f"format {name!r}: block {fmt_class.block!r} is not a QTensor"
+    assert fmt_class.bits_allowed, f"format {name!r}: no bits_allowed"
+    for role in ("key", "value"):
+        for bits in fmt_class.bits_allowed:
+            spec, defaulted = fmt_class.for_role(role, {"bits": bits})
+            assert type(spec) is fmt_class and spec.bits == bits, f"format {name!r}: for_role({role!r}) gave {spec}"
+            assert set(defaulted) <= set(fmt_class.options()), f"format {name!r}: defaulted {defaulted}"
+    wrong = next(b for b in range(1, 17) if b not in fmt_class.bits_allowed)
+    chosen = (
+        list(backends) if backends is not None else [b for b in fmt_class.backends if b in registry.names("backends")]
+    )
+    assert chosen, f"format {name!r}: no registered backend to check it on (its backends: {fmt_class.backends})"
+    for backend_name in chosen:
+        backend = registry.get("backends", backend_name)()
+        specs = [f for f in fmt_class.examples(backend) if backend.serves(f)]
+        assert specs, f"format {name!r}: backend {backend_name!r} serves none of its examples"
+        for spec in specs:
+            assert hash(spec) == hash(dataclasses.replace(spec)) and spec == dataclasses.replace(spec), spec
+            try:
+                dataclasses.replace(spec, bits=wrong)
+            except ConfigError as exc:
+                assert f"bits={wrong}" in str(exc), f"format {name!r}: {exc}"
+            else:
+                raise AssertionError(f"format {name!r} accepts bits={wrong}, which bits_allowed does not list")
+        check_backend(backend, formats=specs, bound="reference", seed=seed)
 
 
 def check_backend(

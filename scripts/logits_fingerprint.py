@@ -5,17 +5,17 @@ here bit for bit: each line is the sha256 of the float32 logits of a prefill fol
 decode steps, fused and materialised, for one cache. Equal lines on two commits mean equal logits, so
 every KL, top-1 and ΔNLL measured with those caches is equal too.
 
-The caches are the presets, the one-liner, a few compositions of the core, and the compositions of the
-research plugin (``pip install ./plugins/kvpolicy-research``; their lines say "not installed" without it).
-A cache whose transform fits on the prompt's queries runs its materialised steps under kvpolicy's score
-wrapper (:func:`kvpolicy.attention.enable_scores`), which reports them. With ``--files DIR`` each cache is
-also saved after its prompt and ten steps, loaded, and run on (the ``reloaded`` lines); a file already in
-``DIR`` is loaded instead of written, so files written on one commit are read on the other.
+The caches: every registered preset, every shipped preset file, the one-liner, and the compositions of
+the research plugin's parts (the lattice format, the low-rank transform, query-weighted keys; they need
+``pip install ./plugins/kvpolicy-research`` where they are not in the core). ``saved`` lines save a cache
+after the prompt (entropy-coded where named), load it and hash the logits of the decode that continues
+from the loaded cache. ``--save-dir`` also keeps those files and ``--load-dir`` continues from files kept
+by another commit: files saved by the old code must load and continue bit for bit.
 
 Usage::
 
-    python scripts/logits_fingerprint.py --files /tmp/fp > before.txt   # on one commit
-    python scripts/logits_fingerprint.py --files /tmp/fp > after.txt    # on the other
+    python scripts/logits_fingerprint.py --save-dir /tmp/files > before.txt   # on the old commit
+    python scripts/logits_fingerprint.py --load-dir /tmp/files > after.txt    # on the new one
     diff before.txt after.txt
 """
 
@@ -23,47 +23,58 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-from collections.abc import Callable
+import inspect
+import tempfile
 from pathlib import Path
 
 import torch
 
-from kvpolicy import CompressedCache
+from kvpolicy import CompressedCache, registry
 from kvpolicy.attention import disable_scores, enable_scores
-from kvpolicy.errors import ConfigError
 from kvpolicy.fused import disable_fused, enable_fused
 from kvpolicy_lab.eval.models import load_smollm2
 
-CACHES: dict[str, Callable[[], CompressedCache]] = {
+ROOT = Path(__file__).resolve().parent.parent
+LATTICE = dict(policy="log", window=16, key_bits=3, value_bits=2, scheme="lattice", key_centre=True,
+               transform="hadamard")  # fmt: skip
+CACHES = {
     "one-liner": lambda: CompressedCache(policy="log", action="quantize", bits=2),
-    "kvpolicy-3bit": lambda: CompressedCache.from_preset("kvpolicy-3bit"),
-    "kvpolicy-4.5bit": lambda: CompressedCache.from_preset("kvpolicy-4.5bit"),
-    "logquant": lambda: CompressedCache.from_preset("logquant"),
-    "kivi": lambda: CompressedCache.from_preset("kivi"),
     "torch-backend-k3v2": lambda: CompressedCache(policy="log", window=16, key_bits=3, value_bits=2, backend="torch"),
-    "hadamard-k3v2": lambda: CompressedCache(policy="log", window=16, key_bits=3, value_bits=2, transform="hadamard"),
-    "h2o": lambda: CompressedCache.from_preset("h2o"),
-    # the research plugin's transforms
-    "lowrank-cpu": lambda: CompressedCache(policy="log", window=16, key_bits=3, value_bits=2, transform="lowrank"),
-    "lowrank-torch-r4-16": lambda: CompressedCache(
-        policy="log", window=16, bits=2, transform="lowrank", rank=4, coefficient_bits=16, backend="torch"
+    "lattice-k3v2-n8": lambda: CompressedCache(**LATTICE, norm_bits=8),
+    "lattice-k3v2-n8-torch": lambda: CompressedCache(**LATTICE, norm_bits=8, backend="torch"),
+    "lattice-k2v2-n16": lambda: CompressedCache(**{**LATTICE, "key_bits": 2}),
+    "lattice-values-codebook-keys": lambda: CompressedCache(
+        policy="log", window=16, bits=2, key_scheme="codebook", value_scheme="lattice", transform="hadamard"
     ),
-    "lowrank-3bit": lambda: CompressedCache.from_preset("kvpolicy-3bit", transform="lowrank"),
+    "lowrank": lambda: CompressedCache(policy="log", window=16, key_bits=3, value_bits=2, transform="lowrank", rank=8),
     "query-hadamard": lambda: CompressedCache(
-        policy="log", window=16, key_bits=3, value_bits=2, transform="query-hadamard"
+        policy="log", window=16, key_bits=3, value_bits=2, scheme="codebook", transform="query-hadamard"
     ),
-    "query-hadamard-3bit": lambda: CompressedCache.from_preset("kvpolicy-3bit", transform="query-hadamard"),
 }
-#: caches whose materialised steps need kvpolicy's wrapper (scores, or queries for the transform)
-WRAPPED = ("h2o", "query-hadamard", "query-hadamard-3bit")
+CACHES |= {f"preset:{name}": (lambda n=name: CompressedCache.from_preset(n)) for name in registry.names("presets")}
+CACHES |= {
+    f"file:{path.stem}": (lambda p=path: CompressedCache.from_preset(str(p)))
+    for path in [*sorted((ROOT / "kvpolicy" / "preset_files").glob("*.toml")),
+                 *sorted((ROOT / "examples" / "presets").glob("*.toml")),
+                 *sorted((ROOT / "plugins" / "kvpolicy-research" / "examples").glob("*.toml"))]
+}  # fmt: skip
+#: caches saved after the prompt and loaded again: (name, cache, entropy-coded)
+SAVED = [
+    ("kvpolicy-3bit", CACHES["preset:kvpolicy-3bit"], False),
+    ("kvpolicy-3bit-entropy", CACHES["preset:kvpolicy-3bit"], True),
+    ("one-liner-entropy", CACHES["one-liner"], True),
+    ("lattice-k3v2-n8-entropy", CACHES["lattice-k3v2-n8"], True),
+    ("lattice-k2v2-n16", CACHES["lattice-k2v2-n16"], False),
+]
 
 
-def run(model: torch.nn.Module, ids: torch.Tensor, prompt: int, cache: CompressedCache, start: int) -> list:
-    """The logits of ``ids[:, start:prompt]`` as one forward (when ``start < prompt``), then one token at a time."""
+def run(model: torch.nn.Module, ids: torch.Tensor, start: int, cache: object, first: int | None = None) -> list:
+    """Logits of ``ids[:, start:first]`` as one forward (when ``first``), then one token at a time."""
     logits = []
-    if start < prompt:
-        logits.append(model(ids[:, start:prompt], cache=cache, use_cache=True).logits)
-    for t in range(max(start, prompt), ids.shape[1]):
+    if first is not None:
+        logits.append(model(ids[:, start:first], cache=cache, use_cache=True).logits)
+        start = first
+    for t in range(start, ids.shape[1]):
         logits.append(model(ids[:, t : t + 1], cache=cache, use_cache=True).logits)
     return logits
 
@@ -72,19 +83,14 @@ def digest(logits: list) -> str:
     return hashlib.sha256(torch.cat(logits, dim=1).float().numpy().tobytes()).hexdigest()[:16]
 
 
-def fingerprint(model, ids, prompt, make, files: Path | None, name: str) -> tuple[str, str | None]:
-    """sha256 of the logits of the prompt and every step; with ``files``, also of the steps after a reload."""
-    cache = make()
-    whole = digest(run(model, ids, prompt, cache, 0))
-    if files is None:
-        return whole, None
-    path = files / f"{name}.safetensors"
-    if not path.exists():
-        cache = make()
-        run(model, ids[:, : prompt + 10], prompt, cache, 0)
+def save(cache: CompressedCache, path: Path, coded: bool) -> None:
+    """``cache.save`` entropy-coded or not, by the saving API of the commit at hand."""
+    if not coded:
         cache.save(path)
-    loaded = CompressedCache.load(path)
-    return whole, digest(run(model, ids, prompt, loaded, prompt + 10))
+    elif "entropy_coding" in inspect.signature(cache.save).parameters:
+        cache.save(path, entropy_coding=True)
+    else:
+        cache.save(path, codec="entropy")
 
 
 def main() -> None:
@@ -92,34 +98,37 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=600, help="prompt tokens (one forward)")
     parser.add_argument("--steps", type=int, default=40, help="teacher-forced decode steps after it")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--files", type=Path, default=None, help="save and reload each cache through this folder")
-    parser.add_argument("--only", nargs="*", default=None, help="these caches only")
+    parser.add_argument("--only", nargs="*", help="the cache names to run (default: all)")
+    parser.add_argument("--save-dir", type=Path, help="keep the saved files here")
+    parser.add_argument("--load-dir", type=Path, help="continue from the files kept here (by another commit)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if args.files is not None:
-        args.files.mkdir(parents=True, exist_ok=True)
     model, _ = load_smollm2()
     ids = torch.randint(
         3, model.config.vocab_size, (1, args.prompt + args.steps), generator=torch.Generator().manual_seed(0)
     )
-    names = list(CACHES) if args.only is None else args.only
+    wanted = lambda name: not args.only or name in args.only  # noqa: E731
     with torch.no_grad():
         for mode in ("materialized", "fused"):
-            for name in names:
-                if mode == "fused":
-                    enable_fused(model)
-                elif name in WRAPPED:
-                    enable_scores(model)
-                try:
-                    whole, reloaded = fingerprint(model, ids, args.prompt, CACHES[name], args.files, f"{mode}-{name}")
-                except ConfigError as exc:
-                    whole = reloaded = f"not installed ({str(exc).splitlines()[0][:60]})"
-                finally:
-                    disable_fused(model)
-                    disable_scores(model)
-                print(f"{mode:12s} {name:20s} {whole}", flush=True)
-                if reloaded is not None:
-                    print(f"{mode:12s} {name:20s} reloaded {reloaded}", flush=True)
+            # scores reported in both modes: the parts that weigh keys by the queries need them
+            (enable_fused if mode == "fused" else enable_scores)(model)
+            for name, make in CACHES.items():
+                if wanted(name):
+                    print(f"{mode:12s} {name:36s} {digest(run(model, ids, 0, make(), args.prompt))}", flush=True)
+            for name, make, coded in SAVED:
+                if not wanted(name):
+                    continue
+                folder = args.save_dir or Path(tempfile.mkdtemp())
+                folder.mkdir(parents=True, exist_ok=True)
+                path = (args.load_dir or folder) / f"{name}-{mode}.kvc"
+                if args.load_dir is None:
+                    cache = make()
+                    model(ids[:, : args.prompt], cache=cache, use_cache=True)
+                    save(cache, path, coded)
+                    print(f"{mode:12s} {'kept:' + name:36s} {digest(run(model, ids, args.prompt, cache))}", flush=True)
+                loaded = CompressedCache.load(path)
+                print(f"{mode:12s} {'saved:' + name:36s} {digest(run(model, ids, args.prompt, loaded))}", flush=True)
+            (disable_fused if mode == "fused" else disable_scores)(model)
 
 
 if __name__ == "__main__":

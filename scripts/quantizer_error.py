@@ -23,10 +23,10 @@ from __future__ import annotations
 import argparse
 
 import torch
+from kvpolicy_research.lattice import Lattice  # the research plugin (pip install ./plugins/kvpolicy-research)
 from transformers import DynamicCache
 
 from kvpolicy.backends.torch_backend import TorchBackend
-from kvpolicy.formats import Lattice
 from kvpolicy.transforms import Hadamard
 from kvpolicy_lab.eval.models import load_smollm2
 from kvpolicy_lab.eval.tasks import stdlib_text

@@ -24,7 +24,7 @@ from typing import Any
 #: fence languages checked, by the kind of check
 LANGUAGES = {"python": "python", "py": "python", "bash": "bash", "sh": "bash", "shell": "bash"}
 #: what a ``# requires: X`` first line may name
-REQUIREMENTS = ("cuda", "torchrun")
+REQUIREMENTS = ("cuda", "torchrun", "kvpolicy-research")
 #: shell operators that end one simple command and start the next
 OPERATORS = {"&&", "||", ";", "|", "&", "(", ")"}
 #: placeholder model names: ``"your/model"``, ``"your-org/your-model"``, ``"<your model>"``
@@ -163,6 +163,16 @@ def missing(requirement: str) -> str | None:
     if requirement == "torchrun":
         launched = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
         return None if launched else "requires: torchrun (not launched by torchrun)"
+    if requirement == "kvpolicy-research":  # the research plugin, registered as its entry point would
+        try:
+            from kvpolicy_research import formats_plugin
+        except ImportError:
+            return "requires: kvpolicy-research (pip install ./plugins/kvpolicy-research)"
+        from kvpolicy import registry
+
+        if not registry.plugin_manager().is_registered(formats_plugin):
+            registry.register(formats_plugin, "research-formats")
+        return None
     raise ValueError(f"missing: requirement must be one of {list(REQUIREMENTS)}; got {requirement!r}")
 
 

@@ -10,10 +10,10 @@ file. The outcome of every edit must be one of:
 Anything else (another exception, different logits, a step over 20 s, memory beyond the cap set
 on this process's address space) is written to ``--out`` as a failure.
 
-Each composition is saved twice, as it is and entropy-coded (``entropy_coding=True``). An
-entropy-coded file's edits also reach its ``coding`` entries (dtype, shape, symbol width of each
-coded tensor), and may instead change its coded payloads (bytes replaced, bits flipped, the payload
-cut short or lengthened), under a header left as written.
+Each composition is saved as it is and, where a file codec is registered (the research plugin's, when it
+is installed: ``codec="entropy"``), coded by each. A coded file's edits also reach its ``coding`` entries
+(dtype, shape, symbol width of each coded tensor), and may instead change its coded payloads (bytes
+replaced, bits flipped, the payload cut short or lengthened), under a header left as written.
 
 What an edit may be: a value replaced by one of another JSON type (numbers, strings, null, lists,
 mappings, deep nesting), a key removed or added, and, outside the ``composition``, a value changed
@@ -43,12 +43,21 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kvpolicy import CompressedCache
+from kvpolicy import CompressedCache, registry
 from kvpolicy.actions.quantize import Quantize
 from kvpolicy.actions.tiered import Tiered
 from kvpolicy.attention import enable_scores
 from kvpolicy.errors import CacheFileError
 from kvpolicy.policies.log import LogWindow
+
+try:  # the research plugin's codec, registered explicitly (the tests load no plugin by entry point)
+    from kvpolicy_research import formats_plugin
+
+    registry.register(formats_plugin, "research-formats")
+except ImportError:
+    pass
+#: the file codecs every composition is also saved with
+CODECS = tuple(registry.names("codecs"))
 
 #: the headroom above this process's address space once everything is imported and built
 HEADROOM = 2 << 30
@@ -210,9 +219,9 @@ def main() -> int:
             model(ids[:, :30], cache=cache, use_cache=True)
             for t in range(30, 40):
                 model(ids[:, t : t + 1], cache=cache, use_cache=True)
-        for coded in (False, True):
+        for coded in (None, *CODECS):
             path = work / f"{name}{'.coded' if coded else ''}.kvc"
-            cache.save(path, model=model, entropy_coding=coded)
+            cache.save(path, model=model, codec=coded)
             with safe_open(str(path), framework="pt") as f:
                 header = json.loads(f.metadata()["kvpolicy"])
                 tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__

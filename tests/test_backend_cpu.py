@@ -322,13 +322,17 @@ def test_bad_codebook_blocks_are_refused_naming_the_role():
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     bad_codes = CodebookTensor(cb.codes[..., :8], cb.scales, 2, cb.shape, cb.dtype)
-    with pytest.raises(ConfigError, match=r"codebook values of shape \(1, 2, 16, 64\) at 2 bits need uint8 codes"):
+    with pytest.raises(
+        ConfigError, match=r"CodebookTensor values of shape \(1, 2, 16, 64\) at 2 bits need uint8 codes"
+    ):
         be.attend(query, mm_keys, bad_codes, 0.125)
     bad_scales = CodebookTensor(cb.codes, cb.scales.double(), 2, cb.shape, cb.dtype)
-    with pytest.raises(ConfigError, match=r"codebook keys need one float16, bfloat16 or float32 scale per token"):
+    with pytest.raises(ConfigError, match=r"CodebookTensor keys need one float16, bfloat16 or float32 scale per token"):
         be.attend(query, bad_scales, cb, 0.125)
     eight = CodebookTensor(cb.codes, cb.scales, 8, cb.shape, cb.dtype)
-    with pytest.raises(ConfigError, match=r"does not support key_bits=8 with scheme='codebook'"):
+    with pytest.raises(
+        ConfigError, match=r"reads keys of scaled table codes with a table of 256 values at bits \[2, 3, 4\]"
+    ):
         be.attend(query, eight, cb, 0.125)
     with pytest.raises(ConfigError, match=r"values of shape .* do not hold the tokens of keys"):
         be.attend(query, cb, cb.narrow(0, 8), 0.125)

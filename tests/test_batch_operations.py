@@ -43,7 +43,6 @@ COMPOSITIONS = {
         dict(policy="log", window=4, norm_bits=8, scheme="codebook", bits=3, transform="hadamard"),
         False,
     ),
-    "lattice": (dict(policy="log", window=4, bits=2, scheme="lattice", transform="hadamard"), False),
     # transforms
     "hadamard": (dict(policy="log", window=4, transform="hadamard", **MINMAX), False),
 }

@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 from kvpolicy import CacheSpec, CompressedCache
 from kvpolicy.actions.quantize import Quantize
-from kvpolicy.backends.base import Capabilities
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
 from kvpolicy.formats import Codebook, MinMax, codebook, scale_codes
@@ -273,9 +272,9 @@ def test_a_spec_written_before_norm_bits_reads_as_sixteen_bits():
     [
         (lambda: Codebook(2, norm_bits=12), r"norm_bits must be one of \[16, 8\]; got norm_bits=12"),
         (lambda: Codebook(2, norm_bits=True), "norm_bits must be one of"),
-        (lambda: Quantize(scheme="codebook", norm_bits=4), r"Quantize: norm_bits must be one of \[16, 8\]"),
-        (lambda: Quantize(bits=2, norm_bits=8), "neither kind is quantized with scheme='codebook'"),
-        (lambda: Quantize(keys=MinMax(2, 128, "channel"), value_bits=2, norm_bits=8), "neither kind"),
+        (lambda: Quantize(scheme="codebook", norm_bits=4), r"refuses norm_bits=4: Codebook: norm_bits must be one of"),
+        (lambda: Quantize(bits=2, norm_bits=8), "norm_bits=8 applies to neither role: keys in format 'minmax'"),
+        (lambda: Quantize(keys=MinMax(2, 128, "channel"), value_bits=2, norm_bits=8), "applies to neither role"),
         (lambda: CompressedCache(bits=2, norm_bits=8), "norm_bits"),
     ],
 )  # fmt: skip
@@ -287,14 +286,17 @@ def test_bad_norm_bits_are_refused_naming_the_parameter(make, match):
 def test_a_backend_without_one_byte_scales_refuses_them():
     class SixteenOnly(TorchBackend):
         name = "sixteen-only"
-        capabilities = dataclasses.replace(TorchBackend.capabilities, codebook_norm_bits=(16,))
+
+        def check_format(self, fmt, role=""):  # a backend refuses the options of a format it cannot read
+            super().check_format(fmt, role)
+            if getattr(fmt, "norm_bits", 16) != 16:
+                raise ConfigError(f"backend {self.name!r} does not read {role}s with norm_bits={fmt.norm_bits}; it "
+                                  "supports norm_bits in [16]")  # fmt: skip
 
     Quantize(scheme="codebook").check_backend(SixteenOnly())
-    with pytest.raises(
-        ConfigError, match=r"does not read codebook keys with norm_bits=8; it supports norm_bits in \[16\]"
-    ):
+    with pytest.raises(ConfigError, match=r"does not read keys with norm_bits=8; it supports norm_bits in \[16\]"):
         Quantize(scheme="codebook", norm_bits=8).check_backend(SixteenOnly())
-    assert isinstance(TorchBackend.capabilities, Capabilities) and 8 in TorchBackend.capabilities.codebook_norm_bits
+    assert TorchBackend().serves(Codebook(2, norm_bits=8), "key")
 
 
 # ------------------------------------------------------------------ backends and caches
@@ -397,12 +399,18 @@ def test_the_repr_of_one_byte_scales_is_the_keywords_that_build_it(kw):
 def test_the_cpu_kernel_decodes_one_byte_scales_to_the_very_scales_of_the_format_decoder():
     """The kernel reads one-byte codes and their base as stored (no decoded copy): its output equals, bit for
     bit, the kernel's output over the same blocks holding the float32 scales ``decode_scales`` gives, for
-    codebook and lattice roles beside min-max, float16 and bfloat16 ones, norms from float32's subnormal range
-    to 1e15, and token counts that take the kernel's eight-token and one-token paths."""
-    import dataclasses
+    codebook roles beside min-max, float16 and bfloat16 ones, norms from float32's subnormal range to 1e15, and
+    token counts that take the kernel's eight-token and one-token paths."""
+    check_one_byte_scales_in_the_cpu_kernel(
+        [(Codebook(3, norm_bits=8), Codebook(2, norm_bits=8)), (Codebook(2, norm_bits=8), Codebook(3, "float16")),
+         (MinMax(4, 32, "channel", meta_dtype="float16"), Codebook(3, norm_bits=8)),
+         (Codebook(4, "float32", norm_bits=8), Codebook(3, "bfloat16", norm_bits=8))]
+    )  # fmt: skip
 
+
+def check_one_byte_scales_in_the_cpu_kernel(pairs: list) -> None:
+    """The check above over ``(key format, value format)`` pairs (a plugin's scaled formats' tests call it)."""
     from kvpolicy.backends.cpu_backend import CpuBackend
-    from kvpolicy.formats.lattice import Lattice
 
     cpu = CpuBackend()
     gen = torch.Generator().manual_seed(8)
@@ -412,9 +420,6 @@ def test_the_cpu_kernel_decodes_one_byte_scales_to_the_very_scales_of_the_format
             return block
         return dataclasses.replace(block, scales=block.scale_values(), scale_base=None)
 
-    pairs = [(Codebook(3, norm_bits=8), Codebook(2, norm_bits=8)), (Lattice(2, norm_bits=8), Codebook(3, "float16")),
-             (MinMax(4, 32, "channel", meta_dtype="float16"), Codebook(3, norm_bits=8)),
-             (Codebook(4, "float32", norm_bits=8), Lattice(3, "bfloat16", norm_bits=8))]  # fmt: skip
     for kf, vf in pairs:
         for n, magnitude in ((1, 1.0), (9, 1e-41), (64, 1e15), (131, 1e-20)):
             n = 32 * (n // 32 + 1) if isinstance(kf, MinMax) else n

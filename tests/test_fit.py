@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from kvpolicy import CompressedCache
 from kvpolicy.actions.quantize import Quantize
-from kvpolicy.backends.base import FITS
 from kvpolicy.backends.torch_backend import FP16_MAX, TorchBackend, fit_range, quantize_groups, unpack
 from kvpolicy.errors import ConfigError, MetadataOverflowError
+from kvpolicy.formats.base import FITS
 
 
 def _group_errors(g: torch.Tensor, bits: int, mdtype: torch.dtype, fit: str) -> torch.Tensor:
@@ -306,10 +306,16 @@ def test_auto_backend_serves_fitted_ranges_with_the_cpu_kernel(cpu_kernel):
     "kw,match",
     [
         ({"fit": "lloyd"}, r"fit must be one of \['minmax', 'mse'\]; got fit='lloyd'"),
-        ({"fit": "mse", "scheme": "codebook", "transform": "hadamard"}, r"fit='mse' chooses the range of min-max"),
+        (
+            {"fit": "mse", "scheme": "codebook", "transform": "hadamard"},
+            r"fit='mse' applies to neither role: keys in format 'codebook'",
+        ),
         ({"fit": "mse", "value_fit": "minmax"}, r"fit='mse' \(the shorthand for both\) contradicts value_fit='minmax'"),
-        ({"key_fit": "mse", "key_scheme": "codebook", "transform": "hadamard"}, r"key_fit='mse' chooses the range"),
-        ({"value_fit": "best"}, r"value_fit must be one of \['minmax', 'mse'\]; got value_fit='best'"),
+        (
+            {"key_fit": "mse", "key_scheme": "codebook", "transform": "hadamard"},
+            r"key_fit='mse' does not apply to keys in format 'codebook'",
+        ),
+        ({"value_fit": "best"}, r"value_fit='best': MinMax: fit must be one of \['minmax', 'mse'\]"),
     ],
 )
 def test_bad_fit_parameters_are_refused_naming_them(kw, match):

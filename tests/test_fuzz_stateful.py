@@ -99,10 +99,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvpolicy import CompressedCache
-from kvpolicy.actions.quantize import DEFAULT_KEY_FIT
 from kvpolicy.attention import enable_scores
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import ConfigError
+from kvpolicy.formats.packed import DEFAULT_KEY_FIT
 from kvpolicy.fused import enable_fused
 from kvpolicy.tiny import random_model
 

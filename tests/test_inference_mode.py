@@ -29,7 +29,6 @@ COMPOSITIONS = {
     "per-token-keys": dict(policy="log", window=4, bits=3, key_axis="token", **Q),
     "hadamard": dict(policy="log", window=4, bits=2, transform="hadamard", **Q),
     "codebook-centred": dict(policy="log", window=4, bits=3, scheme="codebook", key_centre=True, transform="hadamard"),
-    "lattice": dict(policy="log", window=4, bits=2, scheme="lattice", transform="hadamard"),
     "tiered": dict(
         policy="log",
         window=4,

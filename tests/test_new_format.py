@@ -95,7 +95,7 @@ KW = dict(action="quantize", bits=8, scheme="test-absmax8", group_size=None, bac
 
 def test_unregistered_the_scheme_is_refused_with_the_registered_ones():
     with pytest.raises(
-        ConfigError, match=r"scheme must be one of \['codebook', 'lattice', 'minmax'\]; got scheme='test-absmax8'"
+        ConfigError, match=r"scheme must be one of \[.*'codebook'.*'minmax'.*\]; got scheme='test-absmax8'"
     ):
         CompressedCache(policy="log", window=8, **KW)
 

@@ -11,6 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvpolicy.actions.quantize import Quantize, QuantizedStore, QuantizedStream
+from kvpolicy.backends._optional import refuse_fitted_ranges
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
 from kvpolicy.formats import MinMax
@@ -305,8 +306,12 @@ class _AutoOnlyBackend(TorchBackend):
     """A backend that declares no ``meta_dtype`` choice: the formats it is handed keep ``"auto"``."""
 
     name = "auto-only"
-    # nor a fit: min-max only, so caches on it pass key_fit="minmax" (the keys' default is "mse")
-    capabilities = dataclasses.replace(TorchBackend.capabilities, meta_dtypes=("auto",), fits=("minmax",))
+    capabilities = dataclasses.replace(TorchBackend.capabilities, meta_dtypes=("auto",))
+
+    def check_format(self, fmt, role=""):
+        # nor a fit: min-max only, so caches on it pass key_fit="minmax" (the keys' default is "mse")
+        super().check_format(fmt, role)
+        refuse_fitted_ranges(self.name, fmt, role)
 
     def quantize(self, x, fmt, centre=None):
         assert fmt.meta_dtype == "auto" and fmt.fit == "minmax" and centre is None
@@ -319,7 +324,7 @@ def test_meta_dtype_checked_against_the_backend():
     with pytest.raises(ConfigError) as ei:  # the default fits keys, which this backend cannot
         Quantize().check_backend(old)
     assert str(ei.value) == (
-        "backend 'auto-only' does not fit min-max ranges with key_fit='mse' (the default for min-max keys); it "
+        "backend 'auto-only' does not fit min-max ranges with key_fit='mse'; it "
         "supports fit in ['minmax'] (fit='mse': backends 'torch', 'cpu' and 'triton'). Pass key_fit='minmax' to use "
         "backend 'auto-only'"
     )
@@ -381,7 +386,6 @@ class _BrokenMetaBackend(TorchBackend):
     """A plugin-like backend whose metadata overflows without it noticing (no check of its own)."""
 
     name = "broken-meta"
-    capabilities = dataclasses.replace(TorchBackend.capabilities, fits=("minmax",))
 
     def quantize(self, x, fmt, centre=None):
         q = super().quantize(x, fmt, centre=centre)

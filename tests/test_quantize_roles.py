@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpolicy import CacheSpec, CompressedCache
-from kvpolicy.actions.quantize import DEFAULTABLE, Quantize
+from kvpolicy.actions.quantize import Quantize
+from kvpolicy.backends._optional import refuse_fitted_ranges
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import ConfigError
 from kvpolicy.formats import Codebook, MinMax
@@ -64,7 +65,7 @@ def test_a_repr_the_shortcuts_cannot_write_gives_the_formats_whole():
         (dict(keys=MinMax(2, 64, "token"), values=Codebook(2, centre=True)), r"is centred; only keys are"),
         (dict(keys=MinMax(2, 96, "channel"), values=MinMax(2, 64, "channel")), r"one group size to divide the other"),
         (dict(defaulted=["keys.bits"]), r"defaulted names \['keys.bits'\]"),
-        (dict(bits=5, scheme="codebook"), r"bits=5 with scheme='codebook'; it supports bits in \[2, 3, 4\]"),
+        (dict(bits=5, scheme="codebook"), r"'codebook' refuses bits=5: Codebook: bits must be one of \[2, 3, 4\]"),
     ],
 )  # fmt: skip
 def test_contradicting_or_malformed_roles_are_refused(kw, match):
@@ -77,11 +78,9 @@ class _NoMSE(TorchBackend):
 
     name = "torch-no-mse"
 
-    def __init__(self) -> None:
-        super().__init__()
-        import dataclasses
-
-        self.capabilities = dataclasses.replace(self.capabilities, fits=("minmax",))
+    def check_format(self, fmt, role=""):
+        super().check_format(fmt, role)
+        refuse_fitted_ranges(self.name, fmt, role)
 
 
 def test_serving_replaces_defaults_and_never_a_format_given_whole():
@@ -178,7 +177,7 @@ def test_property_every_shortcut_action_is_its_formats(bits, key_bits, key_schem
         return  # a contradiction (a group size for codebook values, a fit for codebook keys): refused, never built
     rebuilt = Quantize(keys=q.keys, values=q.values, check_finite=q.check_finite, defaulted=q.defaulted)
     assert rebuilt == q and rebuilt.defaulted == q.defaulted and repr(rebuilt) == repr(q)
-    assert set(q.defaulted) <= set(DEFAULTABLE)
+    assert set(q.defaulted) <= {"keys.fit", "keys.group_size", "values.group_size"}  # what serving may replace
     for role, kind in (("keys", "key"), ("values", "value")):
         fmt = getattr(q, role)
         scheme = kw[f"{kind}_scheme"] or "minmax"

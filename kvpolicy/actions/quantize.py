@@ -1,8 +1,9 @@
 """The ``"quantize"`` action: demoted tokens are quantized once, when demoted, and never again.
 
 A :class:`Quantize` action holds one format spec per role (:attr:`Quantize.keys`, :attr:`Quantize.values`,
-:mod:`kvpolicy.formats`); its flat keywords (``bits``, ``key_bits``, ``group_size``, ``scheme``...) are
-shortcuts that build those specs, every default filled in one place (:meth:`Quantize.__init__`).
+:mod:`kvpolicy.formats`); each format owns its options, their defaults and what a backend must serve. The flat
+keywords (``bits``, ``key_bits``, ``group_size``, ``scheme``...) are shortcuts that name a format's option for one
+role or both (:data:`SHORTCUTS`); :func:`role_formats` builds the specs from them, in one place.
 """
 
 from __future__ import annotations
@@ -17,51 +18,30 @@ import torch
 
 from kvpolicy import formats, state_check
 from kvpolicy.actions.base import Action, DemotedStore
-from kvpolicy.backends.base import AXES, FITS, META_DTYPES, Backend, QTensor, check_metadata, widen_remedy
+from kvpolicy.backends.base import Backend, QTensor, check_metadata, widen_remedy
 from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
 from kvpolicy.formats.base import Format
-from kvpolicy.formats.codebook import check_norm_bits
 from kvpolicy.layer.parts import Part
-from kvpolicy.policies.base import check_int
 from kvpolicy.positions import POSITION_DTYPE
 
-#: group size by grouping axis when none is given: 128 tokens per channel, 64 channels per token;
-#: docs/explanation/quantization.md measures the alternatives (with min-max key ranges, 64-token groups lose less
-#: than 128-token ones; with fitted key ranges, the default, 128-token groups lose less than min-max
-#: 64-token groups, and hold fewer bytes from about 4,000 tokens on)
-DEFAULT_GROUP_SIZE = {"channel": 128, "token": 64}
-#: how min-max key groups choose their range when neither ``fit`` nor ``key_fit`` is given (values:
-#: ``"minmax"``); docs/explanation/quantization.md, "Fitted ranges"
-DEFAULT_KEY_FIT = "mse"
-#: code width when neither ``bits`` nor a per-kind width is given
+#: code width when neither ``bits`` nor a role's own width is given
 DEFAULT_BITS = 2
-#: the quantization scheme when none is given
+#: the format when no scheme is given
 DEFAULT_SCHEME = "minmax"
-#: the grouping axis of each kind when none is given (KIVI's: keys per channel, values per token)
-DEFAULT_AXIS = {"key": "channel", "value": "token"}
-#: role field -> the prefix of its shortcut keywords
+#: role field -> the prefix of its own shortcut keywords
 ROLES = {"keys": "key", "values": "value"}
-#: shorthand keyword -> the per-kind keywords it stands for
-SHORTHANDS = {
-    "bits": ("key_bits", "value_bits"), "group_size": ("key_group_size", "value_group_size"),
-    "scheme": ("key_scheme", "value_scheme"), "fit": ("key_fit", "value_fit"),
+#: a format's option -> the shortcut keywords naming it: for both roles, the keys' own, the values' own
+SHORTCUTS: dict[str, tuple[str | None, str | None, str | None]] = {
+    "bits": ("bits", "key_bits", "value_bits"), "group_size": ("group_size", "key_group_size", "value_group_size"),
+    "axis": (None, "key_axis", "value_axis"), "fit": ("fit", "key_fit", "value_fit"),
+    "centre": (None, "key_centre", None), "norm_bits": ("norm_bits", None, None),
+    "meta_dtype": ("meta_dtype", None, None),
 }  # fmt: skip
-#: the role options Quantize's defaults may fill (not given by the caller): only these may :meth:`Quantize.serving`
-#: replace
-DEFAULTABLE = ("keys.fit", "keys.group_size", "values.group_size")
-
-
-def _scheme_class(param: str, value: object) -> type[Format]:
-    """The format class a scheme keyword names: a built-in format's name, or a :class:`Format` class."""
-    if isinstance(value, type) and issubclass(value, Format):
-        return value
-    if isinstance(value, str) and value in formats.BUILTIN:
-        return formats.BUILTIN[value]
-    raise ConfigError(
-        f"Quantize: {param} must be one of {list(formats.BUILTIN)} or a Format class; got {param}={value!r} (a "
-        f"format a plugin registers is named through CompressedCache(..., {param}=NAME) or CacheSpec.resolve, "
-        "which look it up in the registry; or pass its spec, keys=MyFormat(...))"
-    )
+#: the keywords naming each role's format
+SCHEME = ("scheme", "key_scheme", "value_scheme")
+KEYWORDS = (*SCHEME, *(kw for names in SHORTCUTS.values() for kw in names if kw is not None))
+#: options a role's own keyword may give for a format that has none (compositions saved with every role's axis)
+IGNORED = ("axis",)
 
 
 @dataclass(frozen=True, eq=False, init=False)
@@ -69,11 +49,14 @@ class Quantize(Action):
     """Quantize demoted tokens: keys and values each to a format (:mod:`kvpolicy.formats`).
 
     ``Quantize(keys=MinMax(bits=3, group_size=128, axis="channel", fit="mse"), values=Codebook(bits=2))``
-    gives each role's format whole; the flat keywords below are shortcuts that build the same specs
+    gives each role's format whole; the flat keywords are shortcuts that build the same specs
     (``Quantize(key_bits=3, key_fit="mse", value_scheme="codebook")`` is the action above), with the
-    defaults of the parameters they leave out. A role given whole takes no shortcut of its own
+    defaults each format gives the options they leave out. A role given whole takes no shortcut of its own
     (``keys=`` with ``key_bits=`` is an error), and the shared shortcuts (``bits``, ``scheme``...) then
-    apply to the other role alone.
+    apply to the other role alone. A shortcut given for both roles sets the option in each format that has
+    it (``group_size`` with codebook keys and min-max values groups the values), and is an error where
+    neither has it; a role's own keyword is an error where its format lacks the option (an axis excepted:
+    a format without groups ignores it).
 
     Parameters
     ----------
@@ -81,100 +64,56 @@ class Quantize(Action):
         The format of keys and of values (:class:`~kvpolicy.formats.MinMax`,
         :class:`~kvpolicy.formats.Codebook` or a format a plugin registers), exactly as given: none of
         the defaults below is applied to it, and :meth:`serving` never changes it.
-    bits : int, optional
-        Code width of keys and values alike (the shorthand for ``key_bits`` and ``value_bits``);
-        default 2. Which widths exist depends on the backend (``torch``: 2, 3, 4, 8).
-    group_size : int, optional
-        Elements sharing one scale and minimum, for keys and values alike (the shorthand for
-        ``key_group_size`` and ``value_group_size``). ``"token"`` axis: channels of one token
-        (must divide ``head_dim``); ``"channel"`` axis: tokens of one channel. ``None``: each
-        tensor kind's default by its axis, :data:`DEFAULT_GROUP_SIZE`: 128 tokens per channel (the
-        keys' default axis), 64 channels per token (the values'). A default per-token group that does
-        not divide the head dim becomes the largest one below it that does (:meth:`serving`; the
-        cache's ``repr`` shows it); a group size given explicitly is never changed.
-    key_group_size, value_group_size : int, optional
-        The group size of keys or values alone. Given together with a different ``group_size``
-        they are a :class:`~kvpolicy.errors.ConfigError`. When both kinds are grouped per channel,
-        one size must divide the other (tokens are read back in whole groups of both).
-    key_bits, value_bits : int, optional
-        The code width of keys or values alone (keys usually need more: see docs/explanation/quantization.md).
-        Given together with a different ``bits`` they are a :class:`~kvpolicy.errors.ConfigError`;
-        a pair the backend lacks is refused with the pairs it has.
+    bits, key_bits, value_bits : int, optional
+        Code width of both roles, of keys, of values (default 2; keys usually need more, see
+        docs/explanation/quantization.md). Which widths exist depends on the format and the backend
+        (``torch``: 2, 3, 4, 8); a pair of widths the backend lacks is refused with the pairs it has.
+    scheme, key_scheme, value_scheme : str or Format class, optional
+        The format of both roles, of keys, of values, by its registered name (``"minmax"``, the default;
+        ``"codebook"``; a plugin's) or its class. ``"codebook"``: one scale per token and head plus
+        ``bits``-bit Lloyd-Max indices (:mod:`kvpolicy.formats.codebook`; ``bits + 16 / head_dim`` bits per
+        element, no zero-point); it assumes rotated, near-Gaussian coordinates, so a cache refuses it
+        without a rotation (``transform="hadamard"``).
+    group_size, key_group_size, value_group_size : int, optional
+        Min-max groups: elements sharing one scale and minimum (``"token"`` axis: channels of one token,
+        dividing ``head_dim``; ``"channel"`` axis: tokens of one channel). Default by axis,
+        :data:`~kvpolicy.formats.packed.DEFAULT_GROUP_SIZE`: 128 tokens per channel, 64 channels per
+        token; a default per-token group that does not divide the head dim becomes the largest one below
+        it that does (:meth:`serving`; the cache's ``repr`` shows it), a size given is never changed. When
+        both roles are grouped per channel, one size must divide the other.
     key_axis, value_axis : {"channel", "token"}, optional
-        Grouping axis of keys and values; defaults :data:`DEFAULT_AXIS`, KIVI's (keys per channel,
-        values per token): on SmolLM2-135M at 2 bits with the log policy, per-token keys raise
-        next-token loss far more than per-channel keys. Per-channel tokens wait in a full-precision
-        staging buffer until ``group_size`` of them are demoted, then are quantized once, in demotion
-        order. A kind whose format has no groups (codebook) ignores its axis.
+        Min-max grouping axis; default KIVI's (keys per channel, values per token): on SmolLM2-135M at
+        2 bits with the log policy, per-token keys raise next-token loss far more than per-channel keys.
+        Per-channel tokens wait in a full-precision staging buffer until a group of them is demoted.
+    fit, key_fit, value_fit : {"minmax", "mse"}, optional
+        How min-max groups choose their range: the extremes (``"minmax"``: every element within half a step)
+        or the range of least squared error (``"mse"``; same bytes, same kernels). Default: ``"mse"`` for
+        keys, ``"minmax"`` for values: fitting both cuts SmolLM2-135M's KL with 2-bit keys but raises it with
+        3- or 4-bit keys, the values being what lose (docs/explanation/quantization.md, "Fitted ranges"). On
+        a backend that does not fit ranges (``quanto``, ``hqq``) the keys' default becomes ``"minmax"``
+        (:meth:`serving`), while ``"mse"`` given is refused.
+    key_centre : bool, optional
+        Codebook keys: quantize each key around the mean of the first keys the layer demotes, stored once
+        and shared by every later key, so the codebook spends its cells on how keys differ
+        (:mod:`kvpolicy.formats.codebook`; measured in docs/explanation/quantization.md). Values are
+        never centred.
+    norm_bits : {16, 8}, optional
+        Codebook roles: the bits of each vector's scale (default 16, the metadata dtype; 8: a one-byte
+        log-scale code, :mod:`kvpolicy.formats.scale_codes`).
+    meta_dtype : {"auto", "float16", "bfloat16", "float32"}, optional
+        The dtype of scales and minimums; default ``"auto"``: ``bfloat16`` for ``bfloat16`` inputs,
+        ``float16`` otherwise. float16 holds magnitudes up to 65504 only: float32 keys or values beyond it
+        raise :class:`~kvpolicy.errors.MetadataOverflowError` whatever ``check_finite`` says, and
+        ``"float32"`` or ``"bfloat16"`` store them. Which values a backend accepts:
+        ``Backend.capabilities.meta_dtypes``.
     check_finite : bool
         Raise :class:`~kvpolicy.errors.NonFiniteError` if NaN or Inf reaches the quantizer, or comes
         out of it in the stored metadata (one reduction over the demoted tokens and one over their
         scales and minimums; switch off for speed once a model is known good).
-    meta_dtype : {"auto", "float16", "bfloat16", "float32"}, optional
-        The dtype of each group's scale and minimum; default ``"auto"``: the backend's default
-        (``torch``, ``cpu``, ``triton``: ``bfloat16`` for ``bfloat16`` inputs, ``float16`` otherwise).
-        float16 holds magnitudes up to 65504 only: float32 keys or values beyond it raise
-        :class:`~kvpolicy.errors.MetadataOverflowError` whatever ``check_finite`` says, and
-        ``"float32"`` (32 more bits per group) or ``"bfloat16"`` (same bytes, 8-bit significand)
-        stores them. Which values a backend accepts: ``Backend.capabilities.meta_dtypes``.
-    scheme : {"minmax", "codebook"} or Format class, optional
-        How keys and values alike are quantized (the shorthand for ``key_scheme`` and
-        ``value_scheme``); default ``"minmax"``. ``"codebook"``: one scale per token and head plus
-        ``bits``-bit indices into the Lloyd-Max codebook of the standard normal distribution
-        (:mod:`kvpolicy.formats.codebook`; ``bits + 16 / head_dim`` bits per element, no zero-point).
-        It assumes rotated, near-Gaussian coordinates: a cache refuses it without a rotation
-        (``transform="hadamard"``). Group size and axis do not apply to a codebook kind (giving a
-        group size for it is an error); ``meta_dtype`` sets the dtype of its scales. Widths: 2, 3 or 4
-        bits. A scheme names a format (:mod:`kvpolicy.formats`): built directly, ``Quantize`` takes the
-        built-in names or a format class; through :class:`~kvpolicy.CompressedCache` or
-        :meth:`~kvpolicy.spec.CacheSpec.resolve` the name of any format registered through the
-        ``kvpolicy_register_formats`` hook is accepted too (its
-        :meth:`~kvpolicy.formats.base.Format.from_options` builds it from these parameters).
-    key_scheme, value_scheme : {"minmax", "codebook"} or Format class, optional
-        The scheme of keys or values alone; contradicting ``scheme`` is a ConfigError.
-    key_centre : bool, optional
-        Codebook keys only: quantize each key minus a centre ``μ`` (per batch row and head), the mean
-        of the first keys the layer demotes (usually the prompt's), stored once in the metadata dtype
-        and shared by every later key, so the codebook spends its cells on how keys differ rather
-        than on the offset they share. Costs ``head_dim`` metadata values per row, head and layer;
-        the fused path reads it at no extra pass (:mod:`kvpolicy.formats.codebook`). Measured in
-        docs/explanation/quantization.md. Needs keys in a centred format (``key_scheme="codebook"``)
-        and a backend whose capabilities list ``codebook_centre`` (``torch``, ``cpu``). Any centre is
-        exact (it is stored and added back); how much it helps depends on how well the first block
-        stands for later keys: a left-padded row's mean includes its padding tokens' keys, and a first
-        demotion of a few tokens gives a noisy mean. Values are never centred.
-    norm_bits : {16, 8}, optional
-        Codebook kinds only: the bits of each vector's scale (default 16, the metadata dtype). 8 stores
-        a one-byte log-scale code (``bits + 8 / head_dim`` bits per element instead of
-        ``bits + 16 / head_dim``): each scale within 0.54 % of its exact value for vectors within a
-        factor 7.9 of the longest of their batch row and head, within 2.75 % down to a factor of about
-        120; shorter ones are stored as zeros (:mod:`kvpolicy.formats.scale_codes`). Applies to every
-        codebook kind (with a min-max kind beside it, to the codebook kind alone; with no codebook kind
-        it is an error). Needs a backend whose capabilities list 8 in ``codebook_norm_bits``
-        (``torch``, ``cpu``).
-    fit : {"minmax", "mse"}, optional
-        How each min-max group's range is chosen, for keys and values alike (the shorthand for
-        ``key_fit`` and ``value_fit``). Default: ``"mse"`` for keys, ``"minmax"`` for values
-        (:data:`DEFAULT_KEY_FIT`). ``"minmax"``: the group's extremes, so
-        every element is within half a step of its code (KIVI, LogQuant, transformers' caches).
-        ``"mse"``: the range of least squared error, found by a few rounds of alternating least
-        squares from the min-max start; the extremes of a group may be clamped to the grid's ends,
-        and a group keeps its min-max grid where that stores less error. Same bytes, same kernels.
-        Fitting both kinds cuts SmolLM2-135M's next-token KL 1.9× with 2-bit keys and raises it
-        1.7–2.2× with 3- or 4-bit keys (held-out texts): the values are what lose, so fit the keys
-        alone (``key_fit``; docs/explanation/quantization.md, "Fitted ranges"). Applies to min-max
-        kinds (codebook kinds ignore it: given with both kinds codebook it is an error); backends
-        whose ``capabilities.fits`` list it: ``torch``, ``cpu``, ``triton``. On a backend without it
-        (``quanto``, ``hqq``) the keys' default becomes ``"minmax"`` (:meth:`serving`; the cache's ``repr``
-        shows it), while ``"mse"`` given explicitly is refused.
-    key_fit, value_fit : {"minmax", "mse"}, optional
-        The fit of keys or values alone; contradicting ``fit`` is a ConfigError. Default: keys
-        ``"mse"``, values ``"minmax"``. Fitted values raise SmolLM2's KL 2.4× where fitted keys alone
-        cut it 3.5× at 2 bits (calibration texts; docs/explanation/quantization.md).
     defaulted : sequence of str, optional
-        Which options of the role formats the defaults filled (:data:`DEFAULTABLE`, e.g.
-        ``"keys.fit"``): the only ones :meth:`serving` may replace. Computed from the shortcuts; given
-        only when the formats are (a saved spec, :func:`dataclasses.replace`).
+        Which options of the role formats the defaults filled (``"keys.fit"``...): the only ones
+        :meth:`serving` may replace. Computed from the shortcuts; given only when the formats are (a saved
+        spec, :func:`dataclasses.replace`).
 
     Attributes
     ----------
@@ -191,7 +130,7 @@ class Quantize(Action):
     #: ``keys`` and ``values`` given as ``{"name": ..., **params}`` tables (a preset file) are built by
     #: ``CacheSpec.resolve``, which also looks the scheme keywords' names up in the registry
     part_parameters: ClassVar[dict[str, str]] = {"keys": "formats", "values": "formats"}
-    name_parameters: ClassVar[dict[str, str]] = dict.fromkeys(("scheme", "key_scheme", "value_scheme"), "formats")
+    name_parameters: ClassVar[dict[str, str]] = dict.fromkeys(SCHEME, "formats")
 
     def __init__(
         self, bits: int | None = None, group_size: int | None = None, key_axis: str | None = None,
@@ -203,80 +142,32 @@ class Quantize(Action):
         value_fit: str | None = None, norm_bits: int | None = None, *, keys: Format | None = None,
         values: Format | None = None, defaulted: tuple[str, ...] | list[str] | None = None,
     ) -> None:  # fmt: skip
-        given = {
-            "bits": bits, "group_size": group_size, "key_axis": key_axis, "value_axis": value_axis,
-            "meta_dtype": meta_dtype, "key_group_size": key_group_size, "value_group_size": value_group_size,
-            "key_bits": key_bits, "value_bits": value_bits, "scheme": scheme, "key_scheme": key_scheme,
-            "value_scheme": value_scheme, "key_centre": key_centre, "fit": fit, "key_fit": key_fit,
-            "value_fit": value_fit, "norm_bits": norm_bits,
-        }  # fmt: skip
-        given = {name: value for name, value in given.items() if value is not None}
+        given = {name: value for name, value in locals().items() if name in KEYWORDS and value is not None}
         if given.get("key_centre") is False:
             del given["key_centre"]  # the old default, written by saved specs of older versions
         if not isinstance(check_finite, bool):
             raise ConfigError(f"Quantize: check_finite must be a bool; got check_finite={check_finite!r}")
-        whole = {"keys": keys, "values": values}
-        for role, fmt in whole.items():
-            if fmt is not None and not isinstance(fmt, Format):
-                raise ConfigError(
-                    f"Quantize: {role} must be a format spec (kvpolicy.formats.MinMax(...), Codebook(...)); "
-                    f"got {role}={fmt!r}"
-                )
-        _check_shortcuts(given)
-        for role, kind in ROLES.items():
-            own = sorted(p for p in given if p.startswith(f"{kind}_"))
-            if whole[role] is not None and own:
-                raise ConfigError(
-                    f"Quantize: {role}={whole[role]!r} gives the {kind}s' format whole; {own} would set it again. "
-                    f"Give {role}= alone, or the {kind}_* keywords"
-                )
-        shared = sorted(p for p in given if not p.startswith(("key_", "value_")))
-        if keys is not None and values is not None and shared:
-            raise ConfigError(
-                f"Quantize: keys= and values= give both formats whole, so {shared} would apply to neither; drop "
-                f"{' and '.join(shared)}, or set them inside the formats"
-            )
-        classes = {role: type(whole[role]) if whole[role] is not None else _scheme_class(*_scheme(given, kind))
-                   for role, kind in ROLES.items()}  # fmt: skip
-        built: dict[str, Format] = {}
-        filled: set[str] = set()
-        for role, kind in ROLES.items():
-            if whole[role] is not None:
-                built[role] = whole[role]  # type: ignore[assignment]
-                continue
-            other = classes["values" if role == "keys" else "keys"]
-            built[role] = _role_format(kind, classes[role], other, given, filled)
-        if "norm_bits" in given and not any(_has_norm_bits(type(f)) for f in built.values()):
-            raise ConfigError(
-                f"Quantize: norm_bits={given['norm_bits']!r} sets the width of per-vector scales; neither kind is "
-                f"quantized with scheme='codebook' or 'lattice' (keys: {built['keys'].name!r}, values: "
-                f"{built['values'].name!r}). Pass scheme='codebook' or 'lattice', or drop norm_bits"
-            )
+        built, filled = role_formats(given, {"keys": keys, "values": values})
         if defaulted is not None:
-            if isinstance(defaulted, str) or not isinstance(defaulted, (tuple, list)):
-                raise ConfigError(f"Quantize: defaulted must be a list of {list(DEFAULTABLE)}; got {defaulted!r}")
-            unknown = [d for d in defaulted if d not in DEFAULTABLE]
-            if unknown:
-                raise ConfigError(f"Quantize: defaulted names {unknown}; it may name {list(DEFAULTABLE)}")
-            filled = set(defaulted)
-        if getattr(built["values"], "centre", False):
-            raise ConfigError(
-                f"Quantize: values={built['values']!r} is centred; only keys are (the fused path adds a key "
-                "centre to the scores, and has no term for a value centre). Use centre=False for the values"
-            )
+            filled = _checked_defaulted(defaulted, built)
         kf, vf = built["keys"], built["values"]
-        if kf.grouped and vf.grouped and kf.axis == vf.axis == "channel":
-            small, big = sorted((kf.group_size, vf.group_size))
-            if big % small:
-                raise ConfigError(
-                    f"Quantize: keys and values both grouped per channel need one group size to divide the "
-                    f"other (tokens are read back in whole groups of both); got key_group_size={kf.group_size}, "
-                    f"value_group_size={vf.group_size}"
-                )
+        if vf.centre:
+            raise ConfigError(
+                f"Quantize: values={vf!r} is centred; only keys are (the fused path adds a key centre to the "
+                "scores, and has no term for a value centre). Use centre=False for the values"
+            )
+        if kf.grouped and vf.grouped and kf.axis == vf.axis == "channel" and max(
+            kf.group_size, vf.group_size
+        ) % min(kf.group_size, vf.group_size):  # fmt: skip
+            raise ConfigError(
+                f"Quantize: keys and values both grouped per channel need one group size to divide the other "
+                f"(tokens are read back in whole groups of both); got key_group_size={kf.group_size}, "
+                f"value_group_size={vf.group_size}"
+            )
         object.__setattr__(self, "keys", kf)
         object.__setattr__(self, "values", vf)
         object.__setattr__(self, "check_finite", check_finite)
-        object.__setattr__(self, "defaulted", tuple(d for d in DEFAULTABLE if d in filled))
+        object.__setattr__(self, "defaulted", tuple(sorted(filled)))
         #: the shortcut keywords given, so that errors name the parameter the caller wrote (not compared, not saved)
         object.__setattr__(self, "_given", frozenset(given))
 
@@ -310,145 +201,96 @@ class Quantize(Action):
         return hash(("quantize", *self._canonical()))
 
     def __repr__(self) -> str:
-        # the shortcut form where the shortcuts build this action: the group sizes in effect, one
-        # ``group_size`` when they agree; meta_dtype only
-        # when set; the scheme only when a kind is not min-max (its group size and axis are then left out);
-        # fit when it is not "minmax", or when it is and the default is not. Otherwise each role's format, whole.
         shown = self._shortcut_form()
         if shown is None:
             return f"Quantize(keys={self.keys!r}, values={self.values!r}, check_finite={self.check_finite!r})"
         return f"Quantize({', '.join(f'{k}={v!r}' for k, v in shown)})"
 
     def _shortcut_form(self) -> list[tuple[str, Any]] | None:
-        """The shortcut keywords, in the repr's order, that build an action equal to this one (``None``:
-        none do, e.g. keys and values with different metadata dtypes, or a format with parameters of its own)."""
+        """The shortcut keywords, in the repr's order, that build an action equal to this one (``None``: none
+        do, e.g. keys and values with different metadata dtypes, or a format with an option no keyword names).
+
+        Widths first; for two min-max roles the group sizes and axes in effect (one ``group_size`` when they
+        agree), otherwise the scheme(s), each grouped role's group size and axis, and every other option off
+        its default; ``meta_dtype`` when set; fits other than ``"minmax"``, and a ``"minmax"`` fit too where the
+        keywords shown would otherwise build the default fit in its place."""
         k, v = self.keys, self.values
         out: list[tuple[str, Any]] = []
         out += [("bits", k.bits)] if k.bits == v.bits else [("key_bits", k.bits), ("value_bits", v.bits)]
-        if (k.name, v.name) == ("minmax", "minmax"):
+        if k.name == v.name == DEFAULT_SCHEME:
             if k.group_size == v.group_size:
                 out.append(("group_size", k.group_size))
             else:
                 out += [("key_group_size", k.group_size), ("value_group_size", v.group_size)]
-            out += [("key_axis", k.axis), ("value_axis", v.axis), ("check_finite", self.check_finite)]
+            out += [("key_axis", k.axis), ("value_axis", v.axis)]
         else:
             out += [("scheme", k.name)] if k.name == v.name else [("key_scheme", k.name), ("value_scheme", v.name)]
             for kind, fmt in self.roles():
                 if fmt.grouped:
                     out += [(f"{kind}_group_size", fmt.group_size), (f"{kind}_axis", fmt.axis)]
-            if k.centre:
-                out.append(("key_centre", True))
-            if any(getattr(f, "norm_bits", 16) != 16 for f in (k, v)):
-                # the width off the default (a min-max role has none; two differing widths fail the check below)
-                out.append(("norm_bits", next(f.norm_bits for f in (k, v) if getattr(f, "norm_bits", 16) != 16)))
-            out.append(("check_finite", self.check_finite))
+            extra: dict[str, Any] = {}
+            for i, (_, fmt) in enumerate(self.roles()):
+                for f in dataclasses.fields(fmt):  # type: ignore[arg-type]
+                    value = getattr(fmt, f.name)
+                    if f.name in SHORTCUTS and f.name not in ("bits", "group_size", "axis", "fit", "meta_dtype"):
+                        if value == f.default:
+                            continue
+                        keyword = SHORTCUTS[f.name][1 + i] or SHORTCUTS[f.name][0]
+                        if keyword is None or extra.setdefault(keyword, value) != value:
+                            return None
+                    elif f.name not in SHORTCUTS:
+                        return None  # an option no keyword names
+            out += list(extra.items())
+        out.append(("check_finite", self.check_finite))
         if k.meta_dtype != "auto":
             out.append(("meta_dtype", k.meta_dtype))
         if k.fit == v.fit:
             out += [] if k.fit == "minmax" else [("fit", k.fit)]
         else:
             out += [(f"{kind}_fit", fmt.fit) for kind, fmt in self.roles() if fmt.fit != "minmax"]
-        # a min-max fit is left out (as before fits existed) unless the keywords shown would build another
-        # fit in its place (keys are fitted by default): then it is shown too, so the repr builds this action
         classes = {k.name: type(k), v.name: type(v)}
         kwargs = {key: classes[val] if key.endswith("scheme") else val for key, val in out}
-        plain = [(f"{kind}_fit", fmt.fit) for kind, fmt in self.roles() if fmt.fit == "minmax"]
+        plain = [
+            (f"{kind}_fit", "minmax") for kind, fmt in self.roles() if fmt.fit == "minmax" and "fit" in fmt.options()
+        ]
         # the fewest min-max fits named first: none, each role's alone, then both
-        options = [[], *([p] for p in plain), *([plain] if len(plain) > 1 else [])]
-        for extra in options:
+        for extra_fits in [[], *([p] for p in plain), *([plain] if len(plain) > 1 else [])]:
             try:
-                rebuilt = Quantize(**kwargs, **dict(extra))
+                rebuilt = Quantize(**kwargs, **dict(extra_fits))
             except (ConfigError, TypeError, ValueError):
                 continue
             if rebuilt == self:
-                return out + extra
+                return out + extra_fits
         return None
 
     # ------------------------------------------------------------------ the Action hooks
     def check_backend(self, backend: Backend) -> None:
-        caps = backend.capabilities
-        mult = caps.group_size_multiple
+        """Each role's format served by ``backend`` (:meth:`Backend.check_format`), and a pair of widths it serves."""
         for kind, fmt in self.roles():
-            if not fmt.grouped:
-                backend.check_scheme(fmt.name, fmt.bits, role=kind)
-        for kind, fmt in self.roles():
-            norm = getattr(fmt, "norm_bits", 16)
-            if norm not in caps.codebook_norm_bits:
-                raise ConfigError(
-                    f"backend {backend.name!r} does not read {fmt.name} {kind}s with norm_bits={norm}; it supports "
-                    f"norm_bits in {list(caps.codebook_norm_bits)} (norm_bits=8: backends 'torch' and 'cpu')"
-                )
-        if self.keys.centre and not caps.codebook_centre:
-            raise ConfigError(
-                f"backend {backend.name!r} does not store centred codebook blocks (key_centre=True); backends "
-                "whose capabilities list codebook_centre do (torch, cpu)"
-            )
-        for kind, fmt in self.roles():
-            if fmt.grouped and fmt.group_size % mult:
-                raise ConfigError(
-                    f"backend {backend.name!r} needs group sizes that are multiples of {mult}; got "
-                    f"{self._param(kind, 'group_size')}={fmt.group_size}"
-                )
+            backend.check_format(fmt, kind)
         k, v = self.keys, self.values
+        caps = backend.capabilities
         pairs = caps.bit_pairs if caps.bit_pairs is not None else tuple(itertools.product(caps.bits, caps.bits))
         if k.grouped and v.grouped and k.bits != v.bits and (k.bits, v.bits) not in pairs:
             raise ConfigError(
                 f"backend {backend.name!r} does not support key_bits={k.bits}, value_bits={v.bits}; "
                 f"it supports (key_bits, value_bits) in {[tuple(p) for p in pairs]}"
             )
-        for kind, fmt in self.roles():
-            if fmt.grouped:
-                backend.check(bits=fmt.bits, group_size=fmt.group_size, axis=fmt.axis, role=kind)
-        for meta in dict.fromkeys((k.meta_dtype, v.meta_dtype)):
-            backend.check_meta_dtype(meta)
-        for kind, fmt in self.roles():
-            if fmt.fit not in caps.fits:
-                param = self._param(kind, "fit").removesuffix(" (default)")
-                default = " (the default for min-max keys)" if f"{kind}s.fit" in self.defaulted else ""
-                raise ConfigError(
-                    f"backend {backend.name!r} does not fit min-max ranges with {param}={fmt.fit!r}{default}; it "
-                    f"supports fit in {list(caps.fits)} (fit='mse': backends 'torch', 'cpu' and 'triton'). Pass "
-                    f"{param}={caps.fits[0]!r} to use backend {backend.name!r}"
-                )
 
     def serving(
         self, backend: Backend, key_dim: int | None = None, value_dim: int | None = None
     ) -> tuple[Quantize, tuple[str, ...]]:
-        """Replace the defaults ``backend`` or the head dims cannot serve (see :meth:`Action.serving`).
-
-        Only options :attr:`defaulted` names are replaced (a format given whole, or an option given as a
-        shortcut, never is):
-
-        - the keys' default fit (:data:`DEFAULT_KEY_FIT`, ``"mse"``) on a backend whose
-          ``capabilities.fits`` lack it (``quanto``, ``hqq``): ``key_fit="minmax"``;
-        - a per-token kind's default group size (64 channels for values) that does not divide its
-          head dim: the largest divisor of the head dim below it that is a multiple of the backend's
-          ``group_size_multiple`` (head_dim 48: 48, 80: 40, 96: 48), when one exists.
-        """
-        new = {"keys": self.keys, "values": self.values}
-        left = set(self.defaulted)
-        notes: list[str] = []
-        fits = backend.capabilities.fits
-        if "keys.fit" in left and self.keys.fit == DEFAULT_KEY_FIT and DEFAULT_KEY_FIT not in fits:
-            new["keys"] = dataclasses.replace(self.keys, fit="minmax")
-            left.discard("keys.fit")
-            notes.append(
-                f"key_fit='minmax' (backend {backend.name!r} does not fit ranges with the default {DEFAULT_KEY_FIT!r})"
-            )
-        mult = backend.capabilities.group_size_multiple
+        """Each role format's :meth:`~kvpolicy.formats.base.Format.serving`: the options :attr:`defaulted` names
+        that ``backend`` or the head dims cannot serve replaced (a format given whole, or an option given as a
+        shortcut, never is): e.g. min-max keys' default fit ``"mse"`` on a backend without it (``quanto``,
+        ``hqq``) by ``key_fit="minmax"``, a default per-token group size that does not divide the head dim
+        by the largest that does (head_dim 48: 48, 80: 40, 96: 48)."""
+        new, left, notes = {}, set(self.defaulted), []
         for (role, kind), dim in zip(ROLES.items(), (key_dim, value_dim), strict=True):
-            fmt = new[role]
-            if (dim is None or f"{role}.group_size" not in left or not fmt.grouped or fmt.axis != "token"
-                    or dim % fmt.group_size == 0):  # fmt: skip
-                continue
-            fitting = [g for g in range(mult, min(fmt.group_size, dim) + 1, mult) if dim % g == 0]
-            if fitting:
-                new[role] = dataclasses.replace(fmt, group_size=fitting[-1])
-                left.discard(f"{role}.group_size")
-                notes.append(
-                    f"{kind}_group_size={fitting[-1]} (the default {fmt.group_size} does not divide the {kind} "
-                    f"head_dim {dim})"
-                )
+            mine = tuple(d.partition(".")[2] for d in self.defaulted if d.startswith(f"{role}."))
+            new[role], replaced, said = getattr(self, role).serving(backend, kind, dim, mine)
+            left -= {f"{role}.{option}" for option in replaced}
+            notes += said
         if not notes:
             return self, ()
         return self._derived(new["keys"], new["values"], tuple(left)), tuple(notes)
@@ -459,18 +301,19 @@ class Quantize(Action):
         return self._derived(keys, values, self.defaulted)
 
     def check_transform(self, transform: Any) -> None:
-        """A codebook kind needs rotated data: refuse the identity transform (see the class docstring)."""
+        """A format that assumes rotated data (``needs_rotation``, e.g. the codebook) refuses the identity transform."""
         kinds = [(kind, fmt) for kind, fmt in self.roles() if fmt.needs_rotation]
         if kinds and getattr(transform, "identity", False):
             raise ConfigError(
                 f"Quantize: scheme={kinds[0][1].name!r} for the {' and '.join(k for k, _ in kinds)}s assumes rotated "
-                "coordinates (close to Gaussian, which its Lloyd-Max codebook is built for); without a rotation the "
-                "few outlier channels of keys take whole codebook cells. Pass transform='hadamard', or use "
-                f"scheme='minmax'; got transform={transform.name!r}"
+                "coordinates (close to Gaussian, which its codes are built for); without a rotation the few "
+                "outlier channels of keys take whole cells. Pass transform='hadamard', or use scheme='minmax'; got "
+                f"transform={transform.name!r}"
             )
 
     def check_head_dim(self, head_dim: int, multiple: int = 4, role: str | None = None) -> None:
-        """Per-token groups split each token's channels: ``group_size`` must divide ``head_dim``.
+        """Per-token groups split each token's channels: ``group_size`` must divide ``head_dim``; a format
+        without groups needs a multiple of its ``head_dim_multiple``.
 
         ``multiple`` is the backend's group-size granularity, used to suggest valid sizes. ``role``
         (``"key"`` or ``"value"``) checks that tensor kind's axis only (models whose keys and values
@@ -483,7 +326,7 @@ class Quantize(Action):
                 if head_dim % fmt.head_dim_multiple:
                     raise ConfigError(
                         f"Quantize: {kind}s with scheme={fmt.name!r} need a head_dim that is a multiple of "
-                        f"{fmt.head_dim_multiple} (their indices pack into whole bytes); got head_dim={head_dim}"
+                        f"{fmt.head_dim_multiple} (their codes pack into whole bytes); got head_dim={head_dim}"
                     )
                 continue
             if fmt.axis != "token" or head_dim % fmt.group_size == 0:
@@ -499,116 +342,102 @@ class Quantize(Action):
         return QuantizedStore(self, backend, layer_idx)
 
 
-def _scheme(given: dict[str, Any], kind: str) -> tuple[str, Any]:
-    """``(parameter, value)`` of ``kind``'s scheme, :data:`DEFAULT_SCHEME` when none is given."""
-    param, value = _pick(given, kind, "scheme")
-    return param, DEFAULT_SCHEME if value is None else value
+def role_formats(given: dict[str, Any], whole: dict[str, Format | None]) -> tuple[dict[str, Format], set[str]]:
+    """The formats of keys and values that ``Quantize``'s shortcut keywords ``given`` describe (a role in
+    ``whole`` given as its format), and the options their defaults filled (``"keys.fit"``...).
 
-
-def _pick(given: dict[str, Any], kind: str, option: str) -> tuple[str, Any]:
-    """``(parameter, value)`` of ``kind``'s ``option``: its own keyword, else the shorthand, else ``None``."""
-    own = f"{kind}_{option}"
-    if own in given:
-        return own, given[own]
-    return (option, given[option]) if option in given else (own, None)
-
-
-def _role_format(kind: str, cls: type[Format], other: type[Format], given: dict[str, Any], filled: set[str]) -> Format:
-    """The format the shortcuts ``given`` describe for ``kind`` (``"key"``/``"value"``) in scheme ``cls``
-    (``other``: the other kind's), the defaults filled (their options added to ``filled``)."""
-    role = f"{kind}s"
-    bits_param, bits = _pick(given, kind, "bits")
-    bits = DEFAULT_BITS if bits is None else bits
-    if cls.bits_allowed and bits not in cls.bits_allowed:
+    Raises
+    ------
+    ConfigError
+        Naming the keyword: a shortcut contradicting the one for both roles, a role given whole and by
+        keywords, an option its format lacks (or a shared one neither format has), a value a format refuses.
+    """
+    for role, fmt in whole.items():
+        if fmt is not None and not isinstance(fmt, Format):
+            raise ConfigError(
+                f"Quantize: {role} must be a format spec (kvpolicy.formats.MinMax(...), Codebook(...)); got "
+                f"{role}={fmt!r}"
+            )
+        own = sorted(p for p in given if p.startswith(f"{ROLES[role]}_"))
+        if fmt is not None and own:
+            raise ConfigError(
+                f"Quantize: {role}={fmt!r} gives the {ROLES[role]}s' format whole; {own} would set it again. Give "
+                f"{role}= alone, or the {ROLES[role]}_* keywords"
+            )
+    shared = sorted(p for p in given if not p.startswith(("key_", "value_")))
+    if None not in whole.values() and shared:
         raise ConfigError(
-            f"Quantize: {bits_param}={bits} with scheme={cls.name!r}; it supports bits in {list(cls.bits_allowed)}"
+            f"Quantize: keys= and values= give both formats whole, so {shared} would apply to neither; drop "
+            f"{' and '.join(shared)}, or set them inside the formats"
         )
-    meta = given.get("meta_dtype", "auto")
-    param, group = _pick(given, kind, "group_size")
-    fit_param, fit = _pick(given, kind, "fit")
-    if not cls.grouped:
-        # a shared group size or fit applies to the grouped kind; given for none, or a kind's own, it is an error
-        if group is not None and (param != "group_size" or not other.grouped):
-            raise ConfigError(
-                f"Quantize: {kind}s quantized with scheme={cls.name!r} hold one scale per token and head; a group "
-                f"size does not apply to them (got {param}={group})"
-            )
-        if fit not in (None, "minmax") and (fit_param != "fit" or not other.grouped):
-            if fit_param == "fit":
-                raise ConfigError(
-                    f"Quantize: fit={fit!r} chooses the range of min-max groups; both keys and values use "
-                    f"scheme={cls.name!r} (one scale per vector, no range to fit). Drop fit, or quantize a "
-                    "kind with scheme='minmax'"
-                )
-            raise ConfigError(
-                f"Quantize: {kind}_fit={fit!r} chooses the range of min-max groups; the {kind}s use "
-                f"scheme={cls.name!r} (one scale per vector, no range to fit)"
-            )
-        centre = bool(given.get("key_centre", False)) if kind == "key" else False
-        if centre and not cls.centred:
-            raise ConfigError(
-                "Quantize: key_centre=True centres codebook keys; the keys' scheme is "
-                f"{cls.name!r}, whose blocks take no centre. Pass key_scheme='codebook', or drop key_centre"
-            )
-        if "norm_bits" in given and _has_norm_bits(cls):
-            return cls.from_options(bits, None, "token", "minmax", meta, centre, norm_bits=given["norm_bits"])
-        return cls.from_options(bits, None, "token", "minmax", meta, centre)
-    if kind == "key" and given.get("key_centre"):
-        raise ConfigError(
-            "Quantize: key_centre=True centres codebook keys; the keys' scheme is "
-            f"{cls.name!r} (min-max groups carry their own zero-point). Pass key_scheme='codebook', "
-            "or drop key_centre"
-        )
-    axis = given.get(f"{kind}_axis", DEFAULT_AXIS[kind])
-    if group is None:
-        group = DEFAULT_GROUP_SIZE[axis]
-        filled.add(f"{role}.group_size")
-    if fit is None:
-        fit = DEFAULT_KEY_FIT if kind == "key" else "minmax"
-        if kind == "key":
-            filled.add("keys.fit")
-    return cls.from_options(bits, group, axis, fit, meta, False)
-
-
-def _has_norm_bits(cls: type[Format]) -> bool:
-    """Whether a format class has a ``norm_bits`` parameter (the width of a per-vector scale)."""
-    return dataclasses.is_dataclass(cls) and any(f.name == "norm_bits" for f in dataclasses.fields(cls))
-
-
-def _check_shortcuts(given: dict[str, Any]) -> None:
-    """Each shortcut keyword of ``Quantize`` of the right kind and range, and no kind's own contradicting
-    its shorthand."""
-    for param in ("bits", "key_bits", "value_bits", "group_size", "key_group_size", "value_group_size"):
-        if param in given:
-            check_int(param, given[param], 1, "Quantize")
-            if param.endswith("bits") and given[param] > 8:
-                raise ConfigError(f"Quantize: {param} must be between 1 and 8; got {param}={given[param]!r}")
-    for param in ("key_axis", "value_axis"):
-        if param in given and given[param] not in AXES:
-            raise ConfigError(f"Quantize: {param} must be one of {list(AXES)}; got {param}={given[param]!r}")
-    for param in ("scheme", "key_scheme", "value_scheme"):
-        if param in given:
-            _scheme_class(param, given[param])
-    for param in ("fit", "key_fit", "value_fit"):
-        if param in given and given[param] not in FITS:
-            raise ConfigError(f"Quantize: {param} must be one of {list(FITS)}; got {param}={given[param]!r}")
-    for short, kinds in SHORTHANDS.items():
-        for param in kinds:
-            if short in given and param in given and given[param] != given[short]:
-                a = _scheme_class(short, given[short]) if short == "scheme" else given[short]
-                b = _scheme_class(param, given[param]) if short == "scheme" else given[param]
+    classes = {param: _scheme_class(param, given[param]) for param in SCHEME if param in given}
+    for both, *each in [SCHEME, *SHORTCUTS.values()]:
+        for param in each:
+            if both in given and param in given:
+                a, b = (classes[both], classes[param]) if both == "scheme" else (given[both], given[param])
                 if a != b:
                     raise ConfigError(
-                        f"Quantize: {short}={given[short]!r} (the shorthand for both) contradicts "
-                        f"{param}={given[param]!r}; give {short} alone, or {' and '.join(kinds)}"
+                        f"Quantize: {both}={given[both]!r} (the shorthand for both) contradicts "
+                        f"{param}={given[param]!r}; give {both} alone, or {' and '.join(p for p in each if p)}"
                     )
-    if "key_centre" in given and not isinstance(given["key_centre"], bool):
-        raise ConfigError(f"Quantize: key_centre must be a bool; got key_centre={given['key_centre']!r}")
-    if "norm_bits" in given:
-        check_norm_bits("Quantize", "norm_bits", given["norm_bits"])
-    meta = given.get("meta_dtype", "auto")
-    if not isinstance(meta, str) or meta not in META_DTYPES:
-        raise ConfigError(f"Quantize: meta_dtype must be one of {list(META_DTYPES)}; got meta_dtype={meta!r}")
+    built: dict[str, Format] = {}
+    filled: set[str] = set()
+    unused: dict[str, int] = {}  # shared keyword -> how many roles' formats lack its option
+    for i, (role, kind) in enumerate(ROLES.items()):
+        if whole[role] is not None:
+            built[role] = whole[role]  # type: ignore[assignment]
+            continue
+        cls = classes.get(SCHEME[1 + i]) or classes.get("scheme") or formats.MinMax
+        options: dict[str, Any] = {}
+        params: list[str] = []
+        for option, names in SHORTCUTS.items():
+            param = next((p for p in (names[1 + i], names[0]) if p is not None and p in given), None)
+            if param is None:
+                continue
+            if option in cls.options():
+                options[option] = given[param]
+                params.append(f"{param}={given[param]!r}")
+            elif param == names[0]:
+                unused[param] = unused.get(param, 0) + 1
+            elif option not in IGNORED:
+                raise ConfigError(
+                    f"Quantize: {param}={given[param]!r} does not apply to {kind}s in format {cls.name!r}, whose "
+                    f"options are {list(cls.options())}"
+                )
+        options.setdefault("bits", DEFAULT_BITS)
+        try:
+            built[role], defaults = cls.for_role(kind, options)
+        except ConfigError as exc:
+            refused = ", ".join(params)
+            raise ConfigError(f"Quantize: the {kind}s' format {cls.name!r} refuses {refused}: {exc}") from None
+        filled |= {f"{role}.{option}" for option in defaults}
+    neither = sorted(p for p, n in unused.items() if n == sum(fmt is None for fmt in whole.values()))
+    if neither:
+        raise ConfigError(
+            f"Quantize: {neither[0]}={given[neither[0]]!r} applies to neither role: keys in format "
+            f"{built['keys'].name!r} and values in {built['values'].name!r} have no option {neither[0]!r}; drop it, "
+            "or use a format that has it"
+        )
+    return built, filled
+
+
+def _scheme_class(param: str, value: object) -> type[Format]:
+    """The format class a scheme keyword names: a registered format's name, or a :class:`Format` class."""
+    if isinstance(value, type) and issubclass(value, Format):
+        return value
+    return formats.named(value, param)  # type: ignore[arg-type]
+
+
+def _checked_defaulted(defaulted: object, built: dict[str, Format]) -> set[str]:
+    """The ``defaulted`` given (a saved spec's), each entry an option its role's format may default."""
+    allowed = {f"{role}.{option}" for role, kind in ROLES.items()
+               for option in type(built[role]).for_role(kind, {"bits": built[role].bits})[1]}  # fmt: skip
+    if isinstance(defaulted, str) or not isinstance(defaulted, (tuple, list)):
+        raise ConfigError(f"Quantize: defaulted must be a list of {sorted(allowed)}; got {defaulted!r}")
+    unknown = [d for d in defaulted if d not in allowed]
+    if unknown:
+        raise ConfigError(f"Quantize: defaulted names {unknown}; it may name {sorted(allowed)}")
+    return set(defaulted)
 
 
 class QuantizedStream:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from kvpolicy.errors import MissingDependencyError
+from kvpolicy.errors import ConfigError, MissingDependencyError
 
 
 def require(module: str, backend: str, extra: str) -> ModuleType:
@@ -27,3 +27,15 @@ def require(module: str, backend: str, extra: str) -> ModuleType:
             f"backend {backend!r} needs the package providing {module!r}, which is not installed "
             f'({exc}); install it with: pip install "kvpolicy[{extra}]"'
         ) from exc
+
+
+def refuse_fitted_ranges(backend: str, fmt: object, role: str = "") -> None:
+    """Raise :class:`ConfigError` if ``fmt`` fits its ranges (``fit`` other than ``"minmax"``): a backend whose
+    library chooses every group's range itself cannot store them."""
+    fit = getattr(fmt, "fit", "minmax")
+    if fit != "minmax":
+        param = f"{role}_fit" if role else "fit"
+        raise ConfigError(
+            f"backend {backend!r} does not fit min-max ranges with {param}={fit!r}; it supports fit in ['minmax'] "
+            f"(fit='mse': backends 'torch', 'cpu' and 'triton'). Pass {param}='minmax' to use backend {backend!r}"
+        )

@@ -19,7 +19,6 @@ from kvpolicy import formats
 from kvpolicy.errors import ConfigError
 from kvpolicy.formats.base import (  # noqa: F401 - re-exported: the backend contract's names
     AXES,
-    FITS,
     META_DTYPES,
     Format,
     QTensor,
@@ -30,23 +29,20 @@ from kvpolicy.formats.base import (  # noqa: F401 - re-exported: the backend con
     widen_remedy,
 )
 
-#: ``scheme`` values of :class:`~kvpolicy.actions.quantize.Quantize` the built-in formats give:
-#: asymmetric min-max groups (:mod:`kvpolicy.formats.packed`), or a per-vector norm with Lloyd-Max
-#: indices (:mod:`kvpolicy.formats.codebook`); formats registered by plugins add their names
-SCHEMES = tuple(formats.BUILTIN)
-
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend can do; checked when a cache is constructed.
+    """What a backend can do; checked when a cache is constructed. Nothing here is about one format: a
+    backend serves a format that its :attr:`formats` name or that names it (``Format.backends``), and
+    refuses the options of a format it cannot read in its own :meth:`Backend.check_format`.
 
     Parameters
     ----------
     bits : tuple of int
-        Supported code widths.
+        Supported code widths (of every format it serves).
     axes : tuple of str
-        Supported grouping axes (``"token"``: groups of channels of one token; ``"channel"``: groups
-        of tokens of one channel).
+        Supported grouping axes of grouped formats (``"token"``: groups of channels of one token;
+        ``"channel"``: groups of tokens of one channel).
     group_size_multiple : int
         Group sizes must be positive multiples of this number (packing granularity).
     devices : tuple of str
@@ -63,27 +59,9 @@ class Capabilities:
     bit_pairs : tuple of (int, int), optional
         ``(key_bits, value_bits)`` pairs served when keys and values differ; ``None``: every pair of
         ``bits`` (keys and values are quantized, stored and attended independently).
-    schemes : tuple of str
-        Quantization schemes served (format names, see :data:`SCHEMES`): ``quantize`` is handed their
-        :class:`~kvpolicy.formats.base.Format` specs.
-    codebook_bits : tuple of int
-        Index widths of the codebook scheme, when it is served.
-    codebook_centre : bool
-        Whether codebook blocks may carry a centre (``quantize(x, Codebook(..., centre=True), centre=μ)``,
-        read back by ``dequantize`` and ``attend``): what ``Quantize(key_centre=True)`` needs.
-    codebook_norm_bits : tuple of int
-        Widths of codebook scales read back by ``dequantize`` and ``attend`` (``Codebook(norm_bits=...)``):
-        16 (the metadata dtype), and 8 (one-byte log-scale codes) where listed.
-    fits : tuple of str
-        How min-max groups may choose their range (see :data:`FITS`): the ``fit`` of the
-        :class:`~kvpolicy.formats.MinMax` specs ``quantize`` is handed. The stored block is
-        the same either way, so ``dequantize`` and ``attend`` need nothing new. Keys are fitted by
-        default (``Quantize``'s ``key_fit="mse"``): on a backend listing only ``"minmax"`` a cache must
-        pass ``key_fit="minmax"``, which the refusal says.
-    reference_formats : bool
-        Whether formats registered beyond :data:`SCHEMES` are served through their own reference
-        methods (quantize, dequantize, cat, attend: the ``torch`` backend), so a new format runs here
-        before it has a kernel.
+    formats : tuple of str
+        Names of the formats served (``quantize`` is handed their :class:`~kvpolicy.formats.base.Format`
+        specs), besides those whose ``backends`` name this backend.
     """
 
     bits: tuple[int, ...]
@@ -94,12 +72,7 @@ class Capabilities:
     fused: bool = True
     meta_dtypes: tuple[str, ...] = ("auto",)
     bit_pairs: tuple[tuple[int, int], ...] | None = None
-    schemes: tuple[str, ...] = ("minmax",)
-    codebook_bits: tuple[int, ...] = ()
-    codebook_centre: bool = False
-    codebook_norm_bits: tuple[int, ...] = (16,)
-    fits: tuple[str, ...] = ("minmax",)
-    reference_formats: bool = False
+    formats: tuple[str, ...] = ("minmax",)
 
 
 class Backend:
@@ -258,23 +231,45 @@ class Backend:
         mult = caps.group_size_multiple
         if group_size % mult != 0:
             raise ConfigError(
-                f"backend {self.name!r} needs group_size to be a multiple of {mult}; got group_size={group_size}"
+                f"backend {self.name!r} needs group_size to be a multiple of {mult}; got "
+                f"{prefix}group_size={group_size}"
             )
 
-    def check_scheme(self, scheme: str, bits: int, role: str = "") -> None:
-        """Raise :class:`ConfigError` if this backend cannot quantize ``role`` tensors with ``scheme``
-        at ``bits`` (min-max widths are checked by :meth:`check`)."""
+    @classmethod
+    def names(cls) -> set[str]:
+        """This backend's name and those of the backends it derives from: a format naming one of them in
+        ``Format.backends`` is served here (a subclass of ``torch`` serves what ``torch`` serves)."""
+        return {c.__dict__["name"] for c in cls.__mro__ if isinstance(c.__dict__.get("name"), str)}
+
+    def check_format(self, fmt: Format, role: str = "") -> None:
+        """Raise :class:`ConfigError` unless this backend serves ``role`` tensors (``"key"``, ``"value"``) in
+        ``fmt``: a format its capabilities name or that names it, of a width they list, a metadata dtype they
+        accept, and, for a grouped format, an axis and group size :meth:`check` takes. Backends refuse the
+        options of a format their kernels do not read by extending it.
+        """
         caps = self.capabilities
         prefix = f"{role}_" if role else ""
-        if scheme not in caps.schemes and not (caps.reference_formats and scheme not in SCHEMES):
+        if fmt.name not in caps.formats and not self.names().intersection(fmt.backends):
             raise ConfigError(
-                f"backend {self.name!r} does not support {prefix}scheme={scheme!r}; it supports {list(caps.schemes)}"
+                f"backend {self.name!r} does not serve {prefix}scheme={fmt.name!r}; it serves {list(caps.formats)} "
+                "and the formats that name it"
             )
-        if scheme == "codebook" and bits not in caps.codebook_bits:
+        if fmt.grouped:
+            self.check(bits=fmt.bits, group_size=fmt.group_size, axis=fmt.axis, role=role)  # type: ignore[arg-type]
+        elif fmt.bits not in caps.bits:
             raise ConfigError(
-                f"backend {self.name!r} does not support {prefix}bits={bits!r} with scheme='codebook'; it supports "
-                f"bits in {list(caps.codebook_bits)}"
+                f"backend {self.name!r} does not support {prefix}bits={fmt.bits!r} with scheme={fmt.name!r}; it "
+                f"supports bits in {list(caps.bits)}"
             )
+        self.check_meta_dtype(fmt.meta_dtype)
+
+    def serves(self, fmt: Format, role: str = "") -> bool:
+        """Whether :meth:`check_format` accepts ``fmt`` for ``role``."""
+        try:
+            self.check_format(fmt, role)
+        except ConfigError:
+            return False
+        return True
 
     def check_meta_dtype(self, meta_dtype: str) -> None:
         """Raise :class:`ConfigError` if this backend cannot store metadata as ``meta_dtype`` asks."""

@@ -1,47 +1,38 @@
 """The ``cpu`` backend: the ``torch`` backend's storage with a C++ decode-attention kernel.
 
-Quantize, dequantize, ``cat`` and the containers are the ``torch`` backend's
-(:class:`~kvpolicy.formats.packed.PackedTensor` and
-:class:`~kvpolicy.formats.codebook.CodebookTensor`, bit for bit). ``attend`` — the quantized
-part of :mod:`kvpolicy.fused`'s decode attention — runs a hand-written C++ kernel
-(:mod:`kvpolicy.kernels.cpu_attention`) that reads the packed codes inside the score and value
-reductions: for min-max blocks, per key group, scores are ``(q ⊙ s) · codes + q · z``; per token, values
-add ``(p · s) · codes`` and ``p · z``; online softmax; float32 accumulation; OpenMP over
-(batch, kv head, token split).
+Quantize, dequantize, ``cat`` and the containers are the ``torch`` backend's, bit for bit. ``attend`` — the
+quantized part of :mod:`kvpolicy.fused`'s decode attention — runs a hand-written C++ kernel
+(:mod:`kvpolicy.kernels.cpu_attention`) that reads the packed codes inside the score and value reductions:
+for min-max blocks (:class:`~kvpolicy.formats.packed.PackedTensor`), per key group, scores are
+``(q ⊙ s) · codes + q · z``; per token, values add ``(p · s) · codes`` and ``p · z``; online softmax; float32
+accumulation; OpenMP over (batch, kv head, token split).
 
-Codebook blocks (``Quantize(scheme="codebook")``, :class:`~kvpolicy.formats.codebook.CodebookTensor`:
-one scale per token, Lloyd-Max indices) are read by the same kernel: codebook keys score
-``s_t · (q · C[codes_t])`` eight tokens at a time where AVX2 and FMA allow (tiles of
-:attr:`CpuBackend.tile` tokens), codebook values add
-``(p · s_t) · C[codes_t]`` (a table lookup, no zero term). Lattice blocks (``Quantize(scheme="lattice")``,
-:class:`~kvpolicy.formats.lattice.LatticeTensor`: one scale per token, one D4 table index per four channels)
-take the same paths with each index decoded to its four table coordinates: keys score
-``s_t · (q · P[codes_t])``, values add ``(p · s_t) · P[codes_t]``. Any key scheme goes with any value scheme.
+It reads as well any block of *scaled table codes* (:class:`~kvpolicy.formats.codebook.ScaledBlock`: one
+scale per token, codes indexing the table its :meth:`~kvpolicy.formats.codebook.ScaledBlock.table` gives),
+whatever format made it: a table of ``2**bits`` values, one code per channel (the codebook,
+``Quantize(scheme="codebook")``), or of ``2**(4 · bits)`` points of four coordinates, one index per four
+channels (a format a plugin registers names ``cpu`` in its ``backends`` to be read here). Keys score
+``s_t · (q · T[codes_t])`` eight tokens at a time where AVX2 and FMA allow (tiles of :attr:`CpuBackend.tile`
+tokens), values add ``(p · s_t) · T[codes_t]``. Any key format goes with any value format.
 
-The kernel covers: **keys** min-max grouped per channel (the default, KIVI's), codebook or lattice;
-**values** min-max grouped per token, codebook or lattice; **2, 3 or 4 bits** (lattice: 2 or 3; any
-key/value pair), with float16, bfloat16 or float32 metadata (every ``meta_dtype``, each role its own),
-and codebook and lattice blocks with one-byte scales (``norm_bits=8``), whose codes the kernel reads as
-they are stored: per (batch, head) it builds the 256 scales their codes decode to, by the formula and
-table of :mod:`kvpolicy.formats.scale_codes`. Other min-max layouts or widths are refused when a cache is
-built (``check``), not run some other way: use ``backend="torch"`` for them.
-Nothing falls back to the ``torch`` computation at decode time.
+The kernel covers: **keys** min-max grouped per channel (the default, KIVI's) or scaled table codes;
+**values** min-max grouped per token or scaled table codes; **2, 3 or 4 bits** (tables of points: 2 or 3;
+any key/value pair), with float16, bfloat16 or float32 metadata (every ``meta_dtype``, each role its own),
+and scales as one-byte codes (``norm_bits=8``), which the kernel reads as they are stored: per (batch, head)
+it builds the 256 scales their codes decode to, by the formula and table of
+:mod:`kvpolicy.formats.scale_codes`. Other layouts or widths are refused when a cache is built
+(:meth:`CpuBackend.check_format`), not run some other way: use ``backend="torch"`` for them. Nothing falls
+back to the ``torch`` computation at decode time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import ClassVar
-
 import torch
 
-from kvpolicy.backends.base import FITS, META_DTYPES, Capabilities, QTensor
+from kvpolicy.backends.base import META_DTYPES, Capabilities, QTensor
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import ConfigError
-from kvpolicy.formats import codebook, lattice
-from kvpolicy.formats.base import META_TORCH_DTYPES
-from kvpolicy.formats.codebook import CodebookTensor
-from kvpolicy.formats.lattice import LatticeTensor
+from kvpolicy.formats.base import META_TORCH_DTYPES, Format
 from kvpolicy.formats.packed import PackedTensor, _inner_contiguous, per_head_views
 from kvpolicy.formats.scale_codes import octave_steps
 from kvpolicy.kernels import cpu_attention
@@ -50,6 +41,8 @@ from kvpolicy.kernels import cpu_attention
 AXIS_BY_ROLE = {"key": "channel", "value": "token"}
 #: tokens per tile of codebook keys (:attr:`CpuBackend.tile`)
 CODEBOOK_TILE = 64
+#: channels per code index -> the widths the kernel reads blocks of scaled table codes at
+POINT_BITS = {1: (2, 3, 4), 4: (2, 3)}
 
 
 class CpuBackend(TorchBackend):
@@ -70,11 +63,6 @@ class CpuBackend(TorchBackend):
         devices=("cpu",),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         meta_dtypes=META_DTYPES,
-        schemes=("minmax", "codebook", "lattice"),
-        codebook_bits=codebook.CODEBOOK_BITS,
-        codebook_centre=True,
-        codebook_norm_bits=codebook.NORM_BITS,
-        fits=FITS,
     )
 
     def __init__(self) -> None:
@@ -106,6 +94,28 @@ class CpuBackend(TorchBackend):
                 "(use backend='torch' for other layouts)"
             )
 
+    @classmethod
+    def names(cls) -> set[str]:
+        """``{"cpu"}``: the kernel reads the formats that name ``cpu``, not every one ``torch`` serves."""
+        return {"cpu"}
+
+    def check_format(self, fmt: Format, role: str = "") -> None:
+        """:meth:`Backend.check_format`, and a format without groups must store scaled table codes the kernel
+        reads: a :class:`~kvpolicy.formats.codebook.ScaledBlock` of one code per channel, or one index per
+        four channels at 2 or 3 bits."""
+        super().check_format(fmt, role)
+        if fmt.grouped:
+            return
+        from kvpolicy.formats.codebook import ScaledBlock
+
+        dim = getattr(fmt, "point_dim", None)
+        if not issubclass(fmt.block, ScaledBlock) or dim not in POINT_BITS or fmt.bits not in POINT_BITS[dim]:
+            raise ConfigError(
+                f"backend 'cpu' reads blocks of scaled table codes with one code per channel at bits "
+                f"{list(POINT_BITS[1])}, or one index per four channels at bits {list(POINT_BITS[4])}; "
+                f"{role + 's in ' if role else ''}{fmt} are not (use backend='torch')"
+            )
+
     def _packed_args(self, q: PackedTensor, role: str) -> tuple:
         self.check(bits=q.bits, group_size=q.group_size, axis=q.axis, role=role)
         if q.codes.device.type != "cpu":
@@ -113,28 +123,35 @@ class CpuBackend(TorchBackend):
         codes, scales, zeros = per_head_views(q)
         return (codes, scales, zeros, None, q.bits, q.group_size, None), None
 
-    def _scaled_args(
-        self, q: CodebookTensor | LatticeTensor, role: str, what: str, table: Callable[[int], torch.Tensor]
-    ) -> tuple:
-        """A block of scheme ``what`` (codebook or lattice): its kernel arguments, checked: codes, scales (or
-        one-byte codes with their base) and ``table(bits)`` (codebook centroids, 1-d; lattice points, 2-d: the
-        kernel tells the scheme by it), built once the width is checked."""
-        self.check_scheme(what, q.bits, role=role)
-        codes, scales, base = q.codes, q.scales, q.scale_base
+    def _scaled_args(self, q: QTensor, role: str) -> tuple:
+        """A block of scaled table codes: its kernel arguments, checked: codes, scales (or one-byte codes with
+        their base) and its table (1-d: one code per channel; 2-d: four channels per index; the kernel tells
+        them apart by the table's shape)."""
+        codes, scales, base = q.codes, q.scales, q.scale_base  # type: ignore[attr-defined]
         if codes.device.type != "cpu" or scales.device.type != "cpu":
             raise ConfigError(f"backend 'cpu' runs on CPU tensors; got {role}s on {codes.device.type!r}")
         b, h, n, d = q.shape
-        want = (b, h, n, d * q.bits // 8)
-        if codes.dtype != torch.uint8 or tuple(codes.shape) != want or (d * q.bits) % 8:
+        bits = q.bits  # type: ignore[attr-defined]
+        table = q.table() if any(bits in widths for widths in POINT_BITS.values()) else torch.empty(1 << bits)  # type: ignore[attr-defined]
+        dim = 1 if table.dim() == 1 else table.shape[-1]
+        want_table = (1 << bits,) if dim == 1 else (1 << (dim * bits), dim)
+        if dim not in POINT_BITS or bits not in POINT_BITS[dim] or tuple(table.shape) != want_table:
             raise ConfigError(
-                f"backend 'cpu': {what} {role}s of shape {q.shape} at {q.bits} bits need uint8 codes of shape "
-                f"{want}; got {codes.dtype} {tuple(codes.shape)}"
+                f"backend 'cpu' reads {role}s of scaled table codes with a table of {2**bits} values at bits "
+                f"{list(POINT_BITS[1])}, or of 2**(4 * bits) points of 4 coordinates at bits {list(POINT_BITS[4])}; "
+                f"got {type(q).__name__} at {bits} bits with a table of shape {tuple(table.shape)}"
+            )
+        want = (b, h, n, d * bits // 8)
+        if codes.dtype != torch.uint8 or tuple(codes.shape) != want or (d * bits) % 8:
+            raise ConfigError(
+                f"backend 'cpu': {type(q).__name__} {role}s of shape {q.shape} at {bits} bits need uint8 codes of "
+                f"shape {want}; got {codes.dtype} {tuple(codes.shape)}"
             )
         allowed = (*META_TORCH_DTYPES.values(), torch.uint8) if base is not None else META_TORCH_DTYPES.values()
         if scales.dtype not in allowed or tuple(scales.shape) != (b, h, n):
             raise ConfigError(
-                f"backend 'cpu': {what} {role}s need one float16, bfloat16 or float32 scale per token (or one-byte "
-                f"codes with their base), shape {(b, h, n)}; got {scales.dtype} {tuple(scales.shape)}"
+                f"backend 'cpu': {type(q).__name__} {role}s need one float16, bfloat16 or float32 scale per token "
+                f"(or one-byte codes with their base), shape {(b, h, n)}; got {scales.dtype} {tuple(scales.shape)}"
             )
         if not _inner_contiguous(codes):
             codes = codes.contiguous()
@@ -143,28 +160,13 @@ class CpuBackend(TorchBackend):
         if base is not None and not _inner_contiguous(base):  # one-byte codes: the kernel decodes them
             base = base.contiguous()
         group = max(1, int(self.tile)) if role == "key" else 0
-        return (codes, scales, None, table(q.bits), q.bits, group, base), q.centre
-
-    def _codebook_args(self, q: CodebookTensor, role: str) -> tuple:
-        return self._scaled_args(q, role, "codebook", codebook.centroids)
-
-    def _lattice_args(self, q: LatticeTensor, role: str) -> tuple:
-        return self._scaled_args(q, role, "lattice", lattice.points)
-
-    #: how the kernel reads each format's blocks: ``{block class: method(self, q, role) -> (kernel arguments,
-    #: centre or None)}`` (a centre, ``(B, H, 1, D)``, enters after the kernel, which reads the codes alone)
-    readers: ClassVar[dict[type, Callable[..., tuple]]] = {
-        PackedTensor: _packed_args,
-        CodebookTensor: _codebook_args,
-        LatticeTensor: _lattice_args,
-    }
+        return (codes, scales, None, table.contiguous(), bits, group, base), q.centre  # type: ignore[attr-defined]
 
     def _kernel_args(self, q: QTensor, role: str) -> tuple[tuple, torch.Tensor | None]:
         """``(codes, scales, minimums or None, table or None, bits, group, base or None)`` of one role's block
-        as the kernel takes them (``group``: the key group or the value group; a codebook or lattice block's
-        tile of :attr:`tile` tokens for keys, unused for values; ``base``: one-byte scales' int16 base, the
-        scales then their uint8 codes), and the block's centre (or ``None``), after checking the block
-        (:attr:`readers`).
+        as the kernel takes them (``group``: the key group or the value group; a scaled block's tile of
+        :attr:`tile` tokens for keys, unused for values; ``base``: one-byte scales' int16 base, the scales
+        then their uint8 codes), and the block's centre (or ``None``), after checking the block.
 
         Raises
         ------
@@ -172,13 +174,16 @@ class CpuBackend(TorchBackend):
             Naming the role and what is wrong: a container the kernel does not read, a layout or width it
             does not serve, tensors not on the CPU or of the wrong shape or dtype.
         """
-        reader = self.readers.get(type(q))
-        if reader is None:
-            raise ConfigError(
-                f"backend 'cpu' reads PackedTensor, CodebookTensor and LatticeTensor containers; got "
-                f"{role}s={type(q).__name__}"
-            )
-        return reader(self, q, role)
+        if isinstance(q, PackedTensor):
+            return self._packed_args(q, role)
+        from kvpolicy.formats.codebook import ScaledBlock  # (a cache of min-max blocks never loads it)
+
+        if isinstance(q, ScaledBlock):
+            return self._scaled_args(q, role)
+        raise ConfigError(
+            f"backend 'cpu' reads min-max blocks (PackedTensor) and blocks of scaled table codes (ScaledBlock); "
+            f"got {role}s={type(q).__name__}"
+        )
 
     def attend(  # type: ignore[override]
         self, query: torch.Tensor, keys: QTensor, values: QTensor, scale: float
@@ -195,10 +200,10 @@ class CpuBackend(TorchBackend):
         ----------
         query : torch.Tensor
             ``(B, H, q, D)``, float32 / float16 / bfloat16 (converted to float32 and scaled).
-        keys : PackedTensor, CodebookTensor or LatticeTensor
-            ``(B, H, n, D)``: min-max per channel, codebook or lattice; 2, 3 or 4 bits (lattice: 2 or 3).
-        values : PackedTensor, CodebookTensor or LatticeTensor
-            ``(B, H, n, Dv)``: min-max per token, codebook or lattice; 2, 3 or 4 bits (lattice: 2 or 3).
+        keys : PackedTensor or ScaledBlock
+            ``(B, H, n, D)``: min-max per channel, or scaled table codes; 2, 3 or 4 bits.
+        values : PackedTensor or ScaledBlock
+            ``(B, H, n, Dv)``: min-max per token, or scaled table codes; 2, 3 or 4 bits.
         scale : float
             Score scale.
         bias : torch.Tensor or None
@@ -266,7 +271,7 @@ class CpuBackend(TorchBackend):
             steps,
             bias,
         )
-        # a centred codebook block: the kernel reads the codes alone, and the centre enters after it
+        # a centred block: the kernel reads the codes alone, and the centre enters after it
         # (every key score of the block shifts by q · μ, which moves the block's log-sum-exp only; the
         # values' centre adds to the output, whose probabilities sum to one)
         if key_centre is not None:

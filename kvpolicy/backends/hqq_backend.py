@@ -31,9 +31,10 @@ from typing import ClassVar
 
 import torch
 
-from kvpolicy.backends._optional import require
+from kvpolicy.backends._optional import refuse_fitted_ranges, require
 from kvpolicy.backends.base import AXES, Backend, Capabilities, QTensor, check_metadata
 from kvpolicy.errors import ConfigError
+from kvpolicy.formats.base import Format
 from kvpolicy.formats.packed import MinMax
 
 
@@ -137,6 +138,11 @@ class HQQBackend(Backend):
     def __init__(self) -> None:
         self._quantizer = require("hqq.core.quantize", self.name, "hqq").Quantizer
 
+    def check_format(self, fmt: Format, role: str = "") -> None:
+        """:meth:`Backend.check_format`, and no fitted ranges (the library chooses each group's range)."""
+        super().check_format(fmt, role)
+        refuse_fitted_ranges(self.name, fmt, role)
+
     def _quantize(self, x: torch.Tensor, fmt: MinMax, centre: torch.Tensor | None = None) -> HQQTensor:
         """:meth:`Backend.quantize` of a :class:`~kvpolicy.formats.MinMax` format; the metadata is float32
         whatever ``meta_dtype`` (``"auto"`` or ``"float32"``).
@@ -148,15 +154,10 @@ class HQQBackend(Backend):
         MetadataOverflowError
             If finite ``x`` gives a non-finite scale or zero-point.
         """
-        bits, group_size, axis, meta_dtype = fmt.bits, fmt.group_size, fmt.axis, fmt.meta_dtype
-        if meta_dtype not in self.capabilities.meta_dtypes:
-            raise ConfigError(
-                f"backend 'hqq' stores float32 metadata; meta_dtype must be one of "
-                f"{list(self.capabilities.meta_dtypes)}; got meta_dtype={meta_dtype!r}"
-            )
-        if fmt.fit not in self.capabilities.fits or centre is not None:
-            raise ConfigError(f"backend 'hqq' runs its own optimiser: fit='minmax' and no centre; got {fmt}")
-        self.check(bits=bits, group_size=group_size, axis=axis)
+        bits, group_size, axis = fmt.bits, fmt.group_size, fmt.axis
+        if centre is not None:
+            raise ConfigError(f"backend 'hqq' keeps min-max groups, which take no centre; got {fmt}")
+        self.check_format(fmt)
         w = _columns(x, group_size, axis)
         codes, meta = self._quantizer.quantize(
             w, nbits=bits, channel_wise=True, group_size=group_size, optimize=True, axis=0,

@@ -34,9 +34,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvpolicy.backends._optional import require
+from kvpolicy.backends._optional import refuse_fitted_ranges, require
 from kvpolicy.backends.base import AXES, Backend, Capabilities, QTensor, check_metadata
 from kvpolicy.errors import ConfigError
+from kvpolicy.formats.base import Format
 from kvpolicy.formats.packed import MinMax
 
 #: quanto grouping axis for each kvpolicy axis
@@ -152,6 +153,11 @@ class QuantoBackend(Backend):
         self._group = quanto.tensor.grouped.group
         self._cpu_ready = False
 
+    def check_format(self, fmt: Format, role: str = "") -> None:
+        """:meth:`Backend.check_format`, and no fitted ranges (the library chooses each group's range)."""
+        super().check_format(fmt, role)
+        refuse_fitted_ranges(self.name, fmt, role)
+
     def check_tensor(self, x: torch.Tensor) -> None:
         super().check_tensor(x)
         if x.device.type == "cpu":
@@ -189,12 +195,9 @@ class QuantoBackend(Backend):
             If float16 groups overflow quanto's float16 arithmetic (see the module docstring).
         """
         bits, group_size, axis = fmt.bits, fmt.group_size, fmt.axis
-        if fmt.meta_dtype != "auto" or fmt.fit != "minmax" or centre is not None:
-            raise ConfigError(
-                f"backend 'quanto' keeps its metadata in the input dtype with min-max ranges: meta_dtype='auto', "
-                f"fit='minmax' and no centre; got {fmt}"
-            )
-        self.check(bits=bits, group_size=group_size, axis=axis)
+        if centre is not None:
+            raise ConfigError(f"backend 'quanto' keeps min-max groups, which take no centre; got {fmt}")
+        self.check_format(fmt)
         qtype = self._qtypes[bits]
         qaxis = QUANTO_AXIS[axis]
         x = x.contiguous()

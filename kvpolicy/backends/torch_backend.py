@@ -1,10 +1,9 @@
 """The ``torch`` backend: the reference, pure PyTorch; every format through its own methods.
 
 Its default format is :mod:`kvpolicy.formats.packed` (asymmetric min-max groups with real bit packing;
-the names below are re-exported from there for the code that imports them from this module), and the
-codebook scheme is :mod:`kvpolicy.formats.codebook`. This backend registers no kernel: quantize,
-dequantize, cat and attend are the formats' own, so a new format runs here as soon as it is
-registered (``Capabilities.reference_formats``).
+the names below are re-exported from there for the code that imports them from this module). This backend
+registers no kernel: quantize, dequantize, cat and attend are the formats' own, so a new format runs here as
+soon as it is registered (``Format.backends`` names ``torch`` unless a format says otherwise).
 """
 
 from __future__ import annotations
@@ -12,9 +11,8 @@ from __future__ import annotations
 import torch
 
 from kvpolicy import formats
-from kvpolicy.backends.base import AXES, FITS, META_DTYPES, SCHEMES, Backend, Capabilities, QTensor
+from kvpolicy.backends.base import AXES, META_DTYPES, Backend, Capabilities, QTensor
 from kvpolicy.errors import ConfigError
-from kvpolicy.formats import codebook
 from kvpolicy.formats.packed import (  # noqa: F401 - re-exported for the tests and scripts that import them here
     FP16_MAX,
     PackedTensor,
@@ -44,12 +42,6 @@ class TorchBackend(Backend):
         devices=("cpu", "cuda", "mps", "xpu"),
         dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64),
         meta_dtypes=META_DTYPES,
-        schemes=SCHEMES,
-        codebook_bits=codebook.CODEBOOK_BITS,
-        codebook_centre=True,
-        codebook_norm_bits=codebook.NORM_BITS,
-        fits=FITS,
-        reference_formats=True,
     )
 
     def check(self, *, bits: int, group_size: int, axis: str, role: str = "") -> None:

@@ -21,7 +21,7 @@ from typing import ClassVar
 
 import torch
 
-from kvpolicy.backends.base import AXES, FITS, META_DTYPES, Backend, Capabilities, QTensor
+from kvpolicy.backends.base import AXES, META_DTYPES, Backend, Capabilities, QTensor
 from kvpolicy.errors import ConfigError
 from kvpolicy.formats.packed import (
     MinMax,
@@ -68,7 +68,6 @@ class TritonBackend(Backend):
         devices=("cuda", "cpu"),
         dtypes=_DTYPES,
         meta_dtypes=META_DTYPES,
-        fits=FITS,
     )
 
     def __init__(self) -> None:

@@ -35,15 +35,15 @@ def check_plot_file(path: Path) -> None:
 
 
 def lengths(longest: int) -> list[int]:
-    """The prompt lengths drawn: powers of two from 256 up to the lattice, then lattice multiples doubling
-    until one reaches ``longest`` (cheap: the estimates past three lattice steps extend the exact ones)."""
-    from kvpolicy.capacity import LATTICE
+    """The prompt lengths drawn: powers of two from 256 up to the step, then multiples of it doubling
+    until one reaches ``longest`` (cheap: the estimates past three search steps extend the exact ones)."""
+    from kvpolicy.capacity import STEP
 
-    out = [n for n in (1 << k for k in range(8, 14)) if n < LATTICE]
+    out = [n for n in (1 << k for k in range(8, 14)) if n < STEP]
     k = 1
     while True:
-        out.append(k * LATTICE)
-        if k * LATTICE >= longest:
+        out.append(k * STEP)
+        if k * STEP >= longest:
             return out
         k *= 2
 
@@ -62,13 +62,13 @@ def plot_bytes(curves: dict[str, Any], path: Path, longest: int, budget: int | N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from kvpolicy.capacity import LATTICE
+    from kvpolicy.capacity import STEP
     from kvpolicy.memory import _human
 
     xs = lengths(longest)
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, curve in curves.items():
-        ys = [curve.held(n) if n % LATTICE else curve.at_lattice(n // LATTICE) for n in xs]
+        ys = [curve.held(n) if n % STEP else curve.at_step(n // STEP) for n in xs]
         style = {"color": "black", "linestyle": "--", "linewidth": 2} if curve.dynamic else {"marker": "o", "ms": 3}
         ax.plot(xs, [y / 2**30 for y in ys], label=name, **style)
     if budget is not None:

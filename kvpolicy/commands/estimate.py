@@ -166,7 +166,7 @@ def _run(args: argparse.Namespace) -> int:
     if not args.online:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missing model fails in seconds, not after retries
     from kvpolicy import registry
-    from kvpolicy.capacity import DYNAMIC, LATTICE, Curve, longest_prompt
+    from kvpolicy.capacity import DYNAMIC, STEP, Curve, longest_prompt
     from kvpolicy.commands._progress import Progress
     from kvpolicy.estimation import _count, estimate
 
@@ -205,13 +205,13 @@ def _run(args: argparse.Namespace) -> int:
         print(f"\nthe longest prompt whose cache fits in {_human(args.memory)} ({args.memory:,} bytes):\n")
         print(fits_table(list(fits.items()), fits[DYNAMIC], args.markdown))
         if any(f.extrapolated for f in fits.values()):
-            print(f"\n~: past {3 * LATTICE:,} tokens, from exact estimates at every {LATTICE:,} tokens and the bytes "
+            print(f"\n~: past {3 * STEP:,} tokens, from exact estimates at every {STEP:,} tokens and the bytes "
                   "each step adds (kvpolicy.capacity)")  # fmt: skip
     if args.plot is not None:
         from kvpolicy.commands._bytes_plot import plot_bytes
 
         longest = max([*(args.tokens or []), *(f.tokens for f in fits.values() if not f.unbounded)], default=0)
-        plot_bytes(curves, args.plot, max(longest, 2 * LATTICE), args.memory, f"{args.model}, {args.dtype}")
+        plot_bytes(curves, args.plot, max(longest, 2 * STEP), args.memory, f"{args.model}, {args.dtype}")
         print(f"\nplot written to {args.plot}")
     return 0
 

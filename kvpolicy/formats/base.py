@@ -252,10 +252,13 @@ class QTensor(ABC):
 class Format(ABC):
     """A quantized tensor format's parameters (subclasses: frozen dataclasses, validated on construction).
 
-    Class attributes say what the format is; the cache and backends read them, never the class:
+    The fields are the format's options (``Quantize``'s shortcut keywords name them per role:
+    ``key_bits`` is the keys' ``bits``). Class attributes say what the format is; the cache and backends
+    read them, never the class:
 
     - :attr:`name`: the scheme name (``Quantize(scheme=name)``) and its registry name;
     - :attr:`block`: the :class:`QTensor` class :meth:`quantize` returns;
+    - :attr:`backends`: the backends that serve it beyond those whose capabilities name it;
     - :attr:`grouped`: whether ``group_size`` and ``axis`` apply (min-max groups), or every token is
       quantized on its own (``axis`` is ``"token"``, ``group_size`` ``None``);
     - :attr:`bits_allowed`, :attr:`head_dim_multiple`, :attr:`needs_rotation`, :attr:`centred`.
@@ -263,7 +266,15 @@ class Format(ABC):
 
     name: ClassVar[str] = ""
     block: ClassVar[type[QTensor]]
+    #: backends serving this format besides those whose ``capabilities.formats`` name it: ``torch``
+    #: stores and attends over every format through the format's own methods; a format a plugin registers
+    #: names the built-in backends that read its blocks (``cpu``: blocks of scaled table codes,
+    #: :class:`~kvpolicy.formats.codebook.ScaledBlock`)
+    backends: ClassVar[tuple[str, ...]] = ("torch",)
     grouped: ClassVar[bool] = False
+    #: options added after the format's first release: a saved spec without one holds its default (a saved
+    #: spec lacking any other option is refused, as its default need not be what the stored blocks hold)
+    options_added: ClassVar[tuple[str, ...]] = ()
     #: code widths the format has
     bits_allowed: ClassVar[tuple[int, ...]] = ()
     #: head dims must be a multiple of this (codes packed into whole bytes)
@@ -309,14 +320,43 @@ class Format(ABC):
         """
 
     @classmethod
-    def from_options(
-        cls, bits: int, group_size: int | None, axis: str, fit: str = "minmax", meta_dtype: str = "auto",
-        centre: bool = False,
-    ) -> Format:  # fmt: skip
-        """The format :class:`~kvpolicy.actions.quantize.Quantize`'s flat keywords describe (``bits``,
-        ``group_size``, ``axis``, ``fit``, ``meta_dtype``, ``key_centre``). Default: ``bits`` and
-        ``meta_dtype`` (formats without groups, fits or centres)."""
-        return cls(bits=bits, meta_dtype=meta_dtype)  # type: ignore[call-arg]
+    def options(cls) -> tuple[str, ...]:
+        """The format's parameters (its dataclass fields), which ``Quantize``'s shortcut keywords set per role."""
+        return tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+
+    @classmethod
+    def for_role(cls, role: str, options: dict[str, Any]) -> tuple[Format, tuple[str, ...]]:
+        """The format of keys (``role="key"``) or values (``"value"``) that ``options`` (some of :meth:`options`)
+        describe, this format's defaults for the role filling the rest, and the options those defaults filled
+        that :meth:`serving` may replace. Default: ``cls(**options)``, nothing to replace."""
+        return cls(**options), ()
+
+    def serving(
+        self, backend: Any, role: str, head_dim: int | None, defaulted: tuple[str, ...]
+    ) -> tuple[Format, tuple[str, ...], tuple[str, ...]]:
+        """This format with each option in ``defaulted`` (filled by :meth:`for_role`'s defaults) that ``backend``
+        or the head dim cannot serve replaced: the format, the options replaced and a note per replacement
+        (naming the role's keyword: ``key_fit='minmax' (...)``). Default: nothing to replace."""
+        return self, (), ()
+
+    def metadata_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype this format stores the metadata (scales, minimums, a centre) of ``dtype`` tensors in:
+        :attr:`meta_dtype`, ``"auto"`` resolved (:func:`resolve_meta_dtype`)."""
+        return resolve_meta_dtype(self.meta_dtype, dtype)
+
+    def for_dtype(self, dtype: torch.dtype) -> Format:
+        """This format with ``meta_dtype="auto"`` replaced by the dtype it means for ``dtype`` tensors (what a
+        store of those tensors holds, written out: for quantizing them as another dtype)."""
+        if self.meta_dtype != "auto":
+            return self
+        name = str(self.metadata_dtype(dtype)).removeprefix("torch.")
+        return dataclasses.replace(self, meta_dtype=name)  # type: ignore[type-var]
+
+    @classmethod
+    def examples(cls, backend: Any) -> list[Format]:
+        """Specs of this format that :func:`kvpolicy.testing.check_backend` checks ``backend`` with (before
+        asking whether it serves them): one per width. Formats with more options add their variants."""
+        return [cls(bits=bits) for bits in cls.bits_allowed]  # type: ignore[call-arg]
 
 
 def backend_name(backend: Any) -> str:

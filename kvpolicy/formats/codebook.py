@@ -15,7 +15,7 @@ and the reconstruction's norm is biased low by the quantization's lost energy). 
 per-group zero-point: bits per element are ``bits + 16 / head_dim`` (2.25 at 2 bits with
 ``head_dim=64``), against ``bits + 32 / G`` for min-max groups of ``G``.
 
-With ``norm_bits=8`` (:class:`Codebook`, and the lattice format) the scale is a one-byte log-scale code
+With ``norm_bits=8`` (:class:`Codebook`, and any :class:`ScaledFormat`) the scale is a one-byte log-scale code
 instead (``bits + 8 / head_dim`` bits per element, plus one 16-bit base per batch row and head of a stream,
 :attr:`ScaledBlock.scale_base`; :mod:`kvpolicy.formats.scale_codes`).
 
@@ -139,8 +139,8 @@ def centroids(bits: int, device: torch.device | str = "cpu") -> torch.Tensor:
 @dataclass
 class ScaledBlock(QTensor):
     """Per-token codes with one scale per vector and an optional centre shared by the block's tokens: the
-    storage of codebook and lattice blocks (:class:`CodebookTensor`,
-    :class:`~kvpolicy.formats.lattice.LatticeTensor`), whose subclasses say what the codes mean.
+    storage of codebook blocks (:class:`CodebookTensor`) and of any format whose codes index a table
+    (:meth:`table`), whose subclasses say what the codes mean.
 
     Attributes
     ----------
@@ -191,6 +191,13 @@ class ScaledBlock(QTensor):
     def unit_vectors(self) -> torch.Tensor:
         """The vectors the codes name before scaling: ``(batch, kv_heads, tokens, head_dim)`` float32."""
         raise NotImplementedError(f"{type(self).__name__} does not implement unit_vectors()")
+
+    def table(self) -> torch.Tensor:
+        """The table the codes index, float32 on the codes' device: ``(2**bits,)`` values, one code per
+        channel (:func:`~kvpolicy.formats.packed.pack`-ed), or ``(2**(k * bits), k)`` points, one index per
+        ``k`` channels stored as ``k`` digits of ``bits`` bits, lowest first, packed alike. What a kernel
+        that reads scaled table codes (the ``cpu`` backend's) decodes them with."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement table()")
 
     def dequantize(self) -> torch.Tensor:
         """``μ + s · unit_vectors()`` in :attr:`dtype` (float16 clamped to ``±65504``)."""
@@ -273,6 +280,10 @@ class CodebookTensor(ScaledBlock):
     def unit_vectors(self) -> torch.Tensor:
         """The centroid vectors ``C[codes]`` (:func:`unit_vectors`)."""
         return unit_vectors(self)
+
+    def table(self) -> torch.Tensor:
+        """The codebook ``C``, ``(2**bits,)`` (:func:`centroids`)."""
+        return centroids(self.bits, self.codes.device)
 
     def scores(self, query: torch.Tensor) -> torch.Tensor:
         """The query against the centroid values times each key's scale, plus ``q · μ`` (:func:`key_scores`)."""
@@ -625,6 +636,10 @@ class ScaledFormat(Format):
     centre: bool = False
     norm_bits: int = 16
 
+    backends: ClassVar[tuple[str, ...]] = ("torch", "cpu")
+    options_added: ClassVar[tuple[str, ...]] = ("norm_bits",)
+    #: channels per code index (the width of the rows of :meth:`ScaledBlock.table`; 1: a table of values)
+    point_dim: ClassVar[int] = 1
     head_dim_multiple: ClassVar[int] = 8
     needs_rotation: ClassVar[bool] = True
     centred: ClassVar[bool] = True
@@ -639,11 +654,16 @@ class ScaledFormat(Format):
         check_norm_bits(owner, "norm_bits", self.norm_bits)
 
     @classmethod
-    def from_options(
-        cls, bits: int, group_size: int | None, axis: str, fit: str = "minmax", meta_dtype: str = "auto",
-        centre: bool = False, norm_bits: int = 16,
-    ) -> ScaledFormat:  # fmt: skip
-        return cls(bits, meta_dtype, centre, norm_bits)
+    def examples(cls, backend: Any) -> list[ScaledFormat]:
+        """Every width, with scales in the metadata dtype and as one-byte codes."""
+        return [cls(bits, norm_bits=norm) for norm in NORM_BITS for bits in cls.bits_allowed]
+
+    def stored_scales(
+        self, x: torch.Tensor, exact: torch.Tensor, centre: torch.Tensor | None, backend: Any = "torch"
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:func:`store_scales` of this format (its metadata dtype for ``x``'s dtype and its ``norm_bits``): the
+        scales ``exact`` ``(batch, kv_heads, tokens)`` of ``x`` as a block of it holds them, and their base."""
+        return store_scales(x, exact, self.metadata_dtype(x.dtype), centre, backend, None, self.norm_bits)
 
     def quantize(self, x: torch.Tensor, backend: Any = "torch", centre: torch.Tensor | None = None) -> ScaledBlock:
         """:meth:`quantize_scaled` with the scales in the metadata dtype (or one-byte codes, ``norm_bits=8``),
@@ -683,3 +703,8 @@ class Codebook(ScaledFormat):
     ) -> CodebookTensor:  # fmt: skip
         """:func:`quantize`."""
         return quantize(x, self.bits, mdtype, backend, remedy, centre, self.norm_bits)
+
+    def cells(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """The codebook ``C`` ``(2**bits,)`` and its cell boundaries ``(2**bits - 1,)``, float32 on ``device``
+        (:func:`lloyd_max`): a coordinate of unit variance takes the centroid of the cell it lies in."""
+        return _tables(self.bits, str(torch.device(device)))

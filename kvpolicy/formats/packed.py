@@ -22,6 +22,7 @@ bit; ``cpu`` and ``triton`` add kernels.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -454,6 +455,19 @@ def quantize_packed(
     return PackedTensor(packed, scales.contiguous(), zeros.contiguous(), bits, group_size, axis, shape, x.dtype)  # type: ignore[arg-type]
 
 
+#: the grouping axis of each role when none is given (KIVI's: keys per channel, values per token)
+DEFAULT_AXIS = {"key": "channel", "value": "token"}
+#: group size by grouping axis when none is given: 128 tokens per channel, 64 channels per token;
+#: docs/explanation/quantization.md measures the alternatives (with min-max key ranges, 64-token groups lose less
+#: than 128-token ones; with fitted key ranges, the default, 128-token groups lose less than min-max
+#: 64-token groups, and hold fewer bytes from about 4,000 tokens on)
+DEFAULT_GROUP_SIZE = {"channel": 128, "token": 64}
+#: how keys' groups choose their range when no fit is given (docs/explanation/quantization.md, "Fitted ranges")
+DEFAULT_KEY_FIT = "mse"
+#: the fit of each role when none is given
+DEFAULT_FIT = {"key": DEFAULT_KEY_FIT, "value": "minmax"}
+
+
 @dataclass(frozen=True)
 class MinMax(Format):
     """Asymmetric min-max groups, bit-packed (:class:`PackedTensor`).
@@ -487,7 +501,7 @@ class MinMax(Format):
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
-            raise ConfigError(f"MinMax: bits must be an integer from 1 to 8; got bits={self.bits!r}")
+            raise ConfigError(f"MinMax: bits must be an int between 1 and 8; got bits={self.bits!r}")
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
             raise ConfigError(f"MinMax: group_size must be a positive integer; got group_size={self.group_size!r}")
         if self.axis not in AXES:
@@ -497,11 +511,47 @@ class MinMax(Format):
         check_meta_dtype_option("MinMax", self.meta_dtype)
 
     @classmethod
-    def from_options(
-        cls, bits: int, group_size: int | None, axis: str, fit: str = "minmax", meta_dtype: str = "auto",
-        centre: bool = False,
-    ) -> MinMax:  # fmt: skip
-        return cls(bits, group_size, axis, fit, meta_dtype)  # type: ignore[arg-type]
+    def for_role(cls, role: str, options: dict[str, Any]) -> tuple[MinMax, tuple[str, ...]]:
+        """The role's format, with KIVI's axes (:data:`DEFAULT_AXIS`), the group size of the axis
+        (:data:`DEFAULT_GROUP_SIZE`) and fitted key ranges (:data:`DEFAULT_KEY_FIT`) where not given; the
+        defaults filled that :meth:`serving` may replace: the group size, and the keys' fit."""
+        axis = options.get("axis", DEFAULT_AXIS[role])
+        defaults = {"axis": axis, "group_size": DEFAULT_GROUP_SIZE.get(axis, 1), "fit": DEFAULT_FIT[role]}
+        filled = [o for o in ("fit", "group_size") if o not in options and (o != "fit" or role == "key")]
+        return cls(**{**defaults, **options}), tuple(filled)
+
+    def serving(
+        self, backend: Any, role: str, head_dim: int | None, defaulted: tuple[str, ...]
+    ) -> tuple[MinMax, tuple[str, ...], tuple[str, ...]]:
+        """Replace a defaulted fit the backend does not serve by ``"minmax"``, and a defaulted per-token group
+        size that does not divide the head dim by the largest divisor of it below, a multiple of the backend's
+        ``group_size_multiple`` (head_dim 48: 48, 80: 40, 96: 48), when one exists."""
+        fmt, replaced, notes = self, [], []
+        if "fit" in defaulted and self.fit != "minmax" and not backend.serves(self, role):
+            plain = dataclasses.replace(self, fit="minmax")
+            if backend.serves(plain, role):
+                fmt = plain
+                replaced.append("fit")
+                notes.append(f"{role}_fit='minmax' (backend {backend.name!r} does not fit ranges with the default "
+                             f"{self.fit!r})")  # fmt: skip
+        if "group_size" in defaulted and head_dim is not None and self.axis == "token" and head_dim % self.group_size:
+            mult = backend.capabilities.group_size_multiple
+            fitting = [g for g in range(mult, min(self.group_size, head_dim) + 1, mult) if head_dim % g == 0]
+            if fitting:
+                fmt = dataclasses.replace(fmt, group_size=fitting[-1])
+                replaced.append("group_size")
+                notes.append(f"{role}_group_size={fitting[-1]} (the default {self.group_size} does not divide the "
+                             f"{role} head_dim {head_dim})")  # fmt: skip
+        return fmt, tuple(replaced), tuple(notes)
+
+    @classmethod
+    def examples(cls, backend: Any) -> list[MinMax]:
+        """Every width and axis the backend's capabilities list, in groups of 32 (or the smallest multiple of
+        its granularity dividing 64)."""
+        caps = backend.capabilities
+        mult = max(caps.group_size_multiple, 8)
+        group = 32 if 32 % mult == 0 else next(g for g in range(mult, 65, mult) if 64 % g == 0)
+        return [cls(bits, group, axis) for bits in caps.bits for axis in caps.axes]
 
     def quantize(self, x: torch.Tensor, backend: Any = "torch", centre: torch.Tensor | None = None) -> PackedTensor:
         """Min-max groups of ``x`` packed into a :class:`PackedTensor` (:func:`quantize_packed`).

@@ -2,11 +2,11 @@
 
 The kernel (``cpu_attention.cpp``, next to this file) reads the ``torch`` backend's
 :class:`~kvpolicy.formats.packed.PackedTensor` directly (keys grouped per channel, values
-grouped per token), the codebook scheme's :class:`~kvpolicy.formats.codebook.CodebookTensor`
-(one scale per token, indices into a small table of centroids) and the lattice scheme's
-:class:`~kvpolicy.formats.lattice.LatticeTensor` (one scale per token, one index into a table of D4
-points per four channels), for keys and values in any combination: 2, 3 or 4 bits (lattice: 2 or
-3), float16 / bfloat16 / float32 metadata. It is compiled with
+grouped per token) and blocks of scaled table codes (:class:`~kvpolicy.formats.codebook.ScaledBlock`:
+one scale per token, and either one index per channel into a table of values, as the codebook scheme's
+:class:`~kvpolicy.formats.codebook.CodebookTensor`, or one index per four channels into a table of points
+of four coordinates, as a plugin format may store), for keys and values in any combination: 2, 3 or 4
+bits (tables of points: 2 or 3), float16 / bfloat16 / float32 metadata. It is compiled with
 :func:`torch.utils.cpp_extension.load_inline` (``-O3 -march=native``, OpenMP through
 ``at::parallel_for``) the first time it is needed in an environment, and kept as
 ``<kvpolicy cache>/extensions/<name>/<name>.so`` (the kvpolicy cache directory:

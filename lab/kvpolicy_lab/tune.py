@@ -43,9 +43,8 @@ from typing import Any
 
 import torch
 
-from kvpolicy.backends.base import FITS
 from kvpolicy.errors import ConfigError
-from kvpolicy.formats.lattice import LATTICE_BITS
+from kvpolicy.formats.base import FITS
 
 #: the log policy's windows searched by default
 WINDOWS = (16, 42)
@@ -158,9 +157,11 @@ def space(
 
 
 def _serves(scheme: str, bits: int) -> bool:
-    """Whether blocks of ``scheme`` (min-max or a vector scheme) hold ``bits``-bit codes: the lattice only
-    at LATTICE_BITS."""
-    return scheme != "lattice" or bits in LATTICE_BITS
+    """Whether blocks of ``scheme`` (min-max or a vector scheme) hold ``bits``-bit codes (the format's
+    ``bits_allowed``; the lattice comes from the research plugin: pip install ./plugins/kvpolicy-research)."""
+    from kvpolicy import registry
+
+    return scheme == "minmax" or bits in registry.get("formats", scheme).bits_allowed
 
 
 def _vector_schemes(schemes: tuple[str, ...], bits: int) -> list[str]:

@@ -83,7 +83,7 @@ class Shuffled(Transform):
 def test_other_matrices_and_formats_take_the_reference_path():
     assert fast.rotation(Shuffled(), 64) is None
     assert fast.rotation(Hadamard(0), 64) is not None
-    from kvpolicy.formats import Lattice
+    Lattice = pytest.importorskip("kvpolicy_research.lattice").Lattice  # the research plugin's format
 
     parts = ChunkCodec(preset="kvpolicy-3bit").parts
     assert fast.serves(parts.keys, parts.values)

@@ -139,3 +139,31 @@ class Held:
 
     def __len__(self) -> int:
         return len(self.store)
+
+
+def fused_and_materialized(family: str = "llama", length: int = 75, **kw):
+    """Teacher-forced logits of a tiny GQA model through the fused and the materialised path across group
+    flushes with staging non-empty (group 16, window 8, batch 2): ``(fused, materialised, the fused cache)``.
+    ``kw`` add or override ``CompressedCache`` keywords (``None`` drops a default)."""
+    model = tiny_model(family)
+    kw = {k: v for k, v in {"policy": "log", "window": 8, "group_size": 16, **kw}.items() if v is not None}
+    got, cache = logits(model, "fused", ids(length), 38, **kw)
+    ref, _ = logits(model, "scores", ids(length), 38, **kw)
+    return got, ref, cache
+
+
+def saved_cache_continues(tmp_path, **kw):
+    """A cache of ``kw`` filled with 30 tokens of a tiny llama, saved and loaded: asserts the loaded one
+    continues with the very logits of a copy of the original; returns ``(cache, loaded)``."""
+    import copy
+
+    model, tokens = tiny_model("llama"), ids(40, seed=2)
+    cache = CompressedCache(**kw)
+    with torch.no_grad():
+        model(tokens[:, :30], cache=cache, use_cache=True)
+    cache.save(tmp_path / "c.kvc", model=model)
+    loaded = CompressedCache.load(tmp_path / "c.kvc", model=model)
+    assert repr(loaded) == repr(cache)
+    want = teacher_forced_logits(model, tokens[:, 30:], 1, copy.deepcopy(cache))
+    assert torch.equal(teacher_forced_logits(model, tokens[:, 30:], 1, loaded), want)
+    return cache, loaded

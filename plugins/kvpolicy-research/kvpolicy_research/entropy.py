@@ -1,4 +1,4 @@
-"""Entropy coding of a saved cache's tensors (``cache.save(path, entropy_coding=True)``).
+"""Entropy coding of a saved cache's tensors (``cache.save(path, codec="entropy")``, :class:`EntropyCodec`).
 
 A generic, format-blind scheme: a tensor is viewed as bytes and split into byte planes (one per
 byte of its dtype: a ``float16`` tensor's low bytes, then its high bytes; an ``int64`` tensor's
@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from kvpolicy.errors import CacheFileError
+from kvpolicy.persist import Codec
 
 #: the symbol widths (bits) a one-byte tensor's planes may be cut into
 WIDTHS = (8, 4, 3, 2, 1)
@@ -52,7 +53,7 @@ CHUNK = 1 << 20
 #: bytes of a one-byte tensor whose symbols choose its width (a multiple of 3)
 SAMPLE = 3 << 15
 #: what to install when constriction is missing
-INSTALL = 'pip install "kvpolicy[entropy]" (or: pip install constriction==0.4.1)'
+INSTALL = "pip install constriction==0.4.1 (a dependency of kvpolicy-research)"
 
 _RAW, _CODED = 0, 1
 _PLANE_HEAD = struct.Struct("<BBI")  # lo, k - 1, words
@@ -277,3 +278,26 @@ def _decode_plane(data: bytes, at: int, n: int, width: int, constriction: Any, w
     if not coder.is_empty():
         raise CacheFileError(f"{what}: its coded words hold more than the declared {n} bytes (corrupted)")
     return out[:n], at
+
+
+class EntropyCodec(Codec):
+    """The ``"entropy"`` file codec: :func:`encode` and :func:`decode` behind the :class:`~kvpolicy.persist.Codec`
+    seam (each coded tensor's parameter: its symbol ``width``). It also reads the coded files of format
+    version 2 that kvpolicy wrote before files named their codec (it wrote them)."""
+
+    name = "entropy"
+    unnamed_versions = (2,)
+
+    def require(self) -> None:
+        require()
+
+    def encode(self, t: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor] | None:
+        coded = encode(t)
+        return None if coded is None else ({"width": coded[0]}, coded[1])
+
+    def decode(
+        self, payload: torch.Tensor, dtype: torch.dtype, shape: list[int], params: dict[str, Any], what: str
+    ) -> torch.Tensor:
+        if set(params) != {"width"}:
+            raise CacheFileError(f"{what}: its coding is not a mapping of dtype, shape, width; got {sorted(params)}")
+        return decode(payload, dtype, shape, params["width"], what)

@@ -179,6 +179,10 @@ class LatticeTensor(ScaledBlock):
         """The table points ``P[codes]`` (:func:`unit_vectors`)."""
         return unit_vectors(self)
 
+    def table(self) -> torch.Tensor:
+        """The table ``P``, ``(2**(4 · bits), 4)`` (:func:`points`)."""
+        return points(self.bits, self.codes.device)
+
     def scores(self, query: torch.Tensor) -> torch.Tensor:
         """Per-sub-vector lookup tables of the query against ``P``, gathered by the codes (:func:`key_scores`)."""
         return key_scores(query, self)
@@ -372,6 +376,7 @@ class Lattice(ScaledFormat):
 
     name: ClassVar[str] = "lattice"
     block: ClassVar[type[QTensor]] = LatticeTensor
+    point_dim: ClassVar[int] = DIM
     bits_allowed: ClassVar[tuple[int, ...]] = LATTICE_BITS
 
     def quantize_scaled(

@@ -1,4 +1,4 @@
-"""Entropy-coded saved caches (``cache.save(path, entropy_coding=True)``, :mod:`kvpolicy.entropy`):
+"""Entropy-coded saved caches (``cache.save(path, codec="entropy")``, :mod:`kvpolicy_research.entropy`):
 lossless round trips, sizes near the empirical entropy, and corrupted or hostile files refused."""
 
 from __future__ import annotations
@@ -11,13 +11,15 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kvpolicy_research import entropy
+from research_cases import tiny_model
+from research_parts import ensure_registered, research_parts  # noqa: F401 - registers the plugin's parts
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kvpolicy import CompressedCache, entropy, persist
+from kvpolicy import CompressedCache, persist
 from kvpolicy.errors import CacheFileError
 from kvpolicy.formats import codebook
 from kvpolicy.formats.packed import pack
@@ -98,7 +100,7 @@ def test_files_of_random_tensors_load_bit_identical(tmp_path, ts):
     """Through the file format: coded tensors, tensors stored as they are and empty ones come back the same."""
     tree = {"a": ts, "empty": torch.empty(0, 3)}
     path = tmp_path / "t.kvc"
-    persist.write(path, {}, tree, entropy_coding=True)
+    persist.write(path, {}, tree, codec="entropy")
     header, back = persist.read(path)
     for a, b in zip([*ts, tree["empty"]], [*back["a"], back["empty"]], strict=True):
         assert _same(a, b)
@@ -127,7 +129,7 @@ def test_coded_packed_codes_are_within_two_percent_of_their_entropy(tmp_path, bi
         codes = rng.choice(1 << bits, size=n, p=p).astype(np.uint8)
     packed = pack(torch.from_numpy(codes).view(-1, 64), bits)
     path = tmp_path / "codes.kvc"
-    persist.write(path, {}, {"codes": packed}, entropy_coding=True)
+    persist.write(path, {}, {"codes": packed}, codec="entropy")
     payload_bits = _stored(path, "t0").numel() * 8
     assert payload_bits <= 1.02 * _empirical_bits(codes, 1 << bits)
     if bits == 3 and source == "gaussian":
@@ -208,7 +210,7 @@ def saved(model, tmp_path_factory):
                 model(_ids(120, 5)[:, t : t + 1], cache=cache, use_cache=True)
         plain, coded = root / f"{i}.kvc", root / f"{i}.coded.kvc"
         cache.save(plain, model=model)
-        cache.save(coded, model=model, entropy_coding=True)
+        cache.save(coded, model=model, codec="entropy")
         out.append((cache, plain, coded))
     return out
 
@@ -237,12 +239,44 @@ def test_an_old_reader_refuses_a_coded_file_by_version_and_reads_a_plain_one(sav
 def test_without_constriction_saving_coded_and_loading_coded_name_the_install(saved, monkeypatch, tmp_path):
     cache, plain, coded = saved[0]
     monkeypatch.setitem(sys.modules, "constriction", None)  # import constriction -> ImportError
-    with pytest.raises(ImportError, match=r'pip install "kvpolicy\[entropy\]"'):
-        cache.save(tmp_path / "x.kvc", entropy_coding=True)
+    with pytest.raises(ImportError, match=r"pip install constriction==0.4.1"):
+        cache.save(tmp_path / "x.kvc", codec="entropy")
     assert not (tmp_path / "x.kvc").exists()
-    with pytest.raises(CacheFileError, match=r'needs constriction: pip install "kvpolicy\[entropy\]"'):
+    with pytest.raises(CacheFileError, match=r"holds coded tensors \('entropy'\); loading it needs: .*constriction"):
         CompressedCache.load(coded)
     CompressedCache.load(plain)  # a plain file needs no constriction
+
+
+def test_a_coded_file_names_its_codec_and_without_the_plugin_the_error_names_the_plugin(saved, monkeypatch):
+    """The file records the codec's name; with the plugin's entry points not loaded, loading it (or saving
+    with the codec) is refused naming the plugin to install, and a plain file still loads."""
+    from kvpolicy import registry
+    from kvpolicy.errors import ConfigError
+
+    cache, plain, coded = saved[0]
+    assert _header(coded)["codec"] == "entropy" and "codec" not in _header(plain)
+    monkeypatch.setenv(registry.DISABLE_ENV, "1")
+    registry.reset()
+    try:
+        with pytest.raises(CacheFileError, match=r"coded by codec 'entropy', which no installed plugin registers.*"
+                           r"pip install ./plugins/kvpolicy-research"):  # fmt: skip
+            CompressedCache.load(coded)
+        with pytest.raises(ConfigError, match=r"got codec='entropy'.*pip install ./plugins/kvpolicy-research"):
+            cache.save(coded.parent / "never.kvc", codec="entropy")
+        CompressedCache.load(plain)
+    finally:
+        monkeypatch.delenv(registry.DISABLE_ENV)
+        registry.reset()
+        ensure_registered()
+
+
+def test_a_coded_file_of_an_earlier_release_without_a_codec_name_loads_bit_identical(saved, tmp_path, model):
+    """Coded files written before files named their codec (version 2, no ``"codec"`` entry) are read by the
+    codec that wrote them (``EntropyCodec.unnamed_versions``) and load the same state."""
+    _, plain, coded = saved[0]
+    old = _edited(coded, tmp_path / "old.kvc", lambda h: h.pop("codec"))
+    assert "codec" not in _header(old) and _header(old)["version"] == 2
+    assert _state(CompressedCache.load(old, model=model)) == _state(CompressedCache.load(plain, model=model))
 
 
 # ---------------------------------------------------------------------------------- corruption
@@ -342,7 +376,7 @@ def _first_coded(h) -> str:
         (lambda h: h["coding"].update(t999={"dtype": "uint8", "shape": [1], "width": 8}), "'coding' entry"),
         (lambda h: h.update(coding={}), "'coding' entry"),
         (lambda h: h.pop("coding"), "'coding' entry"),
-        (lambda h: h.update(version=1), "a version 1 file lists entropy-coded tensors"),
+        (lambda h: h.update(version=1), "a version 1 file lists coded tensors"),
         (lambda h: h["coding"][_first_coded(h)].update(shape=[-1]), "shape"),
     ],
 )

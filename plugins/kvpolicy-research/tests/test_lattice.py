@@ -6,18 +6,20 @@ import itertools
 
 import pytest
 import torch
-from conftest import fused_and_materialized, saved_cache_continues, teacher_forced_logits, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvpolicy_research import lattice
+from kvpolicy_research.lattice import Lattice, LatticeTensor
+from research_cases import fused_and_materialized, saved_cache_continues, teacher_forced_logits, tiny_model
+from research_parts import ensure_registered, research_parts  # noqa: F401 - registers the plugin's parts
 
 from kvpolicy import CompressedCache
 from kvpolicy.actions.quantize import Quantize
 from kvpolicy.backends.base import dense_attention
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import ConfigError
-from kvpolicy.formats import codebook, lattice
-from kvpolicy.formats.lattice import Lattice, LatticeTensor
-from kvpolicy.testing import check_backend
+from kvpolicy.formats import codebook
+from kvpolicy.testing import check_backend, check_format
 
 #: Conway & Sloane, "Sphere Packings, Lattices and Groups", Table 2.3: the normalized second moment of D4
 G_D4 = 0.0766032
@@ -277,7 +279,7 @@ def test_bad_parameters_are_refused_naming_them():
         Lattice(4)
     with pytest.raises(ConfigError, match=r"Lattice: norm_bits must be one of \[16, 8\]; got norm_bits=12"):
         Lattice(2, norm_bits=12)
-    with pytest.raises(ConfigError, match=r"scheme='lattice'; it supports bits in \[2, 3\]"):
+    with pytest.raises(ConfigError, match=r"'lattice' refuses bits=4: Lattice: bits must be one of \[2, 3\]"):
         Quantize(bits=4, scheme="lattice")
     for d in (10, 12):
         with pytest.raises(ConfigError, match=rf"head_dim={d} does not split .* head_dim must be a multiple of 8"):
@@ -295,7 +297,7 @@ def test_without_a_rotation_is_refused():
 @pytest.mark.parametrize("backend", ["quanto", "hqq"])
 def test_backends_without_the_scheme_refuse_it(backend):
     pytest.importorskip({"quanto": "optimum.quanto", "hqq": "hqq"}[backend])
-    with pytest.raises(ConfigError, match=rf"backend {backend!r} does not support (key_)?scheme='lattice'"):
+    with pytest.raises(ConfigError, match=rf"backend {backend!r} does not serve (key_)?scheme='lattice'"):
         CompressedCache(policy="recent", window=2, bits=2, scheme="lattice", transform="hadamard", backend=backend)
 
 
@@ -361,6 +363,10 @@ def test_lattice_stays_close_to_uncompressed_and_closer_with_more_bits():
         got = torch.log_softmax(teacher_forced_logits(model, ids, 60, cache), -1)
         kl[bits] = float((ref.exp() * (ref - got)).sum(-1).mean())
     assert kl[3] < kl[2] < 5e-3
+
+
+def test_the_format_passes_check_format():
+    check_format(Lattice)  # the torch backend and the cpu kernel: the backends it names
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])

@@ -4,11 +4,11 @@ For each preset: prefill a prompt of ``--tokens`` tokens (the first of the lab's
 standard-library source file), then report the bits per element the cache holds
 (``memory_report()``: compressed bytes over ``2 x layers x kv heads x tokens x head dim``
 elements), of the file ``cache.save(path)`` writes and of the file ``cache.save(path,
-entropy_coding=True)`` writes (whole files, header included, over the same element count), and
+codec="entropy")`` writes (whole files, header included, over the same element count), and
 the median save and load times of each (``--repeats`` runs). Both files are loaded and checked to
 hold identical tensors.
 
-    PYTHONPATH=lab python scripts/entropy_sizes.py --tokens 2048 --dtype bfloat16
+    PYTHONPATH=lab python plugins/kvpolicy-research/scripts/entropy_sizes.py --tokens 2048 --dtype bfloat16
 
 Needs the lab (``kvpolicy_lab``) and constriction.
 """
@@ -89,7 +89,7 @@ def main() -> None:
                 model(ids, cache=cache, use_cache=True)
             memory = cache.memory_report().total_bytes * 8 / elements
             size_plain, t_save_plain = _timed(lambda c=cache: c.save(plain), args.repeats)
-            size_coded, t_save_coded = _timed(lambda c=cache: c.save(coded, entropy_coding=True), args.repeats)
+            size_coded, t_save_coded = _timed(lambda c=cache: c.save(coded, codec="entropy"), args.repeats)
             a, t_load_plain = _timed(lambda: CompressedCache.load(plain), args.repeats)
             b, t_load_coded = _timed(lambda: CompressedCache.load(coded), args.repeats)
             fa, fb = _flat(a), _flat(b)

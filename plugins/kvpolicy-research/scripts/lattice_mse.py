@@ -9,7 +9,7 @@ scheme: the mean squared error per coordinate, the same with the least-squares s
 
 Usage::
 
-    python scripts/lattice_mse.py --vectors 100000 --dim 64
+    python plugins/kvpolicy-research/scripts/lattice_mse.py --vectors 100000 --dim 64
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 
 import torch
+from kvpolicy_research.lattice import Lattice
 
-from kvpolicy.formats import Codebook, Lattice
+from kvpolicy.formats import Codebook
 
 
 def _errors(fmt, x: torch.Tensor) -> tuple[float, float]:
