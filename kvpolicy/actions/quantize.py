@@ -139,7 +139,7 @@ class Quantize(Action):
         than on the offset they share. Costs ``head_dim`` metadata values per row, head and layer;
         the fused path reads it at no extra pass (:mod:`kvpolicy.formats.codebook`). Measured in
         docs/explanation/quantization.md. Needs keys in a centred format (``key_scheme="codebook"``)
-        and a backend whose capabilities list ``codebook_centre`` (``torch``, ``cpu``). Any centre is
+        and a backend whose capabilities list ``codebook_centre`` (``torch``, ``cpu``, ``triton``). Any centre is
         exact (it is stored and added back); how much it helps depends on how well the first block
         stands for later keys: a left-padded row's mean includes its padding tokens' keys, and a first
         demotion of a few tokens gives a noisy mean. Values are never centred.
@@ -376,12 +376,12 @@ class Quantize(Action):
             if norm not in caps.codebook_norm_bits:
                 raise ConfigError(
                     f"backend {backend.name!r} does not read {fmt.name} {kind}s with norm_bits={norm}; it supports "
-                    f"norm_bits in {list(caps.codebook_norm_bits)} (norm_bits=8: backends 'torch' and 'cpu')"
+                    f"norm_bits in {list(caps.codebook_norm_bits)} (norm_bits=8: backends 'torch', 'cpu' and 'triton')"
                 )
         if self.keys.centre and not caps.codebook_centre:
             raise ConfigError(
                 f"backend {backend.name!r} does not store centred codebook blocks (key_centre=True); backends "
-                "whose capabilities list codebook_centre do (torch, cpu)"
+                "whose capabilities list codebook_centre do (torch, cpu, triton)"
             )
         for kind, fmt in self.roles():
             if fmt.grouped and fmt.group_size % mult:
