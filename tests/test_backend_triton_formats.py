@@ -280,3 +280,37 @@ def test_auto_on_cuda_serves_every_preset_fused_in_triton(preset, monkeypatch):
                 key_dim=128, value_dim=128,
             )  # fmt: skip
             assert plan.backend is cache.backend and plan.fused_reason is None, plan
+
+
+# --------------------------------------------------------------------------------------------------
+# the launchers as custom operators
+# --------------------------------------------------------------------------------------------------
+
+
+def test_launchers_are_custom_operators_with_fake_implementations():
+    """``torch.ops.kvpolicy.triton_*``: each passes ``torch.library.opcheck`` (schema, fake tensors, dispatch),
+    and a function calling the attention launcher through :func:`~kvpolicy.kernels.triton_ops.call` traces with
+    ``fullgraph=True`` and gives the launcher's result."""
+    from kvpolicy.kernels import triton_ops
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 32, 64, generator=gen).to(DEVICE)
+    k = REF.quantize(x, Codebook(3, centre=True, norm_bits=8), centre=x[:, :, :1])
+    v = REF.quantize(x, MinMax(2, 32, "token"))
+    q = torch.randn(1, 2, 3, 64, generator=gen).to(DEVICE)
+    ops = triton_ops
+    attend_args = (
+        q, k.codes, k.scales, None, k.scale_base, k.centre, v.codes, v.scales, v.zeros, None, None, None,
+        ops.CODEBOOK, 3, 1, ops.MINMAX_TOKEN, 2, 32, 32, 64, 0.125, 2, 16, "ieee", 4,
+    )  # fmt: skip
+    torch.library.opcheck(torch.ops.kvpolicy.triton_attend, attend_args)
+    torch.library.opcheck(torch.ops.kvpolicy.triton_minmax_quantize, (x, 2, 32, True, torch.float16))
+    codes, scales, zeros = ops.minmax_quantize(x, 4, 16, False, torch.float16)
+    dequantize_args = (codes, scales, zeros, 4, 16, False, list(x.shape), torch.float32)
+    torch.library.opcheck(torch.ops.kvpolicy.triton_minmax_dequantize, dequantize_args)
+    want = ops.attend(*attend_args)
+    got = torch.compile(lambda *a: ops.call(ops.attend, *a), backend="eager", fullgraph=True)(*attend_args)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    out, lse = REF.attend(q, k, v, 0.125)
+    torch.testing.assert_close(want[0], out, rtol=0, atol=1e-5)
+    torch.testing.assert_close(want[1], lse, rtol=0, atol=1e-5)

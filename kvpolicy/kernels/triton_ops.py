@@ -19,6 +19,7 @@ microseconds per call, which a decode step would pay once per part and layer).
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -286,47 +287,24 @@ def minmax_dequantize(
 
 
 # ---------------------------------------------------------------------------------------------- custom operators
-@torch.library.custom_op("kvpolicy::triton_attend", mutates_args=())
-def _attend_op(
-    query: torch.Tensor,
-    k_codes: torch.Tensor, k_scales: torch.Tensor, k_zeros: torch.Tensor | None, k_base: torch.Tensor | None,
-    k_centre: torch.Tensor | None,
-    v_codes: torch.Tensor, v_scales: torch.Tensor, v_zeros: torch.Tensor | None, v_base: torch.Tensor | None,
-    v_centre: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    k_kind: int, k_bits: int, k_group: int, v_kind: int, v_bits: int, v_group: int,
-    n_tokens: int, value_dim: int, scale: float, splits: int, tile: int, precision: str, num_warps: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    return attend(
-        query, k_codes, k_scales, k_zeros, k_base, k_centre, v_codes, v_scales, v_zeros, v_base, v_centre, bias,
-        k_kind, k_bits, k_group, v_kind, v_bits, v_group, n_tokens, value_dim, scale, splits, tile, precision,
-        num_warps,
-    )  # fmt: skip
+# the launchers themselves are the operators' implementations (their annotations are the schemas)
+_attend_op = torch.library.custom_op("kvpolicy::triton_attend", attend, mutates_args=())
+_quantize_op = torch.library.custom_op("kvpolicy::triton_minmax_quantize", minmax_quantize, mutates_args=())
+_dequantize_op = torch.library.custom_op("kvpolicy::triton_minmax_dequantize", minmax_dequantize, mutates_args=())
 
 
 @_attend_op.register_fake
-def _attend_fake(
-    query: torch.Tensor,
-    k_codes: torch.Tensor, k_scales: torch.Tensor, k_zeros: torch.Tensor | None, k_base: torch.Tensor | None,
-    k_centre: torch.Tensor | None,
-    v_codes: torch.Tensor, v_scales: torch.Tensor, v_zeros: torch.Tensor | None, v_base: torch.Tensor | None,
-    v_centre: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    k_kind: int, k_bits: int, k_group: int, v_kind: int, v_bits: int, v_group: int,
-    n_tokens: int, value_dim: int, scale: float, splits: int, tile: int, precision: str, num_warps: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _attend_fake(query: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` ``(B, H, q, value_dim)`` and ``lse`` ``(B, H, q)``, float32 (:func:`attend`)."""
     b, h, nq, _ = query.shape
+    value_dim = _ATTEND_PARAMETERS.bind(query, *args).arguments["value_dim"]
     return (
         query.new_empty((b, h, nq, value_dim), dtype=torch.float32),
         query.new_empty((b, h, nq), dtype=torch.float32),
     )
 
 
-@torch.library.custom_op("kvpolicy::triton_minmax_quantize", mutates_args=())
-def _quantize_op(
-    x: torch.Tensor, bits: int, group_size: int, channel: bool, meta_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return minmax_quantize(x, bits, group_size, channel, meta_dtype)
+_ATTEND_PARAMETERS = inspect.signature(attend)
 
 
 @_quantize_op.register_fake
@@ -341,20 +319,13 @@ def _quantize_fake(
     )
 
 
-@torch.library.custom_op("kvpolicy::triton_minmax_dequantize", mutates_args=())
-def _dequantize_op(
-    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int, channel: bool,
-    shape: list[int], dtype: torch.dtype,
-) -> torch.Tensor:  # fmt: skip
-    return minmax_dequantize(codes, scales, zeros, bits, group_size, channel, shape, dtype)
-
-
 @_dequantize_op.register_fake
-def _dequantize_fake(
-    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int, channel: bool,
-    shape: list[int], dtype: torch.dtype,
-) -> torch.Tensor:  # fmt: skip
-    return codes.new_empty(shape, dtype=dtype)
+def _dequantize_fake(codes: torch.Tensor, *args: Any) -> torch.Tensor:
+    bound = _DEQUANTIZE_PARAMETERS.bind(codes, *args).arguments
+    return codes.new_empty(bound["shape"], dtype=bound["dtype"])
+
+
+_DEQUANTIZE_PARAMETERS = inspect.signature(minmax_dequantize)
 
 
 #: launcher -> its custom operator
