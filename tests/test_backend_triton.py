@@ -586,6 +586,7 @@ variants = {
 MINMAX_TOKEN, MINMAX_CHANNEL, CODEBOOK = 0, 1, 2
 roles = {
     "kivi2": dict(KIND=MINMAX_CHANNEL, BITS=2, G=32, BF16=True, BYTE=False, CENTRE=False),
+    "one_liner_keys": dict(KIND=MINMAX_CHANNEL, BITS=2, G=128, BF16=True, BYTE=False, CENTRE=False),
     "minmax3_channel": dict(KIND=MINMAX_CHANNEL, BITS=3, G=64, BF16=False, BYTE=False, CENTRE=False),
     "minmax4_channel": dict(KIND=MINMAX_CHANNEL, BITS=4, G=64, BF16=True, BYTE=False, CENTRE=False),
     "minmax2_token": dict(KIND=MINMAX_TOKEN, BITS=2, G=64, BF16=True, BYTE=False, CENTRE=False),
@@ -598,7 +599,8 @@ roles = {
     "codebook2_norm16": dict(KIND=CODEBOOK, BITS=2, G=1, BF16=False, BYTE=False, CENTRE=False),
 }
 pairs = [
-    ("kivi2", "minmax2_token", False, "tf32"), ("minmax4_token", "minmax4_token", False, "ieee"),
+    ("kivi2", "minmax2_token", False, "tf32"), ("one_liner_keys", "minmax2_token", False, "tf32"),
+    ("minmax4_token", "minmax4_token", False, "ieee"),
     ("minmax3_channel", "minmax2_token", False, "tf32"), ("minmax4_channel", "codebook3_byte", False, "tf32"),
     ("codebook3_byte_centre", "codebook2_byte", False, "tf32"),
     ("codebook4_byte_centre", "codebook3_byte", True, "tf32"),
@@ -638,7 +640,7 @@ def test_kernels_compile_for_a_cuda_target(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
     assert {"quantize", "quantize_f32_meta", "dequantize", "merge"} < set(lines)
-    assert sum(name.startswith("attend_") for name in lines) == 7
+    assert sum(name.startswith("attend_") for name in lines) == 8
     for name, rest in lines.items():
         words = rest.split()
         assert int(words[1]) > 0, name  # a non-empty cubin
