@@ -553,16 +553,19 @@ def test_builtin_backends_pass_check_backend(name, cpu_kernel):
 
 
 def test_triton_interpreted_passes_check_backend(monkeypatch):
+    """Every format the triton backend declares (min-max groups at each width and axis, codebook indices at
+    each width with 16-bit and one-byte scales), under the interpreter."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from kvpolicy.backends.triton_backend import TritonBackend
-    from kvpolicy.formats import MinMax
-    from kvpolicy.testing import check_backend
+    from kvpolicy.formats import Codebook, MinMax
+    from kvpolicy.testing import backend_formats, check_backend
 
     be = TritonBackend()
-    if be.mode != "interpret":
-        pytest.skip("the interpreter is not in use (Triton was imported before TRITON_INTERPRET was set)")
-    check_backend(be, formats=[MinMax(2, 16, "channel"), MinMax(4, 16, "token")])
+    declared = backend_formats(be)
+    assert {MinMax(b, 32, a) for b in (2, 3, 4, 8) for a in ("token", "channel")} <= set(declared)
+    assert {Codebook(b, norm_bits=n) for b in (2, 3, 4) for n in (8, 16)} <= set(declared)
+    check_backend(be)
 
 
 def test_a_broken_backend_fails_check_backend():

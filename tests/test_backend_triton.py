@@ -492,12 +492,15 @@ def test_memory_bytes_equal_held_tensors(axis, bits):
 
 def test_capabilities_and_checks():
     caps = BACKEND.capabilities
-    assert caps.bits == (2, 4, 8) and set(caps.axes) == {"token", "channel"} and caps.group_size_multiple == 4
+    assert caps.bits == (2, 3, 4, 8) and set(caps.axes) == {"token", "channel"} and caps.group_size_multiple == 4
+    assert caps.formats == ("minmax", "codebook") and caps.fused
     assert caps.devices == (("cuda",) if GPU else ("cpu",))
     assert BACKEND.mode == ("compiled" if GPU else "interpret")
     assert set(type(BACKEND).capabilities.devices) == {"cuda", "cpu"}
-    with pytest.raises(ConfigError, match="bits=3"):
-        BACKEND.quantize(torch.randn(1, 1, 4, 64, device=DEVICE), 3, 16, "token")
+    with pytest.raises(ConfigError, match="bits=5"):
+        BACKEND.quantize(torch.randn(1, 1, 4, 64, device=DEVICE), 5, 16, "token")
+    with pytest.raises(ConfigError, match="group_size must be a multiple of 8 with bits=3; got group_size=12"):
+        BACKEND.quantize(torch.randn(1, 1, 4, 48, device=DEVICE), 3, 12, "token")
     with pytest.raises(ConfigError, match="multiple of group_size=16; got tokens=12"):
         BACKEND.quantize(torch.randn(1, 1, 12, 64, device=DEVICE), 2, 16, "channel")
     wrong = torch.randn(1, 1, 16, 64, device="meta" if not GPU else "cpu")
@@ -529,18 +532,25 @@ def test_missing_triton_names_the_extra(monkeypatch):
 
 
 def test_kernels_switch_mode_after_import():
-    """Kernels decorated in one mode are re-wrapped for the other (TRITON_INTERPRET set late)."""
+    """Kernels decorated in one mode are re-wrapped for the other (TRITON_INTERPRET set late), with the
+    helpers of their module in the same mode (helpers calling helpers included)."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    from kvpolicy.kernels import triton_quant
+    from kvpolicy.kernels import triton_attention, triton_quant
     from kvpolicy.kernels.triton_runtime import for_mode
 
-    k = triton_quant.quantize_pack_kernel
-    interp, compiled = for_mode(k, True), for_mode(k, False)
-    assert isinstance(interp, InterpretedFunction) and isinstance(compiled, JITFunction)
-    assert interp.fn is compiled.fn is k.fn
-    assert for_mode(k, True) is interp  # cached
+    for k in (triton_quant.quantize_pack_kernel, triton_attention.decode_attention_kernel):
+        interp, compiled = for_mode(k, True), for_mode(k, False)
+        assert isinstance(interp, InterpretedFunction) and isinstance(compiled, JITFunction)
+        assert interp.fn.__code__ is compiled.fn.__code__ is k.fn.__code__
+        assert for_mode(k, True) is interp  # cached
+        for wrapped, kind in ((interp, InterpretedFunction), (compiled, JITFunction)):
+            helpers = [v for v in wrapped.fn.__globals__.values() if isinstance(v, (InterpretedFunction, JITFunction))]
+            own = [v for v in helpers if v.fn.__module__ == k.fn.__module__]
+            assert own and all(isinstance(v, kind) for v in own)
+    names = [p.name for p in for_mode(triton_attention.decode_attention_kernel, False).params if p.do_not_specialize]
+    assert "n_tokens" in names and "tiles_per_split" in names
 
 
 _AOT_SCRIPT = r"""
@@ -550,44 +560,77 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kvpolicy.kernels import triton_attention, triton_quant
 
-def signature(kernel, pointers, constexprs):
+def signature(kernel, pointers, constexprs, floats=()):
     names = inspect.signature(kernel.fn).parameters
-    return {n: pointers.get(n, "constexpr" if n in constexprs else "i32") for n in names}
+    return {n: pointers.get(n, "constexpr" if n in constexprs else "fp32" if n in floats else "i32") for n in names}
 
 variants = {
     "quantize": (triton_quant.quantize_pack_kernel,
         {"x_ptr": "*i16", "codes_ptr": "*u8", "scales_ptr": "*i16", "zeros_ptr": "*i16"},
         dict(R_DIV=96, R_OUTER=12 * 96, E_STRIDE=96, G=12, GP=16, BITS=2, PER=4, NB=3, NBP=4, BLOCK_N=64,
-             IN_BF16=True, META_BF16=True, META_F32=False)),
+             IN_BF16=True, META_BF16=True, META_F32=False), {"enable_fp_fusion": False}),
     "quantize_f32_meta": (triton_quant.quantize_pack_kernel,
         {"x_ptr": "*fp32", "codes_ptr": "*u8", "scales_ptr": "*fp32", "zeros_ptr": "*fp32"},
         dict(R_DIV=1, R_OUTER=64, E_STRIDE=1, G=64, GP=64, BITS=4, PER=2, NB=32, NBP=32, BLOCK_N=32,
-             IN_BF16=False, META_BF16=False, META_F32=True)),
+             IN_BF16=False, META_BF16=False, META_F32=True), {"enable_fp_fusion": False}),
     "dequantize": (triton_quant.unpack_dequantize_kernel,
         {"codes_ptr": "*u8", "scales_ptr": "*fp16", "zeros_ptr": "*fp16", "out_ptr": "*fp16"},
         dict(R_DIV=1, R_OUTER=64, E_STRIDE=1, G=64, GP=64, BITS=4, PER=2, NB=32, BLOCK_N=32, OUT_BF16=False,
-             OUT_F16=True, META_BF16=False)),
+             OUT_F16=True, META_BF16=False), {"enable_fp_fusion": False}),
+    "merge": (triton_attention.merge_splits_kernel,
+        {"out_ptr": "*fp32", "lse_ptr": "*fp32", "merged_ptr": "*fp32", "merged_lse_ptr": "*fp32"},
+        dict(DV=128, DVP=128, SP=8, QB=4), {"enable_fp_fusion": True}),
 }
-for kivi in (True, False):
-    meta = "*i16" if kivi else "*fp16"
-    variants["attend_kivi" if kivi else "attend_other_layouts"] = (triton_attention.decode_attention_kernel,
-        {"q_ptr": "*fp32", "kc_ptr": "*u8", "ks_ptr": meta, "kz_ptr": meta, "vc_ptr": "*u8", "vs_ptr": meta,
-         "vz_ptr": meta, "out_ptr": "*fp32", "lse_ptr": "*fp32", "sm_scale": "fp32"},
-        dict(D=96, DP=128, DV=96, DVP=128, K_CHANNEL=kivi, K_BITS=2, K_PER=4, K_G=32, K_BF16=kivi,
-             V_CHANNEL=not kivi, V_BITS=4, V_PER=2, V_G=32, V_BF16=kivi, TILE=32 if kivi else 64,
-             BT=32 if kivi else 64, QB=16))
-for name, (kernel, ptrs, ce) in variants.items():
-    src = ASTSource(fn=kernel, signature=signature(kernel, ptrs, ce), constexprs=ce)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False})
-    fma = "fma.rn.f32" in k.asm["ptx"]
-    print(name, "cubin", len(k.asm["cubin"]), "fma", fma)
+# the attention kernel in the pairings of the shipped presets: (name, key role, value role, bias, precision)
+MINMAX_TOKEN, MINMAX_CHANNEL, CODEBOOK = 0, 1, 2
+roles = {
+    "kivi2": dict(KIND=MINMAX_CHANNEL, BITS=2, G=32, BF16=True, BYTE=False, CENTRE=False),
+    "one_liner_keys": dict(KIND=MINMAX_CHANNEL, BITS=2, G=128, BF16=True, BYTE=False, CENTRE=False),
+    "minmax3_channel": dict(KIND=MINMAX_CHANNEL, BITS=3, G=64, BF16=False, BYTE=False, CENTRE=False),
+    "minmax4_channel": dict(KIND=MINMAX_CHANNEL, BITS=4, G=64, BF16=True, BYTE=False, CENTRE=False),
+    "minmax2_token": dict(KIND=MINMAX_TOKEN, BITS=2, G=64, BF16=True, BYTE=False, CENTRE=False),
+    "minmax4_token": dict(KIND=MINMAX_TOKEN, BITS=4, G=64, BF16=False, BYTE=False, CENTRE=False),
+    "codebook3_byte_centre": dict(KIND=CODEBOOK, BITS=3, G=1, BF16=True, BYTE=True, CENTRE=True),
+    "codebook4_byte_centre": dict(KIND=CODEBOOK, BITS=4, G=1, BF16=True, BYTE=True, CENTRE=True),
+    "codebook2_byte": dict(KIND=CODEBOOK, BITS=2, G=1, BF16=True, BYTE=True, CENTRE=False),
+    "codebook3_byte": dict(KIND=CODEBOOK, BITS=3, G=1, BF16=False, BYTE=True, CENTRE=False),
+    "codebook2_norm16_centre": dict(KIND=CODEBOOK, BITS=2, G=1, BF16=True, BYTE=False, CENTRE=True),
+    "codebook2_norm16": dict(KIND=CODEBOOK, BITS=2, G=1, BF16=False, BYTE=False, CENTRE=False),
+}
+pairs = [
+    ("kivi2", "minmax2_token", False, "tf32"), ("one_liner_keys", "minmax2_token", False, "tf32"),
+    ("minmax4_token", "minmax4_token", False, "ieee"),
+    ("minmax3_channel", "minmax2_token", False, "tf32"), ("minmax4_channel", "codebook3_byte", False, "tf32"),
+    ("codebook3_byte_centre", "codebook2_byte", False, "tf32"),
+    ("codebook4_byte_centre", "codebook3_byte", True, "tf32"),
+    ("codebook2_norm16_centre", "codebook2_norm16", False, "ieee"),
+]
+pointer_names = ["q_ptr", "out_ptr", "lse_ptr", "bias_ptr", "steps_ptr"]
+for key_role, value_role, bias, precision in pairs:
+    k, v = roles[key_role], roles[value_role]
+    ptrs = {n: "*fp32" for n in pointer_names}
+    for p, role in (("k", k), ("v", v)):
+        meta = "*i16" if role["BF16"] else "*fp16"
+        ptrs.update({f"{p}c_ptr": "*u8", f"{p}s_ptr": "*u8" if role["BYTE"] else meta, f"{p}z_ptr": meta,
+                     f"{p}base_ptr": "*i16", f"{p}mu_ptr": meta, f"{p}tab_ptr": "*fp32"})
+    tile = k["G"] if k["KIND"] == MINMAX_CHANNEL else 32
+    ce = dict(D=128, DP=128, DV=128, DVP=128, BIAS=bias, TILE=tile, BT=max(16, tile), QB=16, PRECISION=precision,
+              **{f"K_{n}": val for n, val in k.items()}, **{f"V_{n}": val for n, val in v.items()})
+    variants[f"attend_{key_role}_{value_role}"] = (triton_attention.decode_attention_kernel, ptrs, ce,
+                                                  {"enable_fp_fusion": True})
+for name, (kernel, ptrs, ce, options) in variants.items():
+    src = ASTSource(fn=kernel, signature=signature(kernel, ptrs, ce, ("sm_scale",)), constexprs=ce)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **options})
+    fma = "fma.rn.f32" in compiled.asm["ptx"]
+    print(name, "cubin", len(compiled.asm["cubin"]), "fma", fma)
 """
 
 
 def test_kernels_compile_for_a_cuda_target(tmp_path):
     """The compiled path, checked without a GPU: every kernel compiles ahead of time for sm_90 down
-    to a cubin (catches what the interpreter accepts but the compiler does not). Runs in a fresh
-    process without TRITON_INTERPRET, since this one may hold Triton's library in interpreter mode."""
+    to a cubin, the attention kernel in each pairing of formats the shipped presets use (catches what the
+    interpreter accepts but the compiler does not). Runs in a fresh process without TRITON_INTERPRET, since
+    this one may hold Triton's library in interpreter mode."""
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -595,7 +638,8 @@ def test_kernels_compile_for_a_cuda_target(tmp_path):
     done = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
-    assert set(lines) == {"quantize", "quantize_f32_meta", "dequantize", "attend_kivi", "attend_other_layouts"}
+    assert {"quantize", "quantize_f32_meta", "dequantize", "merge"} < set(lines)
+    assert sum(name.startswith("attend_") for name in lines) == 8
     for name, rest in lines.items():
         words = rest.split()
         assert int(words[1]) > 0, name  # a non-empty cubin

@@ -107,3 +107,17 @@ def test_save_and_positions_after_an_inference_mode_prefill(model, tmp_path):
     cache.positions(0)
     cache.save(tmp_path / "c.kvc", model=model)
     assert CompressedCache.load(tmp_path / "c.kvc", model=model).get_seq_length() == 40
+
+
+def test_cached_format_tables_are_never_inference_tensors():
+    """A table cached on its first use must serve every later mode: a first use under inference mode (a
+    chunked prefill) must not cache an inference tensor that autograd later refuses to save."""
+    from kvpolicy.formats import codebook, scale_codes
+
+    codebook._tables.cache_clear()
+    scale_codes.octave_steps.cache_clear()
+    with torch.inference_mode():
+        tables = [*codebook._tables(3, "cpu"), scale_codes.octave_steps("cpu")]
+    assert not any(t.is_inference() for t in tables)
+    weight = torch.ones(8, requires_grad=True)
+    (weight * codebook.centroids(3)).sum().backward()  # raises if the cached table is an inference tensor

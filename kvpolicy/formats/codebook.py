@@ -124,11 +124,13 @@ def _erfinv(y: float) -> float:
 
 @functools.cache
 def _tables(bits: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Centroids and boundaries, cached: never inference tensors, whatever mode the first call came in."""
     centroids, boundaries, _ = lloyd_max(bits)
-    return (
-        torch.tensor(centroids, dtype=torch.float32, device=device),
-        torch.tensor(boundaries, dtype=torch.float32, device=device),
-    )
+    with torch.inference_mode(False):
+        return (
+            torch.tensor(centroids, dtype=torch.float32, device=device),
+            torch.tensor(boundaries, dtype=torch.float32, device=device),
+        )
 
 
 def centroids(bits: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -54,8 +54,10 @@ BASE_MIN, BASE_MAX = GRID_MIN - TOP, GRID_MAX - TOP
 @functools.cache
 def octave_steps(device: str) -> torch.Tensor:
     """``2^(j / STEPS)`` for ``j < STEPS``, float32 on ``device`` (rounded once, from float64); the table a
-    kernel decoding the codes itself must use."""
-    return torch.tensor([2.0 ** (j / STEPS) for j in range(STEPS)], dtype=torch.float32, device=device)
+    kernel decoding the codes itself must use. Cached, so never an inference tensor (a first call may
+    come under ``torch.inference_mode``, and later calls under autograd)."""
+    with torch.inference_mode(False):
+        return torch.tensor([2.0 ** (j / STEPS) for j in range(STEPS)], dtype=torch.float32, device=device)
 
 
 def grid_index(scales: torch.Tensor) -> torch.Tensor:

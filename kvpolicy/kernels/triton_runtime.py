@@ -18,6 +18,7 @@ returning an ``InterpretedFunction`` (run on the CPU with NumPy) when it is set 
 from __future__ import annotations
 
 import contextlib
+import types
 from typing import Any
 
 import torch
@@ -87,18 +88,55 @@ def select_mode() -> str:
 
 
 def for_mode(kernel: Any, interpret: bool) -> Any:
-    """``kernel`` (a ``@triton.jit`` object) as an interpreted or a compiled kernel."""
+    """``kernel`` (a ``@triton.jit`` object) as an interpreted or a compiled kernel.
+
+    Every ``@triton.jit`` function of the kernel's module (its helpers: kvpolicy's own) is re-wrapped with it,
+    over one shared copy of the module's globals in which each of them is in the new mode, so that helpers
+    calling helpers stay in that mode too. The module itself is left as it was imported.
+    """
     from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
 
     if isinstance(kernel, InterpretedFunction) == interpret:
         return kernel
     key = (kernel.fn, interpret)
     if key not in _rewrapped:
-        # an InterpretedFunction keeps its decorator's arguments (do_not_specialize...) in ``kwargs``
-        options = getattr(kernel, "kwargs", {})
-        _rewrapped[key] = InterpretedFunction(kernel.fn) if interpret else JITFunction(kernel.fn, **options)
+        _rewrap_module(kernel.fn, interpret)
     return _rewrapped[key]
+
+
+def _options(kernel: Any) -> dict[str, Any]:
+    """The decorator arguments of a ``@triton.jit`` object that matter to a re-wrap (``do_not_specialize``)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(kernel, InterpretedFunction):  # it keeps its decorator's arguments in ``kwargs``
+        named = kernel.kwargs.get("do_not_specialize")
+    else:
+        named = kernel.do_not_specialize
+    return {"do_not_specialize": list(named)} if named else {}
+
+
+def _rewrap_module(fn: Any, interpret: bool) -> None:
+    """Re-wrap every ``@triton.jit`` function of ``fn``'s module for ``interpret`` (see :func:`for_mode`)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    jitted = {
+        name: value
+        for name, value in fn.__globals__.items()
+        if isinstance(value, (InterpretedFunction, JITFunction))
+        and getattr(value.fn, "__module__", None) == fn.__module__
+    }
+    scope = dict(fn.__globals__)
+    for name, kernel in jitted.items():
+        original = kernel.fn
+        copy = types.FunctionType(original.__code__, scope, original.__name__, original.__defaults__,
+                                  original.__closure__)  # fmt: skip
+        copy.__module__, copy.__qualname__, copy.__doc__ = original.__module__, original.__qualname__, original.__doc__
+        copy.__kwdefaults__ = original.__kwdefaults__
+        options = _options(kernel)
+        wrapped = InterpretedFunction(copy, **options) if interpret else JITFunction(copy, **options)
+        scope[name] = wrapped
+        _rewrapped[(original, interpret)] = wrapped
 
 
 def next_pow2(n: int) -> int:

@@ -114,12 +114,14 @@ def lattice_points(bits: int) -> tuple[tuple[int, ...], ...]:
 @functools.cache
 def _tables(bits: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(P, lookup)``: the points ``(N, 4)`` float32, and ``(2·BOX + 1)**4`` int64 table indices of the
-    box's points (``-1``: not in the table)."""
-    pts = torch.tensor(lattice_points(bits), dtype=torch.int64)
-    side = 2 * BOX + 1
-    lookup = torch.full((side**DIM,), -1, dtype=torch.int64)
-    lookup[_box_key(pts)] = torch.arange(len(pts))
-    return pts.float().to(device), lookup.to(device)
+    box's points (``-1``: not in the table). Cached: never inference tensors, whatever mode the first call
+    came in."""
+    with torch.inference_mode(False):
+        pts = torch.tensor(lattice_points(bits), dtype=torch.int64)
+        side = 2 * BOX + 1
+        lookup = torch.full((side**DIM,), -1, dtype=torch.int64)
+        lookup[_box_key(pts)] = torch.arange(len(pts))
+        return pts.float().to(device), lookup.to(device)
 
 
 def _box_key(p: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from kvpolicy_research import lattice
 from kvpolicy_research.lattice import Lattice, LatticeTensor
 from research_cases import fused_and_materialized, saved_cache_continues, teacher_forced_logits, tiny_model
-from research_parts import ensure_registered, research_parts  # noqa: F401 - registers the plugin's parts
+from research_parts import cpu_kernel, ensure_registered, research_parts  # noqa: F401 - fixtures, and the plugin's parts registered
 
 from kvpolicy import CompressedCache
 from kvpolicy.actions.quantize import Quantize

@@ -14,6 +14,7 @@ from kvpolicy_research.lowrank import GROW, LowRank, LowRankBasis
 from research_cases import CODEBOOK, Held, composition, teacher_forced_logits, tiny_model, with_nan
 from research_cases import ids as _ids
 from research_cases import logits as _logits
+from research_parts import cpu_kernel, research_parts  # noqa: F401 - fixtures, and the plugin's parts registered
 
 from kvpolicy import CompressedCache
 from kvpolicy.actions.quantize import Quantize
@@ -169,7 +170,8 @@ def test_beam_reorder_moves_each_rows_fit_and_coefficients():
 @pytest.mark.parametrize("name", ["codebook", "minmax-staged", "tiered"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_fused_equals_materialized(name, family, backend, cpu_kernel):
+@pytest.mark.usefixtures("cpu_kernel")
+def test_fused_equals_materialized(name, family, backend):
     """Across group flushes with staging non-empty (minmax: group 16) and tier moves, GQA, batch 2."""
     model = tiny_model(family)
     ids = _ids()

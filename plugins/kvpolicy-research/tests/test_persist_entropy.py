@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvpolicy_research import entropy
 from research_cases import tiny_model
-from research_parts import ensure_registered, research_parts  # noqa: F401 - registers the plugin's parts
+from research_parts import ensure_registered, one_thread, research_parts  # noqa: F401 - fixtures, and the plugin's parts registered
 from safetensors import safe_open
 from safetensors.torch import save_file
 

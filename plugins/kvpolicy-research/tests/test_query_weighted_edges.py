@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvpolicy_research.query_weighted import MAX_RATIO, QueryWeighted
 from research_cases import tiny_model
+from research_parts import one_thread, research_parts  # noqa: F401 - fixtures, and the plugin's parts registered
 
 from kvpolicy import CompressedCache
 from kvpolicy.attention import disable_scores, enable_scores

@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 from research_cases import tiny_model
+from research_parts import one_thread, research_parts  # noqa: F401 - fixtures, and the plugin's parts registered
 
 from kvpolicy import CompressedCache
 from kvpolicy.attention import disable_scores, enable_scores

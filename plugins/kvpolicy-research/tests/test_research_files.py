@@ -13,6 +13,7 @@ import pytest
 import torch
 from research_cases import CODEBOOK, teacher_forced_logits, tiny_model
 from research_cases import ids as _ids
+from research_parts import research_parts  # noqa: F401 - fixtures, and the plugin's parts registered
 
 from kvpolicy import CompressedCache
 from kvpolicy.fused import disable_fused, enable_fused
