@@ -14,9 +14,10 @@ from kvpolicy.tiny import random_model, tiny_gemma3  # noqa: F401  (tests import
 
 # No third-party plugin loads by entry point in the tests (each test that needs one registers it), except
 # the lab's subcommands when kvpolicy-lab is installed (its tests drive the kvpolicy command), and the research
-# plugin's transforms when it is installed (the lab's tuning spaces and analyses name them).
-_LOADED = [ep for module, ep in (("kvpolicy_lab", "kvpolicy_lab"), ("kvpolicy_research", "research-transforms"))
-           if importlib.util.find_spec(module) is not None]  # fmt: skip
+# plugin's parts when it is installed (the lab's tuning spaces, grids and analyses name them).
+_LOADED = [ep for module, eps in (("kvpolicy_lab", ["kvpolicy_lab"]),
+                                  ("kvpolicy_research", ["research-transforms", "research-formats"]))
+           if importlib.util.find_spec(module) is not None for ep in eps]  # fmt: skip
 if _LOADED:
     os.environ.setdefault("KVPOLICY_PLUGINS", ",".join(_LOADED))
 else:

@@ -191,11 +191,13 @@ def test_role_checks_name_the_role():
     wrong_centre = CodebookTensor(v.codes, v.scales, 2, v.shape, v.dtype, torch.zeros(1, 2, 1, 32), None)
     with pytest.raises(ConfigError, match="the centre of codebook values"):
         backend.attend(q, k, wrong_centre, 0.125)
-    from kvpolicy.formats import Lattice
 
-    lattice = REF.quantize(x, Lattice(Lattice.bits_allowed[0]))
-    with pytest.raises(ConfigError, match=r"PackedTensor and CodebookTensor.*values=LatticeTensor"):
-        backend.attend(q, k, lattice, 0.125)
+    class OtherTensor(CodebookTensor):  # another format's block, even one built on the codebook's
+        pass
+
+    other = OtherTensor(v.codes, v.scales, 2, v.shape, v.dtype, None, None)
+    with pytest.raises(ConfigError, match=r"PackedTensor and CodebookTensor.*values=OtherTensor"):
+        backend.attend(q, k, other, 0.125)
     for attr, value in (("tile", 24), ("splits", 0), ("precision", "fp8")):
         backend = make_backend()
         setattr(backend, attr, value)

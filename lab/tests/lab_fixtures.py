@@ -17,8 +17,10 @@ from hypothesis import settings
 #: the repository's root (the lab's tests run from a checkout: they read its scripts and committed rows)
 ROOT = Path(__file__).resolve().parents[2]
 
-# Only the lab's own entry point loads (its subcommands); other installed plugins stay out of the tests.
-os.environ.setdefault("KVPOLICY_PLUGINS", "kvpolicy_lab")
+# The lab's own entry point loads (its subcommands), and the research plugin's parts where it is installed (the
+# committed grids, tuning spaces and analyses name them); other installed plugins stay out of the tests.
+_RESEARCH = ["research-transforms", "research-formats"] if importlib.util.find_spec("kvpolicy_research") else []
+os.environ.setdefault("KVPOLICY_PLUGINS", ",".join(["kvpolicy_lab", *_RESEARCH]))
 
 # the library's hypothesis profile (see tests/conftest.py): few, deterministic examples
 settings.register_profile(

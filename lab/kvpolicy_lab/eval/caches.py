@@ -189,7 +189,7 @@ class CacheSpec:
             raise ConfigError(
                 f"cache {self.label!r}: {exc}; a grid's cache must be data to be given a cell id"
             ) from None
-        return {"kind": "kvpolicy", "spec": without_added_defaults(spec)}
+        return {"kind": "kvpolicy", "spec": _without_provenance(without_added_defaults(spec))}
 
     def describe(self) -> str:
         """The exact ``repr`` of the cache (kvpolicy caches) or its constructor call (transformers')."""
@@ -351,3 +351,13 @@ def baseline_bytes(config: Any, tokens: int, batch: int = 1, layers: list[int] |
         if layers is None or i in layers
     )
     return int(held * batch * heads * head_dim * 2 * 2)
+
+
+def _without_provenance(value: Any) -> Any:
+    """``value`` without the ``"from"`` entries a saved spec gives a plugin's parts: which distribution
+    registers a part says where to find it, not what it computes, so it changes no cell id."""
+    if isinstance(value, dict):
+        return {k: _without_provenance(v) for k, v in value.items() if not (k == "from" and "name" in value)}
+    if isinstance(value, list):
+        return [_without_provenance(v) for v in value]
+    return value

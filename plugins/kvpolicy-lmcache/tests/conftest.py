@@ -17,10 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 from kvpolicy_lmcache.serde import TensorObj
 from lmcache.v1.distributed.api import ObjectKey
 
 HERE = Path(__file__).parent
+
+# The same examples on every run (here and in CI): derived from each test, no example database; tests keep
+# their own max_examples. HYPOTHESIS_PROFILE=deep draws fresh ones.
+settings.register_profile("ci", deadline=None, derandomize=True, database=None, print_blob=True)
+settings.register_profile("deep", max_examples=500, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def key(i: int = 1, model: str = "test-model", rank: int = 0, group: int = 0) -> ObjectKey:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from conftest import chunk, key
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from kvpolicy_lmcache import ChunkCodec, fast
 
@@ -34,6 +34,7 @@ def ulp(dtype: torch.dtype) -> float:
 
 
 @settings(max_examples=25, deadline=None)
+@example(preset="kvpolicy-3bit", dtype=torch.float32, tokens=1, head_dim=128, norm_bits=8, seed=456_083_239_906_294)
 @given(
     preset=st.sampled_from(["kvpolicy-3bit", "kvpolicy-3.5bit", "kvpolicy-4bit"]),
     dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
@@ -52,8 +53,12 @@ def test_the_compiled_path_writes_and_reads_what_the_reference_does(preset, dtyp
     assert float((a != b).float().mean()) < 0.01  # bytes of codes near a boundary, and their scales
     for buf in (a, b):  # either payload decodes with either path, to the last bit of the dtype
         y1, y2 = decode(compiled, buf, x), decode(reference, buf, x)
+        # rounding to the chunk's dtype (a few of its ulps), plus float32 arithmetic: a Walsh-Hadamard transform
+        # and a matrix product of one vector differ by up to about log2(head_dim) float32 ulps of its norm
         scale = float(y2.float().abs().max())
-        assert float((y1.float() - y2.float()).abs().max()) <= 4 * ulp(dtype) * scale
+        norm = float(y2.float().norm(dim=-1).max())
+        bound = 4 * ulp(dtype) * scale + 2 * head_dim.bit_length() * ulp(torch.float32) * norm
+        assert float((y1.float() - y2.float()).abs().max()) <= bound
     err = [float((decode(c, buf, x).float() - x.float()).norm() / x.float().norm()) for c, buf in
            ((compiled, a), (reference, b))]  # fmt: skip
     assert abs(err[0] - err[1]) < 1e-3, err
@@ -83,11 +88,17 @@ class Shuffled(Transform):
 def test_other_matrices_and_formats_take_the_reference_path():
     assert fast.rotation(Shuffled(), 64) is None
     assert fast.rotation(Hadamard(0), 64) is not None
-    Lattice = pytest.importorskip("kvpolicy_research.lattice").Lattice  # the research plugin's format
+    from kvpolicy.formats import Codebook, MinMax
 
     parts = ChunkCodec(preset="kvpolicy-3bit").parts
     assert fast.serves(parts.keys, parts.values)
-    assert not fast.serves(Lattice(bits=2), parts.values)
+    assert not fast.serves(MinMax(bits=2, group_size=32, axis="token"), parts.values)  # another format
+    assert not fast.serves(parts.keys, Codebook(bits=2, centre=True))  # centred values
+
+    class Derived(Codebook):  # a plugin's format built on the codebook: its own codes, never assumed
+        pass
+
+    assert not fast.serves(Derived(bits=3), parts.values)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
