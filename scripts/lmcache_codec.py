@@ -72,9 +72,14 @@ class Fp8:
 class KVPolicy:
     """kvpolicy's codec through its LMCache serializer and deserializer."""
 
-    def __init__(self, preset: str, head_dim: int | None, kernel: str = "auto") -> None:
-        codec = ChunkCodec(preset=preset, head_dim=head_dim, kernel=kernel)
+    def __init__(
+        self, preset: str, head_dim: int | None, kernel: str = "auto", keep: tuple[int, int] | None = None
+    ) -> None:
+        kept = {} if keep is None else {"keep_first": keep[0], "keep_last": keep[1]}
+        codec = ChunkCodec(preset=preset, head_dim=head_dim, kernel=kernel, **kept)
         self.name = preset if kernel == "auto" else f"{preset} ({kernel} kernel)"
+        if keep is not None:
+            self.name += f" (first {keep[0]}, last {keep[1]} verbatim)"
         self.ser, self.de = KVPolicySerializer(codec), KVPolicyDeserializer(codec)
 
 
@@ -116,6 +121,8 @@ def kl(
     recompute: list[int],
     partial: Path | None = None,
     only: list[int] | None = None,
+    keeps: list[tuple[int, int] | None] | None = None,
+    skip: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     from transformers import DynamicCache
 
@@ -132,13 +139,14 @@ def kl(
     if only is not None:  # a share of the texts, for runs in several processes (merged by text id)
         samples = [samples[i] for i in only]
     ids = [torch.tensor(s.ids[: context + tokens]) for s in samples]
-    codecs: list[Any] = [Fp8(), *(KVPolicy(p, head_dim) for p in presets)]
+    codecs: list[Any] = [] if "fp8" in skip else [Fp8()]
+    codecs += [KVPolicy(p, head_dim, keep=k) for p in presets for k in (keeps or [None])]
     per_row: dict[str, list[dict[str, float]]] = {}
     with torch.inference_mode():
         for i, text in enumerate(ids):
             text = text.unsqueeze(0)
             ref = teacher_forced_logits(model, text, context, DynamicCache(config=model.config))
-            for preset in presets:  # the preset held in memory: the context prefilled whole, then decoded
+            for preset in [] if "memory" in skip else presets:  # the preset in memory: context prefilled, then decoded
                 got = teacher_forced_logits(model, text, context, CompressedCache.for_model(model, preset))
                 per_row.setdefault(f"{preset} in memory (CompressedCache)", []).append(_scores(ref, got))
             prompt = DynamicCache(config=model.config)
@@ -214,6 +222,11 @@ def speed(rounds: int, presets: list[str]) -> dict[str, Any]:
     return {"shape": list(shape), "dtype": "bfloat16", "rounds": rounds, "chunk_mb": mb, "rows": rows}
 
 
+def _pair(text: str) -> tuple[int, int]:
+    first, last = (int(v) for v in text.split(","))
+    return first, last
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", nargs="+", default=["bits", "kl", "speed"], choices=["bits", "kl", "speed"])
@@ -230,6 +243,14 @@ def main() -> None:
         "one partial) or a multiple of 256 (the full chunks before them reused)",
     )
     p.add_argument("--only", nargs="+", type=int, default=None, help="measure these texts (indices) of the --texts")
+    p.add_argument(
+        "--keep",
+        nargs="+",
+        default=None,
+        help="codec rows keeping each chunk's first and last tokens verbatim, as FIRST,LAST pairs (default: the "
+        "preset's default only; 'default' names it among others)",
+    )
+    p.add_argument("--skip", nargs="+", default=[], choices=["memory", "fp8"], help="rows of the kl part left out")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -257,7 +278,11 @@ def main() -> None:
             print(f"{name:<36} {enc}  {dec}  {row['time_vs_fp8']:.2f}x fp8")
     if "kl" in args.parts:
         partial = args.out.with_suffix(".partial.json") if args.out else None
-        result["kl"] = kl(args.texts, args.context, args.tokens, args.presets, args.recompute, partial, args.only)
+        keeps = None if args.keep is None else [None if k == "default" else _pair(k) for k in args.keep]
+        result["kl"] = kl(
+            args.texts, args.context, args.tokens, args.presets, args.recompute, partial, args.only, keeps,
+            tuple(args.skip),
+        )  # fmt: skip
         for name, row in result["kl"]["rows"].items():
             k = row["kl"]
             print(f"{name:<44} KL {k['mean']:.4f} ± {k['se']:.4f} (worst {k['worst']:.4f})  top-1 "
