@@ -7,7 +7,9 @@ Needs the plugin's environment (``pip install torch==2.13.0 lmcache==0.5.6 -e . 
 - ``bits``: stored bits per element of a 256-token bfloat16 chunk, everything counted (prefix, header,
   padding, codes, scales, centres, scale bases), for SmolLM2-135M's layer stack (30 layers, 3 KV heads ×
   64) and an 8B-shaped one (32 layers, 8 KV heads × 128), from each codec's own
-  ``estimate_serialized_size`` (which the kvpolicy codec reaches exactly; fp8 writes one byte per element);
+  ``estimate_serialized_size`` (which the kvpolicy codec reaches exactly; fp8 writes one byte per element),
+  for each preset as configured by default (each chunk's first token and last 4 kept verbatim) and with
+  every token coded (``keep_first=0, keep_last=0``);
 - ``kl``: SmolLM2-135M (float32, CPU) on the frontier's held-out texts (the first ``--texts`` texts of the
   ablation's ``lm`` task, seed 0: standard-library files no setting was tuned on), ``--context`` tokens of
   context then ``--tokens`` teacher-forced tokens. The reference is ``DynamicCache`` over the whole
@@ -17,7 +19,9 @@ Needs the plugin's environment (``pip install torch==2.13.0 lmcache==0.5.6 -e . 
   token, as a server reusing a stored prompt does (``--recompute 1``); with ``--recompute 256`` only the
   full chunks before the last 256 context tokens are reused and the model recomputes those (LMCache stores
   full chunks only unless ``save_unfull_chunk`` is set, so a prompt's last partial chunk is always
-  recomputed). ``in memory`` rows run the same preset in a ``CompressedCache``
+  recomputed). ``--keep FIRST,LAST`` adds codec rows keeping other numbers of each chunk's first and last
+  tokens verbatim (``--skip memory fp8`` leaves the other rows out). ``in memory`` rows run the same preset
+  in a ``CompressedCache``
   (``CompressedCache.for_model``, the context prefilled whole, then decoded on kvpolicy's fused attention,
   as docs/frontier.md measures it). KL is the mean next-token ``KL(reference || row)`` per text, then the
   mean over texts ± standard error and the worst text;
@@ -107,6 +111,8 @@ def bits() -> list[dict[str, Any]]:
         sizes = {"uncompressed (bfloat16)": numel * 2, "LMCache fp8": Fp8().ser.estimate_serialized_size(layout)}
         for preset in PRESETS:
             sizes[preset] = KVPolicy(preset, head_dim).ser.estimate_serialized_size(layout)
+            every = KVPolicy(preset, head_dim, keep=(0, 0))  # no token kept verbatim
+            sizes[f"{preset}, every token coded"] = every.ser.estimate_serialized_size(layout)
         for name, size in sizes.items():
             rows.append({"stack": stack, "codec": name, "bytes": size, "bits_per_element": 8 * size / numel})
     return rows

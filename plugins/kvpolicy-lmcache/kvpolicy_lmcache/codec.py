@@ -2,12 +2,13 @@
 
 An LMCache chunk is one or more *groups* (the kernel groups of an object group: hybrid models have
 several, of different shapes and dtypes). A group shaped ``[2, layers, tokens, kv_heads × head_dim]``
-(keys and values stacked) in bfloat16, float16 or float32 is *coded*: each role is viewed as
-``(layers, kv_heads, tokens, head_dim)``, rotated, and quantized in its format (one block per role, the
-layers as the block's batch rows), except the first and last few tokens of the chunk (``keep_first``,
+(keys and values stacked) in bfloat16, float16 or float32 is *coded*: each role is viewed as ``(layers,
+kv_heads, tokens, head_dim)``, rotated, and quantized in its format (one block per role, the layers as
+the block's batch rows), except the first and last few tokens of the chunk (``keep_first``,
 ``keep_last``; by default what the preset keeps at full precision by position: its attention sink and
-recent window), which are kept verbatim in the chunk's dtype. Any other group (a single plane such as MLA's latents, an integer
-dtype, an empty group) is stored verbatim. :meth:`ChunkCodec.plan` says which, for a layout, and why.
+recent window), which are kept verbatim in the chunk's dtype. Any other group (a single plane such as
+MLA's latents, an integer dtype, an empty group) is stored verbatim. :meth:`ChunkCodec.plan` says which,
+for a layout, and why.
 
 Payloads are laid out as :mod:`kvpolicy_lmcache.payload` describes; their size is a function of the
 layout alone (:meth:`ChunkCodec.payload_size`).

@@ -1,19 +1,20 @@
 """Compiled encode and decode of codebook blocks behind a Hadamard rotation (numba), for the presets' formats.
 
 The reference path (:mod:`kvpolicy_lmcache.kvparts`) rotates with a matrix product and quantizes with
-kvpolicy's own :meth:`~kvpolicy.formats.Codebook.quantize`, one whole-tensor operation after another. This
-path does the same per vector in one compiled pass over tiles of :data:`TILE` tokens (each step runs
+kvpolicy's own :meth:`~kvpolicy.formats.Codebook.quantize`, one whole-tensor operation after another.
+This path does the same per vector in one compiled pass over tiles of :data:`TILE` tokens (each step runs
 along contiguous rows of the tile, which the compiler vectorizes): the rotation as a fast Walsh-Hadamard
 transform with the transform's random signs (``O(D log D)``), the key centre, the norm, the Lloyd-Max
 cells, the norm of the reconstruction and the bit packing; decoding likewise, with bfloat16 read and
 written by the kernel itself (rounded to nearest even, as torch casts). Every vector's arithmetic is that
-of one vector alone, in the same order, so tiling changes no bit of a payload. It writes exactly the tensors kvpolicy's block
-holds (packed codes as :func:`kvpolicy.formats.packed.pack` lays them out, one-byte or 16-bit scales from
-kvpolicy's own :func:`~kvpolicy.formats.codebook.store_scales`, the centre in the metadata dtype, the scale
-base), so payloads are the same format whichever path wrote them. Float rounding differs from the matrix
-product's in the last bits, so a coordinate within rounding of a cell boundary can take the neighbouring
-cell (the guarantee kvpolicy's codebook states for any two computations), and a decoded value can differ
-in the last bit of its dtype. ``tests/test_fast.py`` checks both against the reference.
+of one vector alone, in the same order, so tiling changes no bit of a payload. It writes exactly the
+tensors kvpolicy's block holds (packed codes as :func:`kvpolicy.formats.packed.pack` lays them out,
+one-byte or 16-bit scales from kvpolicy's own :func:`~kvpolicy.formats.codebook.store_scales`, the centre
+in the metadata dtype, the scale base), so payloads are the same format whichever path wrote them. Float
+rounding differs from the matrix product's in the last bits, so a coordinate within rounding of a cell
+boundary can take the neighbouring cell (the guarantee kvpolicy's codebook states for any two
+computations), and a decoded value can differ in the last bit of its dtype. ``tests/test_fast.py`` checks
+both against the reference.
 
 One chunk is one thread's work (no threads of its own: a thread pool beside torch's would compete with it
 for the same cores); LMCache's serde workers (``"max_workers"`` in the adapter's ``"serde"`` entry) encode
@@ -295,8 +296,8 @@ def encode(fmt: Codebook, rot: Rotation, x: torch.Tensor, chunk_dtype: torch.dty
     # bfloat16 vectors with one-byte scales are read by the kernel as they are (no float32 copy of the chunk):
     # their only metadata tensor is the centre, checked below; everything else in float32
     direct = x.dtype == torch.bfloat16 and fmt.norm_bits == 8
-    if direct:
-        x = x.contiguous()
+    if direct:  # a view (the tokens between kept ones: strided across layers) is read where it lies
+        x = x if x.stride(-1) == 1 else x.contiguous()
         xf, xb = _NO_FLOAT32, x.view(torch.int16).numpy().view(np.uint16)
     else:
         x = x.float().contiguous()
@@ -306,7 +307,7 @@ def encode(fmt: Codebook, rot: Rotation, x: torch.Tensor, chunk_dtype: torch.dty
     if fmt.centre:
         # the mean of the rotated keys is the rotation of their mean (a linear map): one pass over the tokens,
         # in float32 one layer at a time (the same sums as over the whole chunk in float32, in cache)
-        mean = torch.stack([layer.float().mean(dim=0) for layer in x])  # (L, H, D)
+        mean = torch.stack([layer.contiguous().float().mean(dim=0) for layer in x])  # (L, H, D)
         rotated = _rotate_rows(mean, rot)
         centre = rotated.to(mdtype).unsqueeze(2).contiguous()  # (L, H, 1, D), rounded as kvpolicy stores it
         mu = centre.float()[:, :, 0].contiguous()
