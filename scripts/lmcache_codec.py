@@ -274,7 +274,7 @@ def main() -> None:
         result["bits"] = bits()
         for row in result["bits"]:
             print(
-                f"{row['stack']:>14}  {row['codec']:<26} {row['bytes']:>10} bytes  {row['bits_per_element']:.3f} bits"
+                f"{row['stack']:>14}  {row['codec']:<36} {row['bytes']:>10} bytes  {row['bits_per_element']:.3f} bits"
             )
     if "speed" in args.parts:
         result["speed"] = speed(args.rounds, args.presets)
