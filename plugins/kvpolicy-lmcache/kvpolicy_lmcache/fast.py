@@ -85,6 +85,15 @@ def _row(y, i):
 
 
 @numba.njit(inline="always")
+def _packing(bits):
+    """kvpolicy's packing of ``bits``-bit codes, lowest bits first: ``(codes, bytes)`` per packed group (3
+    bits: eight codes in three bytes; else ``8 // bits`` codes in one)."""
+    if bits == 3:
+        return 8, 3
+    return 8 // bits, 1
+
+
+@numba.njit(inline="always")
 def _fwht_tile(y, block, d):
     """In-place fast Walsh-Hadamard transform of the ``d`` rows of the tile ``y`` in blocks of ``block``
     channels (Sylvester order, unscaled)."""
@@ -125,8 +134,7 @@ def _encode(xf, xb, bf16, centre, signs, block, edges, table, bits, codes, norms
     u = np.zeros(TILE, np.float32)
     k = np.zeros(TILE, np.int32)
     word = np.zeros(TILE, np.int32)
-    per = 8 if bits == 3 else 8 // bits  # codes per packed group: 8 in 3 bytes, or 8 // bits in one
-    width = 3 if bits == 3 else 1
+    per, width = _packing(bits)
     for layer in range(n_layers):
         for head in range(heads):
             out = codes[layer, head]
@@ -178,7 +186,6 @@ def _encode(xf, xb, bf16, centre, signs, block, edges, table, bits, codes, norms
                 for t in range(n):
                     norms[layer, head, t0 + t] = total[t]
                     recon[layer, head, t0 + t] = np.float32(math.sqrt(energy[t]))
-                # kvpolicy's packing: lowest bits first; 3 bits: eight codes in three bytes
                 for g in range(d // per):
                     word[:] = 0
                     for j in range(per):
@@ -204,8 +211,7 @@ def _decode(codes, scales, centre, signs, block, table, bits, outf, outb, bf16):
     c = np.zeros(d * TILE, np.int32)
     s = np.zeros(TILE, np.float32)
     word = np.zeros(TILE, np.int32)
-    per = 8 if bits == 3 else 8 // bits
-    width = 3 if bits == 3 else 1
+    per, width = _packing(bits)
     mask = (1 << bits) - 1
     bad = 0
     for layer in range(n_layers):
