@@ -7,7 +7,9 @@ Needs the plugin's environment (``pip install torch==2.13.0 lmcache==0.5.6 -e . 
 - ``bits``: stored bits per element of a 256-token bfloat16 chunk, everything counted (prefix, header,
   padding, codes, scales, centres, scale bases), for SmolLM2-135M's layer stack (30 layers, 3 KV heads ×
   64) and an 8B-shaped one (32 layers, 8 KV heads × 128), from each codec's own
-  ``estimate_serialized_size`` (which the kvpolicy codec reaches exactly; fp8 writes one byte per element);
+  ``estimate_serialized_size`` (which the kvpolicy codec reaches exactly; fp8 writes one byte per element),
+  for each preset as configured by default (each chunk's first token and last 4 kept verbatim) and with
+  every token coded (``keep_first=0, keep_last=0``);
 - ``kl``: SmolLM2-135M (float32, CPU) on the frontier's held-out texts (the first ``--texts`` texts of the
   ablation's ``lm`` task, seed 0: standard-library files no setting was tuned on), ``--context`` tokens of
   context then ``--tokens`` teacher-forced tokens. The reference is ``DynamicCache`` over the whole
@@ -17,7 +19,9 @@ Needs the plugin's environment (``pip install torch==2.13.0 lmcache==0.5.6 -e . 
   token, as a server reusing a stored prompt does (``--recompute 1``); with ``--recompute 256`` only the
   full chunks before the last 256 context tokens are reused and the model recomputes those (LMCache stores
   full chunks only unless ``save_unfull_chunk`` is set, so a prompt's last partial chunk is always
-  recomputed). ``in memory`` rows run the same preset in a ``CompressedCache``
+  recomputed). ``--keep FIRST,LAST`` adds codec rows keeping other numbers of each chunk's first and last
+  tokens verbatim (``--skip memory fp8`` leaves the other rows out). ``in memory`` rows run the same preset
+  in a ``CompressedCache``
   (``CompressedCache.for_model``, the context prefilled whole, then decoded on kvpolicy's fused attention,
   as docs/frontier.md measures it). KL is the mean next-token ``KL(reference || row)`` per text, then the
   mean over texts ± standard error and the worst text;
@@ -72,9 +76,14 @@ class Fp8:
 class KVPolicy:
     """kvpolicy's codec through its LMCache serializer and deserializer."""
 
-    def __init__(self, preset: str, head_dim: int | None, kernel: str = "auto") -> None:
-        codec = ChunkCodec(preset=preset, head_dim=head_dim, kernel=kernel)
+    def __init__(
+        self, preset: str, head_dim: int | None, kernel: str = "auto", keep: tuple[int, int] | None = None
+    ) -> None:
+        kept = {} if keep is None else {"keep_first": keep[0], "keep_last": keep[1]}
+        codec = ChunkCodec(preset=preset, head_dim=head_dim, kernel=kernel, **kept)
         self.name = preset if kernel == "auto" else f"{preset} ({kernel} kernel)"
+        if keep is not None:
+            self.name += f" (first {keep[0]}, last {keep[1]} verbatim)"
         self.ser, self.de = KVPolicySerializer(codec), KVPolicyDeserializer(codec)
 
 
@@ -102,6 +111,8 @@ def bits() -> list[dict[str, Any]]:
         sizes = {"uncompressed (bfloat16)": numel * 2, "LMCache fp8": Fp8().ser.estimate_serialized_size(layout)}
         for preset in PRESETS:
             sizes[preset] = KVPolicy(preset, head_dim).ser.estimate_serialized_size(layout)
+            every = KVPolicy(preset, head_dim, keep=(0, 0))  # no token kept verbatim
+            sizes[f"{preset}, every token coded"] = every.ser.estimate_serialized_size(layout)
         for name, size in sizes.items():
             rows.append({"stack": stack, "codec": name, "bytes": size, "bits_per_element": 8 * size / numel})
     return rows
@@ -116,6 +127,8 @@ def kl(
     recompute: list[int],
     partial: Path | None = None,
     only: list[int] | None = None,
+    keeps: list[tuple[int, int] | None] | None = None,
+    skip: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     from transformers import DynamicCache
 
@@ -132,13 +145,14 @@ def kl(
     if only is not None:  # a share of the texts, for runs in several processes (merged by text id)
         samples = [samples[i] for i in only]
     ids = [torch.tensor(s.ids[: context + tokens]) for s in samples]
-    codecs: list[Any] = [Fp8(), *(KVPolicy(p, head_dim) for p in presets)]
+    codecs: list[Any] = [] if "fp8" in skip else [Fp8()]
+    codecs += [KVPolicy(p, head_dim, keep=k) for p in presets for k in (keeps or [None])]
     per_row: dict[str, list[dict[str, float]]] = {}
     with torch.inference_mode():
         for i, text in enumerate(ids):
             text = text.unsqueeze(0)
             ref = teacher_forced_logits(model, text, context, DynamicCache(config=model.config))
-            for preset in presets:  # the preset held in memory: the context prefilled whole, then decoded
+            for preset in [] if "memory" in skip else presets:  # the preset in memory: context prefilled, then decoded
                 got = teacher_forced_logits(model, text, context, CompressedCache.for_model(model, preset))
                 per_row.setdefault(f"{preset} in memory (CompressedCache)", []).append(_scores(ref, got))
             prompt = DynamicCache(config=model.config)
@@ -214,6 +228,11 @@ def speed(rounds: int, presets: list[str]) -> dict[str, Any]:
     return {"shape": list(shape), "dtype": "bfloat16", "rounds": rounds, "chunk_mb": mb, "rows": rows}
 
 
+def _pair(text: str) -> tuple[int, int]:
+    first, last = (int(v) for v in text.split(","))
+    return first, last
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", nargs="+", default=["bits", "kl", "speed"], choices=["bits", "kl", "speed"])
@@ -230,6 +249,14 @@ def main() -> None:
         "one partial) or a multiple of 256 (the full chunks before them reused)",
     )
     p.add_argument("--only", nargs="+", type=int, default=None, help="measure these texts (indices) of the --texts")
+    p.add_argument(
+        "--keep",
+        nargs="+",
+        default=None,
+        help="codec rows keeping each chunk's first and last tokens verbatim, as FIRST,LAST pairs (default: the "
+        "preset's default only; 'default' names it among others)",
+    )
+    p.add_argument("--skip", nargs="+", default=[], choices=["memory", "fp8"], help="rows of the kl part left out")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -247,7 +274,7 @@ def main() -> None:
         result["bits"] = bits()
         for row in result["bits"]:
             print(
-                f"{row['stack']:>14}  {row['codec']:<26} {row['bytes']:>10} bytes  {row['bits_per_element']:.3f} bits"
+                f"{row['stack']:>14}  {row['codec']:<36} {row['bytes']:>10} bytes  {row['bits_per_element']:.3f} bits"
             )
     if "speed" in args.parts:
         result["speed"] = speed(args.rounds, args.presets)
@@ -257,7 +284,11 @@ def main() -> None:
             print(f"{name:<36} {enc}  {dec}  {row['time_vs_fp8']:.2f}x fp8")
     if "kl" in args.parts:
         partial = args.out.with_suffix(".partial.json") if args.out else None
-        result["kl"] = kl(args.texts, args.context, args.tokens, args.presets, args.recompute, partial, args.only)
+        keeps = None if args.keep is None else [None if k == "default" else _pair(k) for k in args.keep]
+        result["kl"] = kl(
+            args.texts, args.context, args.tokens, args.presets, args.recompute, partial, args.only, keeps,
+            tuple(args.skip),
+        )  # fmt: skip
         for name, row in result["kl"]["rows"].items():
             k = row["kl"]
             print(f"{name:<44} KL {k['mean']:.4f} ± {k['se']:.4f} (worst {k['worst']:.4f})  top-1 "

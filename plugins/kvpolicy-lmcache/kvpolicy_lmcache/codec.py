@@ -2,10 +2,13 @@
 
 An LMCache chunk is one or more *groups* (the kernel groups of an object group: hybrid models have
 several, of different shapes and dtypes). A group shaped ``[2, layers, tokens, kv_heads × head_dim]``
-(keys and values stacked) in bfloat16, float16 or float32 is *coded*: each role is viewed as
-``(layers, kv_heads, tokens, head_dim)``, rotated, and quantized in its format (one block per role, the
-layers as the block's batch rows). Any other group (a single plane such as MLA's latents, an integer
-dtype, an empty group) is stored verbatim. :meth:`ChunkCodec.plan` says which, for a layout, and why.
+(keys and values stacked) in bfloat16, float16 or float32 is *coded*: each role is viewed as ``(layers,
+kv_heads, tokens, head_dim)``, rotated, and quantized in its format (one block per role, the layers as
+the block's batch rows), except the first and last few tokens of the chunk (``keep_first``,
+``keep_last``; by default what the preset keeps at full precision by position: its attention sink and
+recent window), which are kept verbatim in the chunk's dtype. Any other group (a single plane such as
+MLA's latents, an integer dtype, an empty group) is stored verbatim. :meth:`ChunkCodec.plan` says which,
+for a layout, and why.
 
 Payloads are laid out as :mod:`kvpolicy_lmcache.payload` describes; their size is a function of the
 layout alone (:meth:`ChunkCodec.payload_size`).
@@ -20,7 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvpolicy.errors import ConfigError, did_you_mean
+from kvpolicy.errors import ConfigError, NonFiniteError, did_you_mean
 from kvpolicy.transforms.base import cast_clamped
 from kvpolicy_lmcache import fast, kvparts, payload
 from kvpolicy_lmcache.kvparts import Parts, Template
@@ -36,6 +39,8 @@ DEFAULT_PRESET = "kvpolicy-3bit"
 #: (:mod:`kvpolicy_lmcache.fast`) and takes the reference path for anything else; ``"reference"`` always
 #: takes kvpolicy's own quantizer and the transform's matrix (:mod:`kvpolicy_lmcache.kvparts`)
 KERNELS = ("auto", "reference")
+#: the most tokens of a chunk's start or end a codec keeps verbatim (LMCache's chunks hold 256)
+MAX_KEPT = 4096
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,9 @@ class GroupPlan:
         The keys' and the values' block templates (coded groups).
     rotation : fast.Rotation or None
         The rotation the compiled path applies (coded groups it serves; ``None``: the reference path).
+    first, last : int
+        How many of the group's first and last tokens are kept verbatim (coded groups); the templates
+        hold the tokens between them.
     """
 
     shape: tuple[int, ...]
@@ -67,20 +75,36 @@ class GroupPlan:
     head_dim: int | None = None
     templates: tuple[Template, ...] = ()
     rotation: fast.Rotation | None = field(default=None, compare=False)
+    first: int = 0
+    last: int = 0
+
+    @property
+    def kept_shape(self) -> tuple[int, ...]:
+        """Shape of the section of tokens kept verbatim (coded groups): ``[2, layers, first + last, hidden]``."""
+        return (2, self.shape[1], self.first + self.last, self.shape[3])
+
+    @property
+    def coded_tokens(self) -> int:
+        """Tokens of the coded blocks (coded groups)."""
+        return self.shape[2] - self.first - self.last
 
     @property
     def nbytes(self) -> int:
         """Bytes of its sections, padding included."""
         if self.mode == "raw":
             return payload.pad(_numel(self.shape) * self.dtype.itemsize)
-        return sum(payload.pad(s.nbytes) for t in self.templates for s in t.sections)
+        kept = payload.pad(_numel(self.kept_shape) * self.dtype.itemsize) if self.first + self.last else 0
+        return kept + sum(payload.pad(s.nbytes) for t in self.templates for s in t.sections)
 
     def describe(self) -> dict[str, Any]:
-        """The group as the payload header records it."""
-        return {
+        """The group as the payload header records it (the tokens kept verbatim only where some are)."""
+        out = {
             "shape": list(self.shape), "dtype": str(self.dtype).removeprefix("torch."), "mode": self.mode,
             "head_dim": self.head_dim,
         }  # fmt: skip
+        if self.first + self.last:
+            out["verbatim_tokens"] = [self.first, self.last]
+        return out
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -112,6 +136,15 @@ class ChunkCodec:
         are the largest of 64, 32, 16, 8 channels that divides its hidden size (part of a head for models
         with 128- or 256-channel heads: each part keeps its own scale, which costs ``8 / 64`` bits per
         element instead of ``8 / 128``; give ``head_dim`` for vectors of whole heads).
+    keep_first, keep_last : int, optional
+        How many of each chunk's first and last tokens are stored verbatim, in the chunk's dtype, instead of
+        coded (default: the preset's full-precision share, :func:`kvparts.kept_tokens`). The first tokens
+        of a prompt's first chunk are its attention sinks, and the last tokens of the chunk a decode
+        continues from are the most recent ones, which the preset in memory also keeps at full precision;
+        a chunk carries no positions, so every chunk keeps them. A chunk of fewer tokens keeps its first
+        ``keep_first`` and then as many of its last ones as it has left. ``0, 0``: every token coded.
+    kernel : {"auto", "reference"}
+        How groups are encoded and decoded (:data:`KERNELS`); payloads are the same either way.
 
     Raises
     ------
@@ -125,8 +158,12 @@ class ChunkCodec:
     key_bits: int | None = None
     value_bits: int | None = None
     head_dim: int | None = None
+    keep_first: int | None = None
+    keep_last: int | None = None
     kernel: str = "auto"
     parts: Parts = field(init=False, repr=False, compare=False)
+    #: the first and last tokens of each chunk kept verbatim (``keep_first``, ``keep_last`` or the preset's)
+    kept: tuple[int, int] = field(init=False, repr=False, compare=False)
 
     #: the adapter-config keys :meth:`from_config` accepts besides these parameters (LMCache's own)
     LMCACHE_KEYS: ClassVar[tuple[str, ...]] = ("max_workers",)
@@ -134,7 +171,7 @@ class ChunkCodec:
     def __post_init__(self) -> None:
         if not isinstance(self.preset, str) or not self.preset:
             raise ConfigError(f"kvpolicy codec: preset must be a preset's name; got preset={self.preset!r}")
-        for name in ("seed", "norm_bits", "key_bits", "value_bits", "head_dim"):
+        for name in ("seed", "norm_bits", "key_bits", "value_bits", "head_dim", "keep_first", "keep_last"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ConfigError(f"kvpolicy codec: {name} must be an integer; got {name}={value!r}")
@@ -142,11 +179,19 @@ class ChunkCodec:
             raise ConfigError(f"kvpolicy codec: kernel must be one of {list(KERNELS)}; got kernel={self.kernel!r}")
         if self.head_dim is not None and self.head_dim < 1:
             raise ConfigError(f"kvpolicy codec: head_dim must be >= 1; got head_dim={self.head_dim}")
+        for name in ("keep_first", "keep_last"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_KEPT:
+                raise ConfigError(f"kvpolicy codec: {name} must be in [0, {MAX_KEPT}]; got {name}={value}")
         overrides = {n: getattr(self, n) for n in ("seed", "norm_bits") if getattr(self, n) is not None}
         parts = kvparts.resolve(self.preset, overrides, self.key_bits, self.value_bits)
         if self.head_dim is not None and (why := parts.check_head_dim(self.head_dim)):
             raise ConfigError(f"kvpolicy codec: head_dim={self.head_dim} cannot be served: {why}")
         object.__setattr__(self, "parts", parts)
+        first, last = kvparts.kept_tokens(self.preset)
+        object.__setattr__(self, "kept", (
+            first if self.keep_first is None else self.keep_first, last if self.keep_last is None else self.keep_last
+        ))  # fmt: skip
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ChunkCodec:
@@ -160,7 +205,8 @@ class ChunkCodec:
         """
         if not isinstance(config, dict):
             raise ConfigError(f"kvpolicy codec: the serde config must be a JSON object; got {config!r:.80}")
-        known = ("preset", "seed", "norm_bits", "key_bits", "value_bits", "head_dim", "kernel")
+        known = ("preset", "seed", "norm_bits", "key_bits", "value_bits", "head_dim", "keep_first", "keep_last",
+                 "kernel")  # fmt: skip
         for name in config:
             if name not in known and name not in cls.LMCACHE_KEYS:
                 raise ConfigError(
@@ -170,9 +216,12 @@ class ChunkCodec:
         return cls(**{k: v for k, v in config.items() if k in known})
 
     def describe(self) -> dict[str, Any]:
-        """The codec as the payload header records it: its preset, its head dim setting and the formats and
-        rotation in use."""
-        return {"preset": self.preset, "head_dim": self.head_dim, **self.parts.describe()}
+        """The codec as the payload header records it: its preset, its head dim setting, the formats and
+        rotation in use, and the tokens kept verbatim (only where some are)."""
+        out = {"preset": self.preset, "head_dim": self.head_dim, **self.parts.describe()}
+        if any(self.kept):
+            out["verbatim_tokens"] = list(self.kept)
+        return out
 
     # ------------------------------------------------------------------ planning
     def plan(self, shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype]) -> tuple[GroupPlan, ...]:
@@ -210,12 +259,17 @@ class ChunkCodec:
                 f"kvpolicy codec: head_dim={head_dim} does not divide the hidden size {hidden} of a chunk group of "
                 f"shape {list(shape)} (kv_heads × head_dim); set head_dim to the model's, or leave it out"
             )
-        block = (layers, hidden // head_dim, tokens, head_dim)
-        templates = tuple(kvparts.template(kvparts.for_dtype(f, dtype), block) for f in self._formats())
+        first = min(self.kept[0], tokens)
+        last = min(self.kept[1], tokens - first)
+        coded = tokens - first - last
+        templates: tuple[Template, ...] = ()
+        if coded:
+            block = (layers, hidden // head_dim, coded, head_dim)
+            templates = tuple(kvparts.template(kvparts.for_dtype(f, dtype), block) for f in self._formats())
         rotation = None
         if self.kernel == "auto" and fast.serves(self.parts.keys, self.parts.values):
             rotation = fast.rotation(self.parts.transform, head_dim)
-        return GroupPlan(shape, dtype, "coded", "", head_dim, templates, rotation)
+        return GroupPlan(shape, dtype, "coded", "", head_dim, templates, rotation, first, last)
 
     def _infer_head_dim(self, hidden: int) -> int | None:
         for d in INFERRED_HEAD_DIMS:
@@ -291,10 +345,18 @@ class ChunkCodec:
         head_dim = g.head_dim
         assert head_dim is not None
         out = []
+        if g.first + g.last:
+            kept = torch.cat([tensor[:, :, : g.first], tensor[:, :, tokens - g.last :]], dim=2)
+            if not bool(torch.isfinite(kept).all()):
+                raise NonFiniteError("kvpolicy codec: tokens holding NaN or Inf reached the codec")
+            out.append(_bytes(kept))
+        if not g.templates:  # every token kept verbatim
+            return out
+        coded = tensor[:, :, g.first : tokens - g.last]
         for role, (fmt, tmpl) in enumerate(zip(self._formats(), g.templates, strict=True)):
-            x = tensor[role].reshape(layers, tokens, hidden // head_dim, head_dim)
+            x = coded[role].reshape(layers, g.coded_tokens, hidden // head_dim, head_dim)
             if g.rotation is not None:
-                tensors = fast.encode(kvparts.for_dtype(fmt, g.dtype), g.rotation, x.float().contiguous(), g.dtype)
+                tensors = fast.encode(kvparts.for_dtype(fmt, g.dtype), g.rotation, x, g.dtype)
             else:
                 x = self.parts.transform.forward(x.permute(0, 2, 1, 3).float())
                 tensors = kvparts.quantize(kvparts.for_dtype(fmt, g.dtype), x)
@@ -351,7 +413,15 @@ class ChunkCodec:
         if g.mode == "raw":
             n = _numel(g.shape) * g.dtype.itemsize
             return [_typed(buf, offset, g.dtype, g.shape)], offset + payload.pad(n)
-        blocks = []
+        blocks: list = []
+        if g.first + g.last:
+            kept = _typed(buf, offset, g.dtype, g.kept_shape)
+            if not bool(torch.isfinite(kept).all()):
+                raise payload.PayloadError(name, f"the tokens {where} keeps verbatim hold NaN or Inf")
+            blocks.append(kept)
+            offset += payload.pad(_numel(g.kept_shape) * g.dtype.itemsize)
+        if not g.templates:
+            return blocks, offset
         for role, (fmt, tmpl) in enumerate(zip(self._formats(), g.templates, strict=True)):
             tensors = {}
             for s in tmpl.sections:
@@ -367,28 +437,39 @@ class ChunkCodec:
         """A group's contents in ``dtype``: the raw group, or the keys and the values of a coded one."""
         if g.mode == "raw":
             return [parts[0]]
-        _, layers, tokens, hidden = g.shape
+        _, layers, _, hidden = g.shape
         assert g.head_dim is not None
+        kept = parts[0] if g.first + g.last else None
+        blocks = parts[1:] if kept is not None else parts
+        if not blocks:  # every token kept verbatim
+            assert kept is not None
+            return [kept[0], kept[1]]
         out = []
-        for role, block in enumerate(parts):
-            if g.rotation is not None:
-                x = torch.empty(layers, tokens, hidden // g.head_dim, g.head_dim)
-                fast.decode(block, g.rotation, x)
+        for role, block in enumerate(blocks):
+            x: torch.Tensor | None
+            if g.rotation is not None:  # bfloat16 comes back rounded and checked, other dtypes in float32
+                x = fast.decode(block, g.rotation, dtype)
             else:  # (layers, heads, tokens, head_dim) back to (layers, tokens, heads, head_dim)
                 x = self.parts.transform.inverse(block.dequantize().float()).permute(0, 2, 1, 3)
-            x = x.reshape(layers, tokens, hidden)
-            # a float16 reconstruction a rounding beyond 65504 is clamped, not turned into infinity (bfloat16
-            # has float32's range)
-            x = cast_clamped(x, dtype) if dtype == torch.float16 else x.to(dtype)
-            if not bool(torch.isfinite(x).all()):
+            if x is not None and not (g.rotation is not None and dtype == torch.bfloat16):
+                # a float16 reconstruction a rounding beyond 65504 is clamped, not turned into infinity
+                # (bfloat16 has float32's range)
+                x = cast_clamped(x, dtype) if dtype == torch.float16 else x.to(dtype)
+                if not bool(torch.isfinite(x).all()):
+                    x = None
+            if x is None:
                 what = ("keys", "values")[role]
                 raise payload.PayloadError(name, f"the {what} of {where} decode to NaN or Inf (scales out of range)")
+            x = x.reshape(layers, g.coded_tokens, hidden)
+            if kept is not None:
+                x = torch.cat([kept[role, :, : g.first], x, kept[role, :, g.first :]], dim=1)
             out.append(x)
         return out
 
     def __repr__(self) -> str:
         given = [f"{n}={getattr(self, n)!r}" for n in ("seed", "norm_bits", "key_bits", "value_bits", "head_dim")
                  if getattr(self, n) is not None]  # fmt: skip
+        given.append(f"keep_first={self.kept[0]}, keep_last={self.kept[1]}")
         if self.kernel != "auto":
             given.append(f"kernel={self.kernel!r}")
         p = self.parts

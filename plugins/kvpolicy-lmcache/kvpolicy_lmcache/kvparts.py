@@ -28,6 +28,7 @@ from kvpolicy.actions.quantize import Quantize
 from kvpolicy.actions.tiered import Tiered
 from kvpolicy.errors import ConfigError
 from kvpolicy.formats import Format, QTensor
+from kvpolicy.policies.log import LogWindow
 from kvpolicy.spec import CacheSpec
 from kvpolicy.transforms.base import Transform
 
@@ -217,3 +218,14 @@ def block(fmt: Format, tmpl: Template, tensors: dict[str, torch.Tensor]) -> QTen
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise ValueError(f"its {name} hold NaN or Inf")
     return formats.load_block({**dict(tmpl.meta), **tensors}, fmt)
+
+
+def kept_tokens(preset: str) -> tuple[int, int]:
+    """How many of each chunk's first and last tokens a codec of ``preset`` keeps verbatim by default: what
+    the preset's own policy always keeps at full precision, where it says so by position alone. The log
+    policy (kvpolicy's presets, ``W = window``) keeps position 0 and the ``W`` most recent tokens: ``(1, W)``;
+    any other policy: ``(0, 0)``."""
+    policy = CacheSpec.from_preset(preset).policy
+    if isinstance(policy, LogWindow):
+        return (1, policy.window)
+    return (0, 0)

@@ -101,7 +101,8 @@ def redis_sizes(port: int) -> dict[str, int]:
 
 def section_offsets(codec, groups: list[torch.Tensor], k) -> dict[tuple[int, str, str], tuple[int, int]]:
     """Where each section of a payload lies: ``(group, role, section name) -> (byte offset, bytes)`` (role
-    ``"keys"``, ``"values"``, or ``"raw"`` for a group stored verbatim)."""
+    ``"keys"``, ``"values"``, ``"verbatim"`` for the tokens a coded group keeps verbatim, or ``"raw"`` for a
+    group stored verbatim)."""
     from kvpolicy_lmcache import payload
 
     plan = codec.plan([g.shape for g in groups], [g.dtype for g in groups])
@@ -113,7 +114,11 @@ def section_offsets(codec, groups: list[torch.Tensor], k) -> dict[tuple[int, str
             out[(i, "raw", "data")] = (offset, n)
             offset += n
             continue
-        for role, tmpl in zip(("keys", "values"), g.templates, strict=True):
+        if g.first + g.last:
+            n = payload.pad(g.dtype.itemsize * 2 * g.shape[1] * (g.first + g.last) * g.shape[3])
+            out[(i, "verbatim", "tokens")] = (offset, n)
+            offset += n
+        for role, tmpl in zip(("keys", "values"), g.templates, strict=False):  # none when every token is kept
             for s in tmpl.sections:
                 out[(i, role, s.name)] = (offset, s.nbytes)
                 offset += payload.pad(s.nbytes)

@@ -51,11 +51,12 @@ def kvpolicy_store(preset: str, x: torch.Tensor, head_dim: int) -> tuple[torch.T
 @pytest.mark.parametrize("preset", ["kvpolicy-3bit", "kvpolicy-3.5bit", "kvpolicy-4bit"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_loaded_chunk_equals_what_kvpolicys_store_holds(preset, dtype):
-    """float32 and float16 chunks: the reference path quantizes the rotated tokens in float32 as kvpolicy's
-    store does, so the loaded chunk is exactly the preset's last tier as a CompressedCache holds it (the
-    compiled path is checked against this one in test_fast.py)."""
+    """float32 and float16 chunks, every token coded: the reference path quantizes the rotated tokens in
+    float32 as kvpolicy's store does, so the loaded chunk is exactly the preset's last tier as a
+    CompressedCache holds it (the compiled path is checked against this one in test_fast.py)."""
     x = chunk(3, 50, 2, 64, dtype)
-    (got,), _ = round_trip(ChunkCodec(preset=preset, head_dim=64, kernel="reference"), [x])
+    codec = ChunkCodec(preset=preset, head_dim=64, keep_first=0, keep_last=0, kernel="reference")
+    (got,), _ = round_trip(codec, [x])
     keys, values = kvpolicy_store(preset, x, 64)
     assert torch.equal(got[0], keys) and torch.equal(got[1], values)
 
@@ -179,10 +180,72 @@ def test_vectors_of_whole_heads_hold_fewer_bits_than_halves():
 )
 def test_stored_bits_per_element_with_everything_counted(preset, low, high):
     """Codes (3 + 2, 3 + 3, 4 + 3 bits), one-byte scales over 128 channels, key centres and scale bases
-    per layer and head, the header and the padding: all in the payload's size."""
+    per layer and head, the header and the padding: all in the payload's size; the 5 tokens of 256 the
+    presets keep verbatim add 5 / 256 of (16 - those bits)."""
     shape = (2, 32, 256, 1024)
-    bits = 8 * ChunkCodec(preset=preset, head_dim=128).payload_size([shape], [torch.bfloat16]) / (2 * 32 * 256 * 1024)
-    assert low < bits < high, bits
+    elements = 2 * 32 * 256 * 1024
+    every = ChunkCodec(preset=preset, head_dim=128, keep_first=0, keep_last=0)
+    coded = 8 * every.payload_size([shape], [torch.bfloat16])
+    assert low < coded / elements < high, coded / elements
+    default = 8 * ChunkCodec(preset=preset, head_dim=128).payload_size([shape], [torch.bfloat16]) / elements
+    added = 5 / 256 * (16 - coded / elements)
+    assert abs(default - (coded / elements + added)) < 0.002, (default, coded / elements, added)
+
+
+@pytest.mark.parametrize("preset", ["kvpolicy-3bit", "kvpolicy-3.5bit", "kvpolicy-4bit"])
+def test_the_presets_keep_their_sink_and_recent_window_verbatim(preset):
+    """Position 0 and the log policy's window (W = 4) are what the presets hold at full precision whatever
+    the context; the codec keeps each chunk's first token and last 4, and says so in its repr."""
+    codec = ChunkCodec(preset=preset)
+    assert codec.kept == (1, CacheSpec.from_preset(preset).policy.window) == (1, 4)
+    assert "keep_first=1, keep_last=4" in repr(codec)
+    assert ChunkCodec(keep_first=2, keep_last=0).kept == (2, 0)
+    assert ChunkCodec(preset="logquant", keep_first=None).kept == (1, 42)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [0, 1, 3, 5, 6, 37, 256])
+@pytest.mark.parametrize(("first", "last"), [(1, 4), (0, 8), (4, 0), (3, 3)])
+@pytest.mark.parametrize("kernel", ["auto", "reference"])
+def test_kept_tokens_round_trip_exactly_and_the_rest_as_a_chunk_of_their_own(dtype, tokens, first, last, kernel):
+    """The first and last tokens come back bit for bit; the tokens between them come back exactly as a chunk
+    of those tokens alone stored with nothing kept (their keys centred on their own mean). A chunk shorter
+    than first + last keeps its first ``first`` tokens and as many last ones as remain: all of it."""
+    x = chunk(2, tokens, 2, 64, dtype)
+    x[:, :, :first] *= 40  # a sink-like outlier, which a coded token could not hold exactly
+    kept = ChunkCodec(head_dim=64, keep_first=first, keep_last=last, kernel=kernel)
+    (y,), _ = round_trip(kept, [x])
+    f = min(first, tokens)
+    lst = min(last, tokens - f)
+    assert torch.equal(y[:, :, :f], x[:, :, :f]) and torch.equal(y[:, :, tokens - lst :], x[:, :, tokens - lst :])
+    middle = x[:, :, f : tokens - lst]
+    if middle.shape[2]:
+        (alone,), _ = round_trip(ChunkCodec(head_dim=64, keep_first=0, keep_last=0, kernel=kernel), [middle.clone()])
+        assert torch.equal(y[:, :, f : tokens - lst], alone)
+    plan = kept.plan([x.shape], [x.dtype])[0]
+    assert (plan.first, plan.last, plan.coded_tokens) == (f, lst, tokens - f - lst)
+
+
+def test_kept_tokens_are_counted_in_the_size_and_the_header():
+    """A payload keeping tokens holds them in the chunk's dtype (16 bits each in bfloat16) beside the
+    blocks of the others; its header says how many, so a reader keeping others refuses it."""
+    from kvpolicy_lmcache import payload
+
+    shape, dtype = (2, 4, 256, 128), torch.bfloat16
+    kept, coded = ChunkCodec(head_dim=64, keep_first=1, keep_last=4), ChunkCodec(head_dim=64, keep_first=0, keep_last=0)
+    plan = kept.plan([shape], [dtype])[0]
+    smaller = coded.plan([(2, 4, 251, 128)], [dtype])[0]  # the 251 coded tokens as a chunk of their own
+    verbatim = payload.pad(2 * 4 * 5 * 128 * 2)
+    assert plan.nbytes == verbatim + smaller.nbytes
+    assert kept.payload_size([shape], [dtype]) == payload.body_offset(len(kept.header((plan,), None))) + plan.nbytes
+    assert '"verbatim_tokens":[1,4]' in kept.header((plan,), key()).decode()
+    assert "verbatim_tokens" not in coded.header(coded.plan([shape], [dtype]), key()).decode()
+    x = chunk(4, 256, 2, 64)
+    _, data = round_trip(kept, [x])
+    with pytest.raises(PayloadError, match="written by codec"):
+        ChunkCodec(head_dim=64, keep_first=1, keep_last=8).decode(
+            torch.frombuffer(bytearray(data), dtype=torch.uint8), [torch.empty_like(x)], key()
+        )
 
 
 def test_overrides_change_what_is_stored_and_the_header():
@@ -217,6 +280,10 @@ def test_encoding_is_deterministic():
         ({"key_bits": 5}, "bits must be one of"),
         ({"head_dim": 0}, "head_dim must be >= 1"),
         ({"kernel": "cuda"}, "kernel must be one of"),
+        ({"keep_first": -1}, r"keep_first must be in \[0, 4096\]; got keep_first=-1"),
+        ({"keep_last": 5000}, r"keep_last must be in \[0, 4096\]; got keep_last=5000"),
+        ({"keep_last": True}, "keep_last must be an integer; got keep_last=True"),
+        ({"keep_first": "1"}, "keep_first must be an integer"),
     ],
 )
 def test_bad_configurations_are_refused_naming_the_parameter(kwargs, match):
@@ -228,13 +295,15 @@ def test_the_adapter_config_names_every_key():
     assert ChunkCodec.from_config({"preset": "kvpolicy-4bit", "seed": 3, "max_workers": 2}) == ChunkCodec(
         preset="kvpolicy-4bit", seed=3
     )
+    assert ChunkCodec.from_config({"keep_first": 0, "keep_last": 16}).kept == (0, 16)
     with pytest.raises(ConfigError, match=r"unknown serde key 'sead'.*did you mean 'seed'"):
         ChunkCodec.from_config({"sead": 3})
 
 
-def test_non_finite_chunks_are_refused_when_stored():
+@pytest.mark.parametrize("token", [0, 3, 7])  # a kept first token, a coded one, a kept last one
+def test_non_finite_chunks_are_refused_when_stored(token):
     x = chunk(1, 8, 1, 64)
-    x[1, 0, 3, 5] = float("nan")
+    x[1, 0, token, 5] = float("nan")
     buf = torch.empty(ChunkCodec().payload_size([x.shape], [x.dtype]), dtype=torch.uint8)
     with pytest.raises(NonFiniteError):
         ChunkCodec().encode([x], buf, key())

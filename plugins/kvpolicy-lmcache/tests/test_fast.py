@@ -11,7 +11,7 @@ import torch
 from conftest import chunk, key
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from kvpolicy_lmcache import ChunkCodec, fast
+from kvpolicy_lmcache import ChunkCodec, fast, kvparts
 
 from kvpolicy.transforms import Hadamard
 from kvpolicy.transforms.base import Transform
@@ -109,3 +109,38 @@ def test_non_finite_chunks_are_refused_by_the_compiled_path(dtype):
     x[0, 0, 2, 7] = float("inf")
     with pytest.raises(NonFiniteError):
         encode(ChunkCodec(), x)
+
+
+@pytest.mark.parametrize("preset", ["kvpolicy-3bit", "kvpolicy-4bit"])
+@pytest.mark.parametrize("tokens", [1, 63, 64, 65, 200])
+def test_bfloat16_is_read_and_written_by_the_kernel_as_torch_converts_it(preset, tokens):
+    """The kernel reads bfloat16 chunks as they are and rounds its output to bfloat16 itself: the same
+    tensors as from the chunk converted to float32 by torch first, and the same bits as torch's rounding
+    of the float32 reconstruction (partial tiles of tokens included)."""
+    codec = ChunkCodec(preset=preset, head_dim=128)
+    rot = codec.plan([(2, 1, 8, 256)], [torch.bfloat16])[0].rotation
+    x = chunk(2, tokens, 2, 128, torch.bfloat16)
+    for role, fmt in enumerate((codec.parts.keys, codec.parts.values)):
+        fmt = kvparts.for_dtype(fmt, torch.bfloat16)
+        v = x[role].reshape(2, tokens, 2, 128)
+        direct, via_float32 = fast.encode(fmt, rot, v, torch.bfloat16), fast.encode(fmt, rot, v.float(), torch.bfloat16)
+        assert direct.keys() == via_float32.keys()
+        assert all(torch.equal(direct[k], via_float32[k]) for k in direct)
+        tmpl = kvparts.template(fmt, (2, 2, tokens, 128))
+        block = kvparts.block(fmt, tmpl, direct)
+        rounded, wide = fast.decode(block, rot, torch.bfloat16), fast.decode(block, rot, torch.float32)
+        assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, wide.to(torch.bfloat16))
+
+
+def test_a_reconstruction_beyond_bfloat16s_range_is_reported():
+    """A centre that takes the reconstruction past bfloat16's largest finite value makes the kernel report
+    it (the codec then refuses the payload) instead of writing Inf."""
+    codec = ChunkCodec(head_dim=64)
+    rot = codec.plan([(2, 1, 8, 64)], [torch.bfloat16])[0].rotation
+    fmt = kvparts.for_dtype(codec.parts.keys, torch.bfloat16)
+    tmpl = kvparts.template(fmt, (2, 1, 4, 64))
+    tensors = fast.encode(fmt, rot, chunk(2, 4, 1, 64, torch.bfloat16)[0].reshape(2, 4, 1, 64), torch.bfloat16)
+    assert fast.decode(kvparts.block(fmt, tmpl, tensors), rot, torch.bfloat16) is not None
+    for big in (3.0e38, 1.0e37):  # the transform's sums of 64 such channels pass float32's range
+        centre = torch.full_like(tensors["centre"], big)
+        assert fast.decode(kvparts.block(fmt, tmpl, {**tensors, "centre": centre}), rot, torch.bfloat16) is None

@@ -223,3 +223,13 @@ def test_scales_beyond_the_destinations_range_are_refused_even_when_re_signed():
     struct.pack_into("<h", data, offset, BASE_MAX)
     resign(torch.frombuffer(data, dtype=torch.uint8))
     refused(data, match="the values of group 0 decode to NaN or Inf")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_kept_tokens_are_refused_even_when_re_signed(value):
+    """The tokens a payload keeps verbatim are checked as decoded values are: NaN or Inf is refused."""
+    buf = torch.frombuffer(encoded(), dtype=torch.uint8)
+    offset, _ = section_offsets(CODEC, GROUPS, KEY)[(0, "verbatim", "tokens")]
+    buf[offset + 6 : offset + 8].copy_(torch.tensor([value], dtype=torch.bfloat16).view(torch.uint8))
+    resign(buf)
+    refused(bytes(buf.numpy()), match="the tokens group 0 keeps verbatim hold NaN or Inf")
