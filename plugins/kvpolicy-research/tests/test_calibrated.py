@@ -351,3 +351,12 @@ def test_a_corrupt_file_is_refused_with_a_cache_file_error(tmp_path):
     bad = with_nan(path, tmp_path / "bad.kvc", (2, 2, 1, 64), count=2)
     with pytest.raises(CacheFileError):
         CompressedCache.load(bad, model=model)
+
+
+def test_the_example_preset_file_is_kvpolicy_3bit_with_the_calibrated_rotation():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "kvpolicy-3bit-cal.toml"
+    cache = CompressedCache.from_config(path)
+    assert cache.transform == CalibratedRotation()
+    assert repr(cache) == repr(CompressedCache.from_preset("kvpolicy-3bit", transform="calibrated-hadamard"))
