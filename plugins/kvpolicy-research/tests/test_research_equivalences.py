@@ -23,8 +23,10 @@ BATCH = {
                             transform="query-hadamard"), None),
     "lowrank": (dict(policy="log", window=4, bits=2, key_scheme="codebook", key_centre=True, transform="lowrank",
                      rank=4), None),
+    # a left-padded row's forward rounds differently from the row alone, and eigenvectors of near-equal
+    # eigenvalues are not continuous in the moments: its rotation may differ (docs/reference/limits.md)
     "calibrated-hadamard": (dict(policy="log", window=4, bits=2, key_scheme="codebook", key_centre=True,
-                                 transform="calibrated-hadamard"), None),
+                                 transform="calibrated-hadamard"), False),
     "lowrank-16bit": (dict(policy="recent", window=6, bits=4, group_size=16, transform="lowrank", rank=2,
                            coefficient_bits=16), False),
 }  # fmt: skip
