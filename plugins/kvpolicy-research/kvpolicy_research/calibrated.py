@@ -35,7 +35,6 @@ element of a 2048-token prompt, ``0.125`` at 8192.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,14 +44,10 @@ import torch
 from kvpolicy import state_check
 from kvpolicy.errors import ConfigError, NonFiniteError
 from kvpolicy.transforms.base import HELD_DTYPE, Basis, cast_clamped
-from kvpolicy.transforms.hadamard import Hadamard
+from kvpolicy_research.query_weighted import QueryWeighted
 
 #: the entries a calibrated store adds to a transformed store's saved state
 STATE_KEYS = ("key_basis", "key_weights", "value_basis", "query_moment", "query_sum", "query_count", "key_moment")
-#: the largest ``max_ratio`` (as :data:`kvpolicy_research.query_weighted.MAX_RATIO`)
-MAX_RATIO = 2.0**32
-#: how far beyond ``log(max_ratio) / 2`` a saved weight's logarithm may be (float32 rounding of a fit)
-LOG_TOLERANCE = 1e-4
 #: how far a saved basis may be from orthogonal (float16 rounding of an orthogonal matrix: about 1e-3)
 ORTHOGONAL_TOLERANCE = 2e-2
 #: the dtype the fitted bases are held in
@@ -60,7 +55,7 @@ BASIS_DTYPE = torch.float16
 
 
 @dataclass(frozen=True)
-class CalibratedRotation(Hadamard):
+class CalibratedRotation(QueryWeighted):
     """A rotation per layer and KV head fitted on the queries' and values' statistics, then the Hadamard.
 
     Parameters
@@ -71,7 +66,7 @@ class CalibratedRotation(Hadamard):
         Key weights ``w_i = (λ_i / κ_i) ** power`` along the queries' eigenvectors; in ``[0, 1]``. ``0`` gives
         unit weights (keys only rotated into the queries' eigenbasis). Default ``0.25``, the power that
         minimises the expected score error of an isotropic quantizer (see
-        :mod:`kvpolicy_research.query_weighted`).
+        :mod:`kvpolicy_research.query_weighted`, whose weights these are, along other directions).
     max_ratio : float
         The largest key weight is at most ``max_ratio`` times the smallest; in ``[1, 2**32]``. Default 64.
     rotate_values : bool
@@ -79,21 +74,12 @@ class CalibratedRotation(Hadamard):
         ``False``: values get the Hadamard alone, and the layer holds half the matrices.
     """
 
-    power: float = 0.25
-    max_ratio: float = 64.0
     rotate_values: bool = True
 
     name = "calibrated-hadamard"
-    fits = True
-    needs_queries = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for param, value, low, high in (("power", self.power, 0.0, 1.0), ("max_ratio", self.max_ratio, 1.0, MAX_RATIO)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-                raise ConfigError(
-                    f"CalibratedRotation: {param} must be a number in [{low:g}, {high:g}]; got {param}={value!r}"
-                )
         if not isinstance(self.rotate_values, bool):
             raise ConfigError(
                 f"CalibratedRotation: rotate_values must be True or False; got rotate_values={self.rotate_values!r}"
@@ -125,11 +111,9 @@ class CalibratedRotation(Hadamard):
         _check_moments(self, query_moment, key_cov)
         lam, u = _eigh(query_moment)
         kappa = torch.einsum("...ci,...cd,...di->...i", u, key_cov.double(), u)
-        tiny = torch.finfo(torch.float64).tiny
-        log_w = self.power * (lam.clamp_min(tiny).log() - kappa.clamp_min(tiny).log())
-        log_w = log_w - log_w.mean(dim=-1, keepdim=True)
-        half = math.log(self.max_ratio) / 2
-        weights = log_w.clamp(-half, half).exp().float().unsqueeze(-2).contiguous()
+        # the diagonal weights of query-weighted keys, along the eigenvectors (rounding can leave an eigenvalue
+        # of a semi-definite moment a hair below zero)
+        weights = self.fit(lam.clamp_min(0), 1, kappa.clamp_min(0))
         return u.to(BASIS_DTYPE), weights
 
     def value_rotation(self, value_moment: torch.Tensor) -> torch.Tensor:
@@ -151,17 +135,8 @@ class CalibratedRotation(Hadamard):
         err = float((gram - torch.eye(b.shape[-1])).abs().max()) if b.numel() else 0.0
         if err > ORTHOGONAL_TOLERANCE:
             raise ValueError(f"calibrated store: {what} is {err:.3g} from orthogonal (at most {ORTHOGONAL_TOLERANCE})")
-        if weights is None:
-            return
-        if not bool((torch.isfinite(weights) & (weights > 0)).all()):
-            raise ValueError("calibrated store: key weights must be finite and positive")
-        top = float(weights.double().log().abs().max()) if weights.numel() else 0.0
-        half = math.log(self.max_ratio) / 2
-        if top > half + LOG_TOLERANCE:
-            raise ValueError(
-                f"calibrated store: a key weight {math.exp(min(top, 700.0)):.6g} times (or 1 over that) the unit "
-                f"weight, beyond sqrt(max_ratio)={math.exp(half):.6g}: not weights {self!r} fits"
-            )
+        if weights is not None:
+            self.check_weights(weights)
 
 
 def _check_moments(transform: CalibratedRotation, *moments: torch.Tensor) -> None:

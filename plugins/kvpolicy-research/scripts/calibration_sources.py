@@ -21,16 +21,16 @@ from __future__ import annotations
 import argparse
 
 import torch
-from kvpolicy_lab.eval.models import load_smollm2
-from kvpolicy_lab.eval.tasks import CALIBRATION_FILES, LanguageModeling
+from kvpolicy_research import calibration
+from kvpolicy_research.calibrated import CalibratedRotation
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvpolicy.actions.quantize import Quantize
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.transforms import Hadamard
-from kvpolicy_research import calibration
-from kvpolicy_research.calibrated import CalibratedRotation
+from kvpolicy_lab.eval.models import load_smollm2
+from kvpolicy_lab.eval.tasks import CALIBRATION_FILES, LanguageModeling
 
 CONTEXT, QUERIES = 2048, 256
 
@@ -56,7 +56,9 @@ def record(model, ids):
 
 def coded(basis, q, k, v):
     """Keys and values of one layer back from kvpolicy-3bit's older tier behind ``basis``."""
-    store = Quantize(key_bits=3, value_bits=2, scheme="codebook", key_centre=True, norm_bits=8).new_store(TorchBackend(), 0)
+    store = Quantize(key_bits=3, value_bits=2, scheme="codebook", key_centre=True, norm_bits=8).new_store(
+        TorchBackend(), 0
+    )
     n = k.shape[2]
     store.positions = torch.empty(1, 0, dtype=torch.int32)
     if basis.wants_queries:
