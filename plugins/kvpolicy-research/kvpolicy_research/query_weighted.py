@@ -82,7 +82,7 @@ class QueryWeighted(Hadamard):
         for param, value, low, high in (("power", self.power, 0.0, 1.0), ("max_ratio", self.max_ratio, 1.0, MAX_RATIO)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
                 raise ConfigError(
-                    f"QueryWeighted: {param} must be a number in [{low:g}, {high:g}]; got {param}={value!r}"
+                    f"{type(self).__name__}: {param} must be a number in [{low:g}, {high:g}]; got {param}={value!r}"
                 )
 
     def bind(self) -> QueryWeightedBasis:
@@ -136,12 +136,12 @@ class QueryWeighted(Hadamard):
         weights are checked so before they weight a key: crafted ones (zeros, huge ranges) would turn keys or
         queries into Inf, and attention into NaN."""
         if not bool((torch.isfinite(weights) & (weights > 0)).all()):
-            raise ValueError("query-weighted store: weights must be finite and positive")
+            raise ValueError(f"{self.name} store: weights must be finite and positive")
         top = float(weights.double().log().abs().max()) if weights.numel() else 0.0
         half = math.log(self.max_ratio) / 2
         if top > half + LOG_TOLERANCE:
             raise ValueError(
-                f"query-weighted store: a weight {math.exp(min(top, 700.0)):.6g} times (or 1 over that) the unit "
+                f"{self.name} store: a weight {math.exp(min(top, 700.0)):.6g} times (or 1 over that) the unit "
                 f"weight, beyond sqrt(max_ratio)={math.exp(half):.6g}: not weights {self!r} fits"
             )
 

@@ -11,7 +11,8 @@ from kvpolicy.hookspecs import hookimpl
 
 @hookimpl
 def kvpolicy_register_transforms() -> dict[str, type]:
+    from kvpolicy_research.calibrated import CalibratedRotation
     from kvpolicy_research.lowrank import LowRank
     from kvpolicy_research.query_weighted import QueryWeighted
 
-    return {"lowrank": LowRank, "query-hadamard": QueryWeighted}
+    return {"lowrank": LowRank, "query-hadamard": QueryWeighted, "calibrated-hadamard": CalibratedRotation}

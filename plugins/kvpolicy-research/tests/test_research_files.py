@@ -20,7 +20,7 @@ from kvpolicy.fused import disable_fused, enable_fused
 from kvpolicy.registry import DISABLE_ENV
 
 
-@pytest.mark.parametrize("transform", ["lowrank", "query-hadamard"])
+@pytest.mark.parametrize("transform", ["lowrank", "query-hadamard", "calibrated-hadamard"])
 def test_a_saved_file_names_the_plugin_and_loads_bit_for_bit(tmp_path, transform):
     model = tiny_model("llama")
     ids = _ids(40)
