@@ -441,6 +441,7 @@ class CompressedCache(Cache):
             )  # fmt: skip
             layer.engine.book = self._book
             layer.engine.adapted = self.adapted
+            layer.engine.config = self._config
             return layer
         from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
 

@@ -128,6 +128,7 @@ def load(cls: type, path: str | Path, device: Any = None, model: Any = None) -> 
         cache = _build(cls, header, len(layers), where)
         if model is not None:
             _check_model(saved, _model_identity(model), where)
+            cache._config = getattr(model, "config", model)  # what the layers' transform binds with
         if per_layer:
             missing = [i for i in range(len(layers)) if i not in device]
             if missing:

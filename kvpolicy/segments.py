@@ -23,7 +23,7 @@ from kvpolicy.backends.base import Backend
 from kvpolicy.memory import LayerBytes
 from kvpolicy.policies.base import Policy, PolicyState
 from kvpolicy.positions import MAX_POSITION, POSITION_DTYPE, PositionBook, check_length, storage_bytes
-from kvpolicy.transforms.base import Basis, Transform
+from kvpolicy.transforms.base import Basis, BindContext, Transform
 
 #: the segments of a memory report, in order
 SEGMENTS = ("full_precision", "codes", "scales", "zeros", "staging", "positions")
@@ -74,7 +74,7 @@ class LayerSegments:
 
     def __init__(
         self, policy: Policy, action: Action, backend: Backend, transform: Transform, layer_idx: int,
-        book: PositionBook | None = None,
+        book: PositionBook | None = None, config: Any = None,
     ) -> None:  # fmt: skip
         self.policy = policy
         self.action = action
@@ -82,6 +82,8 @@ class LayerSegments:
         self.transform = transform
         self.layer_idx = layer_idx
         self.book = book
+        #: the model's config the cache was given (``None``: none), for the transform's bind context
+        self.config = config
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.full_pos: torch.Tensor | None = None
@@ -115,16 +117,18 @@ class LayerSegments:
         self.action.check_head_dim(key_states.shape[-1], multiple, role="key")
         self.action.check_head_dim(value_states.shape[-1], multiple, role="value")
         self.backend.check_tensor(key_states)
+        basis = None
         if self.action.keeps_demoted:
             self.transform.check_head_dim(key_states.shape[-1])
             self.transform.check_head_dim(value_states.shape[-1])
             self.transform.check_key_head_dim(key_states.shape[-1])
+            if not self.transform.identity:  # bound before anything is allocated: a bind may refuse the layer
+                basis = self.transform.bind(BindContext.of(self.layer_idx, key_states, value_states, self.config))
         rows = key_states.shape[1] if self.policy.per_head else 1
         device = key_states.device
         self.state = self.policy.new_state(num_heads=key_states.shape[1])
         self.store = self._new_store(torch.empty(rows, 0, dtype=POSITION_DTYPE, device=device))
-        if self.action.keeps_demoted and not self.transform.identity:
-            self.basis = self.transform.bind()
+        self.basis = basis
         self.full_pos = torch.empty(rows, 0, dtype=POSITION_DTYPE, device=device)
 
     @property

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvpolicy.policies.base import Policy
-    from kvpolicy.transforms.base import Transform
+    from kvpolicy.transforms.base import BindContext, Transform
 
 
 @st.composite
@@ -390,7 +390,8 @@ def check_transform(
     - be deterministic: a pickled copy (another process) computes the same ``forward`` bit for bit;
     - refuse a head dim it cannot serve with :class:`~kvpolicy.errors.ConfigError`, in
       ``check_head_dim``, before any use;
-    - bind a :class:`~kvpolicy.transforms.base.Basis` (``transform.bind()``) that, driven the way a layer
+    - bind a :class:`~kvpolicy.transforms.base.Basis` (``transform.bind(context)``, given a layer's
+      :class:`~kvpolicy.transforms.base.BindContext`) that, driven the way a layer
       drives it (queries observed while it wants them, ``fit`` on the first demotion, ``add`` into a plain
       full-precision store), gives the tokens back (``unmap_keys``/``unmap_values``) and serves fused
       attention over the store's parts (``map_query``, ``score_term``, ``unmap_output``:
@@ -504,20 +505,30 @@ class _PlainStore:
         self.k, self.v = fn(self.k), fn(self.v)
 
 
-def check_basis(transform: Transform, head_dim: int = 64, seed: int = 0) -> None:
-    """The seam half of :func:`check_transform`, for one transform and head dim (see there)."""
+def check_basis(transform: Transform, head_dim: int = 64, seed: int = 0, context: BindContext | None = None) -> None:
+    """The seam half of :func:`check_transform`, for one transform and head dim (see there).
+
+    ``context``: the :class:`~kvpolicy.transforms.base.BindContext` the basis is bound with (its shapes must be
+    2 KV heads of ``head_dim`` channels, float32 on the CPU); default: layer 3 of a model the cache was given
+    no config of. A transform that reads something per layer and model (a file of statistics) passes its own.
+    """
     import torch
 
     from kvpolicy.fused import attend_parts
     from kvpolicy.layer.parts import Part
-    from kvpolicy.transforms.base import Basis
+    from kvpolicy.transforms.base import Basis, BindContext
 
     g = torch.Generator().manual_seed(seed)
     b, h, n, d = 2, 2, 24, head_dim
     keys = torch.randn(b, h, n, d, generator=g) * (1 + torch.rand(1, h, 1, d, generator=g) * 4)
     values = torch.randn(b, h, n, d, generator=g)
     positions = torch.randperm(n + 8, generator=g)[:n].view(1, n).to(torch.int32)
-    basis = transform.bind()
+    context = BindContext.of(3, keys, values) if context is None else context
+    assert (context.num_kv_heads, context.key_head_dim, context.value_head_dim) == (h, d, d), (
+        f"check_basis: a context for {context.num_kv_heads} KV heads of {context.key_head_dim} channels; the check "
+        f"drives {h} of {d}"
+    )
+    basis = transform.bind(context)
     assert isinstance(basis, Basis) and basis.transform == transform, f"{transform!r}: bind() is not its Basis"
     assert basis.wants_queries == transform.needs_queries, f"{transform!r}: wants_queries disagrees with needs_queries"
     for _ in range(2 if basis.wants_queries else 0):  # the prompt's forwards
@@ -549,7 +560,7 @@ def check_basis(transform: Transform, head_dim: int = 64, seed: int = 0) -> None
     worst = float((fused - want).abs().max())
     assert worst <= 1e-4, f"{transform!r}: fused attention over its parts differs from softmax by {worst:.3g}"
     # saved and loaded, the basis reads the store bit for bit
-    loaded = transform.bind()
+    loaded = transform.bind(context)
     loaded.load_state_dict(basis.state_dict(), keys.device)
     loaded.validate(keys[:, :, :0], values[:, :, :0], store.positions)
     again = read(loaded, store)

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
 from kvpolicy.fused import attend_parts, disable_fused, enable_fused
 from kvpolicy.layer.parts import Part
 from kvpolicy.testing import check_transform
-from kvpolicy.transforms import Hadamard, NoTransform, Transform
+from kvpolicy.transforms import BindContext, Hadamard, NoTransform, Transform
 from kvpolicy.transforms.hadamard import block_size, walsh_hadamard
 
 # ------------------------------------------------------------------ the contract
@@ -294,7 +295,9 @@ def test_attend_parts_in_the_rotated_basis_equals_softmax_over_everything():
     qk = be.quantize(h.forward(hist_k[:, :, :32]), 8, 16, "channel")
     qv = be.quantize(h.forward(hist_v[:, :, :32]), 8, 16, "token")
     tail = (h.forward(hist_k[:, :, 32:]), h.forward(hist_v[:, :, 32:]))
-    got = attend_parts(q, [Part(*tail), Part(qk, qv, be), Part(full_k, full_v)], 0.125, h.bind())
+    got = attend_parts(
+        q, [Part(*tail), Part(qk, qv, be), Part(full_k, full_v)], 0.125, h.bind(BindContext.of(0, full_k, full_v))
+    )
     keys = torch.cat([h.inverse(be.dequantize(qk)), hist_k[:, :, 32:], full_k], dim=2)
     values = torch.cat([h.inverse(be.dequantize(qv)), hist_v[:, :, 32:], full_v], dim=2)
     want = torch.softmax(q @ keys.transpose(-1, -2) * 0.125, dim=-1) @ values
@@ -535,6 +538,56 @@ def test_check_basis_catches_a_basis_that_breaks_the_seam():
     check_basis(Hadamard(), 64)
     for broken, error, match in ((Unrotated, AssertionError, "fused attention"), (Forgetful, ValueError, "dims")):
         transform = Hadamard()
-        object.__setattr__(transform, "bind", lambda t=transform, b=broken: b(t))
+        object.__setattr__(transform, "bind", lambda context, t=transform, b=broken: b(t))
         with pytest.raises(error, match=match):
             check_basis(transform, 64)
+
+
+# ------------------------------------------------------------------ the bind context
+
+
+@dataclass(frozen=True)
+class _Recording(Hadamard):
+    """The Hadamard, recording the context of every bind (in a list shared by its copies)."""
+
+    seen: list = dataclass_field(default_factory=list, compare=False, hash=False, repr=False)
+
+    def bind(self, context: BindContext):
+        self.seen.append(context)
+        return super().bind(context)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["batch", "left-padded"])
+def test_every_layer_binds_with_its_own_context(padded):
+    """Each compressed layer binds once (a left-padded batch: once per row) with its index, shapes, dtype,
+    device and the model's identity, all from the one place that builds it."""
+    from kvpolicy.tiny import random_model
+
+    model = random_model("qwen2", layers=3)
+    transform = _Recording()
+    cache = CompressedCache.for_model(model, transform=transform, policy="log", window=4, bits=4, group_size=16)
+    ids = torch.randint(3, 96, (2, 20), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :3] = 0
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=2, do_sample=False)
+    config = model.config
+    want = [i for i in range(3) for _ in range(3 if padded else 1)]  # a padded batch: the head and each row
+    assert sorted(c.layer_idx for c in transform.seen) == want
+    for c in transform.seen:
+        assert (c.num_layers, c.model_type, c.name_or_path) == (3, "qwen2", config.name_or_path)
+        assert (c.num_kv_heads, c.key_head_dim, c.value_head_dim) == (config.num_key_value_heads, 64, 64)
+        assert (c.dtype, c.device, c.config) == (torch.float32, torch.device("cpu"), config)
+
+
+def test_a_cache_built_without_a_config_binds_with_no_model_identity():
+    from kvpolicy.tiny import random_model
+
+    model = random_model("llama")
+    transform = _Recording()
+    cache = CompressedCache(transform=transform, policy="log", window=4, bits=4, group_size=16)
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 96, (1, 12)), cache=cache, use_cache=True)
+    assert [c.layer_idx for c in transform.seen] == [0, 1]
+    assert all(c.num_layers is None and c.model_type is None and c.config is None for c in transform.seen)

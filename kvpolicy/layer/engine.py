@@ -86,6 +86,8 @@ class LayerEngine:
         self.attention = attention
         self.auto = auto
         self.book = book
+        #: the model's config the cache was given (``None``: none): the transform's bind context reads it
+        self.config: Any = None
         self.adapted: dict[str, None] = {} if adapted is None else adapted
         self.internal = internal
         self.held: LayerSegments | None = None
@@ -187,7 +189,9 @@ class LayerEngine:
         #: the paths of a decode step served fused, and of one this composition cannot fuse
         self.fused_path = StepPath("fused", None, name)
         self._unfused_path = None if reason is None else StepPath("materialized", reason, name)
-        held = LayerSegments(self.policy, self.action, self.backend, self.transform, self.layer_idx, self.book)
+        held = LayerSegments(
+            self.policy, self.action, self.backend, self.transform, self.layer_idx, self.book, self.config
+        )
         held.start(key_states, value_states)
         self._drop()
         self.held = held
@@ -199,10 +203,12 @@ class LayerEngine:
 
     def row(self) -> LayerEngine:
         """An unstarted engine for one row of a padded batch (materialised attention, plain tensors)."""
-        return LayerEngine(
+        row = LayerEngine(
             self.policy, self.action, self.backend, self.transform, self.layout, self.layer_idx, "materialized",
             self.auto, adapted=self.adapted, internal=True,
         )  # fmt: skip
+        row.config = self.config
+        return row
 
     def _drop(self) -> None:
         """Forget the held tokens, keeping :attr:`version` growing."""

@@ -76,6 +76,7 @@ class PaddedEngine:
     attention = _head("attention", "How decode steps read the history.")
     book = _head("book", "Where shared demoted positions are held (unused by rows).")
     adapted = _head("adapted", "The defaults replaced.")
+    config = _head("config", "The model's config the cache was given (the transform's bind context reads it).")
     path = _head("path", "How the latest step's attention read the history.")
     held = _head("held", "The head engine's (empty) segments; each row's are ``rows[b].held``.")
     store = _head("store", "The head engine's (empty) store; each row's is ``rows[b].store``.")

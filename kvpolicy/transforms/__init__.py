@@ -5,7 +5,7 @@ register more through the ``kvpolicy_register_transforms`` hook, each binding it
 :class:`Basis` (docs/how-to/write-a-plugin.md).
 """
 
-from kvpolicy.transforms.base import Basis, NoTransform, Transform
+from kvpolicy.transforms.base import Basis, BindContext, NoTransform, Transform
 from kvpolicy.transforms.hadamard import Hadamard
 
-__all__ = ["Basis", "Hadamard", "NoTransform", "Transform"]
+__all__ = ["Basis", "BindContext", "Hadamard", "NoTransform", "Transform"]

@@ -5,8 +5,9 @@ A :class:`Transform` is a frozen dataclass of hyperparameters: an orthogonal map
 batch row. Attention scores are invariant under an orthogonal map applied to both query and key
 (``q·k = (qR)·(kR)``), and an attention output over transformed values maps back with ``inverse``.
 
-Each compressed layer binds one :class:`Basis` (``transform.bind()``): the per-layer object that holds
-what the transform fits or keeps for that layer, called by the layer's engine
+Each compressed layer binds one :class:`Basis` (``transform.bind(context)``, with the layer's
+:class:`BindContext`: its index, shapes, dtype, device and the model it serves): the per-layer object that
+holds what the transform fits or keeps for that layer, called by the layer's engine
 (:class:`kvpolicy.layer.engine.LayerEngine`) at declared points only:
 
 - :meth:`Basis.observe`: the queries of a forward over the layer, while :attr:`Basis.wants_queries`;
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -43,6 +44,67 @@ if TYPE_CHECKING:
 HELD_DTYPE = {torch.float16: torch.float32}
 #: the model dtypes a basis records (read back through :func:`kvpolicy.persist.dtype_of`)
 MODEL_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+@dataclass(frozen=True)
+class BindContext:
+    """What a layer tells its transform when it binds one :class:`Basis` (:meth:`Transform.bind`).
+
+    Built in one place, when a compressed layer starts (:meth:`BindContext.of`, from the layer's first
+    keys and values and the model's config the cache was given), so every transform sees the same facts. A
+    transform that keeps something per layer (a rotation calibrated offline, read from a file) finds its
+    layer here and checks that the model is the one its data was measured on; the others ignore it.
+
+    Attributes
+    ----------
+    layer_idx : int
+        The layer's index in the model (``0 ≤ layer_idx``; ``< num_layers`` when that is known).
+    num_layers : int or None
+        The model's decoder layers (``num_hidden_layers``), when the cache was given the model's config.
+    num_kv_heads : int
+        KV heads of the layer's keys (this process's share under tensor parallelism).
+    key_head_dim, value_head_dim : int
+        Channels of a key and of a value.
+    dtype : torch.dtype
+        The model's dtype (that of the layer's keys).
+    device : torch.device
+        Where the layer's tokens are.
+    model_type : str or None
+        The config's ``model_type`` (e.g. ``"llama"``), when the cache was given the model's config.
+    name_or_path : str or None
+        The config's ``name_or_path`` (where the model was loaded from; ``""`` when unknown), likewise.
+    config : object or None
+        The model's config itself (a transformers ``PretrainedConfig``), for what the fields above do not say;
+        ``None`` when the cache was built without ``config=``.
+    """
+
+    layer_idx: int
+    num_layers: int | None
+    num_kv_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    model_type: str | None = None
+    name_or_path: str | None = None
+    config: Any = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, config: Any = None) -> BindContext:
+        """The context of layer ``layer_idx`` whose first ``keys``/``values`` are ``(batch, kv_heads, n,
+        head_dim)``, in a cache built for the model of ``config`` (``None``: a cache built without one)."""
+        text = config
+        if config is not None and hasattr(config, "get_text_config"):
+            text = config.get_text_config(decoder=True)
+        layers = getattr(text, "num_hidden_layers", None)
+        model_type = getattr(text, "model_type", None)
+        name = getattr(config, "name_or_path", None) if config is not None else None
+        return cls(
+            layer_idx=layer_idx, num_layers=layers if isinstance(layers, int) else None,
+            num_kv_heads=keys.shape[1], key_head_dim=keys.shape[-1], value_head_dim=values.shape[-1],
+            dtype=keys.dtype, device=keys.device, model_type=None if model_type is None else str(model_type),
+            name_or_path=None if name is None else str(name), config=config,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -87,9 +149,17 @@ class Transform(ABC):
         memory report counts each once, however many layers and caches share it."""
         return {}
 
-    def bind(self) -> Basis:
+    def bind(self, context: BindContext) -> Basis:
         """The object one layer holds its demoted tokens' basis in (:class:`Basis`; a transform that fits
-        or keeps something per layer returns a subclass)."""
+        or keeps something per layer returns a subclass).
+
+        Parameters
+        ----------
+        context : BindContext
+            The layer binding it: its index, shapes, dtype and device, and the model (a transform that needs
+            none of it ignores it). Raise :class:`~kvpolicy.errors.ConfigError` (or ``ValueError`` for a file
+            the transform reads) here, before the layer allocates anything, when the layer cannot be served.
+        """
         return Basis(self)
 
 

@@ -17,6 +17,7 @@ from kvpolicy.actions.quantize import Quantize
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import ConfigError, NonFiniteError
 from kvpolicy.spec import CacheSpec
+from kvpolicy.transforms import BindContext
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -39,8 +40,8 @@ def kvpolicy_store(preset: str, x: torch.Tensor, head_dim: int) -> tuple[torch.T
     _, layers, tokens, hidden = x.shape
     out = torch.empty_like(x)
     for layer in range(layers):
-        store, basis = tier.new_store(TorchBackend(), layer), spec.transform.bind()
         k, v = (x[r, layer].reshape(tokens, hidden // head_dim, head_dim).transpose(0, 1)[None] for r in (0, 1))
+        store, basis = tier.new_store(TorchBackend(), layer), spec.transform.bind(BindContext.of(layer, k, v))
         positions = torch.arange(tokens)[None]
         basis.add(store, k, v, positions)
         for r, held in enumerate((basis.unmap_keys(store.keys(), positions), basis.unmap_values(store.values()))):

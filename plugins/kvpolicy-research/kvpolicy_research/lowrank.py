@@ -48,7 +48,7 @@ import torch
 from kvpolicy import state_check
 from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
 from kvpolicy.layer.parts import columns
-from kvpolicy.transforms.base import Basis, cast_clamped
+from kvpolicy.transforms.base import Basis, BindContext, cast_clamped
 from kvpolicy.transforms.hadamard import Hadamard
 
 #: the entries a low-rank store adds to a transformed store's saved state
@@ -102,7 +102,7 @@ class LowRank(Hadamard):
                 f"[1, {head_dim}] for this model"
             )
 
-    def bind(self) -> LowRankBasis:
+    def bind(self, context: BindContext) -> LowRankBasis:
         """The layer's basis: its mean and directions once fitted, and the coefficient table."""
         return LowRankBasis(self)
 

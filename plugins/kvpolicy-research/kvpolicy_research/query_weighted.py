@@ -40,7 +40,7 @@ import torch
 
 from kvpolicy import state_check
 from kvpolicy.errors import ConfigError, NonFiniteError
-from kvpolicy.transforms.base import Basis, cast_clamped
+from kvpolicy.transforms.base import Basis, BindContext, cast_clamped
 from kvpolicy.transforms.hadamard import Hadamard
 
 #: the entries a query-weighted store adds to a transformed store's saved state
@@ -85,7 +85,7 @@ class QueryWeighted(Hadamard):
                     f"{type(self).__name__}: {param} must be a number in [{low:g}, {high:g}]; got {param}={value!r}"
                 )
 
-    def bind(self) -> QueryWeightedBasis:
+    def bind(self, context: BindContext) -> QueryWeightedBasis:
         """The layer's basis: the query moments until its first demotion, then the key weights."""
         return QueryWeightedBasis(self)
 

@@ -28,7 +28,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvpolicy.actions.quantize import Quantize
 from kvpolicy.backends.torch_backend import TorchBackend
-from kvpolicy.transforms import Hadamard
+from kvpolicy.transforms import BindContext, Hadamard
 from kvpolicy_lab.eval.models import load_smollm2
 from kvpolicy_lab.eval.tasks import CALIBRATION_FILES, LanguageModeling
 
@@ -104,9 +104,10 @@ def main() -> None:
     for sample in held.samples(tokenizer, CONTEXT, 0):
         layers = record(model, torch.tensor([sample.ids[:CONTEXT]]))
         for i, (q, k, v) in layers.items():
-            runs = {"hadamard": Hadamard(0).bind()}
+            context = BindContext.of(i, k, v, model.config)
+            runs = {"hadamard": Hadamard(0).bind(context)}
             for name, (t, rot) in variants.items():
-                basis = t.bind()
+                basis = t.bind(context)
                 if rot is not None:  # the file's rotations for this layer, as a fitted basis holds them
                     basis.key_basis, basis.key_weights = rot[0][i : i + 1].clone(), rot[1][i : i + 1].clone()
                     basis.value_basis = rot[2][i : i + 1].clone() if t.rotate_values else None

@@ -81,13 +81,17 @@ class Held:
     """An action's store behind a transform's bound basis, driven as a layer drives them: what these tests
     read a transform's tokens through (``Held.of(engine)`` for a layer's)."""
 
-    def __init__(self, transform, action=None, backend=None, rows: int = 1) -> None:
+    def __init__(self, transform, action=None, backend=None, rows: int = 1, context=None) -> None:
         from kvpolicy.backends.torch_backend import TorchBackend
+        from kvpolicy.transforms import BindContext
 
         action = action or Quantize(bits=2, scheme="codebook", key_centre=True)
         self.store = action.new_store(backend or TorchBackend(), 0)
         self.store.positions = torch.empty(rows, 0, dtype=torch.int32)
-        self.basis = transform.bind()
+        if context is None:  # layer 0 of 2 KV heads of 64 channels, no model config (what a plain cache tells)
+            empty = torch.empty(rows, 2, 0, 64)
+            context = BindContext.of(0, empty, empty)
+        self.basis = transform.bind(context)
 
     @classmethod
     def of(cls, engine) -> Held:
