@@ -24,13 +24,21 @@ and the keys they read (``M``, the queries' mean and ``C``); the values are thos
 each weighted by the attention a query drawn from the reported moments gives it in expectation,
 ``E[exp(s q·k)] = exp(s μ·k + s²/2 · kᵀ Σ k)`` for Gaussian queries of mean ``μ`` and covariance ``Σ``
 (``s`` the attention scale). :mod:`kvpolicy_research.calibration` measures the same statistics over
-calibration texts into a file.
+calibration texts into a file, and ``statistics="path/to/file.safetensors"`` reads each layer's rotations
+from such a file instead: the layer finds its own in the file when it binds (its
+:class:`~kvpolicy.transforms.BindContext` says which layer it is and which model), after the file is checked
+against the model and the layer's shapes, and every batch row shares them (they depend on no row), so a
+batch row equals the row run alone, left-padded or not.
 
 What the layer holds is counted under ``scales``: ``U`` and ``V`` in float16 (``2 · head_dim²`` half floats per
 row and KV head) and the weights in float32, and until the fit, the moments (float32). The maps read the
 float16 matrices in float32, and every path (fused, materialised, saved and loaded) reads those same
-matrices, so a loaded cache continues bit for bit. At ``head_dim = 64`` the matrices cost ``0.5`` bit per
-element of a 2048-token prompt, ``0.125`` at 8192.
+matrices, so a loaded cache continues bit for bit. Rotations read from a file are held once per layer (one
+row, shared by the batch's rows) and counted once under ``transform``, as the Hadamard matrix is; a saved
+cache holds them too and continues with the saved ones (the file is read again on load, because the cache
+binds the composition it names: a file that is missing then is named in the error). At ``head_dim = 64`` the
+matrices cost ``0.5`` bit per element of a 2048-token prompt, ``0.125`` at 8192 (fitted per row; read from
+a file, that over the whole batch).
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ import torch
 
 from kvpolicy import state_check
 from kvpolicy.errors import ConfigError, NonFiniteError
-from kvpolicy.transforms.base import HELD_DTYPE, Basis, cast_clamped
+from kvpolicy.transforms.base import HELD_DTYPE, Basis, BindContext, cast_clamped
 from kvpolicy_research.query_weighted import QueryWeighted
 
 #: the entries a calibrated store adds to a transformed store's saved state
@@ -72,9 +80,15 @@ class CalibratedRotation(QueryWeighted):
     rotate_values : bool
         Whether values are rotated into their attention-weighted eigenbasis before the Hadamard (default);
         ``False``: values get the Hadamard alone, and the layer holds half the matrices.
+    statistics : str or None
+        A statistics file (:func:`kvpolicy_research.calibration.save`) to read every layer's rotations from,
+        instead of fitting them on the prompt (``None``, the default). Checked when a layer binds, against
+        the model the cache was built for (``CompressedCache.for_model``, or ``config=``) and the layer's
+        shapes: another model's file, or one of other shapes, is refused naming the file.
     """
 
     rotate_values: bool = True
+    statistics: str | None = None
 
     name = "calibrated-hadamard"
 
@@ -84,10 +98,26 @@ class CalibratedRotation(QueryWeighted):
             raise ConfigError(
                 f"CalibratedRotation: rotate_values must be True or False; got rotate_values={self.rotate_values!r}"
             )
+        if self.statistics is not None and (not isinstance(self.statistics, str) or not self.statistics.strip()):
+            raise ConfigError(
+                "CalibratedRotation: statistics must be the path of a statistics file (a str) or None; got "
+                f"statistics={self.statistics!r:.80}"
+            )
 
-    def bind(self) -> CalibratedBasis:
-        """The layer's basis: the prompt's moments until its first demotion, then the fitted rotations."""
-        return CalibratedBasis(self)
+    @property
+    def needs_queries(self) -> bool:  # type: ignore[override]
+        """Whether layers fit on the prompt's queries: unless the rotations come from a file."""
+        return self.statistics is None
+
+    def bind(self, context: BindContext) -> CalibratedBasis:
+        """The layer's basis: the prompt's moments until its first demotion, then the fitted rotations; or,
+        with :attr:`statistics`, the file's rotations for ``context``'s layer (``ValueError`` naming the file,
+        or ``ConfigError``, before anything is held, when the file does not serve this model and layer)."""
+        if self.statistics is None:
+            return CalibratedBasis(self)
+        from kvpolicy_research.calibration import layer_rotations
+
+        return CalibratedBasis(self, layer_rotations(self, context))
 
     # ------------------------------------------------------------------ fitting (pure functions of statistics)
     def key_rotation(self, query_moment: torch.Tensor, key_cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,6 +219,8 @@ def _per_row(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     x, m = x.float().contiguous(), m.float().contiguous()
     if x.shape[0] == 1:
         return x @ m
+    if m.shape[0] == 1:  # one matrix for every row (rotations read from a file)
+        return torch.cat([x[i : i + 1] @ m for i in range(x.shape[0])])
     return torch.cat([x[i : i + 1] @ m[i : i + 1] for i in range(x.shape[0])])
 
 
@@ -211,15 +243,22 @@ class CalibratedBasis(Basis):
     key_moment : torch.Tensor or None
         ``(batch, kv_heads, head_dim, head_dim)`` float32: the covariance of the keys the latest reported
         forward read.
+    from_file : bool
+        Whether the rotations were read from a statistics file: then one row ``(1, kv_heads, ...)`` from the
+        start, shared by every batch row and by the layers of other caches bound with the same file.
     """
 
     transform: CalibratedRotation
 
-    def __init__(self, transform: CalibratedRotation) -> None:
+    def __init__(
+        self,
+        transform: CalibratedRotation,
+        rotations: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    ) -> None:
         super().__init__(transform)
-        self.key_basis: torch.Tensor | None = None
-        self.key_weights: torch.Tensor | None = None
-        self.value_basis: torch.Tensor | None = None
+        self.from_file = rotations is not None
+        self.key_basis, self.key_weights, self.value_basis = rotations if rotations is not None else (None,) * 3
+        self._file = rotations
         self.query_moment: torch.Tensor | None = None
         self.query_sum: torch.Tensor | None = None
         self.query_count = 0
@@ -325,10 +364,23 @@ class CalibratedBasis(Basis):
         }  # fmt: skip
 
     def nbytes(self) -> dict[str, int]:
-        """The bases and weights (or the moments awaiting the fit) under ``scales``."""
+        """The bases and weights (or the moments awaiting the fit) under ``scales``; a file's rotations are
+        :meth:`shared` instead."""
+        if self.from_file:
+            return {}
         return {"scales": sum(t.numel() * t.element_size() for t in self._tensors().values() if t is not None)}
 
+    def shared(self) -> list[tuple[str, torch.Tensor]]:
+        """The Hadamard matrix, and a file's rotations, under ``transform`` (counted once however many rows and
+        caches hold them)."""
+        out = super().shared()
+        if self.from_file:
+            out += [("transform", t) for t in self._tensors().values() if t is not None]
+        return out
+
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.from_file:  # one row for every row: nothing moves with the batch
+            return
         for name, t in self._tensors().items():
             if t is not None:
                 setattr(self, name, fn(t))
@@ -379,9 +431,33 @@ class CalibratedBasis(Basis):
             or (loaded["key_moment"] is not None and not waiting[0])
         ):
             raise ValueError(f"calibrated store: query_count={count} disagrees with the moments held")
+        if self.from_file:
+            self._load_file_rotations(loaded)
+            return
         for name, t in loaded.items():
             setattr(self, name, t)
         self.query_count = count
+
+    def _load_file_rotations(self, loaded: dict[str, torch.Tensor | None]) -> None:
+        """Take the saved rotations of a basis bound to a statistics file: one row, as the file gives; the saved
+        ones are kept (the tokens were coded with them), as the very tensors the file gives when they are equal
+        to them (held once again)."""
+        if loaded["key_basis"] is None:
+            raise ValueError(f"calibrated store: no rotation saved, where {self.transform!r} reads one from its file")
+        for name in ("key_basis", "key_weights", "value_basis"):
+            t = loaded[name]
+            if t is not None and t.shape[0] != 1:
+                raise ValueError(
+                    f"calibrated store: {name} of {t.shape[0]} rows, where rotations read from a file are one row"
+                )
+        assert self._file is not None
+        saved = tuple(loaded[n] for n in ("key_basis", "key_weights", "value_basis"))
+        same = all(
+            (t is None) == (f is None) and (t is None or torch.equal(t.to(f.device), f))
+            for t, f in zip(saved, self._file, strict=True)
+        )
+        if not same:
+            self.key_basis, self.key_weights, self.value_basis = saved
 
     def validate(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """The base checks, and a rotation held exactly when tokens are, shaped for the layer."""
@@ -389,7 +465,9 @@ class CalibratedBasis(Basis):
         b, h, _, d = keys.shape
         dv = values.shape[-1]
         count = positions.shape[-1]
-        if (self.key_basis is not None) != (count > 0):
+        if self.from_file:  # one row for every row, held from the start
+            b = 1
+        elif (self.key_basis is not None) != (count > 0):
             raise ValueError(
                 f"calibrated store: {'a' if self.key_basis is not None else 'no'} rotation for {count} tokens held"
             )

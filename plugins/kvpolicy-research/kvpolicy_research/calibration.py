@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from kvpolicy.transforms.base import BindContext
 from kvpolicy_research.calibrated import CalibratedRotation
 
 #: the ``format`` entry of a statistics file's metadata
@@ -185,7 +186,14 @@ def save(stats: Statistics, path: str | Path) -> Path:
 
 
 def load(path: str | Path, config: Any) -> Statistics:
-    """Read the statistics at ``path`` for the model of ``config``, refusing any file that is not one.
+    """Read the statistics at ``path`` for the model of ``config``, refusing any file that is not one
+    (:func:`load_for` with ``model_identity(config)``)."""
+    return load_for(path, model_identity(config))
+
+
+def load_for(path: str | Path, want: dict[str, Any]) -> Statistics:
+    """Read the statistics at ``path`` for the model whose :func:`model_identity` is ``want``, refusing any file
+    that is not one.
 
     Checked from the header alone, before a tensor is read: the format and version, the model's
     ``model_type``, layer count, KV heads and head dims recorded, and each tensor's dtype and shape against
@@ -206,7 +214,6 @@ def load(path: str | Path, config: Any) -> Statistics:
         tokens = int(meta["tokens"])
     except (KeyError, ValueError, TypeError) as exc:
         raise ValueError(f"{path}: its metadata does not name the model measured ({exc})") from None
-    want = model_identity(config)
     if not isinstance(recorded, dict):
         raise ValueError(f"{path}: its metadata does not name the model measured")
     for key in ("model_type", "num_hidden_layers", "num_key_value_heads", "head_dim", "v_head_dim"):
@@ -248,6 +255,77 @@ def load(path: str | Path, config: Any) -> Statistics:
     return Statistics(tensors["query_moment"], tensors["key_covariance"], tensors["value_moment"], recorded, tokens)
 
 
+#: rotations derived from statistics files: (file, model, transform, device) -> per layer (U, w, V or None); the
+#: same tensors for every layer bound with them (a batch's rows, caches of one model), so a memory report
+#: counts each once. Bounded: the oldest entry goes first.
+_ROTATIONS: dict[tuple[Any, ...], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
+MAX_CACHED = 4
+
+
+def layer_rotations(
+    transform: CalibratedRotation, context: BindContext
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The rotations of ``transform`` (whose ``statistics`` names a file) for the layer of ``context``.
+
+    The file is read once per path (and again when it changes), checked by :func:`load_for` against the
+    model of ``context.config`` and against the layer's own shapes (its KV heads and head dims, which differ
+    from the config's under tensor parallelism), before any rotation is computed.
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor, torch.Tensor or None)
+        ``U`` ``(1, kv_heads, d, d)`` float16, ``w`` ``(1, kv_heads, 1, d)`` float32 and ``V`` ``(1, kv_heads, dv,
+        dv)`` float16 (``None`` when the transform leaves values to the Hadamard), on ``context.device``: one
+        batch row, shared by every row.
+
+    Raises
+    ------
+    ConfigError
+        When the cache was built without the model's config (nothing to check the file against).
+    ValueError
+        Naming the file: another model, other shapes, not a statistics file, unreadable.
+    """
+    from kvpolicy.errors import ConfigError
+
+    path = Path(transform.statistics)  # type: ignore[arg-type]
+    if context.config is None:
+        raise ConfigError(
+            f"{transform!r} reads its rotations from {str(path)!r}, which must be checked against the model: build "
+            "the cache for the model (CompressedCache.for_model(model, ...), or config=model.config), and load a "
+            "saved one with CompressedCache.load(path, model=model)"
+        )
+    want = model_identity(context.config)
+    got = {"num_key_value_heads": context.num_kv_heads, "head_dim": context.key_head_dim,
+           "v_head_dim": context.value_head_dim}  # fmt: skip
+    for key, value in got.items():  # the layer's own tensors, not only what the config says
+        if want[key] != value:
+            raise ValueError(
+                f"{path}: the statistics of {want[key]} ({key}) serve layers of that shape; layer "
+                f"{context.layer_idx} holds {value} (a model split across processes needs statistics of its share)"
+            )
+    if not 0 <= context.layer_idx < want["num_hidden_layers"]:
+        raise ValueError(f"{path}: statistics of {want['num_hidden_layers']} layers; no layer {context.layer_idx}")
+    try:
+        stat = path.stat()
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it ({exc})") from None
+    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size, tuple(sorted(want.items())),
+           transform.power, transform.max_ratio, transform.rotate_values, str(context.device))  # fmt: skip
+    layers = _ROTATIONS.get(key)
+    if layers is None:
+        stats = load_for(path, want)
+        u, w, v = stats.rotations(transform)
+        layers = [
+            (u[i : i + 1].to(context.device).clone(), w[i : i + 1].to(context.device).clone(),
+             v[i : i + 1].to(context.device).clone() if transform.rotate_values else None)
+            for i in range(u.shape[0])
+        ]  # fmt: skip
+        while len(_ROTATIONS) >= MAX_CACHED:
+            del _ROTATIONS[next(iter(_ROTATIONS))]
+        _ROTATIONS[key] = layers
+    return layers[context.layer_idx]
+
+
 def _header(path: Path) -> dict[str, Any]:
     """The safetensors header of ``path``, read and bounded before anything else is."""
     try:
@@ -271,4 +349,4 @@ def _header(path: Path) -> dict[str, Any]:
     return header
 
 
-__all__ = ["FORMAT", "Statistics", "load", "measure", "model_identity", "save"]
+__all__ = ["FORMAT", "Statistics", "layer_rotations", "load", "load_for", "measure", "model_identity", "save"]
