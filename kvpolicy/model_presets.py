@@ -248,10 +248,15 @@ def choose(model_or_config: Any) -> tuple[Any, str]:
     Raises
     ------
     ConfigError
-        More than one registered model preset suits the model (the message lists them: pass one by name).
+        More than one registered model preset suits the model (the message lists them: pass one by name), or
+        two distributions register a model preset under one name (it might suit the model: no choice is safe).
     """
+    from kvpolicy import registry
     from kvpolicy.preset_source import PresetSource
 
+    clashes = registry.conflicts("model_presets")
+    if clashes:
+        raise clashes[0].error()
     config = _config(model_or_config)
     found = suggest(config)
     model_type = getattr(_text_config(config), "model_type", None)
