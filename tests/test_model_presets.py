@@ -234,13 +234,17 @@ def test_auto_refuses_when_two_model_presets_suit(site):
         CompressedCache.for_model(tiny_gemma3(), "auto")
 
 
-def test_without_any_plugin_auto_is_the_default():
-    model = tiny_gemma3()
-    cache = CompressedCache.for_model(model, "auto")
-    if registry.names("model_presets"):
-        pytest.skip("a plugin registering model presets is loaded")  # pragma: no cover - the tests load none
-    assert cache.spec == CompressedCache.for_model(model).spec
-    assert "no model preset is registered for model_type 'gemma3_text'" in repr(cache)
+def test_without_any_plugin_auto_is_the_default(monkeypatch):
+    monkeypatch.setenv(registry.DISABLE_ENV, "1")  # no entry point loads: the core alone
+    registry.reset()
+    try:
+        assert registry.names("model_presets") == []
+        model = tiny_gemma3()
+        cache = CompressedCache.for_model(model, "auto")
+        assert cache.spec == CompressedCache.for_model(model).spec
+        assert "no model preset is registered for model_type 'gemma3_text'" in repr(cache)
+    finally:
+        registry.reset()
 
 
 def test_cli_lists_the_presets_for_a_model_folder(site, tmp_path, capsys):
