@@ -24,8 +24,9 @@ is a :class:`~kvpolicy.errors.ConfigError` naming both distributions, every othe
 resolves, and :func:`conflicts` lists it (``kvpolicy list`` and ``kvpolicy plugins`` print it).
 A plugin that fails to load, whose hook raises, or whose hook returns something malformed (not a
 dict, a name that is not a string, a value that is not a subclass of the kind's base class or, for a
-preset, not callable, a model preset that :func:`kvpolicy.model_presets.problem` refuses) is skipped as a whole with one :class:`PluginWarning` naming it, its
-distribution and every problem found; everything else keeps working.
+preset, not callable, or a model preset that :func:`kvpolicy.model_presets.problem` refuses) is skipped as a
+whole with one :class:`PluginWarning` naming it, its distribution and every problem found; everything else keeps
+working.
 """
 
 from __future__ import annotations
