@@ -507,8 +507,11 @@ class CompressedCache(Cache):
             The model the cache will serve (only its ``config`` is read).
         preset : str or pathlib.Path, optional
             A registered preset (``"kvpolicy-3bit"``), a preset file shipped with kvpolicy
-            (``"smollm2-8k-2.5bit"``) or a preset file's path (:meth:`from_preset`), or ``None`` for
-            ``CompressedCache(**kwargs)``.
+            (``"smollm2-8k-2.5bit"``), a model preset a plugin registers, or a preset file's path
+            (:meth:`from_preset`); ``None`` for ``CompressedCache(**kwargs)``; or ``"auto"``: the model preset
+            registered for this model when one suits it (:func:`kvpolicy.model_presets.choose`), else
+            ``CompressedCache(**kwargs)``; ``repr`` then shows which and why. ``None`` never switches to a
+            model preset.
         **kwargs
             Keywords of :class:`CompressedCache` (or the preset's overrides); not ``config``.
 
@@ -517,20 +520,26 @@ class CompressedCache(Cache):
         ConfigError
             If ``model`` has no transformers config, declares no full-attention layer while the action
             compresses, or has layers of a type transformers has no cache layer for (the error names the
-            model class); for an unknown preset (with the closest known name) or a bad preset file; or for
-            bad keywords.
+            model class); for an unknown preset (with the closest known name) or a bad preset file; with
+            ``"auto"``, when several model presets suit the model; or for bad keywords.
         """
         if "config" in kwargs:
             raise ConfigError(
                 "for_model reads config from the model; drop config= (or build CompressedCache(config=...))"
             )
         config = model_check.check_model(model, compresses=False)
-        if preset is None:
-            spec, source = specs.CacheSpec.resolve(**kwargs), None
-        else:
+        source = None
+        if isinstance(preset, str) and preset == "auto":
+            from kvpolicy import model_presets
+
+            source, _ = model_presets.choose(model)
+        elif preset is not None:
             from kvpolicy import preset_source
 
             source = preset_source.resolve(preset)
+        if source is None or source.kind == "default":
+            spec = specs.CacheSpec.resolve(**kwargs)
+        else:
             spec = specs.CacheSpec.from_source(source, **kwargs)
         if spec.action.compresses:
             model_check.check_model(model)
@@ -882,10 +891,12 @@ class CompressedCache(Cache):
     def __repr__(self) -> str:
         widths = f", layer_bits={self.layer_bits!r}" if self.layer_bits else ""
         adapted = f", adapted={list(self.adapted)!r}" if self.adapted else ""
+        chosen = getattr(self.preset, "reason", None)
+        preset = f", preset={chosen!r}" if chosen else ""
         return (
             f"CompressedCache(policy={self.policy!r}, action={self.action!r}, "
             f"backend={self.backend!r}, layout={self.layout!r}, attention={self.attention!r}{_transform_repr(self)}"
-            f"{widths}{adapted})"
+            f"{widths}{adapted}{preset})"
         )
 
 
