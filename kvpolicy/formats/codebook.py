@@ -57,6 +57,7 @@ from kvpolicy.formats.base import (
     backend_meta_dtypes,
     backend_name,
     check_bits,
+    cached_table,
     check_meta_dtype_option,
     check_metadata,
     in_dtype,
@@ -122,7 +123,7 @@ def _erfinv(y: float) -> float:
     return x
 
 
-@functools.cache
+@cached_table
 def _tables(bits: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Centroids and boundaries, cached: never inference tensors, whatever mode the first call came in."""
     centroids, boundaries, _ = lloyd_max(bits)
