@@ -123,7 +123,9 @@ class CompressedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states, position_ids, mask)
         grad = torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad)
         side = kwargs.get("kwargs")
-        return self.engine.step(key_states, value_states, grad, position_ids, mask, side if isinstance(side, dict) else None)
+        return self.engine.step(
+            key_states, value_states, grad, position_ids, mask, side if isinstance(side, dict) else None
+        )
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.engine.mask_sizes(query_length)
@@ -723,6 +725,23 @@ class CompressedCache(Cache):
         elif self._inference:
             inference_tensors.normalize(self.layers, self._book, self._continuation)
             self._inference = False
+
+    #: transformers' flag of a cache of static shapes: ``generate`` then builds 4-d masks in every run, eager ones
+    #: included, and compiles its forward by default on CUDA with CUDA graphs (one per shape). A compressed
+    #: history grows by a token a step, as ``DynamicCache``'s does, and kvpolicy reads padding from the 2-d mask
+    #: (``note_attention_mask``), so it stays False; :attr:`compiles` says whether the steps trace.
+    is_compileable = False
+
+    @property
+    def compiles(self) -> bool:
+        """Whether ``torch.compile`` can trace this cache's steps (compile the model's forward yourself, see the
+        how-to "Compile the decode step"): True unless the policy reads attention scores or the transform
+        observes queries, which a compiled step cannot report (such a step raises). A decode step that demotes
+        nothing traces with no graph break; a step that demotes (a group fills, a tier moves) breaks the graph
+        around its demotion and runs that part eagerly."""
+        if not self.action.compresses:
+            return True
+        return not self.policy.needs_scores and not self.transform.bind().wants_queries
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         self._outside()

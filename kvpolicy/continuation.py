@@ -68,8 +68,11 @@ class Continuation:
         top, last = torch.broadcast_tensors(top.to(last.device), last)
         behind = (last < top) & (last > 0)
         if torch.compiler.is_compiling():  # no tensor value read into Python: the check fails when the step runs
-            torch._assert_async(~behind.any(), f"CompressedCache: this forward does not continue what the cache "
-                                f"holds (its positions repeat ones the cache has seen). {REMEDY}")
+            torch._assert_async(
+                ~behind.any(),
+                f"CompressedCache: this forward does not continue what the cache "
+                f"holds (its positions repeat ones the cache has seen). {REMEDY}",
+            )
         elif bool(behind.any()):
             row = int(behind.nonzero()[0, 0])
             raise ValueError(

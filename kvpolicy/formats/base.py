@@ -43,6 +43,7 @@ def cached_table(build: Callable[..., Any]) -> Callable[..., Any]:
     table.cache_clear = built.clear  # type: ignore[attr-defined]
     return table
 
+
 AXES = ("token", "channel")
 #: ``meta_dtype`` values: ``"auto"`` (each backend's default) or the name of the dtype scales and
 #: minimums are stored in

@@ -338,12 +338,14 @@ class LayerEngine:
             raise RuntimeError(
                 f"layer {self.layer_idx}: policy {self.policy.name!r} or the cache's transform reads attention "
                 "scores or queries, which a step compiled with torch.compile cannot report; run this cache eagerly "
-                "(CompressedCache.is_compileable says which caches compile)"
+                "(CompressedCache.compiles says which caches compile)"
             )
         if side is not None and ticket.fusable:
             side[handoff.TICKET_KWARG] = ticket
         else:
-            self.path = StepPath("materialized", "a compiled step whose attention function is not known", self.backend.name)
+            self.path = StepPath(
+                "materialized", "a compiled step whose attention function is not known", self.backend.name
+            )
         return self.view("ordered")
 
     def release(self) -> int:
