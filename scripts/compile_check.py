@@ -92,7 +92,13 @@ def main() -> None:
         ratios = sorted(c / e for c, e in zip(times["compiled"], times["eager"], strict=True))
         q = statistics.quantiles(ratios, n=4)
         rows.append(
-            (name, statistics.median(times["eager"]), statistics.median(times["compiled"]), statistics.median(ratios), q)
+            (
+                name,
+                statistics.median(times["eager"]),
+                statistics.median(times["compiled"]),
+                statistics.median(ratios),
+                q,
+            )
         )
         dynamo.reset()
     print()

@@ -123,7 +123,7 @@ def test_a_scored_step_refuses_to_be_compiled() -> None:
     with torch.no_grad():
         model(ids[:, :70], cache=cache, use_cache=True)
         step = torch.compile(lambda x: model(x, cache=cache, use_cache=True).logits, backend="eager")
-        with pytest.raises(Exception, match="compiled with torch.compile cannot report"):
+        with pytest.raises(Exception, match=r"compiled with torch\.compile cannot report"):
             step(ids[:, 70:71])
 
 
