@@ -736,9 +736,9 @@ class CompressedCache(Cache):
     def compiles(self) -> bool:
         """Whether ``torch.compile`` can trace this cache's steps (compile the model's forward yourself, see the
         how-to "Compile the decode step"): True unless the policy reads attention scores or the transform
-        observes queries, which a compiled step cannot report (such a step raises). A decode step that demotes
-        nothing traces with no graph break; a step that demotes (a group fills, a tier moves) breaks the graph
-        around its demotion and runs that part eagerly."""
+        observes queries, which a traced step cannot report (the compiler runs such a step eagerly). A decode
+        step that demotes nothing traces with no graph break; a step that demotes (a group fills, a tier moves)
+        breaks the graph around its demotion and runs that part eagerly."""
         if not self.action.compresses:
             return True
         return not self.policy.needs_scores and not self.transform.bind().wants_queries

@@ -116,15 +116,20 @@ def test_compiles_says_which_caches_trace(kwargs: dict, compileable: bool) -> No
     assert cache.is_compileable is False
 
 
-def test_a_scored_step_refuses_to_be_compiled() -> None:
+def test_a_scored_step_is_run_eagerly_by_the_compiler() -> None:
+    """A policy that reads attention scores cannot be traced (``compiles`` is False): the compiler runs its
+    step eagerly, and the logits are the eager ones (the scores reached the policy)."""
     model = _model()
-    cache = CompressedCache.for_model(model, policy="h2o", action="quantize", group_size=16)
     ids = _ids(80)
-    with torch.no_grad():
-        model(ids[:, :70], cache=cache, use_cache=True)
-        step = torch.compile(lambda x: model(x, cache=cache, use_cache=True).logits, backend="eager")
-        with pytest.raises(Exception, match=r"compiled with torch\.compile cannot report"):
-            step(ids[:, 70:71])
+    logits = {}
+    for mode in ("eager", "compiled"):
+        cache = CompressedCache.for_model(model, policy="h2o", action="quantize", group_size=16)
+        call = lambda x, cache=cache: model(x, cache=cache, use_cache=True).logits  # noqa: E731
+        step = torch.compile(call, backend="eager") if mode == "compiled" else call
+        with torch.no_grad():
+            model(ids[:, :70], cache=cache, use_cache=True)
+            logits[mode] = torch.cat([step(ids[:, t : t + 1]) for t in range(70, 80)], dim=1)
+    torch.testing.assert_close(logits["compiled"], logits["eager"], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("preset", [None, "kvpolicy-3bit"])
