@@ -112,6 +112,11 @@ class ModelPreset:
             checked.append((key, value))
         object.__setattr__(self, "fields", tuple(sorted(checked)))
 
+    @staticmethod
+    def problem_of(entry: object, owner: str | None = None) -> str | None:
+        """What is wrong with ``entry`` as a registered model preset: :func:`problem`."""
+        return problem(entry, owner)
+
     def path(self) -> Path:
         """The preset file, resolved inside its package.
 

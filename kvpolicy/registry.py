@@ -291,11 +291,13 @@ _BASES = {
     "policies": "kvpolicy.policies.base:Policy", "actions": "kvpolicy.actions.base:Action",
     "transforms": "kvpolicy.transforms.base:Transform", "formats": "kvpolicy.formats.base:Format",
     "codecs": "kvpolicy.persist:Codec", "backends": "kvpolicy.backends.base:Backend",
+    "model_presets": "kvpolicy.model_presets:ModelPreset",
 }  # fmt: skip
 
 
 def _base_class(kind: str) -> type:
-    """The class every registered object of ``kind`` (not ``presets`` or ``commands``) must subclass."""
+    """The class every registered object of ``kind`` (not ``presets`` or ``commands``) must subclass (for
+    ``model_presets``: be an instance of). Imported by name: the modules of the kinds import the registry."""
     module, _, name = _BASES[kind].partition(":")
     return getattr(importlib.import_module(module), name)
 
@@ -304,9 +306,7 @@ def _part_problem(kind: str, obj: object, owner: str | None = None) -> str | Non
     """What is wrong with ``obj`` as a registered object of ``kind``, or ``None`` if it is acceptable (``owner``:
     the top-level package of the plugin registering it, which a model preset's file must be in)."""
     if kind == "model_presets":  # data, not code: checked here in full, never imported by name
-        from kvpolicy import model_presets
-
-        return model_presets.problem(obj, owner)
+        return _base_class(kind).problem_of(obj, owner)
     if isinstance(obj, str) and re.fullmatch(r"[\w.]+:\w+", obj):
         return None  # a part named by its module, checked when first looked up (_resolved)
     if kind == "presets":

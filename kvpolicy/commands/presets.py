@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from kvpolicy.commands._types import model_name
+
 HELP = "the preset files registered for particular models, or (--for MODEL) the ones that suit a model"
 DESCRIPTION = (
     "Lists the model presets: preset files that a distribution (kvpolicy or a plugin) registers for the models "
@@ -41,8 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add ``kvpolicy presets`` to ``sub``."""
     p = sub.add_parser("presets", help=HELP, description=DESCRIPTION)
     p.add_argument(
-        "--for", dest="model", metavar="MODEL",
-        help="a model folder (its config.json), a .gguf file, a hub id in the local cache, smollm2 or gemma3-270m",
+        "--for", dest="model", metavar="MODEL", type=model_name,
+        help="smollm2, gemma3-270m, tiny-<llama|qwen2|phi3|mistral>[-LAYERS], a model folder (its config.json), "
+        "a .gguf file, or a hub id (its config, from the local Hugging Face cache unless --online)",
     )  # fmt: skip
     p.add_argument("--online", action="store_true", help="allow downloading a hub model's config")
     p.set_defaults(func=_run)
