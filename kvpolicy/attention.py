@@ -35,7 +35,7 @@ import torch
 
 from kvpolicy.distributed import gather_heads
 from kvpolicy.errors import ConfigError
-from kvpolicy.handoff import ticket_of
+from kvpolicy.handoff import TICKET_KWARG, ticket_of
 
 WRAPPED = ("sdpa", "eager")
 PREFIX = "kvpolicy_"
@@ -125,6 +125,8 @@ def _wrap(inner_name: str):
 
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         ticket = ticket_of(key)
+        if ticket is None:  # a step traced by torch.compile hands its ticket in the keywords
+            ticket = kwargs.pop(TICKET_KWARG, None)
         if ticket is not None:
             key, value, layout = ticket.materialize(attention_mask, query.shape[2], kwargs)
             if ticket.key_mask is not None:

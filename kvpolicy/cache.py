@@ -42,6 +42,11 @@ LAYOUTS = specs.LAYOUTS
 ATTENTION = specs.ATTENTION
 #: the keyword through which CompressedCache.update hands a layer its step's columns of the attention mask
 MASK_KWARG = "kvpolicy_step_mask"
+#: the message of a compiled step whose attention mask shows padding (checked when the step runs)
+COMPILED_PADDING = (
+    "CompressedCache: a step compiled with torch.compile was given an attention mask with padding in its new "
+    "columns; a compiled step serves batches without padding only (run padded batches eagerly)"
+)
 
 
 def _engine(name: str, doc: str, settable: bool = False) -> property:
@@ -117,7 +122,10 @@ class CompressedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states, position_ids, mask)
         grad = torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad)
-        return self.engine.step(key_states, value_states, grad, position_ids, mask)
+        side = kwargs.get("kwargs")
+        return self.engine.step(
+            key_states, value_states, grad, position_ids, mask, side if isinstance(side, dict) else None
+        )
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.engine.mask_sizes(query_length)
@@ -508,8 +516,11 @@ class CompressedCache(Cache):
             The model the cache will serve (only its ``config`` is read).
         preset : str or pathlib.Path, optional
             A registered preset (``"kvpolicy-3bit"``), a preset file shipped with kvpolicy
-            (``"smollm2-8k-2.5bit"``) or a preset file's path (:meth:`from_preset`), or ``None`` for
-            ``CompressedCache(**kwargs)``.
+            (``"smollm2-8k-2.5bit"``), a model preset a plugin registers, or a preset file's path
+            (:meth:`from_preset`); ``None`` for ``CompressedCache(**kwargs)``; or ``"auto"``: the model preset
+            registered for this model when one suits it (:func:`kvpolicy.model_presets.choose`), else
+            ``CompressedCache(**kwargs)``; ``repr`` then shows which and why. ``None`` never switches to a
+            model preset.
         **kwargs
             Keywords of :class:`CompressedCache` (or the preset's overrides); not ``config``.
 
@@ -518,20 +529,26 @@ class CompressedCache(Cache):
         ConfigError
             If ``model`` has no transformers config, declares no full-attention layer while the action
             compresses, or has layers of a type transformers has no cache layer for (the error names the
-            model class); for an unknown preset (with the closest known name) or a bad preset file; or for
-            bad keywords.
+            model class); for an unknown preset (with the closest known name) or a bad preset file; with
+            ``"auto"``, when several model presets suit the model; or for bad keywords.
         """
         if "config" in kwargs:
             raise ConfigError(
                 "for_model reads config from the model; drop config= (or build CompressedCache(config=...))"
             )
         config = model_check.check_model(model, compresses=False)
-        if preset is None:
-            spec, source = specs.CacheSpec.resolve(**kwargs), None
-        else:
+        source = None
+        if isinstance(preset, str) and preset == "auto":
+            from kvpolicy import model_presets
+
+            source, _ = model_presets.choose(model)
+        elif preset is not None:
             from kvpolicy import preset_source
 
             source = preset_source.resolve(preset)
+        if source is None or source.kind == "default":
+            spec = specs.CacheSpec.resolve(**kwargs)
+        else:
             spec = specs.CacheSpec.from_source(source, **kwargs)
         if spec.action.compresses:
             model_check.check_model(model)
@@ -663,7 +680,12 @@ class CompressedCache(Cache):
                 f"is ({key_states.shape[0]}, {past + n}), one column per token held and given"
             )
         columns = mask[:, past:].to(device=key_states.device, dtype=torch.bool)
-        step = StepMask(columns, not bool(columns.all()))
+        if torch.compiler.is_compiling():
+            # a compiled step reads no tensor value into Python: padding that appears in it fails when it runs
+            torch._assert_async(columns.all(), COMPILED_PADDING)
+            step = StepMask(columns, False)
+        else:
+            step = StepMask(columns, not bool(columns.all()))
         self._step_mask = (past, n, step)
         return step
 
@@ -703,12 +725,33 @@ class CompressedCache(Cache):
         """Before a call that may change what the cache holds: remember a call under ``torch.inference_mode()``, and
         on the first call outside it after one, turn every inference tensor held into an ordinary one
         (:func:`kvpolicy.inference_tensors.normalize`), so that the step can update it in place or autograd can
-        record it. Both directions work: a prefill in inference mode then decoding outside it, and the reverse."""
+        record it. Both directions work: a prefill in inference mode then decoding outside it, and the reverse.
+        A step ``torch.compile`` traces reads no mode (the compiler does not trace it): its tensors are ordinary
+        ones after any call made outside inference mode, and a compiled step only appends to them."""
+        if torch.compiler.is_compiling():
+            return
         if torch.is_inference_mode_enabled():
             self._inference = True
         elif self._inference:
             inference_tensors.normalize(self.layers, self._book, self._continuation)
             self._inference = False
+
+    #: transformers' flag of a cache of static shapes: ``generate`` then builds 4-d masks in every run, eager ones
+    #: included, and compiles its forward by default on CUDA with CUDA graphs (one per shape). A compressed
+    #: history grows by a token a step, as ``DynamicCache``'s does, and kvpolicy reads padding from the 2-d mask
+    #: (``note_attention_mask``), so it stays False; :attr:`compiles` says whether the steps trace.
+    is_compileable = False
+
+    @property
+    def compiles(self) -> bool:
+        """Whether ``torch.compile`` can trace this cache's steps (compile the model's forward yourself, see the
+        how-to "Compile the decode step"): True unless the policy reads attention scores or the transform
+        observes queries, which a traced step cannot report (the compiler runs such a step eagerly). A decode
+        step that demotes nothing traces with no graph break; a step that demotes (a group fills, a tier moves)
+        breaks the graph around its demotion and runs that part eagerly."""
+        if not self.action.compresses:
+            return True
+        return not self.policy.needs_scores and not self.transform.bind().wants_queries
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         self._outside()
@@ -883,10 +926,12 @@ class CompressedCache(Cache):
     def __repr__(self) -> str:
         widths = f", layer_bits={self.layer_bits!r}" if self.layer_bits else ""
         adapted = f", adapted={list(self.adapted)!r}" if self.adapted else ""
+        chosen = getattr(self.preset, "reason", None)
+        preset = f", preset={chosen!r}" if chosen else ""
         return (
             f"CompressedCache(policy={self.policy!r}, action={self.action!r}, "
             f"backend={self.backend!r}, layout={self.layout!r}, attention={self.attention!r}{_transform_repr(self)}"
-            f"{widths}{adapted})"
+            f"{widths}{adapted}{preset})"
         )
 
 

@@ -45,7 +45,7 @@ from kvpolicy.attention import register as register_scores
 from kvpolicy.attention import register_wrappers, strip_wrapper, unwatch_forward, watch_forward
 from kvpolicy.backends.base import dense_attention
 from kvpolicy.errors import ConfigError
-from kvpolicy.handoff import HandedOff, all_visible, warn_once
+from kvpolicy.handoff import TICKET_KWARG, HandedOff, all_visible, warn_once
 from kvpolicy.layer.parts import Part, columns
 from kvpolicy.transforms.base import Basis, cast_clamped
 
@@ -211,7 +211,8 @@ def _inner(name: str):
 
 def _make(inner_name: str):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs: Any):
-        ticket = key.ticket if isinstance(key, HandedOff) else None  # handoff.ticket_of, inlined
+        # handoff.ticket_of, inlined; a step traced by torch.compile hands its ticket in the keywords
+        ticket = key.ticket if isinstance(key, HandedOff) else kwargs.pop(TICKET_KWARG, None)
         if ticket is not None and ticket.fusable:
             decline = _why_not(module, attention_mask, key.shape[2], dropout, kwargs)
             if decline is None:
@@ -233,6 +234,8 @@ def _make(inner_name: str):
                 f"kvpolicy fused attention: {decline.reason}; this step materialised the compressed history instead "
                 "(see CompressedCache.attention_paths())"
             )
+        if ticket is not None and not isinstance(key, HandedOff):
+            kwargs[TICKET_KWARG] = ticket
         # everything else: the score-reporting wrapper of the original implementation serves the hand-off
         return _inner(inner_name)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 

@@ -41,6 +41,10 @@ from kvpolicy.layer.path import StepPath
 
 _warned: set[str] = set()
 
+#: the keyword through which a step traced by ``torch.compile`` hands its ticket to kvpolicy's attention functions
+#: (the model passes its attention keywords on; see ``LayerEngine.step``)
+TICKET_KWARG = "kvpolicy_ticket"
+
 #: a decode step that materialises at least this many tokens because the model's attention is not
 #: kvpolicy's fused function warns once (with the remedy)
 LONG_HISTORY = 1024

@@ -1,5 +1,5 @@
 """pluggy hook specifications: the one extension surface for policies, actions, backends, transforms,
-presets, quantized tensor formats, saved-file codecs and subcommands of the ``kvpolicy`` command.
+presets, quantized tensor formats, saved-file codecs, subcommands of the ``kvpolicy`` command and model presets.
 
 The built-in parts register through these same hooks (:mod:`kvpolicy.builtins`); third-party
 distributions implement them in the module an entry point of the group ``kvpolicy`` names
@@ -60,6 +60,14 @@ def kvpolicy_register_commands() -> dict[str, Callable[[argparse._SubParsersActi
     """Return ``{name: register}``: subcommands of the ``kvpolicy`` command line. ``register(subparsers)``
     adds the subcommand's parser and sets its ``func`` (see :mod:`kvpolicy.commands`); the
     ``kvpolicy-lab`` distribution adds its commands (``ablate``, ``tune``, ...) this way."""
+
+
+@hookspec
+def kvpolicy_register_model_presets() -> dict[str, object]:
+    """Return ``{name: kvpolicy.model_presets.ModelPreset}``: preset files inside the plugin's own package, each
+    with the models it suits (config ``model_type``, optional config fields) and the measurement behind it.
+    Declarative data, checked when the plugins load; ``CompressedCache.for_model(model, "auto")``,
+    :func:`kvpolicy.model_presets.suggest` and ``kvpolicy presets --for MODEL`` use them."""
 
 
 def command(module: str) -> Callable[[argparse._SubParsersAction], None]:

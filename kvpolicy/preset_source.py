@@ -1,5 +1,6 @@
 """One resolver for every name that stands for a composition: a registered preset (``"kvpolicy-3bit"``), a preset
-file shipped with kvpolicy (``"smollm2-8k-2.5bit"``) or the path of a user's preset file.
+file shipped with kvpolicy (``"smollm2-8k-2.5bit"``), a plugin's model preset (:mod:`kvpolicy.model_presets`) or
+the path of a user's preset file.
 
 ``CompressedCache.for_model``, ``from_preset`` and ``from_config``, :func:`kvpolicy.estimate` and the command line
 all go through :func:`resolve` (and :meth:`kvpolicy.spec.CacheSpec.from_source`), so a name works (or is refused,
@@ -8,8 +9,9 @@ with the same ``did you mean``) everywhere alike.
 The rules, in order:
 
 1. a ``pathlib.Path`` (any ``os.PathLike``) is a path;
-2. a registered preset name, then a shipped preset file's name, is that preset, even when a file of the same
-   name sits in the working directory (a warning names that file and how to load it instead);
+2. a registered preset name, then a shipped preset file's name, then a registered model preset's name, is that
+   preset, even when a file of the same name sits in the working directory (a warning names that file and how to
+   load it instead);
 3. a string that is clearly a path is a path: it has a directory part (``./smollm2-3bit``, ``presets/x``), ends
    in ``.toml``, is absolute or starts with ``~``;
 4. anything else is refused, with the closest known name, and, when a file of that name exists here, the path
@@ -27,7 +29,7 @@ from typing import Any
 from kvpolicy.errors import ConfigError, did_you_mean
 
 #: what :class:`PresetSource` can be
-KINDS = ("preset", "shipped file", "file")
+KINDS = ("preset", "shipped file", "model preset", "file", "default")
 
 
 @dataclass(frozen=True)
@@ -38,30 +40,41 @@ class PresetSource:
     ----------
     name : str
         The name or path as given.
-    kind : {"preset", "shipped file", "file"}
-        A registered preset, a preset file shipped with kvpolicy, or a user's preset file.
+    kind : {"preset", "shipped file", "model preset", "file", "default"}
+        A registered preset, a preset file shipped with kvpolicy, a preset file a distribution registers as a
+        model preset (:mod:`kvpolicy.model_presets`), a user's preset file, or ``CompressedCache()``'s defaults
+        (what ``for_model(model, "auto")`` builds where no model preset suits the model).
     path : Path or None
-        The file read (absolute), for the two file kinds.
+        The file read (absolute), for the file kinds.
+    reason : str or None
+        Why it was chosen, when ``for_model(model, "auto")`` chose it (``repr`` of the cache shows it).
     """
 
     name: str
     kind: str
     path: Path | None = None
+    reason: str | None = None
 
     def __str__(self) -> str:
         if self.kind == "preset":
             return f"preset {self.name!r}"
         if self.kind == "shipped file":
             return f"preset file {self.name!r} shipped with kvpolicy ({self.path})"
+        if self.kind == "model preset":
+            return f"model preset {self.name!r} ({self.path})"
+        if self.kind == "default":
+            return "the default composition"
         return f"preset file {str(self.path)!r}"
 
 
 def names() -> list[str]:
-    """Every name :func:`resolve` takes without a path: the registered presets, then the shipped preset files."""
+    """Every name :func:`resolve` takes without a path: the registered presets, the shipped preset files, then the
+    registered model presets."""
     from kvpolicy import preset_files, registry
 
-    presets = registry.names("presets")
-    return presets + [name for name in preset_files.names() if name not in presets]
+    known = registry.names("presets")
+    known += [name for name in preset_files.names() if name not in known]
+    return known + [name for name in registry.names("model_presets") if name not in known]
 
 
 def looks_like_path(text: str) -> bool:
@@ -107,6 +120,9 @@ def resolve(name: str | os.PathLike) -> PresetSource:
     if name in preset_files.names():
         _warn_if_shadowed(name)
         return PresetSource(name, "shipped file", preset_files.path(name))
+    if name in registry.names("model_presets"):
+        _warn_if_shadowed(name)
+        return PresetSource(name, "model preset", registry.get("model_presets", name).path())
     if name.strip() and looks_like_path(name):
         return PresetSource(name, "file", Path(name).expanduser().absolute())
     here = ""
@@ -115,8 +131,17 @@ def resolve(name: str | os.PathLike) -> PresetSource:
     hint = did_you_mean(name, names())
     raise ConfigError(
         f"unknown preset {name!r}{hint}{here} (presets: {', '.join(registry.names('presets'))}; preset files shipped "
-        f"with kvpolicy: {', '.join(preset_files.names())}; or the path of a preset file such as ./my-preset.toml)"
+        f"with kvpolicy: {', '.join(preset_files.names())}{_model_presets()}; or the path of a preset file such as "
+        "./my-preset.toml)"
     )
+
+
+def _model_presets() -> str:
+    """``; model presets: a, b`` for the refusal of an unknown name, or nothing when none is registered."""
+    from kvpolicy import registry
+
+    found = registry.names("model_presets")
+    return f"; model presets plugins register: {', '.join(found)}" if found else ""
 
 
 def _warn_if_shadowed(name: str) -> None:

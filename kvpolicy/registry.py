@@ -24,13 +24,15 @@ is a :class:`~kvpolicy.errors.ConfigError` naming both distributions, every othe
 resolves, and :func:`conflicts` lists it (``kvpolicy list`` and ``kvpolicy plugins`` print it).
 A plugin that fails to load, whose hook raises, or whose hook returns something malformed (not a
 dict, a name that is not a string, a value that is not a subclass of the kind's base class or, for a
-preset, not callable) is skipped as a whole with one :class:`PluginWarning` naming it, its
-distribution and every problem found; everything else keeps working.
+preset, not callable, or a model preset that :func:`kvpolicy.model_presets.problem` refuses) is skipped as a
+whole with one :class:`PluginWarning` naming it, its distribution and every problem found; everything else keeps
+working.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import re
 import reprlib
@@ -45,10 +47,12 @@ import pluggy
 from kvpolicy import builtins, hookspecs
 from kvpolicy.errors import ConfigError, did_you_mean
 
-KINDS = ("policies", "actions", "backends", "transforms", "presets", "formats", "codecs", "commands")
+KINDS = (
+    "policies", "actions", "backends", "transforms", "presets", "formats", "codecs", "commands", "model_presets",
+)  # fmt: skip
 _SINGULAR = {
     "policies": "policy", "actions": "action", "backends": "backend", "transforms": "transform", "presets": "preset",
-    "formats": "format", "codecs": "codec", "commands": "command",
+    "formats": "format", "codecs": "codec", "commands": "command", "model_presets": "model preset",
 }  # fmt: skip
 #: what each hook's dict maps names to, for messages
 _EXPECTED = {
@@ -60,6 +64,7 @@ _EXPECTED = {
     "formats": "Format subclass",
     "codecs": "Codec subclass",
     "commands": "function register(subparsers)",
+    "model_presets": "kvpolicy.model_presets.ModelPreset",
 }
 
 #: entry-point group third-party distributions declare
@@ -286,17 +291,22 @@ _BASES = {
     "policies": "kvpolicy.policies.base:Policy", "actions": "kvpolicy.actions.base:Action",
     "transforms": "kvpolicy.transforms.base:Transform", "formats": "kvpolicy.formats.base:Format",
     "codecs": "kvpolicy.persist:Codec", "backends": "kvpolicy.backends.base:Backend",
+    "model_presets": "kvpolicy.model_presets:ModelPreset",
 }  # fmt: skip
 
 
 def _base_class(kind: str) -> type:
-    """The class every registered object of ``kind`` (not ``presets`` or ``commands``) must subclass."""
+    """The class every registered object of ``kind`` (not ``presets`` or ``commands``) must subclass (for
+    ``model_presets``: be an instance of). Imported by name: the modules of the kinds import the registry."""
     module, _, name = _BASES[kind].partition(":")
     return getattr(importlib.import_module(module), name)
 
 
-def _part_problem(kind: str, obj: object) -> str | None:
-    """What is wrong with ``obj`` as a registered object of ``kind``, or ``None`` if it is acceptable."""
+def _part_problem(kind: str, obj: object, owner: str | None = None) -> str | None:
+    """What is wrong with ``obj`` as a registered object of ``kind``, or ``None`` if it is acceptable (``owner``:
+    the top-level package of the plugin registering it, which a model preset's file must be in)."""
+    if kind == "model_presets":  # data, not code: checked here in full, never imported by name
+        return _base_class(kind).problem_of(obj, owner)
     if isinstance(obj, str) and re.fullmatch(r"[\w.]+:\w+", obj):
         return None  # a part named by its module, checked when first looked up (_resolved)
     if kind == "presets":
@@ -316,7 +326,7 @@ def _part_problem(kind: str, obj: object) -> str | None:
     return None
 
 
-def _problems(kind: str, returned: object) -> list[str]:
+def _problems(kind: str, returned: object, owner: str | None = None) -> list[str]:
     """Everything wrong with what the hook ``kvpolicy_register_{kind}`` returned (empty if nothing)."""
     hook = f"kvpolicy_register_{kind}"
     if not isinstance(returned, Mapping):
@@ -326,7 +336,7 @@ def _problems(kind: str, returned: object) -> list[str]:
         if not isinstance(name, str) or not name:
             problems.append(f"{hook} returned the name {_show(name)}; a name must be a non-empty string")
             continue
-        problem = _part_problem(kind, obj)
+        problem = _part_problem(kind, obj, owner)
         if problem is not None:
             problems.append(f"{hook} returned {name!r}: {problem}")
     return problems
@@ -342,8 +352,10 @@ def _skip(plugin_name: str, source: Source, problems: list[str]) -> None:
     )
 
 
-def _call_hooks(plugin_name: str, impls: dict[str, Any], source: Source) -> dict[str, Mapping[str, Any]] | None:
-    """Call one plugin's hooks and check what they return.
+def _call_hooks(
+    plugin_name: str, impls: dict[str, Any], source: Source, owner: str | None = None
+) -> dict[str, Mapping[str, Any]] | None:
+    """Call one plugin's hooks and check what they return (``owner``: the plugin's top-level package).
 
     Returns
     -------
@@ -366,7 +378,7 @@ def _call_hooks(plugin_name: str, impls: dict[str, Any], source: Source) -> dict
                 raise
             _skip(plugin_name, source, [f"its hook kvpolicy_register_{kind} raised {type(exc).__name__}: {exc}"])
             return None
-    problems = [problem for kind, value in returned.items() for problem in _problems(kind, value)]
+    problems = [problem for kind, value in returned.items() for problem in _problems(kind, value, owner)]
     if not problems:
         return returned
     if plugin_name == _BUILTIN_PLUGIN:
@@ -400,12 +412,20 @@ def _build_tables() -> _Tables:
         if plugin is None or plugin_name not in impls:  # blocked, or implements no hook
             continue
         source = _sources.get(plugin_name, Source(plugin_name, None, "registered at run time"))
-        provided = _call_hooks(plugin_name, impls[plugin_name], source)
+        provided = _call_hooks(plugin_name, impls[plugin_name], source, _owner(plugin))
         for kind, parts in (provided or {}).items():
             for name, obj in parts.items():
                 tables.add(kind, name, obj, source)
     _tables = tables
     return tables
+
+
+def _owner(plugin: object) -> str:
+    """The top-level package of a plugin object (a module, or an instance or class defined in one)."""
+    module = plugin.__name__ if inspect.ismodule(plugin) else getattr(plugin, "__module__", None)
+    if module is None:
+        module = type(plugin).__module__
+    return str(module).partition(".")[0]
 
 
 def _check_kind(kind: object) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpolicy import CompressedCache, registry
+from kvpolicy import CompressedCache, preset_files, registry
 
 CORE = Path(__file__).resolve().parents[1] / "kvpolicy"
 #: the names of the moved transforms, their modules and classes, in any spelling
@@ -40,3 +40,16 @@ def test_no_core_preset_needs_a_plugin(name):
     spec = CompressedCache.from_preset(name).spec
     saved = json.dumps(spec.to_dict())
     assert '"from"' not in saved, saved
+
+
+@pytest.mark.parametrize("name", preset_files.names())
+def test_no_shipped_preset_file_needs_a_plugin(name):
+    """The same for the preset files shipped with kvpolicy (a model's preset that needs a plugin ships in it)."""
+    spec = CompressedCache.from_preset(name).spec
+    saved = json.dumps(spec.to_dict())
+    assert '"from"' not in saved, saved
+
+
+def test_the_core_registers_no_model_preset():
+    """Model presets come from plugins: the core's own presets serve every model by default."""
+    assert [n for n, _, s in registry.entries("model_presets") if s.distribution == "kvpolicy"] == []

@@ -341,7 +341,10 @@ def test_malformed_builtins_are_a_bug_not_a_warning(site, monkeypatch):
 
 
 def test_unknown_kind_is_a_config_error_naming_the_kinds(site):
-    kinds = r"\['policies', 'actions', 'backends', 'transforms', 'presets', 'formats', 'codecs', 'commands'\]"
+    kinds = (
+        r"\['policies', 'actions', 'backends', 'transforms', 'presets', 'formats', 'codecs', 'commands', "
+        r"'model_presets'\]"
+    )
     with pytest.raises(ConfigError, match=rf"kind must be one of {kinds}; got kind='policy'"):
         registry.get("policy", "log")
 

@@ -251,7 +251,8 @@ class CpuBackend(TorchBackend):
         splits = self.splits if self.splits is not None else cpu_attention.default_splits(b * h, n_tiles)
         # one-byte scale codes are decoded in the kernel, through the table of their own decoder
         steps = octave_steps("cpu") if kbase is not None or vbase is not None else None
-        out, lse = self._kernel.attend(
+        out, lse = cpu_attention.attend(
+            self._kernel,
             q32,
             kc,
             ks,
@@ -270,6 +271,7 @@ class CpuBackend(TorchBackend):
             vbase,
             steps,
             bias,
+            value_dim=dv,
         )
         # a centred block: the kernel reads the codes alone, and the centre enters after it
         # (every key score of the block shifts by q · μ, which moves the block's log-sum-exp only; the

@@ -56,6 +56,7 @@ from kvpolicy.formats.base import (
     QTensor,
     backend_meta_dtypes,
     backend_name,
+    cached_table,
     check_bits,
     check_meta_dtype_option,
     check_metadata,
@@ -122,7 +123,7 @@ def _erfinv(y: float) -> float:
     return x
 
 
-@functools.cache
+@cached_table
 def _tables(bits: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Centroids and boundaries, cached: never inference tensors, whatever mode the first call came in."""
     centroids, boundaries, _ = lloyd_max(bits)

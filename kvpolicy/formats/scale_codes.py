@@ -27,9 +27,9 @@ of two, the same float32 bits on every device; kernels decode through it.
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from kvpolicy.formats.base import cached_table
 
 #: grid points per octave
 STEPS = 64
@@ -51,7 +51,7 @@ GRID_MIN, GRID_MAX = -149 * STEPS, 128 * STEPS - 1
 BASE_MIN, BASE_MAX = GRID_MIN - TOP, GRID_MAX - TOP
 
 
-@functools.cache
+@cached_table
 def octave_steps(device: str) -> torch.Tensor:
     """``2^(j / STEPS)`` for ``j < STEPS``, float32 on ``device`` (rounded once, from float64); the table a
     kernel decoding the codes itself must use. Cached, so never an inference tensor (a first call may

@@ -487,11 +487,52 @@ def load() -> Any:
         return module
 
 
+@torch.compiler.assume_constant_result
+def _threads() -> int:
+    """``torch.get_num_threads()``; a constant of the graph while ``torch.compile`` traces (a compiled step
+    keeps the splits of the thread count it was traced under)."""
+    return torch.get_num_threads()
+
+
 def default_splits(programs: int, n_tiles: int) -> int:
     """Token splits per (batch, head): with fewer (batch, head) pairs than ``4 ×`` threads, split each
     pair's key groups so every thread gets work; at least 4 key groups per split."""
-    threads = torch.get_num_threads()
+    threads = _threads()
     if threads <= 1 or programs >= 4 * threads:
         return 1
     want = -(-4 * threads // max(1, programs))
     return max(1, min(want, n_tiles // 4))
+
+
+# ---------------------------------------------------------------------------------------------- the custom operator
+@torch.library.custom_op("kvpolicy::cpu_attend", mutates_args=())
+def _attend_op(
+    query: torch.Tensor,
+    k_codes: torch.Tensor, k_scales: torch.Tensor, k_zeros: torch.Tensor | None, k_table: torch.Tensor | None,
+    k_bits: int, k_group: int,
+    v_codes: torch.Tensor, v_scales: torch.Tensor, v_zeros: torch.Tensor | None, v_table: torch.Tensor | None,
+    v_bits: int, v_group: int,
+    splits: int, k_base: torch.Tensor | None, v_base: torch.Tensor | None, steps: torch.Tensor | None,
+    bias: torch.Tensor | None, value_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The kernel's ``attend`` as ``torch.ops.kvpolicy.cpu_attend`` (``value_dim``: the values' head dim, which
+    the fake implementation gives the output)."""
+    return load().attend(
+        query, k_codes, k_scales, k_zeros, k_table, k_bits, k_group,
+        v_codes, v_scales, v_zeros, v_table, v_bits, v_group, splits, k_base, v_base, steps, bias,
+    )  # fmt: skip
+
+
+@_attend_op.register_fake
+def _attend_fake(query: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    b, h, nq, _ = query.shape
+    return query.new_empty((b, h, nq, args[-1]), dtype=torch.float32), query.new_empty((b, h, nq), dtype=torch.float32)
+
+
+def attend(kernel: Any, query: torch.Tensor, *args: Any, value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernel.attend(query, *args)`` (the loaded module's), through ``torch.ops.kvpolicy.cpu_attend`` while
+    ``torch.compile`` traces: the compiler sees one operator of known output shapes, never the extension call
+    (eager calls go straight to the kernel: a custom operator's dispatch costs microseconds per call)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.kvpolicy.cpu_attend(query, *args, value_dim)
+    return kernel.attend(query, *args)

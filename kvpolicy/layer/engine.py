@@ -226,7 +226,7 @@ class LayerEngine:
     # ------------------------------------------------------------------ a step
     def step(
         self, key_states: torch.Tensor, value_states: torch.Tensor, grad: bool = False,
-        position_ids: torch.Tensor | None = None, mask: StepMask | None = None,
+        position_ids: torch.Tensor | None = None, mask: StepMask | None = None, side: dict | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Append ``key_states``/``value_states`` (``(batch, kv_heads, n, head_dim)``) and return the keys
         and values attention must use (:meth:`mask_sizes` announced how many): plain tensors, or a
@@ -236,7 +236,13 @@ class LayerEngine:
         materialises below autograd, so such a step gets plain position-ordered tensors, see
         :meth:`_hand_out`). A step that shows padding (``mask``: its columns of the attention mask; else for a
         multi-token step ``position_ids`` ``(batch, n)`` whose rows differ) is refused: this batch was not padded
-        in its first step, and padding that appears later cannot be served."""
+        in its first step, and padding that appears later cannot be served.
+
+        ``side``: the keywords the model passes on to its attention function (``None``: not known). While
+        ``torch.compile`` traces the step, the hand-off cannot be a tensor subclass: the step returns the
+        materialised history (right for any consumer) and puts the ticket in ``side``, from which kvpolicy's
+        attention functions read it (:data:`kvpolicy.handoff.TICKET_KWARG`); the materialisation is then dead
+        code the compiler drops."""
         held = self.held
         keys = held.keys
         if (keys.shape[0], keys.shape[1], keys.shape[-1], held.values.shape[-1], keys.dtype) != (
@@ -254,7 +260,7 @@ class LayerEngine:
                 "step)", "the rows' tokens would not line up with what the cache holds",
             )  # fmt: skip
         held.append(key_states, value_states)
-        return self._hand_out(n, grad)
+        return self._hand_out(n, grad, side)
 
     def _refuse_shape(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Refuse tensors that do not continue what the layer holds (another model's keys reaching a
@@ -269,7 +275,7 @@ class LayerEngine:
             f"and values do not continue ({diff}); a cache serves one model, one batch and one dtype"
         )
 
-    def _hand_out(self, n: int, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _hand_out(self, n: int, grad: bool, side: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """What :meth:`step` returns: plain tensors when any consumer may use them as they are, else a
         hand-off that kvpolicy's attention functions serve and any other consumer materialises in
         position order (or refuses).
@@ -318,6 +324,8 @@ class LayerEngine:
             layout=self.layout if agnostic else "ordered", strict=self.attention == "fused",
             version=self._version + segments.moves,
         )  # fmt: skip
+        if torch.compiler.is_compiling():
+            return self._traced(ticket, side)
         if n > 1:  # only a multi-token update is released later (decode steps demote in step)
             self._handed = weakref.ref(ticket)
         keys, values = segments.keys, segments.values
@@ -328,6 +336,23 @@ class LayerEngine:
             handoff.HandedOff(ticket, 0, torch.Size((b, h, count, d)), keys.dtype, keys.device),
             handoff.HandedOff(ticket, 1, torch.Size((b, h, count, values.shape[-1])), keys.dtype, keys.device),
         )
+
+    def _traced(self, ticket: handoff.Ticket, side: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hand-off of a step ``torch.compile`` traces: the materialised history in position order, the
+        ticket in ``side`` for kvpolicy's attention functions (see :meth:`step`)."""
+        if ticket.scores or ticket.queries:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: policy {self.policy.name!r} or the cache's transform reads attention "
+                "scores or queries, which a step compiled with torch.compile cannot report; run this cache eagerly "
+                "(CompressedCache.compiles says which caches compile)"
+            )
+        if side is not None and ticket.fusable:
+            side[handoff.TICKET_KWARG] = ticket
+        else:
+            self.path = StepPath(
+                "materialized", "a compiled step whose attention function is not known", self.backend.name
+            )
+        return self.view("ordered")
 
     def release(self) -> int:
         """Attention has read the latest multi-token step: demote what may be demoted now

@@ -142,10 +142,11 @@ class PaddedEngine:
     # ------------------------------------------------------------------ a step
     def step(
         self, key_states: torch.Tensor, value_states: torch.Tensor, grad: bool = False,
-        position_ids: torch.Tensor | None = None, mask: StepMask | None = None,
+        position_ids: torch.Tensor | None = None, mask: StepMask | None = None, side: dict | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Each row runs alone: its real tokens are appended to its engine, and the rows' views are
-        assembled into one batch (``(batch, kv_heads, keys, head_dim)``).
+        assembled into one batch (``(batch, kv_heads, keys, head_dim)``). ``side`` is not read: a padded
+        batch hands its ticket on its tensors only (``torch.compile`` runs such a step eagerly).
 
         ``position_ids`` ``(batch, n)`` and ``mask`` (this step's columns of the attention mask) say which
         columns are pads (:func:`~kvpolicy.layer.padding.leading_pads`); a decode step reads the mask only."""

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.usefixtures("no_model_load")
 #: options whose values are names checked by their own type, and a near miss of an allowed one
 NAMED = {
     "--model": "smolm2",
+    "--for": "smolm2",  # kvpolicy presets --for: a model named as --model names it
     "--preset": "kvpolicy-3bits",
     "--caches": "dynamc",
     "--backends": "cpuu",
