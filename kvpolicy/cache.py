@@ -751,7 +751,7 @@ class CompressedCache(Cache):
         breaks the graph around its demotion and runs that part eagerly."""
         if not self.action.compresses:
             return True
-        return not self.policy.needs_scores and not self.transform.bind().wants_queries
+        return not self.policy.needs_scores and not self.transform.needs_queries
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         self._outside()

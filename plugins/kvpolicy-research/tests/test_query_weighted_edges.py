@@ -114,7 +114,7 @@ def test_a_file_with_crafted_weights_is_refused(model, tmp_path, kind):
     store.weights = _crafted(store.weights, kind)
     path = tmp_path / "c.kvc"
     cache.save(path, model=model)
-    with pytest.raises(CacheFileError, match=r"layer 1: .*query-weighted store.*weights"):
+    with pytest.raises(CacheFileError, match=r"layer 1: .*query-hadamard store.*weights"):
         CompressedCache.load(path, model=model)
 
 
