@@ -24,7 +24,7 @@ from typing import Any
 from kvpolicy.errors import ConfigError
 
 #: the subcommands' order in help (registered commands not listed here follow, by name)
-ORDER = ("demo", "list", "plugins", "ablate", "tune", "analyze", "bench", "estimate")
+ORDER = ("demo", "list", "plugins", "ablate", "tune", "analyze", "bench", "estimate", "presets")
 #: the subcommands the kvpolicy-lab distribution adds (named here to say what to install without it)
 LAB_COMMANDS = ("demo", "ablate", "tune", "analyze", "bench")
 LAB_PACKAGE = "kvpolicy-lab"

@@ -639,3 +639,16 @@ def test_three_bit_groups_must_hold_runs_of_eight():
     with pytest.raises(ConfigError, match="got group_size=12"):
         BACKEND.quantize(torch.randn(1, 1, 2, 24), 3, 12, "token")
     BACKEND.check(bits=3, group_size=16, axis="channel")
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize(("shape", "group_size", "axis", "what"), [
+    ((1, 2, 256, 48), 64, "token", "head_dim to be a multiple of 64; got 48"),
+    ((1, 2, 100, 64), 64, "channel", "the token count to be a multiple of 64; got 100"),
+])  # fmt: skip
+def test_min_max_groups_that_do_not_divide_their_dimension_are_refused_by_name(backend, shape, group_size, axis, what):
+    from kvpolicy.backends.cpu_backend import CpuBackend
+
+    instance = TorchBackend() if backend == "torch" else CpuBackend()
+    with pytest.raises(ValueError, match=f"group_size={group_size} along axis='{axis}' need {what}"):
+        instance.quantize(torch.randn(shape), 2, group_size, axis)

@@ -283,8 +283,21 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _grouped(x: torch.Tensor, group_size: int, axis: str) -> torch.Tensor:
-    """``(B, H, n, D)`` -> groups on the last dimension (see :class:`PackedTensor`)."""
+    """``(B, H, n, D)`` -> groups on the last dimension (see :class:`PackedTensor`).
+
+    Raises
+    ------
+    ValueError
+        If the grouped dimension (``D`` along ``"token"``, ``n`` along ``"channel"``) is not a multiple of
+        ``group_size``.
+    """
     b, h, n, d = x.shape
+    size, what = (d, "head_dim") if axis == "token" else (n, "the token count")
+    if size % group_size:
+        raise ValueError(
+            f"min-max groups of group_size={group_size} along axis={axis!r} need {what} to be a multiple of "
+            f"{group_size}; got {size}"
+        )
     if axis == "token":
         return x.reshape(b, h, n, d // group_size, group_size)
     return x.reshape(b, h, n // group_size, group_size, d).transpose(-1, -2)
