@@ -1,6 +1,6 @@
 """One layer's engine in plain torch (no transformers): what ``CompressedLayer`` translates onto.
 
-- :mod:`kvpolicy.layer.engine`: :class:`LayerEngine`, the held tokens (``LayerSegments``), the
+- :mod:`kvpolicy.layer.engine`: :class:`LayerEngine`, the held tokens (``HeldTokens``), the
   policy loop, the hand-out decision and the path each step took;
 - :mod:`kvpolicy.layer.padded`: a left-padded batch as an engine of engines, one per row;
 - :mod:`kvpolicy.layer.parts`: the parts a decode step hands fused attention;
