@@ -58,7 +58,7 @@ def test_after_a_prefill_each_layer_holds_its_policy_set_plus_the_crop_window(mo
         _unwrap(model)
     layers = [layer for layer in cache.layers if isinstance(layer, CompressedLayer)]
     assert len(layers) == 4
-    policy = layers[0].policy
+    policy = layers[0].engine.policy
     if policy.needs_scores:
         window = 0  # crop is refused for score-based policies: nothing is kept back
     elif policy.splits_appends:
@@ -161,7 +161,7 @@ def _fill(cache: CompressedCache, n: int) -> None:
     g = torch.Generator().manual_seed(n)
     for count in (300, n):
         cache.update(torch.randn(1, 3, count, 64, generator=g), torch.randn(1, 3, count, 64, generator=g), 0)
-        if cache.layers[0].policy.needs_scores:
+        if cache.layers[0].engine.policy.needs_scores:
             length = cache.layers[0].engine.length  # one score per key returned: demoted and full precision
             cache.layers[0].observe_attention(torch.linspace(0, 1, length).expand(3, -1))
         if count == 300:
