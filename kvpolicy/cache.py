@@ -64,10 +64,11 @@ class CompressedLayer(CacheLayerMixin):
     """One layer of a :class:`CompressedCache`: transformers' layer contract translated onto its
     engine (:class:`~kvpolicy.layer.engine.LayerEngine`, plain torch), which holds the tokens, runs
     the policy, decides what to hand attention and records the path each step took. A left-padded
-    batch is an engine of engines (:class:`~kvpolicy.layer.padded.PaddedEngine`) behind the same methods.
-    What the layer holds is read off its engine: ``layer.engine.held.store``, ``.held``, ``.state``,
-    ``.backend``, ``.action``, ``.length``; the layer itself answers transformers' ``keys``, ``values``
-    and ``is_croppable``.
+    batch is the engine's batch form (:class:`~kvpolicy.layer.padded.PaddedEngine`) behind the same methods.
+    Both read the cache's one :class:`~kvpolicy.layer.composition.Composition`. What the layer holds is read
+    off its engine: ``layer.engine.held`` (the tokens: ``.store``, ``.state``, ``.full_pos``, ``.basis``),
+    ``.policy``, ``.backend``, ``.action``, ``.length``; the layer itself answers transformers' ``keys``,
+    ``values`` and ``is_croppable``.
 
     Contract with transformers:
 

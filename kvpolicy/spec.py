@@ -1,5 +1,4 @@
-"""The spec of a cache: where every name becomes a part, once, and where a layer's backend and decode
-path are decided, once.
+"""The spec of a cache: where every name becomes a part, once.
 
 - :class:`CacheSpec` is the composition: policy, action, transform, backend (``None``: ``"auto"``),
   layout, attention and per-layer widths. It is frozen and JSON-able (:meth:`CacheSpec.to_dict`,
@@ -7,11 +6,11 @@ path are decided, once.
 - :meth:`CacheSpec.resolve` turns the keywords of :class:`~kvpolicy.CompressedCache` into parts;
   :meth:`CacheSpec.from_preset` and :meth:`CacheSpec.from_file` do the same for a preset and a
   preset file.
-- :func:`choose_backend` is what ``backend="auto"`` stands for, and :func:`plan` decides, for one
-  layer on its device, the backend, the action it serves and whether decode can run fused (or why not).
 
 Nothing here touches tensors or transformers: :class:`~kvpolicy.CompressedCache` binds a spec to a
-model's config and its layers call :func:`plan` at their first update.
+model's config as one :class:`~kvpolicy.layer.composition.Composition`, and its layers decide their
+backend and decode path at their first update (:func:`kvpolicy.layer.composition.plan`, which is also
+what ``backend="auto"`` stands for: :func:`~kvpolicy.layer.composition.choose_backend`).
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from kvpolicy.policies.base import Policy
 from kvpolicy.policies.sinks import Sinks
 from kvpolicy.transforms.base import NoTransform, Transform
 
-#: ``backend="auto"``: :func:`choose_backend` picks the backend for the device
+#: ``backend="auto"``: :func:`~kvpolicy.layer.composition.choose_backend` picks the backend for the device
 AUTO = "auto"
 LAYOUTS = ("ordered", "agnostic")
 #: how a decode step's attention reads the compressed segment (see :mod:`kvpolicy.fused`)
@@ -70,7 +69,8 @@ class CacheSpec:
     transform : Transform
         The change of basis of demoted tokens (default: none).
     backend : Backend or None
-        How bits are packed; ``None`` for ``"auto"`` (:func:`choose_backend` picks one for the device).
+        How bits are packed; ``None`` for ``"auto"`` (:func:`~kvpolicy.layer.composition.choose_backend` picks one
+        for the device).
     layout : {"ordered", "agnostic"}
         The order in which keys are handed to attention (see :class:`~kvpolicy.CompressedCache`).
     attention : {"auto", "fused", "materialized"}
