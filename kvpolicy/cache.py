@@ -2,9 +2,10 @@
 
 ``CompressedCache`` is a ``transformers.Cache`` whose per-layer objects (``CompressedLayer``)
 translate transformers' calls for a :class:`~kvpolicy.layer.engine.LayerEngine` (plain torch),
-which holds the tokens in a :class:`~kvpolicy.segments.LayerSegments`: full-precision ones (the
+which holds the tokens in a :class:`~kvpolicy.layer.held.HeldTokens`: full-precision ones (the
 policy's set) and demoted ones (the action's store, one or more compressed tiers), each with the
-logical positions of its tokens.
+logical positions of its tokens. The cache builds its parts once, as a
+:class:`~kvpolicy.layer.composition.Composition`, which every layer reads by reference.
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ from kvpolicy.actions.base import Action
 from kvpolicy.backends.base import Backend
 from kvpolicy.continuation import Continuation, refuse_empty
 from kvpolicy.errors import CacheFileError, ConfigError
+from kvpolicy.layer.composition import Composition, choose_backend, plan
 from kvpolicy.layer.engine import LayerEngine
+from kvpolicy.layer.held import SEGMENTS, nbytes
 from kvpolicy.layer.padding import StepMask
 from kvpolicy.memory import LayerBytes, MemoryReport
 from kvpolicy.policies.base import Policy
 from kvpolicy.positions import PositionBook
-from kvpolicy.segments import SEGMENTS, nbytes
-from kvpolicy.transforms import NoTransform, Transform
+from kvpolicy.transforms import Transform
 
 # kvpolicy's attention implementations ("kvpolicy_fused_sdpa", "kvpolicy_sdpa", ... ) are known to
 # transformers from here on, so a model can be loaded with attn_implementation="kvpolicy_fused_sdpa"
@@ -62,10 +64,11 @@ class CompressedLayer(CacheLayerMixin):
     """One layer of a :class:`CompressedCache`: transformers' layer contract translated onto its
     engine (:class:`~kvpolicy.layer.engine.LayerEngine`, plain torch), which holds the tokens, runs
     the policy, decides what to hand attention and records the path each step took. A left-padded
-    batch is an engine of engines (:class:`~kvpolicy.layer.padded.PaddedEngine`) behind the same methods.
-    What the layer holds is read off its engine: ``layer.engine.store``, ``.held``, ``.state``,
-    ``.backend``, ``.action``, ``.length``; the layer itself answers transformers' ``keys``, ``values``
-    and ``is_croppable``.
+    batch is the engine's batch form (:class:`~kvpolicy.layer.padded.PaddedEngine`) behind the same methods.
+    Both read the cache's one :class:`~kvpolicy.layer.composition.Composition`. What the layer holds is read
+    off its engine: ``layer.engine.held`` (the tokens: ``.store``, ``.state``, ``.full_pos``, ``.basis``),
+    ``.policy``, ``.backend``, ``.action``, ``.length``; the layer itself answers transformers' ``keys``,
+    ``values`` and ``is_croppable``.
 
     Contract with transformers:
 
@@ -81,7 +84,7 @@ class CompressedLayer(CacheLayerMixin):
       always sees the uncompressed prompt, and score-based policies get the prefill's attention
       before choosing. It is demoted once that attention has run: :meth:`release`, which the cache
       calls when the model updates a later layer of the same forward (keeping the last tokens a
-      ``crop`` could remove, see :meth:`LayerSegments.release`), else at the start of the next call.
+      ``crop`` could remove, see :meth:`HeldTokens.release`), else at the start of the next call.
     """
 
     is_sliding = False
@@ -93,13 +96,9 @@ class CompressedLayer(CacheLayerMixin):
     values = _engine("values", "The full-precision segment's values, laid out as :attr:`keys`.", True)
     is_croppable = _engine("is_croppable", "Whether :meth:`crop` can undo the latest update now.")  # type: ignore[assignment]
 
-    def __init__(
-        self, policy: Policy, action: Action, backend: Backend, layout: str, layer_idx: int, attention: str = "auto",
-        auto: bool = False, transform: Transform | None = None,
-    ) -> None:  # fmt: skip
-        transform = NoTransform() if transform is None else transform
-        self.engine = LayerEngine(policy, action, backend, transform, layout, layer_idx, attention, auto)
-        self.policy, self.layer_idx = policy, layer_idx
+    def __init__(self, composition: Composition, layer_idx: int) -> None:
+        self.engine = LayerEngine(composition, layer_idx)
+        self.layer_idx = layer_idx
         super().__init__()
 
     # ------------------------------------------------------------------ transformers API
@@ -182,7 +181,7 @@ class CompressedLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ inspection
     def positions(self) -> dict[str, torch.Tensor]:
         """Logical positions held at full precision and in compressed form (sorted int64), after the
-        demotions a multi-token update deferred (see :meth:`LayerSegments.positions`)."""
+        demotions a multi-token update deferred (see :meth:`HeldTokens.positions`)."""
         return self.engine.positions()
 
     def memory(self, seen: set[tuple[str, int]] | None = None) -> LayerBytes:
@@ -275,7 +274,7 @@ class CompressedCache(Cache):
     backend : str or Backend
         How bits are packed. ``"auto"`` (default): the fastest built-in backend that serves the
         composition on the device (``cpu`` on CPU, ``triton`` on CUDA, else ``torch``; see
-        :func:`kvpolicy.spec.choose_backend`); or a registered name (``"torch"``, ``"cpu"``...) or object.
+        :func:`kvpolicy.layer.composition.choose_backend`); or a registered name (``"torch"``, ``"cpu"``...) or object.
     layout : {"ordered", "agnostic"}
         ``"ordered"`` returns keys in position order (correct with any mask). ``"agnostic"``
         returns ``[demoted tokens, full-precision tokens]`` without reordering (LogQuant's
@@ -363,42 +362,43 @@ class CompressedCache(Cache):
     def _bind(self, spec: specs.CacheSpec, config: Any) -> None:
         """Set up this cache for ``spec`` and the model's ``config``: the backend ``"auto"`` stands for, the
         per-layer actions, the defaults adapted to the backend, and the layers ``config`` describes."""
-        self._auto = spec.backend is None
+        auto = spec.backend is None
         #: what the cache was loaded from (:meth:`from_preset`, :meth:`from_config`, :meth:`for_model` with a
         #: preset): a :class:`~kvpolicy.preset_source.PresetSource`; ``None`` for a cache built from keywords
         self.preset: Any = None
-        self.policy: Policy = spec.policy
-        self.action: Action = spec.action
-        self.transform: Transform = spec.transform
-        self.layout = spec.layout
-        self.attention = spec.attention
         #: ``{layer index: (key_bits, value_bits)}`` of the layers whose widths differ from the action's
         self.layer_bits = per_layer.resolve(spec.widths, _num_layers(config))
         #: the composition this cache was built from (``backend=None``: ``"auto"``), with layer indices counted
         #: from the end (``-1``) resolved by the config; :meth:`save` writes it
         self.spec = dataclasses.replace(spec, layer_bits=self.layer_bits)
-        self._layer_actions = per_layer.layer_actions(self.action, self.layer_bits) if self.action.compresses else {}
+        action = spec.action
+        layer_actions = per_layer.layer_actions(action, self.layer_bits) if action.compresses else {}
         # backend="auto": the fastest backend that serves every layer's widths
-        actions = [self.action, *self._layer_actions.values()]
-        self.backend: Backend = specs.choose_backend(actions) if self._auto else spec.backend
+        backend = choose_backend([action, *layer_actions.values()]) if auto else spec.backend
         #: the defaults replaced because they cannot serve the backend or a head dim (an ordered set of
         #: notes, filled further by each layer's first update), see :meth:`Action.serving`
-        self.adapted: dict[str, None] = {}
-        if self.action.compresses:
-            self.action = self._served(self.action, config)
-            self._layer_actions = {i: self._served(a, config) for i, a in self._layer_actions.items()}
-            for each in [self.action, *self._layer_actions.values()]:
-                each.check_backend(self.backend)
-                each.check_transform(self.transform)
-        if self.attention == "fused":
-            reason = specs.plan(self.policy, self.action, self.backend, auto=self._auto, attention="fused").fused_reason
+        adapted: dict[str, None] = {}
+        if action.compresses:
+            action = _served(spec.policy, action, backend, auto, spec.attention, config, adapted)
+            layer_actions = {i: _served(spec.policy, a, backend, auto, spec.attention, config, adapted)
+                             for i, a in layer_actions.items()}  # fmt: skip
+            for each in [action, *layer_actions.values()]:
+                each.check_backend(backend)
+                each.check_transform(spec.transform)
+        if spec.attention == "fused":
+            reason = plan(spec.policy, action, backend, auto=auto, attention="fused").fused_reason
             if reason is not None:
                 raise ConfigError(
                     f"attention='fused' cannot serve this composition: {reason}; use attention='auto' (materialises "
                     "the history for it) or 'materialized'"
                 )
+        #: the parts, built once here and read by every layer (the demoted positions of shared policies are
+        #: held once for all layers in its ``book``)
+        self.composition = Composition(
+            spec.policy, action, backend, spec.transform, spec.layout, spec.attention, auto, layer_actions, config,
+            PositionBook(), adapted,
+        )  # fmt: skip
         super().__init__(layers=[])
-        self._book = PositionBook()  # the demoted positions of shared policies, held once for all layers
         self._unreleased: list[int] = []  # layers whose multi-token update of this forward awaits release
         self._mask: torch.Tensor | None = None  # the 2-D attention mask of this forward (note_attention_mask)
         self._step_mask: tuple[int, int, StepMask] | None = None  # (past, n, its columns), once per forward
@@ -409,7 +409,6 @@ class CompressedCache(Cache):
         self._inference = False  # the cache ran under torch.inference_mode() since it last left it (_outside)
         self._layer_types: list[str] | None = None
         self._layer_kwargs: list[dict] = []
-        self._config = config  # the model's, when given: save() records its identity
         self._model_warned = False  # check_model_config warned already
         #: the number of layers of the file a loaded cache came from (None: not loaded)
         self._saved_layers: int | None = None
@@ -443,30 +442,31 @@ class CompressedCache(Cache):
         """A compressed layer, or transformers' own layer for non-full-attention layer types."""
         kind = "full_attention" if self._layer_types is None else self._layer_types[layer_idx]
         if kind == "full_attention":
-            layer = CompressedLayer(
-                self.policy, self._layer_actions.get(layer_idx, self.action), self.backend, self.layout, layer_idx,
-                self.attention, self._auto, self.transform,
-            )  # fmt: skip
-            layer.engine.book = self._book
-            layer.engine.adapted = self.adapted
-            layer.engine.config = self._config
-            return layer
+            return CompressedLayer(self.composition, layer_idx)
         from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
 
         return DYNAMIC_LAYER_TYPE_MAPPING[kind](**self._layer_kwargs[layer_idx])
 
-    def _served(self, action: Action, config: Any) -> Action:
-        """``action`` with the defaults the backend cannot serve replaced (recorded in :attr:`adapted`); with
-        a config, the notes its head dim will cause are recorded now too (each layer replaces those at its
-        first update, from the head dims of its own tensors)."""
-        plan = specs.plan(self.policy, action, self.backend, auto=self._auto, attention=self.attention)
-        self.adapted.update(dict.fromkeys(plan.notes))
-        head_dim = model_check.head_dim(config)
-        if head_dim is not None:  # the notes the layers' first updates will add: shown from the start
-            preview = specs.plan(self.policy, plan.action, self.backend, auto=False, attention=self.attention,
-                                 key_dim=head_dim, value_dim=head_dim)  # fmt: skip
-            self.adapted.update(dict.fromkeys(preview.notes))
-        return plan.action
+    # the parts, as the composition holds them (read-only: the cache builds its composition once)
+    policy = property(lambda self: self.composition.policy, doc="The policy.")
+    action = property(lambda self: self.composition.action, doc="The action, as the backend serves it.")
+    backend = property(lambda self: self.composition.backend, doc="The backend (``auto``'s choice, or the one named).")
+    transform = property(lambda self: self.composition.transform, doc="The transform of demoted tokens.")
+    layout = property(lambda self: self.composition.layout, doc="The order of a materialised history.")
+    attention = property(lambda self: self.composition.attention, doc="How decode steps read the history.")
+    adapted = property(lambda self: self.composition.adapted, doc="The notes of the defaults replaced, in order.")
+
+    @property
+    def _config(self) -> Any:
+        """The model's config, when given (the layers' transform binds with it; :meth:`save` records its identity)."""
+        return self.composition.config
+
+    @_config.setter
+    def _config(self, config: Any) -> None:
+        """Bind a config to a cache whose layers are not built yet (loading a file for a model)."""
+        if self.layers:
+            raise RuntimeError("CompressedCache: the model's config is given before any layer is built")
+        self.composition = dataclasses.replace(self.composition, config=config)
 
     # transformers' state updates of non-attention layers (linear attention, state space, sparse indexers)
     def get_conv_state(self, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
@@ -624,11 +624,12 @@ class CompressedCache(Cache):
             self.check_model_config(config, f"{getattr(config, 'model_type', 'transformers')} model")
         while len(self.layers) <= layer_idx:
             self.layers.append(self._new_layer(len(self.layers)))
-        if self._watched is None and self.action.compresses and isinstance(self.layers[layer_idx], CompressedLayer):
+        compresses = self.composition.action.compresses
+        if self._watched is None and compresses and isinstance(self.layers[layer_idx], CompressedLayer):
             self._watched = layer_idx
         layer = self.layers[layer_idx]
         step = None
-        if self._mask is not None and isinstance(layer, CompressedLayer) and layer.engine.action.compresses:
+        if self._mask is not None and compresses and isinstance(layer, CompressedLayer):
             step = kwargs[MASK_KWARG] = self._columns(layer.get_seq_length(), key_states)
         if layer_idx == self._watched:  # once per forward; padding columns are the layers' to judge
             real = None if step is None or not step.padded else step.columns
@@ -636,8 +637,7 @@ class CompressedCache(Cache):
         if self._unreleased:
             self._release_before(layer_idx)
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        multi = key_states.shape[-2] > 1 and isinstance(layer, CompressedLayer) and layer.engine.held is not None
-        if multi and layer.engine.held.pending:
+        if key_states.shape[-2] > 1 and isinstance(layer, CompressedLayer) and layer.engine.pending:
             self._unreleased.append(layer_idx)
         return out
 
@@ -733,7 +733,7 @@ class CompressedCache(Cache):
         if torch.is_inference_mode_enabled():
             self._inference = True
         elif self._inference:
-            inference_tensors.normalize(self.layers, self._book, self._continuation)
+            inference_tensors.normalize(self.layers, self.composition.book, self._continuation)
             self._inference = False
 
     #: transformers' flag of a cache of static shapes: ``generate`` then builds 4-d masks in every run, eager ones
@@ -973,3 +973,19 @@ def _num_layers(config: Any) -> int | None:
         return None
     count = getattr(config.get_text_config(decoder=True), "num_hidden_layers", None)
     return count if isinstance(count, int) else None
+
+
+def _served(
+    policy: Policy, action: Action, backend: Backend, auto: bool, attention: str, config: Any, adapted: dict[str, None]
+) -> Action:
+    """``action`` with the defaults ``backend`` cannot serve replaced (recorded in ``adapted``); with a config, the
+    notes its head dim will cause are recorded now too (each layer replaces those at its first update, from the head
+    dims of its own tensors)."""
+    decided = plan(policy, action, backend, auto=auto, attention=attention)
+    adapted.update(dict.fromkeys(decided.notes))
+    head_dim = model_check.head_dim(config)
+    if head_dim is not None:  # the notes the layers' first updates will add: shown from the start
+        preview = plan(policy, decided.action, backend, auto=False, attention=attention, key_dim=head_dim,
+                       value_dim=head_dim)  # fmt: skip
+        adapted.update(dict.fromkeys(preview.notes))
+    return decided.action

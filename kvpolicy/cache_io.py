@@ -24,7 +24,7 @@ import torch
 
 from kvpolicy import distributed, persist, state_check
 from kvpolicy.errors import CacheFileError
-from kvpolicy.segments import LayerSegments
+from kvpolicy.layer.held import HeldTokens
 from kvpolicy.spec import CacheSpec
 
 
@@ -260,7 +260,7 @@ def _check_model(saved: dict[str, Any], model: dict[str, Any], where: str) -> No
 
 
 def _load_layer(layer: Any, state: dict[str, Any], idx: int, dtype: str | None, layer_class: type) -> None:
-    """Restore one layer's state (checked: see :meth:`LayerSegments.load_state_dict`); its tokens must
+    """Restore one layer's state (checked: see :meth:`HeldTokens.load_state_dict`); its tokens must
     be of the ``dtype`` the file's model identity records."""
     kind = state_check.entries(state, "layer", ("kind",), _LAYER_KEYS)["kind"]
     if isinstance(layer, layer_class) != (kind == "compressed"):
@@ -289,7 +289,7 @@ def _load_layer(layer: Any, state: dict[str, Any], idx: int, dtype: str | None, 
         layer.cumulative_length = state_check.integer(state["cumulative_length"], "cumulative_length", keys.shape[2])
 
 
-_LAYER_KEYS = ("initialized", "backend", "cumulative_length", *LayerSegments.STATE_KEYS)
+_LAYER_KEYS = ("initialized", "backend", "cumulative_length", *HeldTokens.STATE_KEYS)
 
 
 def _share_positions(cache: Any) -> None:
@@ -297,6 +297,6 @@ def _share_positions(cache: Any) -> None:
     for layer in cache.layers:
         if not isinstance(layer, cache.layer_class):
             continue
-        engine = layer.engine
-        if engine.store is not None and engine.book is not None and engine.store.positions.shape[0] == 1:
-            engine.store.positions = engine.book.intern(engine.store.positions)
+        held = layer.engine.held
+        if held is not None and held.store is not None and held.book is not None and held.store.positions.shape[0] == 1:
+            held.store.positions = held.book.intern(held.store.positions)

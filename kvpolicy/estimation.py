@@ -419,7 +419,7 @@ def _feed(cache: Any, indices: list[int], tokens: int, head_dim: int, dtype: tor
             values = torch.randn((1, 1, tokens, head_dim), generator=generator).to(dtype)
             out = cache.update(keys, values, i)
             layer = cache.layers[i]
-            if isinstance(layer, CompressedLayer) and layer.policy.needs_scores:
+            if isinstance(layer, CompressedLayer) and layer.engine.policy.needs_scores:
                 layer.observe_attention(torch.rand((1, out[0].shape[-2]), generator=generator))
             feed_random_queries(layer, keys, generator)
             if isinstance(layer, CompressedLayer):

@@ -1,5 +1,4 @@
-"""The spec of a cache: where every name becomes a part, once, and where a layer's backend and decode
-path are decided, once.
+"""The spec of a cache: where every name becomes a part, once.
 
 - :class:`CacheSpec` is the composition: policy, action, transform, backend (``None``: ``"auto"``),
   layout, attention and per-layer widths. It is frozen and JSON-able (:meth:`CacheSpec.to_dict`,
@@ -7,11 +6,11 @@ path are decided, once.
 - :meth:`CacheSpec.resolve` turns the keywords of :class:`~kvpolicy.CompressedCache` into parts;
   :meth:`CacheSpec.from_preset` and :meth:`CacheSpec.from_file` do the same for a preset and a
   preset file.
-- :func:`choose_backend` is what ``backend="auto"`` stands for, and :func:`plan` decides, for one
-  layer on its device, the backend, the action it serves and whether decode can run fused (or why not).
 
 Nothing here touches tensors or transformers: :class:`~kvpolicy.CompressedCache` binds a spec to a
-model's config and its layers call :func:`plan` at their first update.
+model's config as one :class:`~kvpolicy.layer.composition.Composition`, and its layers decide their
+backend and decode path at their first update (:func:`kvpolicy.layer.composition.plan`, which is also
+what ``backend="auto"`` stands for: :func:`~kvpolicy.layer.composition.choose_backend`).
 """
 
 from __future__ import annotations
@@ -19,13 +18,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
-import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from kvpolicy import layer_bits as per_layer
 from kvpolicy import registry, state_check
@@ -37,7 +33,7 @@ from kvpolicy.policies.base import Policy
 from kvpolicy.policies.sinks import Sinks
 from kvpolicy.transforms.base import NoTransform, Transform
 
-#: ``backend="auto"``: :func:`choose_backend` picks the backend for the device
+#: ``backend="auto"``: :func:`~kvpolicy.layer.composition.choose_backend` picks the backend for the device
 AUTO = "auto"
 LAYOUTS = ("ordered", "agnostic")
 #: how a decode step's attention reads the compressed segment (see :mod:`kvpolicy.fused`)
@@ -73,7 +69,8 @@ class CacheSpec:
     transform : Transform
         The change of basis of demoted tokens (default: none).
     backend : Backend or None
-        How bits are packed; ``None`` for ``"auto"`` (:func:`choose_backend` picks one for the device).
+        How bits are packed; ``None`` for ``"auto"`` (:func:`~kvpolicy.layer.composition.choose_backend` picks one
+        for the device).
     layout : {"ordered", "agnostic"}
         The order in which keys are handed to attention (see :class:`~kvpolicy.CompressedCache`).
     attention : {"auto", "fused", "materialized"}
@@ -349,153 +346,6 @@ class CacheSpec:
             attention=state_check.choice(comp["attention"], "attention", ATTENTION),
             layer_bits=pairs,
         )  # fmt: skip
-
-
-# ---------------------------------------------------------------------- the backend and the decode path
-@dataclass(frozen=True)
-class Plan:
-    """What one layer runs with, decided by :func:`plan`.
-
-    Attributes
-    ----------
-    backend : Backend
-        The backend that stores its demoted tokens.
-    action : Action
-        The layer's action with the defaults ``backend`` or the head dims cannot serve replaced.
-    notes : tuple of str
-        One note per replaced default (``repr(cache)`` shows them as ``adapted=[...]``).
-    fused_reason : str or None
-        Why a decode step cannot run fused (``None``: it can); see :mod:`kvpolicy.fused`.
-    """
-
-    backend: Backend
-    action: Action
-    notes: tuple[str, ...] = ()
-    fused_reason: str | None = None
-
-
-def plan(
-    policy: Policy,
-    action: Action,
-    backend: Backend,
-    *,
-    auto: bool,
-    attention: str,
-    device_type: str | None = None,
-    dtype: torch.dtype | None = None,
-    key_dim: int | None = None,
-    value_dim: int | None = None,
-) -> Plan:
-    """Decide, once, how a layer runs: the backend (chosen again where ``backend="auto"`` picked one that
-    cannot take the layer's device or dtype), the action that backend and the head dims serve, and
-    whether decode attention can run fused.
-
-    Parameters
-    ----------
-    policy, action : Policy, Action
-        The layer's parts (its action may be a per-layer width of the cache's).
-    backend : Backend
-        The backend chosen so far (at construction: :func:`choose_backend`'s, or the one named).
-    auto : bool
-        Whether ``backend`` was chosen by ``"auto"`` (only then is it chosen again).
-    attention : {"auto", "fused", "materialized"}
-        The cache's attention setting.
-    device_type, dtype : str and torch.dtype, optional
-        Where the layer's tensors are and their dtype (unknown before the first update).
-    key_dim, value_dim : int, optional
-        The layer's key and value head dims (unknown before the first update).
-    """
-    caps = backend.capabilities
-    if auto and device_type is not None and (device_type not in caps.devices or dtype not in caps.dtypes):
-        backend = choose_backend([action], device_type, dtype)
-    notes: tuple[str, ...] = ()
-    if action.compresses:
-        action, notes = action.serving(backend, key_dim, value_dim)
-    reason = "attention='materialized'" if attention == "materialized" else unfusable_reason(policy, action, backend)
-    return Plan(backend, action, tuple(notes), reason)
-
-
-def unfusable_reason(policy: Policy, action: Action, backend: Backend) -> str | None:
-    """Why decode attention of this composition cannot run fused (``None``: it can)."""
-    if not action.compresses:
-        return f"action {action.name!r} does not compress"
-    if not action.keeps_demoted:
-        return None  # nothing is held besides the full-precision segment: the plain view is already cheap
-    if not backend.capabilities.fused:
-        return f"backend {backend.name!r} cannot attend over its blocks without dequantizing them"
-    if policy.per_head:
-        return f"policy {policy.name!r} selects per head"
-    if policy.needs_scores:
-        return f"policy {policy.name!r} needs attention scores over every key"
-    return None
-
-
-_failed: dict[str, str] = {}  # backend name -> why it could not be built in this process (warned once)
-
-
-def serves(backend: Backend, action: Action, dtype: torch.dtype | None = None) -> bool:
-    """Whether ``backend`` serves ``action`` (and tensors of ``dtype``, when given)."""
-    try:
-        action.check_backend(backend)
-    except ConfigError:
-        return False
-    return dtype is None or dtype in backend.capabilities.dtypes
-
-
-def choose_backend(
-    actions: Sequence[Action], device_type: str | None = None, dtype: torch.dtype | None = None
-) -> Backend:
-    """The backend ``backend="auto"`` stands for: the fastest built-in backend that serves every action
-    on the device.
-
-    - CUDA: ``triton`` (fused decode attention in a kernel) when Triton is installed and the
-      composition fits its capabilities, else ``torch``;
-    - CPU: ``cpu`` (the C++ fused decode-attention kernel) when the composition fits it (keys per
-      channel, values per token, 2, 3 or 4 bits) and the kernel builds. The first time in an
-      environment it compiles (under a minute, announced on stderr); if it cannot build (no
-      compiler, no ``ninja``, a failed build), ``torch`` with one warning saying why;
-    - anything else: ``torch``.
-
-    A composition the fast backend does not serve (8 bits, keys per token...) simply gets ``torch``:
-    that is the choice ``auto`` stands for, and ``repr(cache)`` shows it.
-
-    Parameters
-    ----------
-    actions : sequence of Action
-        The cache's action first, then its per-layer widths' (each must fit the backend).
-    device_type : str, optional
-        ``"cuda"``, ``"cpu"``...; default: ``"cuda"`` when CUDA is available, else ``"cpu"``.
-    dtype : torch.dtype, optional
-        The tensors' dtype, when known.
-    """
-    action = actions[0]
-    if device_type is None:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    fast = {"cuda": "triton", "cpu": "cpu"}.get(device_type)
-    if action.compresses and action.keeps_demoted and fast is not None:  # eviction quantizes nothing
-        cls = registry.get("backends", fast)
-        unbuilt = cls.__new__(cls)
-        if device_type in cls.capabilities.devices and all(serves(unbuilt, a, dtype) for a in actions):
-            built = _build(fast)
-            if built is not None and device_type in built.capabilities.devices:
-                return built
-    return registry.get("backends", "torch")()
-
-
-def _build(name: str) -> Backend | None:
-    """An instance of backend ``name``, or None (warning once) if it cannot be built here."""
-    if name in _failed:
-        return None
-    try:
-        return registry.get("backends", name)()
-    except (ConfigError, ImportError, OSError) as exc:
-        _failed[name] = str(exc).splitlines()[0]
-        warnings.warn(
-            f"backend='auto': the {name!r} backend is not available ({_failed[name]}); using 'torch' "
-            "(pass backend='torch' to choose it explicitly and silence this)",
-            stacklevel=5,
-        )
-        return None
 
 
 # ---------------------------------------------------------------------- composing

@@ -275,7 +275,7 @@ def check_policy(
       first append (the prompt) is done. Only for policies that do not use scores;
     - if the policy declares ``splits_appends`` (``Policy.splits_appends``): demote, for every append of
       ``n`` tokens split into appends of ``k`` and ``n - k``, the positions the single append demotes, in
-      the same order (the cache then demotes a prompt in parts, see ``kvpolicy.segments.CROP_WINDOW``).
+      the same order (the cache then demotes a prompt in parts, see ``kvpolicy.layer.held.CROP_WINDOW``).
 
     Parameters
     ----------

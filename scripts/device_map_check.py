@@ -52,10 +52,10 @@ def device_map(first: str) -> dict[str, str]:
 
 def _held(layer) -> list[torch.Tensor]:
     out = [layer.keys, layer.values]
-    engine = getattr(layer, "engine", None)  # transformers' own layers (sliding) have none
-    if engine is not None and engine.full_pos is not None:
-        out.append(engine.full_pos)
-    store = None if engine is None else engine.store
+    held = getattr(getattr(layer, "engine", None), "held", None)  # transformers' own layers (sliding) have none
+    if held is not None and held.full_pos is not None:
+        out.append(held.full_pos)
+    store = None if held is None else held.store
     if store is not None and hasattr(store, "state_dict"):
         stack = [store.state_dict()]
         while stack:

@@ -223,7 +223,9 @@ def _check_fused(cache: CompressedCache, stack: Stack, row: Row) -> None:
     for i, layer in enumerate(cache.layers):
         q = stack.step(-2, i)[2]
         engine = layer.engine
-        got = attend_parts(q, [*engine.store.parts(), Part(engine.keys, engine.values)], stack.scale, engine.basis)
+        got = attend_parts(
+            q, [*engine.held.store.parts(), Part(engine.keys, engine.values)], stack.scale, engine.held.basis
+        )
         k, v = layer.attention_view("ordered")
         ref = F.scaled_dot_product_attention(q, k, v, scale=stack.scale, enable_gqa=True)
         worst = max(worst, float((got.float() - ref.float()).abs().max()))
@@ -243,10 +245,10 @@ def _check_kernel(cache: CompressedCache, stack: Stack, row: Row) -> None:
     hk = stack.args.kv_heads
     query = q.reshape(b, hk, (hq // hk) * nq, d)
     worst = 0.0
-    for part in engine.store.parts():
+    for part in engine.held.store.parts():
         if part.backend is None:
             continue
-        q_part = query if engine.basis is None else engine.basis.map_query(query)
+        q_part = query if engine.held.basis is None else engine.held.basis.map_query(query)
         want_out, want_lse = reference.attend(q_part, part.keys, part.values, stack.scale)
         backend = part.backend
         settings = [None] + (["ieee"] if backend.name == "triton" else [])

@@ -44,8 +44,8 @@ def recorded(monkeypatch):
     def spy(self, scores, layout="ordered"):
         """Record the scores in position order (the agnostic view puts the demoted tokens first)."""
         ordered = scores.detach().clone()
-        if layout == "agnostic" and len(self.store):
-            order = torch.cat([self.store.positions, self.full_pos], dim=1).expand(scores.shape[0], -1)
+        if layout == "agnostic" and len(self.held.store):
+            order = torch.cat([self.held.store.positions, self.held.full_pos], dim=1).expand(scores.shape[0], -1)
             ordered = torch.empty_like(ordered).scatter_(1, order, ordered)
         seen.append((self, ordered))
         return original(self, scores, layout)

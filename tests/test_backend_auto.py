@@ -9,10 +9,10 @@ import torch
 from conftest import teacher_forced_logits, tiny_model
 
 from kvpolicy import CompressedCache
-from kvpolicy import spec as auto
 from kvpolicy.errors import ConfigError
 from kvpolicy.fused import disable_fused, enable_fused
 from kvpolicy.kernels import cpu_attention
+from kvpolicy.layer import composition as auto
 
 KW = dict(policy="log", window=8, bits=2, group_size=16)
 

@@ -304,7 +304,7 @@ def test_codebook_caches_decode_through_the_kernel_alone(monkeypatch, kw):
     got, ref, cache = fused_and_materialized(**dict(group_size=None, transform="hadamard", backend="cpu") | kw)
     assert set(cache.attention_paths().values()) == {"fused (cpu)"}
     if "tiers" in kw:
-        assert all(p.shape[1] for p in cache.layers[0].engine.store.tier_positions())  # both tiers hold tokens
+        assert all(p.shape[1] for p in cache.layers[0].engine.held.store.tier_positions())  # both tiers hold tokens
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
 
 
@@ -365,7 +365,7 @@ def test_end_to_end_logits_equal_torch_backend(bits):
     assert float(diff.max()) < 2e-3
     for mine, theirs in zip(cache.layers, ref_cache.layers, strict=True):
         for stream in ("k", "v"):
-            a, b = getattr(mine.engine.store, stream).q.codes, getattr(theirs.engine.store, stream).q.codes
+            a, b = getattr(mine.engine.held.store, stream).q.codes, getattr(theirs.engine.held.store, stream).q.codes
             assert a.shape == b.shape and int((a != b).sum()) <= 2
 
 

@@ -437,7 +437,7 @@ def test_cache_logits_agree_with_torch_backend(llama, ids, full_and_torch_logits
     assert float((got - ref).abs().max()) <= 2 * ref_dev
     # the memory report's quantized segments are the storage the library objects really hold
     report = cache.memory_report()
-    stores = [layer.engine.store for layer in cache.layers]
+    stores = [layer.engine.held.store for layer in cache.layers]
     held = [t for store in stores for s in (store.k, store.v) for t in library_tensors(name, s.q)]
     assert report.segments["codes"] > 0
     assert report.segments["codes"] + report.segments["scales"] + report.segments["zeros"] == sum(

@@ -671,7 +671,7 @@ def test_generate_with_triton_backend_matches_torch_backend(monkeypatch):
         runs[name] = (gen, cache)
     (g_ref, c_ref), (g_tri, c_tri) = runs["torch"], runs["triton"]
     assert repr(c_tri.backend) == "'triton'"
-    store_ref, store_tri = c_ref.layers[0].engine.store, c_tri.layers[0].engine.store
+    store_ref, store_tri = c_ref.layers[0].engine.held.store, c_tri.layers[0].engine.held.store
     assert store_tri.k.q is not None and store_tri.v.q is not None  # something was quantized
     for a, b in ((store_ref.k.q, store_tri.k.q), (store_ref.v.q, store_tri.v.q)):
         for name in ("codes", "scales", "zeros"):
@@ -731,8 +731,8 @@ def test_fused_decode_with_rotation_reads_rotated_codes_in_the_kernel(monkeypatc
     assert len(queries) >= 3
     assert set(cache.attention_paths().values()) == {"fused (triton)"}
     layer = cache.layers[0]
-    store = layer.engine.store
-    assert layer.engine.basis.transform == Hadamard() and store.k.q is not None  # rotated codes, read fused
+    store = layer.engine.held.store
+    assert layer.engine.held.basis.transform == Hadamard() and store.k.q is not None  # rotated codes, read fused
     assert torch.equal(ref.sequences, got.sequences)
     assert torch.allclose(torch.stack(ref.logits), torch.stack(got.logits), rtol=1e-5, atol=1e-5)
 
@@ -762,7 +762,7 @@ def test_fitted_ranges_store_the_torch_backends_blocks_and_attend_in_the_kernel(
     cache = CompressedCache(**make, key_fit="mse", backend=backend)
     got = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **kw)
     assert len(calls) >= 3 and set(cache.attention_paths().values()) == {"fused (triton)"}
-    fitted, minmax, tri = (c.layers[0].engine.store.k.q for c in (ref_cache, plain, cache))
+    fitted, minmax, tri = (c.layers[0].engine.held.store.k.q for c in (ref_cache, plain, cache))
     assert not torch.equal(fitted.scales, minmax.scales)  # the fit moved the keys' ranges
     for name in ("codes", "scales", "zeros"):
         assert torch.equal(getattr(fitted, name), getattr(tri, name)), name

@@ -17,13 +17,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpolicy import CompressedCache, preset_files
-from kvpolicy import spec as specs
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import ConfigError
 from kvpolicy.formats import Codebook, MinMax
 from kvpolicy.formats.codebook import CodebookTensor
 from kvpolicy.formats.packed import PackedTensor
 from kvpolicy.fused import disable_fused, enable_fused
+from kvpolicy.layer import composition as specs
 from kvpolicy.presets import BUILTIN_PRESETS
 from kvpolicy.quality import teacher_forced_logits
 

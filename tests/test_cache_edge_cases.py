@@ -49,7 +49,7 @@ def test_different_key_and_value_head_dims_are_served(dk, dv, backend, request):
         assert keys.shape[-1] == dk and values.shape[-1] == dv
     layer = cache.layers[0]
     query = torch.randn(1, 4, 1, dk, generator=torch.Generator().manual_seed(9))
-    got = attend_parts(query, [*layer.engine.store.parts(), Part(layer.engine.keys, layer.engine.values)], 0.125)
+    got = attend_parts(query, [*layer.engine.held.store.parts(), Part(layer.engine.keys, layer.engine.values)], 0.125)
     k, v = layer.attention_view("ordered")
     ref, _ = dense_attention(query.reshape(1, 2, 2, dk), k, v, 0.125)
     torch.testing.assert_close(got, ref.reshape(1, 4, 1, dv), rtol=0, atol=1e-5)

@@ -128,7 +128,7 @@ def test_long_decode_positions_and_contents(models, key_axis, key_fit):
             full = layer.positions()["full"]
             assert torch.equal(ret_k[:, :, full], raw_k[:, :, full])
             assert torch.equal(ret_v[:, :, full], raw_v[:, :, full])
-            store = layer.engine.store
+            store = layer.engine.held.store
             order = store.positions[0]  # demotion order = storage order (shared policy: one row)
             nq_k, nq_v = store.k.num_quantized, store.v.num_quantized
             if nq_k:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-import kvpolicy.segments as segments
+import kvpolicy.layer.held as held_tokens
 from kvpolicy import CompressedCache
 from kvpolicy.cache import CompressedLayer
 from kvpolicy.fused import disable_fused, enable_fused
@@ -80,7 +80,7 @@ def test_a_chunked_prefill_holds_one_chunk_at_full_precision_at_a_time(model, mo
 
     monkeypatch.setattr(CompressedLayer, "update", spy)
     chunked_prefill(model, _ids(PROMPT), cache, 50)
-    bound = 3 * 42 + segments.CROP_WINDOW + 50  # |FP| <= 3W, the crop window, the new chunk
+    bound = 3 * 42 + held_tokens.CROP_WINDOW + 50  # |FP| <= 3W, the crop window, the new chunk
     assert len(seen) == 3 * 6 and max(n for _, n in seen) <= bound
     assert max(n for _, n in seen) < PROMPT
 

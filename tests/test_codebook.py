@@ -305,7 +305,7 @@ def test_non_finite_and_overflowing_inputs_raise():
     )
     wide.update(big, big, 0)
     wide.update(big[:, :, :1], big[:, :, :1], 0)
-    assert wide.layers[0].engine.store.k.q.scales.dtype == torch.float32
+    assert wide.layers[0].engine.held.store.k.q.scales.dtype == torch.float32
 
 
 @pytest.mark.parametrize("bits", [3, 4])
@@ -433,7 +433,7 @@ def test_a_key_centre_is_the_first_demoted_block_mean_and_is_shared_by_every_lat
     cache.update(x[:, :, :30], x[:, :, :30], 0)
     for t in range(30, 40):
         cache.update(x[:, :, t : t + 1], x[:, :, t : t + 1], 0)
-    store = cache.layers[0].engine.store  # the action's store behind the rotation
+    store = cache.layers[0].engine.held.store  # the action's store behind the rotation
     rotated = cache.transform.forward(x[:, :, :26].float())  # the first demotion: tokens 0..25
     torch.testing.assert_close(store.k.q.centre.float(), rotated.mean(2, keepdim=True), rtol=1e-3, atol=1e-5)
     assert store.v.q.centre is None  # values are not centred
@@ -465,12 +465,12 @@ def test_tier_moves_keep_each_tier_centred_on_its_own_mean():
     for t in range(100, 120):
         cache.update(x[:, :, t : t + 1], x[:, :, t : t + 1], 0)
     cache.layers[0].engine.held.settle()
-    store = cache.layers[0].engine.store
+    store = cache.layers[0].engine.held.store
     tiers = store  # the action's store (the rotation is the layer's basis)
     top, low = tiers.middles[0].inner.k.q, tiers.bottom.k.q
     assert top.centre is not None and low.centre is not None and not torch.equal(top.centre, low.centre)
     engine = cache.layers[0].engine
-    held = engine.basis.unmap_keys(store.keys(), store.positions).float()  # every demoted key, in store order
+    held = engine.held.basis.unmap_keys(store.keys(), store.positions).float()  # every demoted key, in store order
     want = x.float()[:, :, store.positions[0].long()]
     assert held.shape[2] == 120 - cache.layers[0].engine.held.keys.shape[2]
     assert float((held - want).pow(2).sum() / want.pow(2).sum()) < 0.1

@@ -235,7 +235,7 @@ def test_fitted_ranges_hold_the_same_bytes_and_change_what_is_stored():
     assert repr(plain).endswith(
         "check_finite=True, key_fit='minmax'), backend='torch', layout='ordered', attention='auto')"
     )
-    held, ref = fitted.layers[0].engine.store, plain.layers[0].engine.store
+    held, ref = fitted.layers[0].engine.held.store, plain.layers[0].engine.held.store
     assert not torch.equal(held.k.q.scales, ref.k.q.scales) and not torch.equal(held.v.q.scales, ref.v.q.scales)
 
 
@@ -288,7 +288,7 @@ def test_key_fit_fits_the_keys_alone():
         cache = CompressedCache(policy="recent", window=8, bits=2, backend="torch", group_size=64, **kw)
         cache.update(x, x, 0)
         cache.memory_report()  # demotion is deferred until something reads the store
-        store = cache.layers[0].engine.store
+        store = cache.layers[0].engine.held.store
         blocks[name] = (store.k.q, store.v.q)
     (pk, pv), (kk, kv), (bk, bv) = blocks["plain"], blocks["keys"], blocks["both"]
     dk, dv = blocks["default"]  # the default: keys fitted, values min-max

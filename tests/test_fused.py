@@ -55,7 +55,7 @@ def test_fused_logits_equal_materialized(fresh, family, layout):
     got, cache = _run(model, ids, 38, True, layout=layout)
     assert set(cache.attention_paths().values()) == {f"fused ({cache.backend.name})"}
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
-    store = cache.layers[0].engine.store
+    store = cache.layers[0].engine.held.store
     assert store.k.staging is not None and store.k.num_quantized > 0  # the last step had a staged tail
     assert store.v.num_quantized > store.k.num_quantized
 
@@ -84,9 +84,9 @@ def test_memory_report_unchanged_by_fused_path(fresh):
 def _tensors(layer):
     yield layer.keys
     yield layer.values
-    yield layer.engine.full_pos
-    yield layer.engine.store.positions
-    for stream in (layer.engine.store.k, layer.engine.store.v):
+    yield layer.engine.held.full_pos
+    yield layer.engine.held.store.positions
+    for stream in (layer.engine.held.store.k, layer.engine.held.store.v):
         yield from stream.q.tensors().values()
         if stream.staging is not None:
             yield stream.staging

@@ -287,3 +287,50 @@ def test_membership():
     assert not is_lab("kvpolicy.cache") and not is_lab("kvpolicy_labs") and not is_lab("kvpolicy")
     assert is_cli("kvpolicy.cli") and is_cli("kvpolicy.__main__") and is_cli("kvpolicy.commands.estimate")
     assert not is_cli("kvpolicy.cache") and not is_cli("kvpolicy.commandsx") and not is_cli("kvpolicy")
+
+
+# -- the layer package imports nothing above it ------------------------------------------------------------------
+
+#: the modules above one layer's engine: the spec and its builders, the cache and its files, the presets
+ABOVE_THE_LAYER = (
+    "kvpolicy.spec", "kvpolicy.cache", "kvpolicy.cache_io", "kvpolicy.presets", "kvpolicy.preset_source",
+    "kvpolicy.model_presets",
+)  # fmt: skip
+
+
+def upward(graph: Mapping[str, Iterable[str]], package: str, above: Iterable[str]) -> dict[str, list[str]]:
+    """For each module of ``package`` that reaches a module of ``above`` through imports (directly or through
+    other modules), one import chain from it to that module."""
+    above = set(above)
+    found = {}
+    for start in sorted(module for module in graph if _within(module, package)):
+        came_from: dict[str, str | None] = {start: None}
+        queue = [start]
+        while queue:
+            node = queue.pop(0)
+            if node in above:
+                chain = [node]
+                while came_from[chain[-1]] is not None:
+                    chain.append(came_from[chain[-1]])
+                found[start] = chain[::-1]
+                break
+            for child in sorted(graph.get(node, ())):
+                if child not in came_from:
+                    came_from[child] = node
+                    queue.append(child)
+    return found
+
+
+def test_the_upward_finder_follows_chains():
+    graph = {"p.a": {"q"}, "p.b": {"r"}, "q": {"top"}, "r": set(), "top": set()}
+    assert upward(graph, "p", ["top"]) == {"p.a": ["p.a", "q", "top"]}
+    assert upward(graph, "p", ["nothing"]) == {}
+
+
+def test_the_layer_package_imports_nothing_above_it():
+    graph, _ = import_graph(PACKAGE)
+    assert {"kvpolicy.layer.engine", "kvpolicy.layer.held", "kvpolicy.layer.composition"} <= set(graph)
+    chains = upward(graph, "kvpolicy.layer", ABOVE_THE_LAYER)
+    assert not chains, "the layer package imports upward:\n    " + "\n    ".join(
+        " -> ".join(chain) for chain in chains.values()
+    )

@@ -171,4 +171,4 @@ def test_a_sliding_layer_of_a_hybrid_model_is_refused():
 
 def test_the_layer_actions_equal_quantize_at_those_widths():
     cache = CompressedCache(policy="log", bits=2, scheme="codebook", transform="hadamard", layer_bits={0: (3, 2)})
-    assert cache._layer_actions[0] == Quantize(key_bits=3, value_bits=2, scheme="codebook")
+    assert cache.composition.layer_actions[0] == Quantize(key_bits=3, value_bits=2, scheme="codebook")

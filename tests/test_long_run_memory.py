@@ -41,13 +41,13 @@ def test_log_quantize_8k_full_precision_bounded_and_bytes_linear(one_layer_model
 
     def check(length, cache):
         layer = cache.layers[0]
-        n_full = layer.engine.full_pos.shape[1]
+        n_full = layer.engine.held.full_pos.shape[1]
         assert n_full <= 3 * window
         worst["fp"] = max(worst["fp"], n_full)
         if length % 1024 == 0:
             seg = cache.memory_report().segments
             compressed = length - n_full
-            staged = layer.engine.store.k.staging.shape[2] if layer.engine.store.k.staging is not None else 0
+            staged = layer.engine.held.store.k.staging.shape[2] if layer.engine.held.store.k.staging is not None else 0
             assert staged < group
             expected = n_full * (64 * 2 * 4 + 4) + (compressed - staged) * per_token
             expected += staged * (64 * 4 + 16 + 4 + 4)  # staged key (fp32) + its value codes/meta + position

@@ -70,7 +70,7 @@ def test_fused_equals_materialized_with_mixed_bits(backend, key_bits, value_bits
     got, ref, cache = fused_and_materialized(key_bits=key_bits, value_bits=value_bits, backend=backend)
     assert set(cache.attention_paths().values()) == {f"fused ({backend})"}
     layer = cache.layers[0]
-    assert (layer.engine.store.k.q.bits, layer.engine.store.v.q.bits) == (key_bits, value_bits)
+    assert (layer.engine.held.store.k.q.bits, layer.engine.held.store.v.q.bits) == (key_bits, value_bits)
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
 
 
@@ -83,7 +83,7 @@ def test_more_key_bits_cost_the_bytes_of_the_key_codes_only():
         cache.update(k, v, 0)
         reports[pair] = cache.memory_report().segments
     extra = reports[(4, 2)]["codes"] - reports[(2, 2)]["codes"]
-    quantized_keys = cache.layers[0].engine.store.k.num_quantized
+    quantized_keys = cache.layers[0].engine.held.store.k.num_quantized
     assert extra == quantized_keys * 2 * 32 * 2 // 8  # 2 more bits per quantized key element
     assert {s: reports[(4, 2)][s] for s in reports[(4, 2)] if s != "codes"} == {
         s: reports[(2, 2)][s] for s in reports[(2, 2)] if s != "codes"
@@ -104,6 +104,6 @@ def test_three_bit_keys_run_fused_on_the_default_backend():
     assert chosen in ("cpu", "torch")  # torch only where the kernel cannot build (warned)
     got, ref, cache = fused_and_materialized(key_bits=3, value_bits=2)
     assert set(cache.attention_paths().values()) == {f"fused ({chosen})"}
-    codes = cache.layers[0].engine.store.k.q.codes
+    codes = cache.layers[0].engine.held.store.k.q.codes
     assert codes.shape[-1] == 16 * 3 // 8  # eight codes per three bytes
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)

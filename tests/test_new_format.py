@@ -103,7 +103,7 @@ def test_unregistered_the_scheme_is_refused_with_the_registered_ones():
 def test_materialised_and_fused_agree(absmax):
     got, ref, cache = fused_and_materialized(**KW)
     assert set(cache.attention_paths().values()) == {"fused (torch)"}
-    store = cache.layers[0].engine.store
+    store = cache.layers[0].engine.held.store
     assert isinstance(store.k.q, AbsMaxTensor) and isinstance(store.v.q, AbsMaxTensor)
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
     assert repr(cache.action) == "Quantize(bits=8, scheme='test-absmax8', check_finite=True)"
@@ -128,7 +128,7 @@ def test_saves_and_loads(absmax, tmp_path):
     cache.save(tmp_path / "c.kvc")
     again = CompressedCache.load(tmp_path / "c.kvc")
     assert repr(again) == repr(cache)
-    a, b = cache.layers[0].engine.store, again.layers[0].engine.store
+    a, b = cache.layers[0].engine.held.store, again.layers[0].engine.held.store
     assert isinstance(b.k.q, AbsMaxTensor) and torch.equal(a.k.q.codes, b.k.q.codes)
     with torch.no_grad():
         next_a = model(ids[:, 24:], cache=cache, use_cache=True).logits

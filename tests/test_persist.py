@@ -106,8 +106,8 @@ def test_round_trip_continues_identically(tmp_path_factory, kw, prefill, steps, 
     policy_bytes = sum(
         t.numel() * t.element_size()
         for layer in cache.layers
-        if layer.engine.state is not None
-        for t in layer.engine.state.state_dict().values()
+        if layer.engine.held.state is not None
+        for t in layer.engine.held.state.state_dict().values()
         if isinstance(t, torch.Tensor)
     )
     transform_bytes = sum(layer.segments.get("transform", 0) for layer in report.layers)
@@ -198,7 +198,7 @@ def test_positions_shared_between_layers_stay_shared(tmp_path):
     _fill(model, cache, _ids(60), 40)
     cache.save(tmp_path / "c.kvc")
     loaded = CompressedCache.load(tmp_path / "c.kvc")
-    stored = [layer.engine.store.positions for layer in loaded.layers]
+    stored = [layer.engine.held.store.positions for layer in loaded.layers]
     assert len({t.untyped_storage().data_ptr() for t in stored}) == 1
     assert loaded.memory_report().segments["positions"] == cache.memory_report().segments["positions"]
 

@@ -23,7 +23,7 @@ def test_positions_are_held_as_int32_and_reported_as_int64():
     cache = CompressedCache(policy="log", window=4, action="quantize", bits=2, group_size=8)
     _fill(cache, layers=1, prompt=40, steps=3)
     layer = cache.layers[0]
-    assert layer.engine.full_pos.dtype == layer.engine.store.positions.dtype == POSITION_DTYPE == torch.int32
+    assert layer.engine.held.full_pos.dtype == layer.engine.held.store.positions.dtype == POSITION_DTYPE == torch.int32
     pos = cache.positions(0)
     assert all(t.dtype == torch.int64 for t in pos.values())
     assert sorted(pos["full"].tolist() + pos["compressed"].tolist()) == list(range(43))
@@ -36,16 +36,18 @@ def test_shared_policy_positions_are_held_once_for_all_layers(policy, kwargs):
     layers = 5
     cache = CompressedCache(policy=policy, action="quantize", bits=2, group_size=8, **kwargs)
     _fill(cache, layers=layers, prompt=50, steps=20)
-    stores = [layer.engine.store.positions for layer in cache.layers]
+    stores = [layer.engine.held.store.positions for layer in cache.layers]
     ptrs = {p.untyped_storage().data_ptr() for p in stores}
     assert len(ptrs) == 1  # one storage
     demoted = stores[0].shape[1]
     assert demoted > 0 and all(torch.equal(p, stores[0]) for p in stores)
     report = cache.memory_report()
-    full = sum(layer.engine.full_pos.numel() for layer in cache.layers) * 4
+    full = sum(layer.engine.held.full_pos.numel() for layer in cache.layers) * 4
     assert report.segments["positions"] == full + demoted * 4
     # each layer alone still owns what it holds
-    assert cache.layers[3].memory().segments["positions"] == cache.layers[3].engine.full_pos.numel() * 4 + demoted * 4
+    assert (
+        cache.layers[3].memory().segments["positions"] == cache.layers[3].engine.held.full_pos.numel() * 4 + demoted * 4
+    )
 
 
 def test_shared_positions_survive_other_layers_changing():
@@ -76,10 +78,12 @@ def test_per_head_policy_positions_are_per_layer():
             layer = cache.layers[layer_idx]
             keys = layer.engine.length
             layer.observe_attention(torch.rand(2, keys, generator=g))
-    a, b = (layer.engine.store.positions for layer in cache.layers)
+    a, b = (layer.engine.held.store.positions for layer in cache.layers)
     assert a.shape[0] == 2 and a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
     report = cache.memory_report()
-    expected = sum((layer.engine.full_pos.numel() + layer.engine.store.positions.numel()) * 4 for layer in cache.layers)
+    expected = sum(
+        (layer.engine.held.full_pos.numel() + layer.engine.held.store.positions.numel()) * 4 for layer in cache.layers
+    )
     assert report.segments["positions"] == expected
 
 

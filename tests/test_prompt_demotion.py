@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-import kvpolicy.segments as segments
+import kvpolicy.layer.held as held_tokens
 from kvpolicy import CompressedCache
 from kvpolicy.attention import disable_scores, enable_scores
 from kvpolicy.cache import CompressedLayer
@@ -58,11 +58,11 @@ def test_after_a_prefill_each_layer_holds_its_policy_set_plus_the_crop_window(mo
         _unwrap(model)
     layers = [layer for layer in cache.layers if isinstance(layer, CompressedLayer)]
     assert len(layers) == 4
-    policy = layers[0].policy
+    policy = layers[0].engine.policy
     if policy.needs_scores:
         window = 0  # crop is refused for score-based policies: nothing is kept back
     elif policy.splits_appends:
-        window = min(PROMPT, segments.CROP_WINDOW)
+        window = min(PROMPT, held_tokens.CROP_WINDOW)
     else:
         window = PROMPT  # flush treats its first append as the prompt: it waits for the next call
     for layer in layers:  # the forward has returned: every layer's attention has read its prompt
@@ -86,7 +86,7 @@ def test_without_the_forward_hook_the_last_layer_waits_for_the_next_call(model):
         with torch.inference_mode():
             model(ids[:, :PROMPT], cache=cache, use_cache=True)
             layers = cache.layers
-            assert [layer.engine.held.pending for layer in layers] == [segments.CROP_WINDOW] * 3 + [PROMPT]
+            assert [layer.engine.held.pending for layer in layers] == [held_tokens.CROP_WINDOW] * 3 + [PROMPT]
             model(ids[:, PROMPT:], cache=cache, use_cache=True)
     finally:
         model.set_attn_implementation("sdpa")
@@ -152,7 +152,7 @@ def test_crop_within_the_window_after_a_long_verification_forward(model):
                 model(ids[:, :PROMPT], cache=c, use_cache=True)
         finally:
             _unwrap(model)
-        c.crop(-(segments.CROP_WINDOW + 1))
+        c.crop(-(held_tokens.CROP_WINDOW + 1))
 
 
 def _fill(cache: CompressedCache, n: int) -> None:
@@ -161,7 +161,7 @@ def _fill(cache: CompressedCache, n: int) -> None:
     g = torch.Generator().manual_seed(n)
     for count in (300, n):
         cache.update(torch.randn(1, 3, count, 64, generator=g), torch.randn(1, 3, count, 64, generator=g), 0)
-        if cache.layers[0].policy.needs_scores:
+        if cache.layers[0].engine.policy.needs_scores:
             length = cache.layers[0].engine.length  # one score per key returned: demoted and full precision
             cache.layers[0].observe_attention(torch.linspace(0, 1, length).expand(3, -1))
         if count == 300:
@@ -173,13 +173,13 @@ def test_a_demotion_allocates_within_a_bound_of_one_chunk(name, monkeypatch):
     """Counted tensor bytes (torch's memory profiler): demoting a 4,096-token update allocates at most
     eight chunks' worth of full-precision keys and values beyond what the store then holds; the same
     demotion in one piece allocates several times more."""
-    chunk_bytes = segments.DEMOTE_CHUNK * 3 * 64 * 4 * 2  # fp32 keys and values of one chunk
+    chunk_bytes = held_tokens.DEMOTE_CHUNK * 3 * 64 * 4 * 2  # fp32 keys and values of one chunk
     cache = CONFIGS[name]()
     _fill(cache, 4096)
     _, peak = allocation_peak(lambda: cache.layers[0].engine.held.settle())
     held = cache.memory_report().total_bytes
     assert peak <= 8 * chunk_bytes + held, (peak, chunk_bytes, held)
-    monkeypatch.setattr(segments, "DEMOTE_CHUNK", 10**9)
+    monkeypatch.setattr(held_tokens, "DEMOTE_CHUNK", 10**9)
     whole = CONFIGS[name]()
     _fill(whole, 4096)
     _, unchunked = allocation_peak(lambda: whole.layers[0].engine.held.settle())
@@ -190,11 +190,11 @@ def test_a_demotion_allocates_within_a_bound_of_one_chunk(name, monkeypatch):
 def test_chunked_demotion_stores_what_one_piece_stores(name, monkeypatch):
     cache = CONFIGS[name]()
     _fill(cache, 1000)
-    monkeypatch.setattr(segments, "DEMOTE_CHUNK", 10**9)
+    monkeypatch.setattr(held_tokens, "DEMOTE_CHUNK", 10**9)
     whole = CONFIGS[name]()
     _fill(whole, 1000)
     whole.layers[0].engine.held.settle()
-    monkeypatch.setattr(segments, "DEMOTE_CHUNK", 128)
+    monkeypatch.setattr(held_tokens, "DEMOTE_CHUNK", 128)
     cache.layers[0].engine.held.settle()
     for key, value in cache.positions(0).items():
         assert torch.equal(value, whole.positions(0)[key])

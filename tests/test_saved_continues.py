@@ -130,7 +130,7 @@ def test_a_crop_before_the_store_holds_anything_forgets_the_fit_and_centres_it_t
 
 def _fitted(engine) -> dict[str, torch.Tensor]:
     """What a layer took from its first block: a low-rank basis and centre, and each centred stream's centre."""
-    basis, store = engine.basis, engine.store
+    basis, store = engine.held.basis, engine.held.store
     out = {name: getattr(basis, name) for name in ("directions", "centre") if getattr(basis, name, None) is not None}
     stores = store._stores() if hasattr(store, "_stores") else [store]  # one per tier
     for i, stream in enumerate(s for st in stores for s in (st.k, st.v)):

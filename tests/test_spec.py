@@ -16,8 +16,9 @@ from kvpolicy.actions.quantize import Quantize
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import CacheFileError, ConfigError
 from kvpolicy.hookspecs import hookimpl
+from kvpolicy.layer.composition import Plan, choose_backend, plan
 from kvpolicy.policies import HeavyHitters, LogWindow
-from kvpolicy.spec import VERSION, Plan, choose_backend, plan
+from kvpolicy.spec import VERSION
 
 #: keyword sets of CompressedCache, one per kind of composition the spec must carry
 COMPOSITIONS = [

@@ -25,7 +25,7 @@ BOTTOM = Quantize(bits=2, group_size=16)
 def _tiers(cache: CompressedCache, layer: int = 0) -> tuple[list[int], list[list[int]]]:
     """Full-precision positions and each tier's positions (one row)."""
     full = cache.positions(layer)["full"].flatten().tolist()
-    store = cache.layers[layer].engine.store
+    store = cache.layers[layer].engine.held.store
     store = getattr(store, "inner", store)  # behind a transform
     return full, [p[0].tolist() for p in store.tier_positions()]
 
@@ -144,12 +144,12 @@ def test_three_tiers_hold_the_middle_between_the_ends():
     x = torch.randn(1, 2, 100, 64, generator=g)
     cache.update(x, x, 0)
     cache.update(x[:, :, :1], x[:, :, :1], 0)
-    store = cache.layers[0].engine.store
+    store = cache.layers[0].engine.held.store
     errors = []
     for tier in [*store.middles, None]:
         inner = store.bottom if tier is None else tier.inner
         pos = inner.positions[0].long()
-        got = cache.layers[0].engine.basis.transform.inverse(inner.keys())
+        got = cache.layers[0].engine.held.basis.transform.inverse(inner.keys())
         errors.append(float((got - x[:, :, pos]).pow(2).mean()))
     assert len(store.middles) == 2 and errors[0] < errors[1] < errors[2]
 

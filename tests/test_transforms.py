@@ -108,7 +108,7 @@ def test_the_largest_seed_builds_its_rotation_and_serves_a_demotion():
     x = torch.randn(1, 2, 40, 64)
     cache.update(x, x, 0)
     cache.update(x[:, :, :1], x[:, :, :1], 0)
-    assert len(cache.layers[0].engine.store) > 0 and cache.layers[0].engine.held.failed is None
+    assert len(cache.layers[0].engine.held.store) > 0 and cache.layers[0].engine.held.failed is None
 
 
 # ------------------------------------------------------------------ composition and registry
@@ -138,7 +138,7 @@ def test_with_eviction_the_transform_is_idle_and_says_so(models):
     a = teacher_forced_logits(model, ids, 20, plain)
     b = teacher_forced_logits(model, ids, 20, rotated)
     assert torch.equal(a, b)
-    assert rotated.layers[0].engine.basis is None
+    assert rotated.layers[0].engine.held.basis is None
     assert "transform" not in rotated.memory_report().segments
 
 
@@ -177,7 +177,7 @@ def test_a_plugin_transform_registers_checks_and_composes(models):
         # per-token value groups see the same values in another order: values come back the same;
         # per-channel key groups are the same channels renamed: keys too. The logits agree.
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-        inner = rev.layers[0].engine.store
+        inner = rev.layers[0].engine.held.store
         assert torch.equal(inner.keys().flip(-1), _held_keys(rev.layers[0].engine))
     finally:
         registry.unregister(plugin)
@@ -228,7 +228,7 @@ def test_rotation_spreads_outlier_channels_and_lowers_the_2bit_error(axis):
         )  # fmt: skip
         cache.update(x, x.clone(), 0)
         cache.update(x[:, :, :1], x[:, :, :1], 0)  # a decode step demotes the prompt
-        n = cache.layers[0].engine.store.k.num_quantized
+        n = cache.layers[0].engine.held.store.k.num_quantized
         got = _held_keys(cache.layers[0].engine)[:, :, :n]
         errors[name] = float(((got - x[:, :, :n]) ** 2).mean())
     if axis == "token":
@@ -242,7 +242,7 @@ def test_the_store_holds_rotated_tokens_and_gives_back_the_originals_at_8_bits()
     cache = CompressedCache(policy="recent", window=4, bits=8, group_size=64, transform="hadamard", backend="torch")
     cache.update(x, x * 0.5, 0)
     cache.update(x[:, :, :1], x[:, :, :1], 0)
-    store = cache.layers[0].engine.store
+    store = cache.layers[0].engine.held.store
     n = store.k.num_quantized
     r = Hadamard().matrix(64)
     rotated = store.keys()[:, :, :n]
@@ -277,8 +277,8 @@ def test_fused_equals_materialized_with_rotation(family, backend, cpu_kernel):
     """Across group flushes with staging non-empty (group 16, window 8, 75 tokens, batch 2), GQA."""
     got, ref, cache = fused_and_materialized(family, transform="hadamard", backend=backend, key_bits=4, value_bits=2)
     assert set(cache.attention_paths().values()) == {f"fused ({backend})"}
-    store = cache.layers[0].engine.store
-    assert cache.layers[0].engine.basis is not None and store.k.staging is not None
+    store = cache.layers[0].engine.held.store
+    assert cache.layers[0].engine.held.basis is not None and store.k.staging is not None
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
 
 
@@ -414,7 +414,7 @@ def test_float16_tokens_whose_rotation_passes_65504_read_back_as_in_float32(back
             check_finite=check_finite,
         )  # fmt: skip
         runs[dtype] = _read_both_ways(cache, k.to(dtype), v.to(dtype), query.to(dtype))
-        inner = cache.layers[0].engine.store
+        inner = cache.layers[0].engine.held.store
         assert inner.k.q.dtype == torch.float32 and inner.k.q.tensors()["scales"].dtype == torch.float16
     (view16, out16), (view32, out32) = runs[torch.float16], runs[torch.float32]
     for got, want in ((view16[0], view32[0]), (view16[1], view32[1]), (out16, out32)):
@@ -506,7 +506,7 @@ def test_a_float16_rotated_store_saves_and_loads_its_model_dtype(tmp_path):
     loaded = CompressedCache.load(tmp_path / "c")
     want, got = cache.layers[0].attention_view("ordered"), loaded.layers[0].attention_view("ordered")
     assert got[0].dtype == torch.float16 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    basis = loaded.layers[0].engine.basis
+    basis = loaded.layers[0].engine.held.basis
     state = basis.state_dict()
     assert state["dtype"] == "float16"
     basis.load_state_dict({**state, "dtype": None}, x.device)
@@ -517,7 +517,7 @@ def test_a_float16_rotated_store_saves_and_loads_its_model_dtype(tmp_path):
 
 def _held_keys(engine) -> torch.Tensor:
     """The demoted keys of a layer's engine in the model's basis (its store's, through its basis)."""
-    store, basis = engine.store, engine.basis
+    store, basis = engine.held.store, engine.held.basis
     return store.keys() if basis is None else basis.unmap_keys(store.keys(), store.positions)
 
 

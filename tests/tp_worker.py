@@ -533,7 +533,7 @@ def compare_stores(ref: CompressedCache, tp: CompressedCache, heads: slice) -> d
     """Codes, scales, minimums (centres) and staged tokens held at the end, on the rank's heads."""
     out: dict[str, Any] = {"codes": 0, "flipped": 0, "meta_differ": 0, "staging_max_diff": 0.0}
     for lr, lt in zip(ref.layers, tp.layers, strict=True):
-        streams = zip(_streams(lr.engine.store), _streams(lt.engine.store), strict=True)
+        streams = zip(_streams(lr.engine.held.store), _streams(lt.engine.held.store), strict=True)
         pairs = [p for a, b in streams for p in zip(a, b, strict=True)]
         for a, b in pairs:
             if a.q is not None:
@@ -595,7 +595,7 @@ def run_cases(ref_model: Any, tp_model: Any, ids: torch.Tensor, rank: int, world
                     entry["hadamard_matrix"] = tp.cache.transform.matrix(HEAD_DIM)
                     entry["hadamard_same_as_reference"] = bool(torch.equal(entry["hadamard_matrix"], ref_matrix))
             if isinstance(policy, SharedScores) and action != "none":
-                states = [layer.engine.state for layer in tp.cache.layers]
+                states = [layer.engine.held.state for layer in tp.cache.layers]
                 entry["shared_rows_seen"] = sorted({r for s in states for r in s.rows_seen})
                 entry["shared_local_would_differ"] = any(s.local_differs for s in states)
             entry["seconds"] = time.perf_counter() - start

@@ -1,12 +1,18 @@
 """One layer's engine in plain torch (no transformers): what ``CompressedLayer`` translates onto.
 
-- :mod:`kvpolicy.layer.engine`: :class:`LayerEngine`, the held tokens (``LayerSegments``), the
-  policy loop, the hand-out decision and the path each step took;
-- :mod:`kvpolicy.layer.padded`: a left-padded batch as an engine of engines, one per row;
+- :mod:`kvpolicy.layer.composition`: :class:`Composition`, the cache's parts, built once and read by every
+  layer; :class:`Plan`, one layer's backend, served action and fused-or-why, decided once at its first step
+  (:func:`plan`); :func:`choose_backend`, what ``backend="auto"`` stands for;
+- :mod:`kvpolicy.layer.engine`: :class:`LayerEngine`, the policy loop, the hand-out decision, the path each
+  step took and the version;
+- :mod:`kvpolicy.layer.held`: :class:`HeldTokens`, the tokens the engine holds, by segment, and the moves
+  between segments;
+- :mod:`kvpolicy.layer.padded`: :class:`PaddedEngine`, the engine's batch form for a left-padded batch, one
+  single-row engine per row;
+- :mod:`kvpolicy.layer.padding`: which columns of a step are pads;
 - :mod:`kvpolicy.layer.parts`: the parts a decode step hands fused attention;
 - :mod:`kvpolicy.layer.path`: which path a step took, as a value.
 
-The backend and fused-or-why of a layer are decided once, at its first step, by :func:`kvpolicy.spec.plan`.
-
-Nothing is imported here, so :mod:`kvpolicy.handoff` can import :mod:`kvpolicy.layer.path` without a cycle.
+No module here imports the spec, the cache or the presets. Nothing is imported here, so
+:mod:`kvpolicy.handoff` can import :mod:`kvpolicy.layer.path` without a cycle.
 """

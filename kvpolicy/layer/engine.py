@@ -1,11 +1,13 @@
 """One layer's engine in plain torch: the held tokens, the policy loop and what to hand attention.
 
-:class:`LayerEngine` owns a :class:`~kvpolicy.segments.LayerSegments` (the tokens, by segment) and
-adds what a step needs beyond them: the plan of its first update (:func:`kvpolicy.spec.plan`), the
-decision what to hand attention (plain tensors, or a :mod:`kvpolicy.handoff` pair whose ticket
-carries the parts fused attention reads, :mod:`kvpolicy.layer.parts`), the path the step took
-(:mod:`kvpolicy.layer.path`) and the version that makes stale hand-offs fail. A left-padded batch is
-an engine of engines behind the same methods (:class:`~kvpolicy.layer.padded.PaddedEngine`).
+:class:`LayerEngine` owns a :class:`~kvpolicy.layer.held.HeldTokens` (the tokens, by segment) and adds what
+a step needs beyond them: the plan of its first update (:meth:`Composition.plan
+<kvpolicy.layer.composition.Composition.plan>`), the decision what to hand attention (plain tensors, or a
+:mod:`kvpolicy.handoff` pair whose ticket carries the parts fused attention reads, :mod:`kvpolicy.layer.parts`),
+the path the step took (:mod:`kvpolicy.layer.path`) and the version that makes stale hand-offs fail. A
+left-padded batch is the engine's batch form, an engine of engines behind the same methods
+(:class:`~kvpolicy.layer.padded.PaddedEngine`). Both read the cache's one
+:class:`~kvpolicy.layer.composition.Composition` and the layer's :class:`~kvpolicy.layer.composition.Plan`.
 
 It knows nothing of transformers: :class:`kvpolicy.cache.CompressedLayer` translates transformers'
 calls into these methods, and ``tests/layer/`` drives it with bare tensors.
@@ -19,18 +21,13 @@ from typing import Any
 import torch
 
 from kvpolicy import handoff, state_check
-from kvpolicy.actions.base import Action, DemotedStore
-from kvpolicy.backends.base import Backend
+from kvpolicy.layer.composition import Composed, Composition, Plan
+from kvpolicy.layer.held import SEGMENTS, HeldTokens
 from kvpolicy.layer.padded import PaddedEngine
 from kvpolicy.layer.padding import MASK_REMEDY, StepMask, is_padded, refuse, rows_differ
 from kvpolicy.layer.parts import Part
 from kvpolicy.layer.path import FULL_PRECISION, HANDED_OUT, StepPath
 from kvpolicy.memory import LayerBytes
-from kvpolicy.policies.base import Policy, PolicyState
-from kvpolicy.positions import PositionBook
-from kvpolicy.segments import SEGMENTS, LayerSegments
-from kvpolicy.spec import Plan, plan
-from kvpolicy.transforms.base import Basis, Transform
 
 #: the warning (once per process) of a padded batch whose padding was read from positions alone
 POSITIONS_ONLY = (
@@ -42,56 +39,38 @@ POSITIONS_ONLY = (
 )
 
 
-class LayerEngine:
+class LayerEngine(Composed):
     """One layer of a compressed cache, in plain torch.
 
     Parameters
     ----------
-    policy, action, backend, transform
-        The composition (``backend`` may be re-chosen at the first step when ``auto``).
-    layout : {"ordered", "agnostic"}
-        The order of a materialised history (see ``CompressedCache``).
+    composition : Composition
+        The cache's parts, shared with every layer (read, never copied).
     layer_idx : int
-        The layer's index (error messages, per-layer stores).
-    attention : {"auto", "fused", "materialized"}
-        How decode steps read the compressed history (see ``CompressedCache``).
-    auto : bool
-        The backend was chosen by ``backend="auto"``: chosen again if this layer's tensors need another.
-    book : PositionBook, optional
-        Where a shared policy's demoted positions are held once for the cache's layers.
-    adapted : dict, optional
-        The ordered set of defaults replaced (:meth:`Action.serving`), shared with the cache.
+        The layer's index (error messages, per-layer stores and widths).
+    plan : Plan, optional
+        A row of a padded batch: its batch's plan (a row plans nothing itself).
     internal : bool
         A row of a padded batch: every step returns plain tensors to its :class:`PaddedEngine`.
 
     Attributes
     ----------
-    held : LayerSegments or None
+    plan : Plan or None
+        The layer's resolution of the composition, decided at :meth:`start` (``None`` before).
+    held : HeldTokens or None
         The tokens (``None`` until :meth:`start`).
     path : StepPath or None
         How the latest step's attention read the history (``None``: no step yet).
     """
 
     def __init__(
-        self, policy: Policy, action: Action, backend: Backend, transform: Transform, layout: str, layer_idx: int,
-        attention: str = "auto", auto: bool = False, book: PositionBook | None = None,
-        adapted: dict[str, None] | None = None, internal: bool = False,
+        self, composition: Composition, layer_idx: int, plan: Plan | None = None, internal: bool = False
     ) -> None:  # fmt: skip
-        self.policy = policy
-        self.action = action
-        self.backend = backend
-        self.transform = transform
-        self.layout = layout
+        self.composition = composition
         self.layer_idx = layer_idx
-        self.attention = attention
-        self.auto = auto
-        self.book = book
-        #: the model's config the cache was given (``None``: none): the transform's bind context reads it
-        self.config: Any = None
-        self.adapted: dict[str, None] = {} if adapted is None else adapted
+        self.plan = plan
         self.internal = internal
-        self.held: LayerSegments | None = None
-        self.plan: Plan | None = None
+        self.held: HeldTokens | None = None
         self.path: StepPath | None = None
         self.fused_path: StepPath | None = None
         self._unfused_path: StepPath | None = None
@@ -140,31 +119,16 @@ class LayerEngine:
             raise RuntimeError(f"layer {self.layer_idx} holds no tokens yet; its {name} cannot be set")
 
     @property
-    def store(self) -> DemotedStore | None:
-        """The action's store of demoted tokens (None without compression or before the first step)."""
-        return None if self.held is None else self.held.store
-
-    @property
-    def basis(self) -> Basis | None:
-        """The transform bound to this layer, in whose basis :attr:`store` holds its tokens (``None``: the model's)."""
-        return None if self.held is None else self.held.basis
-
-    @property
-    def state(self) -> PolicyState | None:
-        """The policy's state (None without compression or before the first step)."""
-        return None if self.held is None else self.held.state
-
-    @property
-    def full_pos(self) -> torch.Tensor | None:
-        """Positions of the full-precision segment (see :class:`LayerSegments`)."""
-        return None if self.held is None else self.held.full_pos
+    def pending(self) -> int:
+        """Tokens of the latest multi-token step whose demotion waits for :meth:`release`."""
+        return 0 if self.held is None else self.held.pending
 
     @property
     def is_croppable(self) -> bool:
         """Whether :meth:`crop` can undo the latest step now (see ``CompressedLayer.is_croppable``)."""
-        if not self.action.compresses:
+        if not self.composition.action.compresses:
             return True
-        if self.policy.needs_scores:
+        if self.composition.policy.needs_scores:
             return False
         return self.held is None or self.held.is_croppable
 
@@ -177,38 +141,27 @@ class LayerEngine:
         head dims) and start empty segments shaped like them. Returns this engine, or the
         :class:`~kvpolicy.layer.padded.PaddedEngine` over it when the first step is padded (with compression):
         ``mask`` (its columns of the attention mask) says so, else ``position_ids`` (``(batch, n)``) do
-        (:func:`~kvpolicy.layer.padding.is_padded`)."""
-        self.plan = plan(
-            self.policy, self.action, self.backend, auto=self.auto, attention=self.attention,
-            device_type=key_states.device.type, dtype=key_states.dtype,
-            key_dim=key_states.shape[-1], value_dim=value_states.shape[-1],
-        )  # fmt: skip
-        self.backend, self.action = self.plan.backend, self.plan.action
-        self.adapted.update(dict.fromkeys(self.plan.notes))
-        reason, name = self.plan.fused_reason, self.backend.name
+        (:func:`~kvpolicy.layer.padding.is_padded`). A row of a padded batch keeps its batch's plan."""
+        if not self.internal:
+            self.plan = self.composition.plan(self.layer_idx, key_states, value_states)
+        reason, name = self.plan.fused_reason, self.plan.backend.name
         #: the paths of a decode step served fused, and of one this composition cannot fuse
         self.fused_path = StepPath("fused", None, name)
         self._unfused_path = None if reason is None else StepPath("materialized", reason, name)
-        held = LayerSegments(
-            self.policy, self.action, self.backend, self.transform, self.layer_idx, self.book, self.config
-        )
+        book = None if self.internal else self.composition.book  # a row's positions are its own
+        held = HeldTokens(self.composition, self.plan, self.layer_idx, book)
         held.start(key_states, value_states)
         self._drop()
         self.held = held
-        if self.action.compresses and is_padded(position_ids, mask, key_states.shape[0]):
+        if self.plan.action.compresses and is_padded(position_ids, mask, key_states.shape[0]):
             if mask is None:
                 handoff.warn_once(POSITIONS_ONLY)
             return PaddedEngine(self, key_states.shape[0])
         return self
 
     def row(self) -> LayerEngine:
-        """An unstarted engine for one row of a padded batch (materialised attention, plain tensors)."""
-        row = LayerEngine(
-            self.policy, self.action, self.backend, self.transform, self.layout, self.layer_idx, "materialized",
-            self.auto, adapted=self.adapted, internal=True,
-        )  # fmt: skip
-        row.config = self.config
-        return row
+        """An unstarted engine for one row of a padded batch (this engine's plan, plain tensors)."""
+        return LayerEngine(self.composition, self.layer_idx, self.plan, internal=True)
 
     def _drop(self) -> None:
         """Forget the held tokens, keeping :attr:`version` growing."""
@@ -251,7 +204,7 @@ class LayerEngine:
             self._refuse_shape(key_states, value_states)
         self._version += 1
         n = key_states.shape[-2]
-        if not self.action.compresses:
+        if not self.plan.action.compresses:
             held.append(key_states, value_states)
             return held.keys, held.values
         if (mask is not None or n > 1) and rows_differ(position_ids, mask, key_states.shape[0]):
@@ -284,9 +237,9 @@ class LayerEngine:
         that require gradients: such a step gets plain position-ordered tensors (score-based policies
         still go through kvpolicy's wrapper, which materialises above autograd)."""
         segments = self.held
-        # LayerSegments.holds_demoted, inlined (len(store), inlined)
-        held = self.action.keeps_demoted and segments.store.positions.shape[-1] > 0
-        scores = self.policy.needs_scores
+        # HeldTokens.holds_demoted, inlined (len(store), inlined)
+        held = self.plan.action.keeps_demoted and segments.store.positions.shape[-1] > 0
+        scores = self.composition.policy.needs_scores
         basis = segments.basis
         queries = basis is not None and basis.wants_queries
         reason = self.plan.fused_reason
@@ -297,21 +250,22 @@ class LayerEngine:
         elif reason is not None:
             self.path = self._unfused_path
         elif n > 1:
-            self.path = StepPath("materialized", "multi-token update", self.backend.name)
+            self.path = StepPath("materialized", "multi-token update", self.plan.backend.name)
         elif grad:
-            if self.attention == "fused":
+            if self.composition.attention == "fused" and not self.internal:
                 raise RuntimeError(
                     f"CompressedCache(attention='fused'): layer {self.layer_idx}'s forward records gradients, which "
                     "the fused decode path does not propagate; run under torch.no_grad()/inference_mode(), or use "
                     "attention='auto'"
                 )
             self.path = StepPath(
-                "materialized", "autograd is recording (the fused path computes no gradients)", self.backend.name
+                "materialized", "autograd is recording (the fused path computes no gradients)", self.plan.backend.name
             )
         else:
             self.path = HANDED_OUT  # set by whoever consumes it
         fusable = n == 1 and held and reason is None and not grad
-        agnostic = self.layout == "agnostic" and held and not grad
+        layout = self.composition.layout
+        agnostic = layout == "agnostic" and held and not grad
         self._handed = None
         if self.internal or not (fusable or agnostic or scores or queries):
             return self.view("ordered")
@@ -321,7 +275,7 @@ class LayerEngine:
             parts.append(Part(segments.keys, segments.values))
         ticket = handoff.Ticket(
             self, parts=parts, basis=basis, scores=scores, queries=queries,
-            layout=self.layout if agnostic else "ordered", strict=self.attention == "fused",
+            layout=layout if agnostic else "ordered", strict=self.composition.attention == "fused",
             version=self._version + segments.moves,
         )  # fmt: skip
         if torch.compiler.is_compiling():
@@ -342,21 +296,21 @@ class LayerEngine:
         ticket in ``side`` for kvpolicy's attention functions (see :meth:`step`)."""
         if ticket.scores or ticket.queries:
             raise RuntimeError(
-                f"layer {self.layer_idx}: policy {self.policy.name!r} or the cache's transform reads attention "
-                "scores or queries, which a step compiled with torch.compile cannot report; run this cache eagerly "
-                "(CompressedCache.compiles says which caches compile)"
+                f"layer {self.layer_idx}: policy {self.composition.policy.name!r} or the cache's transform reads "
+                "attention scores or queries, which a step compiled with torch.compile cannot report; run this cache "
+                "eagerly (CompressedCache.compiles says which caches compile)"
             )
         if side is not None and ticket.fusable:
             side[handoff.TICKET_KWARG] = ticket
         else:
             self.path = StepPath(
-                "materialized", "a compiled step whose attention function is not known", self.backend.name
+                "materialized", "a compiled step whose attention function is not known", self.plan.backend.name
             )
         return self.view("ordered")
 
     def release(self) -> int:
         """Attention has read the latest multi-token step: demote what may be demoted now
-        (:meth:`LayerSegments.release`). Nothing happens while the hand-off of that step is still alive
+        (:meth:`HeldTokens.release`). Nothing happens while the hand-off of that step is still alive
         (a shared-KV layer reads it later in the forward): the next call demotes.
 
         Returns
@@ -401,7 +355,7 @@ class LayerEngine:
         self.held.observe(scores, layout)
 
     def view(self, layout: str = "ordered") -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole history, materialised (see :meth:`LayerSegments.view`)."""
+        """The whole history, materialised (see :meth:`HeldTokens.view`)."""
         return self.held.view(layout)
 
     def mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -457,7 +411,7 @@ class LayerEngine:
         """Everything held, as JSON values and tensors (see ``CompressedCache.save``)."""
         if self.held is None:
             return {"kind": "compressed", "initialized": False}
-        return {"kind": "compressed", "initialized": True, "backend": self.backend.name, **self.held.state_dict()}
+        return {"kind": "compressed", "initialized": True, "backend": self.plan.backend.name, **self.held.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> torch.Tensor | None:
         """Restore :meth:`state_dict`'s output into this unstarted engine, checking that its parts agree;
@@ -466,7 +420,7 @@ class LayerEngine:
         if not state_check.flag(initialized, "initialized"):
             state_check.entries(state, "an empty layer", ("kind", "initialized"))
             return None
-        kept = LayerSegments.STATE_KEYS if self.action.compresses else LayerSegments.STATE_KEYS[:3]
+        kept = HeldTokens.STATE_KEYS if self.composition.action.compresses else HeldTokens.STATE_KEYS[:3]
         state_check.entries(state, "layer", ("kind", "initialized", "backend", *kept))
         keys, values = state_check.layer_tokens(state["keys"], state["values"])
         self.start(keys[:, :, :0], values[:, :, :0])  # checks, and a fresh state and store

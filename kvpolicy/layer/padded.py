@@ -13,8 +13,9 @@ put back into one rectangular tensor whose key slots line up with transformers' 
   the empty slots are masked by :mod:`kvpolicy.attention`'s wrapper (the 2-D padding mask cannot
   express them), so eviction of padded batches needs :func:`kvpolicy.attention.enable_scores`.
 
-:class:`PaddedEngine` answers the methods of :class:`~kvpolicy.layer.engine.LayerEngine`, so the
-cache's layer does not know whether its batch is padded.
+:class:`PaddedEngine` is the batch form of :class:`~kvpolicy.layer.engine.LayerEngine`: it answers the same
+methods, reads the same composition and plan, and keeps its own version and path, so the cache's layer does
+not know whether its batch is padded.
 """
 
 from __future__ import annotations
@@ -26,32 +27,21 @@ from typing import Any
 import torch
 
 from kvpolicy import handoff
+from kvpolicy.layer.composition import Composed
 from kvpolicy.layer.padding import StepMask, leading_pads
 from kvpolicy.layer.path import StepPath
 from kvpolicy.memory import LayerBytes
 
 
-def _head(name: str, doc: str) -> property:
-    """An attribute of the batch's head engine (the composition, the version, the path)."""
-
-    def get(self: PaddedEngine) -> Any:
-        return getattr(self.head, name)
-
-    def put(self: PaddedEngine, value: Any) -> None:
-        setattr(self.head, name, value)
-
-    return property(get, put, doc=doc)
-
-
-class PaddedEngine:
+class PaddedEngine(Composed):
     """The per-row engines of one layer for a left-padded batch.
 
     Parameters
     ----------
     head : LayerEngine
         The started engine of the whole batch (:class:`~kvpolicy.layer.engine.LayerEngine`, which
-        builds this object; not imported here, so the two modules form no cycle): its composition,
-        plan, version and path are the batch's (it holds no tokens itself).
+        builds this object; not imported here, so the two modules form no cycle): it holds no tokens, its
+        composition and plan are the batch's, and :meth:`reset` returns it.
     batch : int
         Rows of the batch.
 
@@ -67,40 +57,34 @@ class PaddedEngine:
         Where each row's view lies in the latest step's assembled keys.
     length : int
         The batch's logical length (pads included).
+    path : StepPath or None
+        How the latest step's attention read the history (``None``: no step yet).
     """
-
-    policy = _head("policy", "The policy.")
-    action = _head("action", "The action (as served by the plan).")
-    backend = _head("backend", "The backend.")
-    layer_idx = _head("layer_idx", "The layer's index.")
-    attention = _head("attention", "How decode steps read the history.")
-    book = _head("book", "Where shared demoted positions are held (unused by rows).")
-    adapted = _head("adapted", "The defaults replaced.")
-    config = _head("config", "The model's config the cache was given (the transform's bind context reads it).")
-    path = _head("path", "How the latest step's attention read the history.")
-    held = _head("held", "The head engine's (empty) segments; each row's are ``rows[b].held``.")
-    store = _head("store", "The head engine's (empty) store; each row's is ``rows[b].store``.")
-    state = _head("state", "The head engine's (fresh) policy state; each row's is ``rows[b].state``.")
-    full_pos = _head("full_pos", "The head engine's (empty) positions; :meth:`positions` gives each row's.")
-    version = _head("version", "See LayerEngine.version.")
-    started = True
 
     def __init__(self, head: Any, batch: int) -> None:
         self.head = head
+        self.composition, self.plan, self.layer_idx = head.composition, head.plan, head.layer_idx
+        self.path: StepPath | None = None
+        self._version = head.version
         self.rows = [head.row() for _ in range(batch)]
         self.pads = [0] * batch
         self.fed = [0] * batch
-        self.keeps_demoted = head.action.keeps_demoted
+        self.keeps_demoted = head.plan.action.keeps_demoted
         self.prefilled = False
         self.slots: list[slice] = []
         self.length = 0
 
     @property
+    def version(self) -> int:
+        """Grows with every change of the rows (see ``LayerEngine.version``)."""
+        return self._version
+
+    @property
     def is_croppable(self) -> bool:
         """Whether every row can undo its latest step."""
-        if not self.action.compresses:
+        if not self.composition.action.compresses:
             return True
-        if self.policy.needs_scores:
+        if self.composition.policy.needs_scores:
             return False
         return all(row.is_croppable for row in self.rows)
 
@@ -152,17 +136,16 @@ class PaddedEngine:
         columns are pads (:func:`~kvpolicy.layer.padding.leading_pads`); a decode step reads the mask only."""
         n = key_states.shape[-2]
         pads = self._pads(n, position_ids, mask)
-        head = self.head
-        head._version += 1
+        self._version += 1
         self.length += n
         keys, values, key_mask = self._update(key_states, value_states, pads, grad)
-        head.path = StepPath("materialized", "left-padded batch (one layer per row)", head.backend.name)
-        if head.attention == "fused" and head.plan.fused_reason is None and self.keeps_demoted:
+        self.path = StepPath("materialized", "left-padded batch (one layer per row)", self.plan.backend.name)
+        if self.composition.attention == "fused" and self.plan.fused_reason is None and self.keeps_demoted:
             raise NotImplementedError(
                 "CompressedCache(attention='fused') does not support left-padded batches (rows run one by one); "
                 "use attention='auto', which materialises their history"
             )
-        needs_scores = head.policy.needs_scores
+        needs_scores = self.composition.policy.needs_scores
         queries = self.wants_queries
         if not needs_scores and not queries and key_mask is None:
             return keys, values
@@ -240,19 +223,23 @@ class PaddedEngine:
     def view(self, layout: str = "ordered") -> tuple[torch.Tensor, torch.Tensor]:
         return self.head.view(layout)
 
+    #: tokens waiting for :meth:`release`: none, rows demote at their next step
+    pending = 0
+
     def release(self) -> int:
         """Rows demote at their next step (nothing is released in between)."""
         return 0
 
     def reset(self) -> Any:
         """Forget every row; returns the engine to use from now on (the head, unstarted)."""
+        self._version += 1
         return self.head.reset()
 
     # ------------------------------------------------------------------ batch moves and crops
     def _select(self, indices: Sequence[int]) -> None:
         """Keep/reorder/repeat rows (beam search, batch select): every per-row record moves with its row, and a
         row taken twice is copied."""
-        self.head._version += 1
+        self._version += 1
         seen: set[int] = set()
         rows = []
         for i in indices:
@@ -281,9 +268,13 @@ class PaddedEngine:
         k = -tokens_to_remove
         mine = [min(k, engine.length) for engine in self.rows]
         for engine, m in zip(self.rows, mine, strict=True):
-            if m and self.action.compresses and (self.policy.needs_scores or m > engine.held.pending):
+            if (
+                m
+                and self.composition.action.compresses
+                and (self.composition.policy.needs_scores or m > engine.pending)
+            ):
                 engine.crop(-m)  # raises, naming what cannot be removed, before any row changes
-        self.head._version += 1
+        self._version += 1
         for row, (engine, m) in enumerate(zip(self.rows, mine, strict=True)):
             engine.crop(-m)
             self.pads[row] -= k - m
@@ -302,17 +293,17 @@ class PaddedEngine:
             for name, n in part.segments.items():
                 merged[name] = merged.get(name, 0) + n
         return LayerBytes(
-            self.head.layer_idx, self.length, merged, sum(part.baseline_bytes for part in parts),
+            self.layer_idx, self.length, merged, sum(part.baseline_bytes for part in parts),
             max(part.element_size for part in parts),
         )  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         raise NotImplementedError(
-            f"layer {self.head.layer_idx} holds a left-padded batch (one layer per row); saving it is not supported"
+            f"layer {self.layer_idx} holds a left-padded batch (one layer per row); saving it is not supported"
         )
 
     def load_state_dict(self, state: dict[str, Any]) -> torch.Tensor | None:
-        raise NotImplementedError(f"layer {self.head.layer_idx} holds a left-padded batch; a saved layer loads fresh")
+        raise NotImplementedError(f"layer {self.layer_idx} holds a left-padded batch; a saved layer loads fresh")
 
 
 def _assemble(views: list[torch.Tensor], width: int) -> torch.Tensor:

@@ -161,7 +161,7 @@ class Policy(ABC):
     #: True if telling the state of ``a`` then ``b`` new tokens demotes exactly what telling it of
     #: ``a + b`` at once does, in the same order (a selection that depends only on the length). A layer
     #: then demotes a long multi-token update as soon as attention has read it, keeping only the last
-    #: tokens a ``crop`` could still remove (see ``kvpolicy.segments.CROP_WINDOW``); other policies that
+    #: tokens a ``crop`` could still remove (see ``kvpolicy.layer.held.CROP_WINDOW``); other policies that
     #: need no scores keep the whole update until the layer's next call.
     splits_appends: ClassVar[bool] = False
     #: with ``needs_scores``: report only the attention of the last ``score_queries`` query positions

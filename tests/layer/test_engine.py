@@ -16,12 +16,12 @@ from kvpolicy.backends.base import dense_attention
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.fused import attend_parts
 from kvpolicy.handoff import HandedOff, ticket_of
+from kvpolicy.layer.composition import Composition, plan
 from kvpolicy.layer.engine import LayerEngine
 from kvpolicy.layer.padded import PaddedEngine
 from kvpolicy.layer.parts import Part
 from kvpolicy.layer.path import StepPath
 from kvpolicy.policies import HeavyHitters, LogWindow, RecentWindow
-from kvpolicy.spec import plan
 from kvpolicy.transforms import Hadamard, NoTransform
 
 D = 32
@@ -32,11 +32,12 @@ def _tokens(n: int, seed: int, batch: int = 1, heads: int = 2) -> tuple[torch.Te
     return torch.randn(batch, heads, n, D, generator=g), torch.randn(batch, heads, n, D, generator=g)
 
 
-def _engine(policy=None, action=None, transform=None, **kw) -> LayerEngine:
-    return LayerEngine(
+def _engine(policy=None, action=None, transform=None, layout="ordered") -> LayerEngine:
+    parts = Composition(
         policy or LogWindow(4), action or Quantize(bits=2, group_size=8), TorchBackend(), transform or NoTransform(),
-        kw.pop("layout", "ordered"), 0, **kw,
+        layout,
     )  # fmt: skip
+    return LayerEngine(parts, 0)
 
 
 def _run(engine, prompt: int, steps: int, seed: int = 0, batch: int = 1):
@@ -119,9 +120,9 @@ def test_the_parts_of_every_store_kind_give_the_materialised_attention():
         parts = ticket_of(keys).parts
         assert all(isinstance(p, Part) for p in parts) and parts[-1].backend is None
         basis = ticket_of(keys).basis
-        assert basis is engine.basis and (basis is None) == (transform is None)
+        assert basis is engine.held.basis and (basis is None) == (transform is None)
         got = attend_parts(query, parts, 0.125, basis)
-        stored = engine.store.parts()
+        stored = engine.held.store.parts()
         assert [p.backend for p in parts[:-1]] == [p.backend for p in stored]
         again = attend_parts(query, [*stored, Part(engine.keys, engine.values)], 0.125, basis)
         assert torch.equal(got, again)

@@ -96,7 +96,7 @@ class Held:
     @classmethod
     def of(cls, engine) -> Held:
         held = cls.__new__(cls)
-        held.store, held.basis = engine.store, engine.basis
+        held.store, held.basis = engine.held.store, engine.held.basis
         return held
 
     def add(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:

@@ -221,7 +221,7 @@ def test_fused_equals_materialized(name, family, backend, rotate_values):
     ref, _ = _logits(model, "scores", ids, 38, **kw)
     got, cache = _logits(model, "fused", ids, 38, **kw)
     assert set(cache.attention_paths().values()) == {f"fused ({backend})"}
-    basis = cache.layers[0].engine.basis
+    basis = cache.layers[0].engine.held.basis
     heads = model.config.num_key_value_heads
     assert isinstance(basis, CalibratedBasis) and basis.key_basis.shape == (2, heads, 64, 64)
     assert (basis.value_basis is not None) == rotate_values
@@ -270,9 +270,9 @@ def test_each_padded_row_fits_the_rotation_it_would_alone():
             model.generate(input_ids=ids[1:, 5:], cache=alone, max_new_tokens=4, do_sample=False)
     finally:
         disable_scores(model)
-    rows = [row.basis for row in cache.layers[0].engine.rows]
+    rows = [row.held.basis for row in cache.layers[0].engine.rows]
     assert not torch.equal(rows[0].key_basis, rows[1].key_basis)
-    want = alone.layers[0].engine.basis
+    want = alone.layers[0].engine.held.basis
     torch.testing.assert_close(rows[1].key_weights, want.key_weights, rtol=1e-3, atol=1e-4)
     # the bases agree up to float16 rounding, wherever the eigenvalues are apart
     torch.testing.assert_close(
@@ -294,7 +294,7 @@ def test_a_saved_cache_loads_and_continues_bit_for_bit(tmp_path, prefill):
         path = tmp_path / "c.kvc"
         cache.save(path, model=model)
         loaded = CompressedCache.load(path, model=model)
-        basis = loaded.layers[0].engine.basis
+        basis = loaded.layers[0].engine.held.basis
         assert (basis.key_basis is None) == (prefill == 6)
         assert (basis.query_count == 0) == (prefill == 30)
         want = teacher_forced_logits(model, ids[:, prefill:], 1, copy.deepcopy(cache))

@@ -61,11 +61,11 @@ def test_each_layer_holds_the_files_rotation_for_its_index(llama, stats_file):
     _run(llama, cache, _ids(), fused=False)  # no attention wrapper: nothing is fitted on the prompt
     u, w, v = calibration.load(stats_file, llama.config).rotations(t)
     for i, layer in enumerate(cache.layers):
-        basis = layer.engine.basis
+        basis = layer.engine.held.basis
         assert isinstance(basis, CalibratedBasis) and basis.from_file
         assert torch.equal(basis.key_basis, u[i : i + 1]) and torch.equal(basis.key_weights, w[i : i + 1])
         assert torch.equal(basis.value_basis, v[i : i + 1])
-    assert not torch.equal(cache.layers[0].engine.basis.key_basis, cache.layers[1].engine.basis.key_basis)
+    assert not torch.equal(cache.layers[0].engine.held.basis.key_basis, cache.layers[1].engine.held.basis.key_basis)
 
 
 def test_the_basis_keeps_the_transform_contract(llama, stats_file):
@@ -81,7 +81,7 @@ def _refused(model, transform, error, match):
     cache = CompressedCache.for_model(model, transform=transform, **CODEBOOK)
     with pytest.raises(error, match=match), torch.no_grad():
         model(_ids(12), cache=cache, use_cache=True)
-    assert all(layer.engine.store is None and layer.engine.basis is None for layer in cache.layers)
+    assert all(layer.engine.held is None for layer in cache.layers)  # nothing held: no store, no basis
 
 
 def test_another_models_file_is_refused_naming_it_before_anything_is_held(stats_file):
@@ -161,7 +161,7 @@ def test_a_saved_cache_continues_bit_for_bit(llama, stats_file, tmp_path):
     path = tmp_path / "c.kvc"
     cache.save(path, model=llama)
     loaded = CompressedCache.load(path, model=llama)
-    basis, was = loaded.layers[1].engine.basis, cache.layers[1].engine.basis
+    basis, was = loaded.layers[1].engine.held.basis, cache.layers[1].engine.held.basis
     assert basis.from_file and basis.key_basis is was.key_basis  # the file's tensors again, held once
     want = teacher_forced_logits(llama, ids[:, 30:], 1, copy.deepcopy(cache))
     assert torch.equal(teacher_forced_logits(llama, ids[:, 30:], 1, loaded), want)
@@ -188,7 +188,7 @@ def test_each_batch_row_equals_the_row_run_alone(llama, stats_file, pad):
     alone = CompressedCache.for_model(llama, transform=t, **CODEBOOK)
     seq1, logits1 = _run(llama, alone, ids[1:, pad:], torch.ones_like(ids[1:, pad:]), fused=False)
     engine = cache.layers[0].engine
-    basis = engine.rows[1].basis if pad else engine.basis
-    assert basis.key_basis is alone.layers[0].engine.basis.key_basis
+    basis = engine.rows[1].held.basis if pad else engine.held.basis
+    assert basis.key_basis is alone.layers[0].engine.held.basis.key_basis
     assert torch.equal(seq[1, -6:], seq1[0, -6:])
     torch.testing.assert_close(logits[1], logits1[0], rtol=0, atol=1e-4)

@@ -320,7 +320,7 @@ def test_fused_equals_materialized(family, norm_bits, backend):
         norm_bits=norm_bits,
     )  # fmt: skip
     assert set(cache.attention_paths().values()) == {f"fused ({backend})"}
-    assert isinstance(cache.layers[0].engine.store.k.q, LatticeTensor)
+    assert isinstance(cache.layers[0].engine.held.store.k.q, LatticeTensor)
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
 
 
@@ -356,7 +356,7 @@ def test_saved_cache_continues_identically(tmp_path, key_centre, norm_bits):
         tmp_path, policy="log", window=4, key_bits=3, value_bits=2, scheme="lattice", transform="hadamard",
         key_centre=key_centre, norm_bits=norm_bits,
     )  # fmt: skip
-    k = loaded.layers[0].engine.store.k.q
+    k = loaded.layers[0].engine.held.store.k.q
     assert isinstance(k, LatticeTensor) and k.norm_bits == norm_bits
 
 

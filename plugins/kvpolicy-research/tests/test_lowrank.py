@@ -180,7 +180,7 @@ def test_fused_equals_materialized(name, family, backend):
     ref, _ = _logits(model, "scores", ids, 38, **kw)
     got, cache = _logits(model, "fused", ids, 38, **kw)
     assert set(cache.attention_paths().values()) == {f"fused ({backend})"}
-    basis = cache.layers[0].engine.basis
+    basis = cache.layers[0].engine.held.basis
     heads = model.config.num_key_value_heads
     assert isinstance(basis, LowRankBasis) and basis.directions.shape == (2, heads, 64, 4)
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
@@ -202,7 +202,7 @@ FITS: list[int] = []
 def test_the_first_demotion_is_fitted_whole_though_it_is_demoted_in_chunks(per_layer_prompt):
     """A prompt longer than a demotion chunk: the basis is fitted once per layer, on every token the prompt
     demoted (a probe fed the whole demotion, then adopted), not on the first chunk."""
-    from kvpolicy.segments import DEMOTE_CHUNK
+    from kvpolicy.layer.held import DEMOTE_CHUNK
 
     model = tiny_model("llama")
     ids = _ids(DEMOTE_CHUNK + 200, batch=1)
@@ -216,7 +216,7 @@ def test_the_first_demotion_is_fitted_whole_though_it_is_demoted_in_chunks(per_l
             model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
     finally:
         disable(model)
-    held = len(cache.layers[0].engine.store)
+    held = len(cache.layers[0].engine.held.store)
     assert held > DEMOTE_CHUNK
     assert len(FITS) == model.config.num_hidden_layers  # one fit per layer (a probe's, adopted, or the store's)
     assert all(DEMOTE_CHUNK < n <= held for n in FITS), (FITS, held)
@@ -282,7 +282,7 @@ def test_a_saved_cache_loads_and_continues_bit_for_bit(tmp_path, prefill):
         path = tmp_path / "c.kvc"
         cache.save(path, model=model)  # applies the demotions pending
         loaded = CompressedCache.load(path, model=model)
-        assert (loaded.layers[0].engine.basis.directions is None) == (prefill == 6)
+        assert (loaded.layers[0].engine.held.basis.directions is None) == (prefill == 6)
         want = teacher_forced_logits(model, ids[:, prefill:], 1, copy.deepcopy(cache))
         assert torch.equal(teacher_forced_logits(model, ids[:, prefill:], 1, loaded), want)
     finally:

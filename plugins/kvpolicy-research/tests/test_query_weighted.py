@@ -162,7 +162,7 @@ def test_fused_equals_materialized(name, family, backend):
     ref, _ = _logits(model, "scores", ids, 38, **kw)
     got, cache = _logits(model, "fused", ids, 38, **kw)
     assert set(cache.attention_paths().values()) == {f"fused ({backend})"}
-    basis = cache.layers[0].engine.basis
+    basis = cache.layers[0].engine.held.basis
     heads = model.config.num_key_value_heads
     assert isinstance(basis, QueryWeightedBasis) and basis.weights.shape == (2, heads, 1, 64)
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
@@ -217,9 +217,9 @@ def test_each_padded_row_fits_the_weights_it_would_alone():
     finally:
         disable_scores(model)
     rows = cache.layers[0].engine.rows
-    weights = [row.basis.weights for row in rows]
+    weights = [row.held.basis.weights for row in rows]
     assert all(w.shape == (1, 2, 1, 64) for w in weights) and not torch.equal(weights[0], weights[1])
-    torch.testing.assert_close(weights[1], alone.layers[0].engine.basis.weights, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(weights[1], alone.layers[0].engine.held.basis.weights, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("prefill", [30, 6], ids=["fitted", "awaiting-the-fit"])
@@ -235,7 +235,7 @@ def test_a_saved_cache_loads_and_continues_bit_for_bit(tmp_path, prefill):
         path = tmp_path / "c.kvc"
         cache.save(path, model=model)  # applies the demotions pending
         loaded = CompressedCache.load(path, model=model)
-        basis = loaded.layers[0].engine.basis
+        basis = loaded.layers[0].engine.held.basis
         assert (basis.weights is None) == (prefill == 6)
         assert (basis.query_count == 0) == (prefill == 30)
         want = teacher_forced_logits(model, ids[:, prefill:], 1, copy.deepcopy(cache))

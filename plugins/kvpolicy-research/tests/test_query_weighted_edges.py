@@ -86,7 +86,7 @@ def _filled(model, prompt: int = 30) -> tuple[CompressedCache, torch.Tensor]:
     with torch.no_grad():
         model(ids[:, :prompt], cache=cache, use_cache=True)
         model(ids[:, prompt : prompt + 1], cache=cache, use_cache=True)
-    assert all(layer.engine.basis.weights is not None for layer in cache.layers)
+    assert all(layer.engine.held.basis.weights is not None for layer in cache.layers)
     return cache, ids
 
 
@@ -110,7 +110,7 @@ def _crafted(weights: torch.Tensor, kind: str) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["zero", "inf", "nan", "negative", "huge-range", "past-max-ratio"])
 def test_a_file_with_crafted_weights_is_refused(model, tmp_path, kind):
     cache, _ = _filled(model)
-    store = cache.layers[1].engine.basis
+    store = cache.layers[1].engine.held.basis
     store.weights = _crafted(store.weights, kind)
     path = tmp_path / "c.kvc"
     cache.save(path, model=model)
@@ -124,7 +124,7 @@ def test_a_file_with_negative_moments_is_refused(model, tmp_path, which):
     cache = CompressedCache(**{**KW, "window": 32})  # nothing demoted: the moments wait for the fit
     with torch.no_grad():
         model(ids, cache=cache, use_cache=True)
-    store = cache.layers[0].engine.basis
+    store = cache.layers[0].engine.held.basis
     assert store.weights is None and store.query_sq is not None
     setattr(store, which, -getattr(store, which))
     cache.save(tmp_path / "c.kvc", model=model)
@@ -144,7 +144,7 @@ def test_the_most_extreme_weights_a_fit_gives_decode_finite_logits_or_refuse(mod
         model(ids[:, :30], cache=cache, use_cache=True)
         model(ids[:, 30:31], cache=cache, use_cache=True)
     for layer in cache.layers:
-        store = layer.engine.basis
+        store = layer.engine.held.basis
         w = torch.ones_like(store.weights)
         w[..., 0::2], w[..., 1::2] = 2.0**16, 2.0**-16
         transform.check_weights(w)

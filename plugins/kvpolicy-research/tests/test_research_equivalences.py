@@ -100,7 +100,7 @@ def test_a_crop_before_the_store_holds_anything_forgets_the_fit(model):
     a, b = _decode(model, cropped, ids[:, 8:20]), _decode(model, fresh, ids[:, 8:20])
     torch.testing.assert_close(a, b, rtol=0, atol=1e-4)  # keys of a 30- and an 8-token forward: float noise apart
     for la, lb in zip(cropped.layers, fresh.layers, strict=True):
-        torch.testing.assert_close(la.engine.basis.directions, lb.engine.basis.directions, rtol=0, atol=1e-5)
+        torch.testing.assert_close(la.engine.held.basis.directions, lb.engine.held.basis.directions, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["lowrank-r2-c8", "lowrank-r1-c16", "query-hadamard", "calibrated-hadamard"])

@@ -36,7 +36,9 @@ def test_a_saved_file_names_the_plugin_and_loads_bit_for_bit(tmp_path, transform
         loaded = CompressedCache.load(path, model=model)
         assert loaded.transform == cache.transform
         for a, b in zip(cache.layers, loaded.layers, strict=True):
-            for x, y in zip(a.engine.basis.state_dict().values(), b.engine.basis.state_dict().values(), strict=True):
+            for x, y in zip(
+                a.engine.held.basis.state_dict().values(), b.engine.held.basis.state_dict().values(), strict=True
+            ):
                 assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
         want = teacher_forced_logits(model, ids[:, 30:], 1, cache)
         assert torch.equal(teacher_forced_logits(model, ids[:, 30:], 1, loaded), want)

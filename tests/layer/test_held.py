@@ -1,4 +1,4 @@
-"""``LayerSegments``: a layer's held tokens and the moves between segments, with bare tensors (no model,
+"""``HeldTokens``: a layer's held tokens and the moves between segments, with bare tensors (no model,
 no transformers)."""
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from kvpolicy.actions.none import NoCompression
 from kvpolicy.actions.quantize import Quantize
 from kvpolicy.actions.tiered import Tiered
 from kvpolicy.backends.torch_backend import TorchBackend
+from kvpolicy.layer.composition import Composition, Plan
+from kvpolicy.layer.held import HeldTokens
 from kvpolicy.policies import LogWindow, RecentWindow
-from kvpolicy.segments import LayerSegments
 from kvpolicy.testing import chunkings
 from kvpolicy.transforms import NoTransform
 
@@ -35,8 +36,9 @@ def _actions() -> dict[str, object]:
     }
 
 
-def _segments(policy, action) -> LayerSegments:
-    return LayerSegments(policy, action, TorchBackend(), NoTransform(), layer_idx=0)
+def _segments(policy, action) -> HeldTokens:
+    backend = TorchBackend()
+    return HeldTokens(Composition(policy, action, backend, NoTransform()), Plan(backend, action), layer_idx=0)
 
 
 def _tokens(n: int, seed: int, heads: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,7 +46,7 @@ def _tokens(n: int, seed: int, heads: int = 2) -> tuple[torch.Tensor, torch.Tens
     return torch.randn(1, heads, n, D, generator=g), torch.randn(1, heads, n, D, generator=g)
 
 
-def _started(policy, action, heads: int = 2) -> LayerSegments:
+def _started(policy, action, heads: int = 2) -> HeldTokens:
     seg = _segments(policy, action)
     k, v = _tokens(0, 0, heads)
     seg.start(k, v)
@@ -175,5 +177,5 @@ def test_without_compression_segments_are_one_growing_tensor():
 
 
 def test_the_module_does_not_import_transformers():
-    code = "import sys, kvpolicy.segments; assert 'transformers' not in sys.modules, 'transformers imported'"
+    code = "import sys, kvpolicy.layer.held; assert 'transformers' not in sys.modules, 'transformers imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

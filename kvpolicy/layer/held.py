@@ -1,6 +1,6 @@
 """The tokens one layer holds, by segment, and the moves between segments: plain torch, no transformers.
 
-:class:`LayerSegments` owns a full-precision segment (the policy's set) and the action's store of
+:class:`HeldTokens` owns a full-precision segment (the policy's set) and the action's store of
 demoted tokens, which may itself hold several compressed tiers (:mod:`kvpolicy.actions.tiered`),
 each with the logical positions of its tokens. It applies the policy's decisions (demotion) and
 answers what attention needs (the materialised history, positions, bytes held). It knows nothing
@@ -18,16 +18,16 @@ from typing import Any
 import torch
 
 from kvpolicy import state_check
-from kvpolicy.actions.base import Action, DemotedStore
-from kvpolicy.backends.base import Backend
+from kvpolicy.actions.base import DemotedStore
+from kvpolicy.layer.composition import Composition, Plan
 from kvpolicy.memory import LayerBytes
-from kvpolicy.policies.base import Policy, PolicyState
+from kvpolicy.policies.base import PolicyState
 from kvpolicy.positions import MAX_POSITION, POSITION_DTYPE, PositionBook, check_length, storage_bytes
-from kvpolicy.transforms.base import Basis, BindContext, Transform
+from kvpolicy.transforms.base import Basis, BindContext
 
 #: the segments of a memory report, in order
 SEGMENTS = ("full_precision", "codes", "scales", "zeros", "staging", "positions")
-#: tokens at the end of a multi-token append that :meth:`LayerSegments.release` keeps undemoted (and
+#: tokens at the end of a multi-token append that :meth:`HeldTokens.release` keeps undemoted (and
 #: unknown to the policy) for a policy that needs no scores: the tokens a ``crop`` could still remove
 #: (assisted decoding's rollback of rejected drafts; its verification forwards are shorter)
 CROP_WINDOW = 64
@@ -37,18 +37,21 @@ CROP_WINDOW = 64
 DEMOTE_CHUNK = 512
 
 
-class LayerSegments:
+class HeldTokens:
     """One layer's held tokens: a full-precision segment and the action's store.
 
     Parameters
     ----------
-    policy, action, backend, transform
-        The composition; ``backend`` packs the store's blocks and ``transform`` is the change of
-        basis of demoted tokens.
+    composition : Composition
+        The cache's parts, shared: its policy chooses, its transform is the change of basis of demoted tokens.
+    plan : Plan
+        The layer's resolution of them (shared with its engine): ``plan.action`` demotes and its store's blocks
+        are packed by ``plan.backend``.
     layer_idx : int
         The layer's index (error messages, per-layer stores).
     book : PositionBook, optional
-        Where a shared policy's demoted positions are held once for every layer that demoted the same.
+        Where a shared policy's demoted positions are held once for every layer that demoted the same
+        (``None``: not shared, as for the rows of a padded batch).
 
     Attributes
     ----------
@@ -73,17 +76,12 @@ class LayerSegments:
     """
 
     def __init__(
-        self, policy: Policy, action: Action, backend: Backend, transform: Transform, layer_idx: int,
-        book: PositionBook | None = None, config: Any = None,
+        self, composition: Composition, plan: Plan, layer_idx: int, book: PositionBook | None = None
     ) -> None:  # fmt: skip
-        self.policy = policy
-        self.action = action
-        self.backend = backend
-        self.transform = transform
+        self.composition = composition
+        self.plan = plan
         self.layer_idx = layer_idx
         self.book = book
-        #: the model's config the cache was given (``None``: none), for the transform's bind context
-        self.config = config
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.full_pos: torch.Tensor | None = None
@@ -111,22 +109,25 @@ class LayerSegments:
         after checking that the composition can hold them (``ConfigError`` naming what cannot)."""
         self.keys = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[3]))
         self.values = value_states.new_empty((*value_states.shape[:2], 0, value_states.shape[3]))
-        if not self.action.compresses:
+        if not self.plan.action.compresses:
             return
-        multiple = self.backend.capabilities.group_size_multiple
-        self.action.check_head_dim(key_states.shape[-1], multiple, role="key")
-        self.action.check_head_dim(value_states.shape[-1], multiple, role="value")
-        self.backend.check_tensor(key_states)
+        multiple = self.plan.backend.capabilities.group_size_multiple
+        self.plan.action.check_head_dim(key_states.shape[-1], multiple, role="key")
+        self.plan.action.check_head_dim(value_states.shape[-1], multiple, role="value")
+        self.plan.backend.check_tensor(key_states)
         basis = None
-        if self.action.keeps_demoted:
-            self.transform.check_head_dim(key_states.shape[-1])
-            self.transform.check_head_dim(value_states.shape[-1])
-            self.transform.check_key_head_dim(key_states.shape[-1])
-            if not self.transform.identity:  # bound before anything is allocated: a bind may refuse the layer
-                basis = self.transform.bind(BindContext.of(self.layer_idx, key_states, value_states, self.config))
-        rows = key_states.shape[1] if self.policy.per_head else 1
+        if self.plan.action.keeps_demoted:
+            transform = self.composition.transform
+            transform.check_head_dim(key_states.shape[-1])
+            transform.check_head_dim(value_states.shape[-1])
+            transform.check_key_head_dim(key_states.shape[-1])
+            if not transform.identity:  # bound before anything is allocated: a bind may refuse the layer
+                basis = transform.bind(
+                    BindContext.of(self.layer_idx, key_states, value_states, self.composition.config)
+                )
+        rows = key_states.shape[1] if self.composition.policy.per_head else 1
         device = key_states.device
-        self.state = self.policy.new_state(num_heads=key_states.shape[1])
+        self.state = self.composition.policy.new_state(num_heads=key_states.shape[1])
         self.store = self._new_store(torch.empty(rows, 0, dtype=POSITION_DTYPE, device=device))
         self.basis = basis
         self.full_pos = torch.empty(rows, 0, dtype=POSITION_DTYPE, device=device)
@@ -137,7 +138,7 @@ class LayerSegments:
         return self.store is not None
 
     def _new_store(self, positions: torch.Tensor) -> DemotedStore:
-        store = self.action.new_store(self.backend, self.layer_idx)
+        store = self.plan.action.new_store(self.plan.backend, self.layer_idx)
         store.positions = positions
         return store
 
@@ -174,7 +175,7 @@ class LayerSegments:
     @property
     def holds_demoted(self) -> bool:
         """Whether attention must read compressed tokens besides the full-precision segment."""
-        return self.action.keeps_demoted and self.store is not None and len(self.store) > 0
+        return self.plan.action.keeps_demoted and self.store is not None and len(self.store) > 0
 
     # ------------------------------------------------------------------ appending and demoting
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -189,7 +190,9 @@ class LayerSegments:
         """
         n = key_states.shape[-2]
         compressing = self.store is not None
-        if compressing and (self.pending or self.failed is not None or (self.policy.needs_scores and not self.scored)):
+        if compressing and (
+            self.pending or self.failed is not None or (self.composition.policy.needs_scores and not self.scored)
+        ):
             self.settle()
         start, moves = self.length, self.moves
         self.length += n
@@ -209,10 +212,10 @@ class LayerSegments:
 
     def settle(self) -> None:
         """Apply deferred demotions (and check that score-based policies got their scores)."""
-        if self.policy.needs_scores and not self.scored:
+        if self.composition.policy.needs_scores and not self.scored:
             raise RuntimeError(
-                f"policy {self.policy.name!r} needs attention scores, but layer {self.layer_idx} received none "
-                "in the last forward. Call kvpolicy.attention.enable_scores(model) once before running the model: "
+                f"policy {self.composition.policy.name!r} needs attention scores, but layer {self.layer_idx} received "
+                "none in the last forward. Call kvpolicy.attention.enable_scores(model) once before running the model: "
                 "it wraps the model's sdpa/eager attention to report them (see docs/policies.md)."
             )
         if self.failed is not None:
@@ -248,11 +251,11 @@ class LayerSegments:
             self._set_first_centres()
             if self.awaits_first_block():
                 return 0  # the next call demotes the whole append at once, as the store's first block
-        if self.policy.needs_scores:
+        if self.composition.policy.needs_scores:
             if not self.scored:
                 return 0
             keep = 0
-        elif self.policy.splits_appends:
+        elif self.composition.policy.splits_appends:
             keep = min(self.pending, CROP_WINDOW)
         else:
             return 0
@@ -274,7 +277,7 @@ class LayerSegments:
         then takes (:meth:`DemotedStore.take_first_block`); an unfitted basis is fitted on that block first.
         The demotion itself can then be split and chunked and still store what it always did. Streams that
         fresh store leaves empty keep waiting for their first block."""
-        if self.policy.needs_scores and not self.scored:
+        if self.composition.policy.needs_scores and not self.scored:
             return
         pos = self._positions(copy.deepcopy(self.state).append(self.pending))
         if pos.shape[1] == 0:
@@ -351,22 +354,22 @@ class LayerSegments:
         """Whether :meth:`crop` can remove the latest append now (see ``CompressedLayer.is_croppable``)."""
         if not self.compressing:
             return True
-        return not self.policy.needs_scores and (self.pending > 0 or self._rewinds > 0)
+        return not self.composition.policy.needs_scores and (self.pending > 0 or self._rewinds > 0)
 
     @property
     def _rewinds(self) -> int:
         """How many of the latest single-token appends a crop can take back: those that demoted nothing, for a
         policy whose state is a function of the length (``Policy.splits_appends``), so that a fresh state told of
         the length left is the state the policy had then."""
-        return self._quiet if self.policy.splits_appends and not self.pending else 0
+        return self._quiet if self.composition.policy.splits_appends and not self.pending else 0
 
     def crop(self, k: int) -> None:
         """Remove the last ``k`` tokens: exact while they are the latest multi-token append's and still undemoted
         (the policy never learnt of them), or the latest single-token appends when they demoted nothing and the
         policy's state is a function of the length (:attr:`_rewinds`); anything else raises ``ValueError``."""
-        if self.compressing and self.policy.needs_scores:
+        if self.compressing and self.composition.policy.needs_scores:
             raise ValueError(
-                f"crop(tokens_to_remove={-k}): policy {self.policy.name!r} has already accumulated the "
+                f"crop(tokens_to_remove={-k}): policy {self.composition.policy.name!r} has already accumulated the "
                 "attention of the tokens to remove into the scores of the tokens it holds, which cannot be taken "
                 "back; assisted decoding is not supported with score-based policies"
             )
@@ -375,9 +378,9 @@ class LayerSegments:
             raise ValueError(
                 f"crop(tokens_to_remove={-k}) on layer {self.layer_idx}: only the {self.pending} token(s) of the "
                 f"latest multi-token update, or the {self._rewinds} latest single-token step(s) that demoted "
-                f"nothing, can be removed; older tokens were already handed to the policy ({self.policy.name!r}) "
-                "and demoted, or its state cannot be wound back"
-                + ("" if self.policy.splits_appends else " (its selection depends on more than the length)")
+                f"nothing, can be removed; older tokens were already handed to the policy "
+                f"({self.composition.policy.name!r}) and demoted, or its state cannot be wound back"
+                + ("" if self.composition.policy.splits_appends else " (its selection depends on more than the length)")
             )
         if rewind:
             self._rewind(k)
@@ -394,15 +397,15 @@ class LayerSegments:
     def _rewind(self, k: int) -> None:
         """Put the policy's state back to before the latest ``k`` single-token appends (none demoted anything): a
         fresh state told of the length left, checked to hold the full-precision positions left."""
-        state = self.policy.new_state(num_heads=self.keys.shape[1])
+        state = self.composition.policy.new_state(num_heads=self.keys.shape[1])
         state.append(self.length - k)
         told = torch.as_tensor(state.full_positions(), dtype=torch.long).cpu()
-        told = told if self.policy.per_head else told.reshape(1, -1)
+        told = told if self.composition.policy.per_head else told.reshape(1, -1)
         left = self.full_pos[:, :-k].long().cpu()
         if tuple(told.shape) != tuple(left.shape) or not torch.equal(told, left):
             raise ValueError(
-                f"crop(tokens_to_remove={-k}) on layer {self.layer_idx}: policy {self.policy.name!r} told of "
-                f"{self.length - k} tokens holds other positions than the layer kept; it cannot be wound back"
+                f"crop(tokens_to_remove={-k}) on layer {self.layer_idx}: policy {self.composition.policy.name!r} "
+                f"told of {self.length - k} tokens holds other positions than the layer kept; it cannot be wound back"
             )
         self.state = state
         self._quiet -= k
@@ -446,7 +449,7 @@ class LayerSegments:
 
     def mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(keys the next append's read returns, logical position of the first)``."""
-        if self.store is None or self.action.keeps_demoted:
+        if self.store is None or self.plan.action.keeps_demoted:
             return self.length + query_length, 0
         self.settle()
         held = self.full_pos.shape[1]
@@ -466,7 +469,7 @@ class LayerSegments:
             "compressed": torch.sort(self.store.positions.long(), dim=1).values,
             "staged_keys": torch.sort(staged.long(), dim=1).values,
         }
-        if not self.policy.per_head:
+        if not self.composition.policy.per_head:
             return {key: value[0] for key, value in out.items()}
         batch = self.keys.shape[0]
         return {key: value.unsqueeze(0).expand(batch, -1, -1) for key, value in out.items()}
@@ -547,30 +550,32 @@ class LayerSegments:
             if keys.shape[2] != length:
                 raise ValueError(f"{keys.shape[2]} tokens held for length {length}")
             return
-        rows = keys.shape[1] if self.policy.per_head else 1
+        rows = keys.shape[1] if self.composition.policy.per_head else 1
         full = keys.shape[2]
         self.full_pos = state_check.tensor(state["full_pos"], "full-precision positions", POSITION_DTYPE, (rows, full))
         self.pending = state_check.integer(state["pending"], "pending", 0, full)
         self.scored = state_check.flag(state["scored"], "scored")
-        if self.policy.needs_scores and not self.scored:  # save() refuses such a layer (settle raises)
-            raise ValueError(f"scored=false: policy {self.policy.name!r} saved without the scores of its last forward")
+        if self.composition.policy.needs_scores and not self.scored:  # save() refuses such a layer (settle raises)
+            raise ValueError(
+                f"scored=false: policy {self.composition.policy.name!r} saved without the scores of its last forward"
+            )
         self.state.load_state_dict(state["state"])
         self._load_store(state["store"], keys, values)
         demoted = state_check.tensor(self.store.positions, "demoted positions", POSITION_DTYPE, (rows, None))
         stored = demoted.shape[1]
-        if not self.action.keeps_demoted and stored:
+        if not self.plan.action.keeps_demoted and stored:
             raise ValueError(f"an evicting store holds {stored} positions")
         problems = []
         if self.full_pos.numel() and bool((self.full_pos[:, 1:] <= self.full_pos[:, :-1]).any()):
             problems.append("the full-precision positions are not ascending")
         state_check.positions(torch.cat([self.full_pos, demoted], dim=1), "positions", length)
-        if self.action.keeps_demoted and full + stored != length:
+        if self.plan.action.keeps_demoted and full + stored != length:
             problems.append(f"{full} full-precision + {stored} demoted tokens for length {length}")
         if self.state.length != length - self.pending:
             problems.append(f"policy length {self.state.length}, layer length {length} - {self.pending} pending")
         else:
             told = torch.as_tensor(self.state.full_positions(), dtype=torch.long).cpu()
-            told = told if self.policy.per_head else told.reshape(1, -1)
+            told = told if self.composition.policy.per_head else told.reshape(1, -1)
             mine = self.full_pos[:, : full - self.pending].long().cpu()
             if tuple(told.shape) != tuple(mine.shape) or not torch.equal(told, mine):
                 problems.append("the policy's full-precision positions differ from the layer's")
