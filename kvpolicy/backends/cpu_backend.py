@@ -77,9 +77,6 @@ class CpuBackend(TorchBackend):
         self.splits: int | None = None
         #: tokens per tile of codebook keys (min-max keys: their group); one online-softmax step each
         self.tile: int = CODEBOOK_TILE
-        #: the table one-byte scale codes decode through (:func:`~kvpolicy.formats.scale_codes.octave_steps`),
-        #: held from construction: a decode step reads it, never builds or looks it up
-        self.octave_steps = octave_steps("cpu")
         #: the ``(device type, dtype)`` of the last query :meth:`~Backend.check_tensor` accepted
         self._query_ok: tuple[str, torch.dtype] | None = None
         #: the splits :func:`cpu_attention.default_splits` chose by ``(programs, tiles, threads)``, in eager calls
@@ -134,7 +131,7 @@ class CpuBackend(TorchBackend):
         if q.codes.device.type != "cpu":
             raise ConfigError(f"backend 'cpu' runs on CPU tensors; got {role}s on {q.codes.device.type!r}")
         codes, scales, zeros = per_head_views(q)
-        return (codes, scales, zeros, None, q.bits, q.group_size, None), None
+        return (codes, scales, zeros, None, q.bits, q.group_size, None, None), None
 
     def _scaled_args(self, q: QTensor, role: str) -> tuple:
         """A block of scaled table codes: its kernel arguments, checked: codes, scales (or one-byte codes with
@@ -174,13 +171,17 @@ class CpuBackend(TorchBackend):
         if base is not None and not _inner_contiguous(base):  # one-byte codes: the kernel decodes them
             base = base.contiguous()
         group = None if role == "key" else 0
-        return (codes, scales, None, table.contiguous(), bits, group, base), q.centre  # type: ignore[attr-defined]
+        # one-byte scale codes are decoded in the kernel, through the table of their own decoder
+        steps = None if base is None else octave_steps("cpu")
+        return (codes, scales, None, table.contiguous(), bits, group, base, steps), q.centre  # type: ignore[attr-defined]
 
     def _kernel_args(self, q: QTensor, role: str) -> tuple[tuple, torch.Tensor | None]:
-        """``(codes, scales, minimums or None, table or None, bits, group, base or None)`` of one role's block
-        as the kernel takes them (``group``: the key group or the value group; ``None`` for a scaled block's
-        keys, read in tiles of :attr:`tile` tokens; ``base``: one-byte scales' int16 base, the scales then
-        their uint8 codes), and the block's centre (or ``None``), after checking the block.
+        """``(codes, scales, minimums or None, table or None, bits, group, base or None, steps or None)`` of one
+        role's block as the kernel takes them (``group``: the key group or the value group; ``None`` for a scaled
+        block's keys, read in tiles of :attr:`tile` tokens; ``base``: one-byte scales' int16 base, the scales
+        then their uint8 codes, which decode through ``steps``,
+        :func:`~kvpolicy.formats.scale_codes.octave_steps`), and the block's centre (or ``None``), after
+        checking the block.
 
         Raises
         ------
@@ -254,8 +255,8 @@ class CpuBackend(TorchBackend):
             If a block is not one the kernel reads (see :meth:`_kernel_args`), the query's device or dtype is
             not served, or the shapes do not match the query or each other.
         """
-        (kc, ks, kz, kt, kbits, kgroup, kbase), key_centre = self.prepared(keys, "key")
-        (vc, vs, vz, vt, vbits, vgroup, vbase), value_centre = self.prepared(values, "value")
+        (kc, ks, kz, kt, kbits, kgroup, kbase, ksteps), key_centre = self.prepared(keys, "key")
+        (vc, vs, vz, vt, vbits, vgroup, vbase, vsteps), value_centre = self.prepared(values, "value")
         if (query.device.type, query.dtype) != self._query_ok:
             self.check_tensor(query)
             self._query_ok = (query.device.type, query.dtype)
@@ -297,7 +298,7 @@ class CpuBackend(TorchBackend):
                         self._splits_for.clear()
                     splits = self._splits_for[work] = cpu_attention.default_splits(*work)
         # one-byte scale codes are decoded in the kernel, through the table of their own decoder
-        steps = self.octave_steps if kbase is not None or vbase is not None else None
+        steps = ksteps if ksteps is not None else vsteps
         args = (q32, kc, ks, kz, kt, kbits, kgroup, vc, vs, vz, vt, vbits, vgroup, max(1, int(splits)), kbase, vbase,
                 steps, bias)  # fmt: skip
         # while torch.compile traces, the kernel is one custom operator of known output shapes; an eager call
