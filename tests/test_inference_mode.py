@@ -114,8 +114,8 @@ def test_cached_format_tables_are_never_inference_tensors():
     chunked prefill) must not cache an inference tensor that autograd later refuses to save."""
     from kvpolicy.formats import codebook, scale_codes
 
-    codebook._tables.cache_clear()
-    scale_codes.octave_steps.cache_clear()
+    codebook._TABLES.clear()
+    scale_codes._OCTAVE_STEPS.clear()
     with torch.inference_mode():
         tables = [*codebook._tables(3, "cpu"), scale_codes.octave_steps("cpu")]
     assert not any(t.is_inference() for t in tables)

@@ -19,6 +19,7 @@ import torch
 from kvpolicy import formats, state_check
 from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.backends.base import Backend, QTensor, check_metadata, widen_remedy
+from kvpolicy.derived import Derived
 from kvpolicy.errors import ConfigError, MetadataOverflowError, NonFiniteError
 from kvpolicy.formats.base import Format
 from kvpolicy.layer.parts import Part
@@ -638,6 +639,8 @@ class QuantizedStore(DemotedStore):
         self.k = QuantizedStream(backend, action.keys)
         self.v = QuantizedStream(backend, action.values)
         self.positions = torch.empty(1, 0, dtype=POSITION_DTYPE)
+        #: what :meth:`parts` last built, with the objects it built them from
+        self._parts: Derived | None = None
 
     def _check_finite(self, x: torch.Tensor, what: str) -> None:
         if not torch.isfinite(x).all():
@@ -696,21 +699,35 @@ class QuantizedStore(DemotedStore):
             The tokens after the first ``m`` at full precision (staged, or dequantized when the other
             stream still stages them; ``(batch, kv_heads, n - m, head_dim)``, fewer than ``group_size``
             tokens), then keys and values of the first ``m`` stored tokens, both quantized (``m`` = the
-            smaller quantized count of the two streams). Either may be absent.
+            smaller quantized count of the two streams). Either may be absent. The parts are kept
+            (:class:`~kvpolicy.derived.Derived`) and given again until a stream's block or staging buffer or
+            the positions are replaced: the dequantized tail, fewer tokens than one key group, is held between
+            decode steps instead of being decoded at each.
         """
-        # (num_quantized and len(self), inlined: this runs at every fused decode step)
-        kq, vq = self.k.q, self.v.q
+        # this runs at every fused decode step: the parts are built again only when what they are built from
+        # was replaced since (a demotion, a batch move, a load; every change replaces these objects)
+        k, v = self.k, self.v
+        kq, vq, positions = k.q, v.q, self.positions
+        built = self._parts
+        if built is not None:
+            was = built.sources
+            if (
+                was[0] is kq and was[1] is vq and was[2] is k.staging and was[3] is v.staging and was[4] is positions
+                and was[5] is k.backend
+            ):  # fmt: skip
+                return list(built.value)
         nk, nv = (0 if kq is None else kq.shape[2]), (0 if vq is None else vq.shape[2])
         m = min(nk, nv)
         out: list[Part] = []
-        if self.positions.shape[-1] != m:
+        if positions.shape[-1] != m:
             # a stream whose quantized tokens all lie before m holds the tail in its staging buffer alone
-            keys = self.k.staging if nk == m and self.k.staging is not None else self.k.read_from(m)
-            values = self.v.staging if nv == m and self.v.staging is not None else self.v.read_from(m)
-            out.append(Part(keys, values, None, self.positions[:, m:]))
+            keys = k.staging if nk == m and k.staging is not None else k.read_from(m)
+            values = v.staging if nv == m and v.staging is not None else v.read_from(m)
+            out.append(Part(keys, values, None, positions[:, m:]))
         if m:
             quantized = (kq if nk == m else kq.narrow(0, m), vq if nv == m else vq.narrow(0, m))
-            out.append(Part(*quantized, self.k.backend, self.positions[:, :m]))
+            out.append(Part(*quantized, k.backend, positions[:, :m]))
+        self._parts = Derived((kq, vq, k.staging, v.staging, positions, k.backend), tuple(out))
         return out
 
     def awaits_first_block(self) -> bool:

@@ -31,6 +31,7 @@ from kvpolicy import state_check
 from kvpolicy.actions.base import Action, DemotedStore
 from kvpolicy.actions.quantize import Quantize, QuantizedStore
 from kvpolicy.backends.base import Backend
+from kvpolicy.derived import Derived
 from kvpolicy.errors import ConfigError
 from kvpolicy.layer.parts import Part
 from kvpolicy.policies.base import Policy, PolicyState
@@ -222,6 +223,9 @@ class TieredStore(DemotedStore):
         self.middles = [TierStore(t, backend, layer_idx) for t in action.tiers[:-1]]
         self.bottom = QuantizedStore(action.tiers[-1], backend, layer_idx)
         self.states: list[PolicyState] = [p.new_state(1) for p in action.keep]
+        #: what :attr:`positions` and :meth:`parts` last built, with the objects they built them from
+        self._positions: Derived | None = None
+        self._parts: Derived | None = None
 
     # -------------------------------------------------------------- the moves
     def add(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
@@ -240,7 +244,18 @@ class TieredStore(DemotedStore):
     # -------------------------------------------------------------- reading
     @property
     def positions(self) -> torch.Tensor:  # type: ignore[override]
-        return torch.cat([t.positions for t in self.middles] + [self.bottom.positions], dim=1)
+        # read at every decode step: joined again only when a tier's positions were replaced since
+        held = self._positions
+        if held is not None:
+            was = held.sources
+            same = was[-1] is self.bottom.positions
+            for tier, before in zip(self.middles, was, strict=False):
+                same = same and tier.inner.positions is before
+            if same:
+                return held.value
+        tiers = self.tier_positions()
+        self._positions = Derived(tuple(tiers), torch.cat(tiers, dim=1))
+        return self._positions.value
 
     @positions.setter
     def positions(self, value: torch.Tensor) -> None:
@@ -268,11 +283,27 @@ class TieredStore(DemotedStore):
 
     def parts(self) -> list[Part]:
         """The last tier's staged tail (full precision), then every tier's quantized segment, top first
-        (:func:`kvpolicy.fused.attend_parts` merges any number of them)."""
-        bottom = self.bottom.parts()
-        tail = [p for p in bottom if p.backend is None]
+        (:func:`kvpolicy.fused.attend_parts` merges any number of them). Kept, as a
+        :class:`~kvpolicy.actions.quantize.QuantizedStore` keeps its own, until a tier's blocks or positions
+        are replaced."""
+        # read at every decode step: built again only when what they are built from was replaced since (the last
+        # tier's parts, kept by that tier while its own sources are held, stand for it)
+        held = self.bottom.parts()
+        built = self._parts
+        if built is not None:
+            was = built.sources
+            same = was[0] is self.bottom._parts
+            for tier, (kq, vq, positions) in zip(self.middles, was[1:], strict=True):
+                inner = tier.inner
+                same = same and inner.k.q is kq and inner.v.q is vq and inner.positions is positions
+            if same:
+                return list(built.value)
+        tail = [p for p in held if p.backend is None]
         middles = [Part(t.inner.k.q, t.inner.v.q, self.backend, t.positions) for t in self.middles if len(t.inner)]
-        return tail + middles + [p for p in bottom if p.backend is not None]
+        out = tail + middles + [p for p in held if p.backend is not None]
+        sources = (self.bottom._parts, *((t.inner.k.q, t.inner.v.q, t.inner.positions) for t in self.middles))
+        self._parts = Derived(sources, tuple(out))
+        return out
 
     def awaits_first_block(self) -> bool:
         return any(s.awaits_first_block() for s in self._stores())

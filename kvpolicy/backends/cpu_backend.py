@@ -31,6 +31,7 @@ import torch
 
 from kvpolicy.backends.base import META_DTYPES, Capabilities, QTensor
 from kvpolicy.backends.torch_backend import TorchBackend
+from kvpolicy.derived import Derived
 from kvpolicy.errors import ConfigError
 from kvpolicy.formats.base import META_TORCH_DTYPES, Format
 from kvpolicy.formats.packed import PackedTensor, _inner_contiguous, per_head_views
@@ -43,6 +44,11 @@ AXIS_BY_ROLE = {"key": "channel", "value": "token"}
 CODEBOOK_TILE = 64
 #: channels per code index -> the widths the kernel reads blocks of scaled table codes at
 POINT_BITS = {1: (2, 3, 4), 4: (2, 3)}
+#: the attributes a block keeps its checked kernel arguments under, ``PREPARED + "_" + role``
+#: (:meth:`CpuBackend.prepared`)
+PREPARED = "_cpu_kernel_args"
+#: the most splits choices a backend keeps (one per tile count of a segment read, and thread count)
+SPLITS_KEPT = 256
 
 
 class CpuBackend(TorchBackend):
@@ -71,6 +77,10 @@ class CpuBackend(TorchBackend):
         self.splits: int | None = None
         #: tokens per tile of codebook keys (min-max keys: their group); one online-softmax step each
         self.tile: int = CODEBOOK_TILE
+        #: the ``(device type, dtype)`` of the last query :meth:`~Backend.check_tensor` accepted
+        self._query_ok: tuple[str, torch.dtype] | None = None
+        #: the splits :func:`cpu_attention.default_splits` chose by ``(programs, tiles, threads)``, in eager calls
+        self._splits_for: dict[tuple[int, int, int], int] = {}
 
     # the loaded kernel is a module: copies of a cache share it, pickles load it again
     def __deepcopy__(self, memo: dict) -> CpuBackend:
@@ -80,7 +90,7 @@ class CpuBackend(TorchBackend):
         return {"splits": self.splits, "tile": self.tile}
 
     def __setstate__(self, state: dict) -> None:
-        self._kernel = cpu_attention.load()
+        self.__init__()
         self.splits = state["splits"]
         self.tile = state.get("tile", CODEBOOK_TILE)
 
@@ -121,12 +131,13 @@ class CpuBackend(TorchBackend):
         if q.codes.device.type != "cpu":
             raise ConfigError(f"backend 'cpu' runs on CPU tensors; got {role}s on {q.codes.device.type!r}")
         codes, scales, zeros = per_head_views(q)
-        return (codes, scales, zeros, None, q.bits, q.group_size, None), None
+        return (codes, scales, zeros, None, q.bits, q.group_size, None, None), None
 
     def _scaled_args(self, q: QTensor, role: str) -> tuple:
         """A block of scaled table codes: its kernel arguments, checked: codes, scales (or one-byte codes with
         their base) and its table (1-d: one code per channel; 2-d: four channels per index; the kernel tells
-        them apart by the table's shape)."""
+        them apart by the table's shape). The key group is ``None``: the tile of :attr:`tile` tokens, read at
+        each call."""
         codes, scales, base = q.codes, q.scales, q.scale_base  # type: ignore[attr-defined]
         if codes.device.type != "cpu" or scales.device.type != "cpu":
             raise ConfigError(f"backend 'cpu' runs on CPU tensors; got {role}s on {codes.device.type!r}")
@@ -159,14 +170,18 @@ class CpuBackend(TorchBackend):
             scales = scales.contiguous()
         if base is not None and not _inner_contiguous(base):  # one-byte codes: the kernel decodes them
             base = base.contiguous()
-        group = max(1, int(self.tile)) if role == "key" else 0
-        return (codes, scales, None, table.contiguous(), bits, group, base), q.centre  # type: ignore[attr-defined]
+        group = None if role == "key" else 0
+        # one-byte scale codes are decoded in the kernel, through the table of their own decoder
+        steps = None if base is None else octave_steps("cpu")
+        return (codes, scales, None, table.contiguous(), bits, group, base, steps), q.centre  # type: ignore[attr-defined]
 
     def _kernel_args(self, q: QTensor, role: str) -> tuple[tuple, torch.Tensor | None]:
-        """``(codes, scales, minimums or None, table or None, bits, group, base or None)`` of one role's block
-        as the kernel takes them (``group``: the key group or the value group; a scaled block's tile of
-        :attr:`tile` tokens for keys, unused for values; ``base``: one-byte scales' int16 base, the scales
-        then their uint8 codes), and the block's centre (or ``None``), after checking the block.
+        """``(codes, scales, minimums or None, table or None, bits, group, base or None, steps or None)`` of one
+        role's block as the kernel takes them (``group``: the key group or the value group; ``None`` for a scaled
+        block's keys, read in tiles of :attr:`tile` tokens; ``base``: one-byte scales' int16 base, the scales
+        then their uint8 codes, which decode through ``steps``,
+        :func:`~kvpolicy.formats.scale_codes.octave_steps`), and the block's centre (or ``None``), after
+        checking the block.
 
         Raises
         ------
@@ -185,16 +200,34 @@ class CpuBackend(TorchBackend):
             f"got {role}s={type(q).__name__}"
         )
 
-    def attend(  # type: ignore[override]
-        self, query: torch.Tensor, keys: QTensor, values: QTensor, scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`Backend.attend` in the C++ kernel (:meth:`attend_biased` without a bias)."""
-        return self.attend_biased(query, keys, values, scale, None)
+    def prepared(self, q: QTensor, role: str) -> tuple[tuple, torch.Tensor | None]:
+        """:meth:`_kernel_args` of ``q`` for ``role``, checked once per block: the result is kept on the block
+        (:class:`~kvpolicy.derived.Derived`, under ``PREPARED + "_" + role``) with the backend, codes and scales it
+        was checked with, and read back while the block holds those same tensors and this backend reads it. A
+        store's block is read at every decode step until the next demotion replaces it, so a step checks
+        nothing; a block a caller assembles itself is checked at its first read (and again if its codes or
+        scales are replaced). While ``torch.compile`` traces, the block is checked and nothing is kept (a traced
+        step has no side effects on the blocks)."""
+        if torch.compiler.is_compiling():
+            return self._kernel_args(q, role)
+        kept = getattr(q, "__dict__", None)
+        found = None if kept is None else kept.get(f"{PREPARED}_{role}")
+        if found is not None:
+            was = found.sources
+            if was[0] is self and was[1] is q.codes and was[2] is q.scales:  # type: ignore[attr-defined]
+                return found.value
+        args = self._kernel_args(q, role)
+        if kept is not None:
+            kept[f"{PREPARED}_{role}"] = Derived((self, q.codes, q.scales), args)  # type: ignore[attr-defined]
+        return args
 
-    def attend_biased(  # type: ignore[override]
-        self, query: torch.Tensor, keys: QTensor, values: QTensor, scale: float, bias: torch.Tensor | None
+    def attend(  # type: ignore[override]
+        self, query: torch.Tensor, keys: QTensor, values: QTensor, scale: float, bias: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`Backend.attend_biased` in the C++ kernel, which adds ``bias`` to each tile's scores.
+        """:meth:`Backend.attend` in the C++ kernel, which adds ``bias`` (if given) to each tile's scores.
+
+        Each block is checked at its first read (:meth:`prepared`), the query's device and dtype whenever they
+        differ from the last query's; the shapes of the query, keys and values are compared at every call.
 
         Parameters
         ----------
@@ -206,7 +239,7 @@ class CpuBackend(TorchBackend):
             ``(B, H, n, Dv)``: min-max per token, or scaled table codes; 2, 3 or 4 bits.
         scale : float
             Score scale.
-        bias : torch.Tensor or None
+        bias : torch.Tensor, optional
             ``(B, H, q, n)``, added to the scaled scores (converted to contiguous float32).
 
         Returns
@@ -219,12 +252,14 @@ class CpuBackend(TorchBackend):
         Raises
         ------
         ConfigError
-            If a block is not one the kernel reads (see :meth:`_kernel_args`), or the shapes do not match the
-            query or each other.
+            If a block is not one the kernel reads (see :meth:`_kernel_args`), the query's device or dtype is
+            not served, or the shapes do not match the query or each other.
         """
-        (kc, ks, kz, kt, kbits, kgroup, kbase), key_centre = self._kernel_args(keys, "key")
-        (vc, vs, vz, vt, vbits, vgroup, vbase), value_centre = self._kernel_args(values, "value")
-        self.check_tensor(query)
+        (kc, ks, kz, kt, kbits, kgroup, kbase, ksteps), key_centre = self.prepared(keys, "key")
+        (vc, vs, vz, vt, vbits, vgroup, vbase, vsteps), value_centre = self.prepared(values, "value")
+        if (query.device.type, query.dtype) != self._query_ok:
+            self.check_tensor(query)
+            self._query_ok = (query.device.type, query.dtype)
         if query.dim() != 4:
             raise ConfigError(f"backend 'cpu': query must be (batch, kv_heads, q, head_dim); got {tuple(query.shape)}")
         b, h, nq, d = query.shape
@@ -246,33 +281,29 @@ class CpuBackend(TorchBackend):
             if tuple(bias.shape) != (b, h, nq, n):
                 raise ConfigError(f"backend 'cpu': bias of shape {tuple(bias.shape)} for scores {(b, h, nq, n)}")
             bias = bias.float().contiguous()
+        if kgroup is None:
+            kgroup = max(1, int(self.tile))
         q32 = (query.float() * scale).contiguous()
-        n_tiles = -(-n // kgroup)
-        splits = self.splits if self.splits is not None else cpu_attention.default_splits(b * h, n_tiles)
+        compiling = torch.compiler.is_compiling()
+        splits = self.splits
+        if splits is None:
+            programs, tiles = b * h, -(-n // kgroup)
+            if compiling:  # the thread count is a constant of the traced graph
+                splits = cpu_attention.default_splits(programs, tiles)
+            else:  # chosen once per amount of work and thread count
+                work = (programs, tiles, torch.get_num_threads())
+                splits = self._splits_for.get(work)
+                if splits is None:
+                    if len(self._splits_for) >= SPLITS_KEPT:
+                        self._splits_for.clear()
+                    splits = self._splits_for[work] = cpu_attention.default_splits(*work)
         # one-byte scale codes are decoded in the kernel, through the table of their own decoder
-        steps = octave_steps("cpu") if kbase is not None or vbase is not None else None
-        out, lse = cpu_attention.attend(
-            self._kernel,
-            q32,
-            kc,
-            ks,
-            kz,
-            kt,
-            kbits,
-            kgroup,
-            vc,
-            vs,
-            vz,
-            vt,
-            vbits,
-            vgroup,
-            max(1, int(splits)),
-            kbase,
-            vbase,
-            steps,
-            bias,
-            value_dim=dv,
-        )
+        steps = ksteps if ksteps is not None else vsteps
+        args = (q32, kc, ks, kz, kt, kbits, kgroup, vc, vs, vz, vt, vbits, vgroup, max(1, int(splits)), kbase, vbase,
+                steps, bias)  # fmt: skip
+        # while torch.compile traces, the kernel is one custom operator of known output shapes; an eager call
+        # goes straight to the loaded module (a custom operator's dispatch costs microseconds per call)
+        out, lse = torch.ops.kvpolicy.cpu_attend(*args, dv) if compiling else self._kernel.attend(*args)
         # a centred block: the kernel reads the codes alone, and the centre enters after it
         # (every key score of the block shifts by q · μ, which moves the block's log-sum-exp only; the
         # values' centre adds to the output, whose probabilities sum to one)
@@ -281,3 +312,9 @@ class CpuBackend(TorchBackend):
         if value_centre is not None:
             out = out + value_centre.float()
         return out, lse
+
+    def attend_biased(  # type: ignore[override]
+        self, query: torch.Tensor, keys: QTensor, values: QTensor, scale: float, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`Backend.attend_biased`: :meth:`attend` with ``bias``, which the kernel adds to each tile's scores."""
+        return self.attend(query, keys, values, scale, bias)

@@ -17,7 +17,6 @@ backend, an action or transformers.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -25,24 +24,6 @@ from typing import Any, ClassVar
 import torch
 
 from kvpolicy.errors import ConfigError, MetadataOverflowError
-
-
-def cached_table(build: Callable[..., Any]) -> Callable[..., Any]:
-    """``functools.cache`` for a function of hashable arguments that builds a constant table, in a form
-    ``torch.compile`` reads: a traced call finds the table built by an earlier (eager) call in a plain dict,
-    an input of the graph, instead of tracing its construction. ``cache_clear()`` forgets every table."""
-    built: dict[tuple, Any] = {}
-
-    @functools.wraps(build)
-    def table(*args: Any) -> Any:
-        found = built.get(args)
-        if found is None:
-            found = built[args] = build(*args)
-        return found
-
-    table.cache_clear = built.clear  # type: ignore[attr-defined]
-    return table
-
 
 AXES = ("token", "channel")
 #: ``meta_dtype`` values: ``"auto"`` (each backend's default) or the name of the dtype scales and

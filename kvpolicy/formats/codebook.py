@@ -56,7 +56,6 @@ from kvpolicy.formats.base import (
     QTensor,
     backend_meta_dtypes,
     backend_name,
-    cached_table,
     check_bits,
     check_meta_dtype_option,
     check_metadata,
@@ -123,15 +122,25 @@ def _erfinv(y: float) -> float:
     return x
 
 
-@cached_table
+#: ``(bits, device)`` -> the codebook's centroids and cell boundaries, float32, built at their first use and
+#: held from then on: never inference tensors, whatever mode that use came in, and a plain dict, which
+#: ``torch.compile`` reads (a traced step finds the tables an eager step built, inputs of its graph) instead
+#: of tracing their construction
+_TABLES: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 def _tables(bits: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Centroids and boundaries, cached: never inference tensors, whatever mode the first call came in."""
-    centroids, boundaries, _ = lloyd_max(bits)
-    with torch.inference_mode(False):
-        return (
-            torch.tensor(centroids, dtype=torch.float32, device=device),
-            torch.tensor(boundaries, dtype=torch.float32, device=device),
-        )
+    """Centroids ``(2**bits,)`` and boundaries ``(2**bits - 1,)`` on ``device`` (a device's string), held in
+    :data:`_TABLES`."""
+    found = _TABLES.get((bits, device))
+    if found is None:
+        centroids, boundaries, _ = lloyd_max(bits)
+        with torch.inference_mode(False):
+            found = _TABLES[(bits, device)] = (
+                torch.tensor(centroids, dtype=torch.float32, device=device),
+                torch.tensor(boundaries, dtype=torch.float32, device=device),
+            )
+    return found
 
 
 def centroids(bits: int, device: torch.device | str = "cpu") -> torch.Tensor:

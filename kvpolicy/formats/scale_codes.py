@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import torch
 
-from kvpolicy.formats.base import cached_table
-
 #: grid points per octave
 STEPS = 64
 #: the largest code, which the largest scale of a batch row and head takes
@@ -51,13 +49,22 @@ GRID_MIN, GRID_MAX = -149 * STEPS, 128 * STEPS - 1
 BASE_MIN, BASE_MAX = GRID_MIN - TOP, GRID_MAX - TOP
 
 
-@cached_table
+#: device -> the table of :func:`octave_steps`, built at its first use there and held from then on: never an
+#: inference tensor (a first call may come under ``torch.inference_mode``, and later calls under autograd), and
+#: a plain dict, which ``torch.compile`` reads instead of tracing the table's construction
+_OCTAVE_STEPS: dict[str, torch.Tensor] = {}
+
+
 def octave_steps(device: str) -> torch.Tensor:
     """``2^(j / STEPS)`` for ``j < STEPS``, float32 on ``device`` (rounded once, from float64); the table a
-    kernel decoding the codes itself must use. Cached, so never an inference tensor (a first call may
-    come under ``torch.inference_mode``, and later calls under autograd)."""
-    with torch.inference_mode(False):
-        return torch.tensor([2.0 ** (j / STEPS) for j in range(STEPS)], dtype=torch.float32, device=device)
+    kernel decoding the codes itself must use (the ``cpu`` backend holds it from its construction)."""
+    found = _OCTAVE_STEPS.get(device)
+    if found is None:
+        with torch.inference_mode(False):
+            found = _OCTAVE_STEPS[device] = torch.tensor(
+                [2.0 ** (j / STEPS) for j in range(STEPS)], dtype=torch.float32, device=device
+            )
+    return found
 
 
 def grid_index(scales: torch.Tensor) -> torch.Tensor:

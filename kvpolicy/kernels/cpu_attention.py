@@ -494,10 +494,12 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
-def default_splits(programs: int, n_tiles: int) -> int:
-    """Token splits per (batch, head): with fewer (batch, head) pairs than ``4 ×`` threads, split each
-    pair's key groups so every thread gets work; at least 4 key groups per split."""
-    threads = _threads()
+def default_splits(programs: int, n_tiles: int, threads: int | None = None) -> int:
+    """Token splits per (batch, head): with fewer (batch, head) pairs than ``4 ×`` threads (``threads``; by
+    default :func:`_threads`), split each pair's key groups so every thread gets work; at least 4 key groups
+    per split."""
+    if threads is None:
+        threads = _threads()
     if threads <= 1 or programs >= 4 * threads:
         return 1
     want = -(-4 * threads // max(1, programs))
@@ -516,7 +518,9 @@ def _attend_op(
     bias: torch.Tensor | None, value_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The kernel's ``attend`` as ``torch.ops.kvpolicy.cpu_attend`` (``value_dim``: the values' head dim, which
-    the fake implementation gives the output)."""
+    the fake implementation gives the output): what ``torch.compile`` sees of the kernel, one operator of
+    known output shapes, never the extension call. An eager call goes straight to the loaded module's
+    ``attend`` (a custom operator's dispatch costs microseconds per call): ``CpuBackend.attend`` chooses."""
     return load().attend(
         query, k_codes, k_scales, k_zeros, k_table, k_bits, k_group,
         v_codes, v_scales, v_zeros, v_table, v_bits, v_group, splits, k_base, v_base, steps, bias,
@@ -527,12 +531,3 @@ def _attend_op(
 def _attend_fake(query: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     b, h, nq, _ = query.shape
     return query.new_empty((b, h, nq, args[-1]), dtype=torch.float32), query.new_empty((b, h, nq), dtype=torch.float32)
-
-
-def attend(kernel: Any, query: torch.Tensor, *args: Any, value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kernel.attend(query, *args)`` (the loaded module's), through ``torch.ops.kvpolicy.cpu_attend`` while
-    ``torch.compile`` traces: the compiler sees one operator of known output shapes, never the extension call
-    (eager calls go straight to the kernel: a custom operator's dispatch costs microseconds per call)."""
-    if torch.compiler.is_compiling():
-        return torch.ops.kvpolicy.cpu_attend(query, *args, value_dim)
-    return kernel.attend(query, *args)
