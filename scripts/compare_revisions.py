@@ -9,11 +9,12 @@ a hash of its source, so each revision gets its own object in the shared kvpolic
 
 The measurements reuse the revision's own benchmark code:
 
-- decode ms/token: one process per revision and repetition runs ``kvpolicy bench decode``'s
-  ``latency()`` (``kvpolicy_lab.bench.decode``) on SmolLM2-135M with ``--fill synthetic`` at
-  ``--length`` tokens, batch 1, every cache of ``--caches`` in the same interleaved Timer rounds
-  (``--rounds`` measured rounds after one warm-up round, ``--steps`` steps each); the process's value
-  per cache is the median of its rounds;
+- decode ms/token: one process per revision fills every cache of ``--caches`` to ``--length`` tokens as
+  ``kvpolicy bench decode --fill synthetic`` does (its ``_prefill``, SmolLM2-135M, float32, batch 1),
+  then, once per repetition, times them with that benchmark's interleaved Timer rounds
+  (``kvpolicy_lab.bench.timing.interleaved``: ``--rounds`` measured rounds after one warm-up round,
+  ``--steps`` steps each); a repetition's value per cache is the median of its rounds (the contexts
+  grow by the steps run);
 - prompt peak memory: one process per revision, cache and repetition runs ``kvpolicy bench memory``'s
   worker (``python -m kvpolicy_lab.bench.memory``): the resident-set high-water mark of a
   ``--length``-token prompt and ``--memory-steps`` decode steps, above the loaded, warmed-up model.
@@ -94,7 +95,9 @@ def _run(argv: list[str], env: dict[str, str], mark: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- worker side (runs the revision's code)
-def _worker(job: dict[str, Any], path: str) -> dict[str, Any]:
+def _worker(job: dict[str, Any], path: str) -> None:
+    """Build the kernel (``kind: build``), or fill the decode caches once and then answer each ``measure``
+    line on stdin with one interleaved measurement of every cache (``kind: decode``); results on stdout."""
     import torch
 
     import kvpolicy
@@ -106,16 +109,55 @@ def _worker(job: dict[str, Any], path: str) -> dict[str, Any]:
         from kvpolicy.kernels.cpu_attention import load
 
         load()
-        return {"kvpolicy": kvpolicy.__file__}
-    from kvpolicy_lab.bench.decode import Variant, latency, load
+        print(RESULT + json.dumps({"kvpolicy": kvpolicy.__file__}), flush=True)
+        return
+    from kvpolicy_lab.bench.decode import DecodeStep, Variant, _decoding, _prefill, load
+    from kvpolicy_lab.bench.timing import device_clock, interleaved
 
     model = load("smollm2", torch.float32, "cpu")
-    args = argparse.Namespace(
-        model="smollm2", dtype="float32", device="cpu", lengths=[job["length"]], batch=[1], fill="synthetic",
-        window=42, steps=job["steps"], reps=job["rounds"], warmup=1, threads=job["threads"],
-    )  # fmt: skip
-    rows = latency(args, model, [Variant.parse(name) for name in job["caches"]])
-    return {r.variant: {"decode_ms": r.decode_ms, "rounds_ms": r.decode_ms_all, "paths": r.paths} for r in rows}
+    args = argparse.Namespace(window=42, fill="synthetic", device="cpu", dtype="float32")
+    variants = {name: Variant.parse(name) for name in job["caches"]}
+    ids = torch.randint(3, model.config.vocab_size, (1, job["length"]), generator=torch.Generator().manual_seed(0))
+    steps = {}
+    for name, v in variants.items():
+        cache, token, _ = _prefill(model, v, ids, args)
+        steps[name] = DecodeStep(model, cache, token)
+    print(RESULT + json.dumps({"ready": True}), flush=True)
+    for _ in sys.stdin:
+        measured = interleaved(
+            steps, number=job["steps"], repeats=job["rounds"], warmup=1, threads=job["threads"],
+            around=lambda name: _decoding(model, variants[name]), clock=device_clock("cpu"),
+        )  # fmt: skip
+        paths = {n: sorted(map(str, set(getattr(s.cache, "attention_paths", dict)().values()) - {None}))
+                 for n, s in steps.items()}  # fmt: skip
+        result = {n: {"decode_ms": m.median * 1e3, "rounds_ms": [t * 1e3 for t in m.times], "paths": paths[n],
+                      "tokens": steps[n].cache.get_seq_length()} for n, m in measured.items()}  # fmt: skip
+        print(RESULT + json.dumps(result), flush=True)
+
+
+class Worker:
+    """A decode worker process of one revision: it fills its caches once, then measures on request."""
+
+    def __init__(self, script: str, path: Path, job: dict[str, Any], threads: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, script, str(path), "--worker", json.dumps(job)], env=environment(path, threads),
+            cwd=path, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    def read(self) -> dict[str, Any]:
+        for line in self.proc.stdout:
+            if line.startswith(RESULT):
+                return json.loads(line.removeprefix(RESULT))
+        raise RuntimeError(f"decode worker exited with status {self.proc.wait()} (its stderr is above)")
+
+    def measure(self) -> dict[str, Any]:
+        self.proc.stdin.write("measure\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
 # ---------------------------------------------------------------------- statistics and output
@@ -200,8 +242,7 @@ def main() -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        result = _worker(json.loads(args.worker), args.revisions[0])
-        print(RESULT + json.dumps(result), flush=True)
+        _worker(json.loads(args.worker), args.revisions[0])
         return 0
     if len(args.revisions) < 2:
         parser.error("give at least two revisions")
@@ -225,24 +266,25 @@ def main() -> int:
         print(f"building {r['name']} ({r['commit'][:7]})", flush=True)
         job = {"kind": "build", "threads": args.threads}
         _run([sys.executable, script, r["path"], "--worker", json.dumps(job)], environment(Path(r["path"]), 1), RESULT)
+    job = {"kind": "decode", "length": args.length, "caches": args.caches, "steps": args.steps,
+           "rounds": args.rounds, "threads": args.threads}  # fmt: skip
+    workers = {r["commit"]: Worker(script, Path(r["path"]), job, args.threads) for r in revs} if args.reps else {}
+    for worker in workers.values():  # the caches are filled before any timing, all revisions at once
+        worker.read()
     for rep in range(max(args.reps, memory_reps)):
         order = revs[rep % len(revs) :] + revs[: rep % len(revs)]
         for r in order if rep < args.reps else []:
-            job = {"kind": "decode", "length": args.length, "caches": args.caches, "steps": args.steps,
-                   "rounds": args.rounds, "threads": args.threads}  # fmt: skip
             start = time.perf_counter()
-            try:
-                result = _run([sys.executable, script, r["path"], "--worker", json.dumps(job)],
-                              environment(Path(r["path"]), args.threads), RESULT)  # fmt: skip
-            except RuntimeError as exc:
-                print(exc, file=sys.stderr, flush=True)
-                data["failures"].append({"rep": rep, "revision": r["commit"], "kind": "decode", "error": str(exc)})
-                continue
+            result = workers[r["commit"]].measure()
             for cache, row in result.items():
                 data["samples"]["decode_ms"].setdefault(cache, {}).setdefault(r["commit"], {})[rep] = row["decode_ms"]
+            data.setdefault("decode_paths", {})[r["commit"]] = {c: v["paths"] for c, v in result.items()}
             shown = ", ".join(f"{c} {v['decode_ms']:.2f}" for c, v in result.items())
             print(f"rep {rep} {r['name']}: decode ms/token {shown} ({time.perf_counter() - start:.0f} s)", flush=True)
             save(data, args.out)
+        if rep == args.reps - 1:
+            for worker in workers.values():
+                worker.close()
         for cache in (args.memory_caches or args.caches) if rep < memory_reps else []:
             for r in order:
                 spec = dict(model="smollm2", dtype="float32", device="cpu", threads=args.threads, length=args.length,
