@@ -17,7 +17,8 @@ The measurements reuse the revision's own benchmark code:
   grow by the steps run);
 - prompt peak memory: one process per revision, cache and repetition runs ``kvpolicy bench memory``'s
   worker (``python -m kvpolicy_lab.bench.memory``): the resident-set high-water mark of a
-  ``--length``-token prompt and ``--memory-steps`` decode steps, above the loaded, warmed-up model.
+  ``--length``-token prompt and ``--memory-steps`` decode steps, above the loaded, warmed-up model
+  (a peak is the process's own, so ``--memory-parallel`` processes may run at once to save time).
 
 Repetitions alternate the revisions (their order rotates from one repetition to the next), so all see the
 same machine load. The table gives, per cache and revision, the median over repetitions with the
@@ -32,6 +33,7 @@ Usage::
         --out results/revisions-8k
     python scripts/compare_revisions.py HEAD~1 HEAD --length 256 --reps 2 --memory-reps 1   # quick
 
+``--summarise DIR`` rewrites ``DIR/table.md`` from ``DIR/revisions.json`` (e.g. after a run was stopped).
 Remove the worktrees afterwards with ``git worktree remove <path>`` (their paths are in the JSON).
 """
 
@@ -46,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -175,10 +178,17 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
     revs = data["revisions"]
     new = revs[-1]["commit"]
     out: dict[str, Any] = {}
-    for metric in ("decode_ms", "peak_mib"):
+    measured = dict(data["samples"])
+    dyn = measured["decode_ms"].get("dynamic", {})
+    measured["decode_x_dynamic"] = {  # each cache over DynamicCache in the same process and rounds
+        cache: {c: {k: v / dyn[c][k] for k, v in reps.items() if k in dyn.get(c, {})} for c, reps in by_rev.items()}
+        for cache, by_rev in measured["decode_ms"].items()
+        if cache != "dynamic"
+    }
+    for metric in ("decode_ms", "decode_x_dynamic", "peak_mib"):
         per: dict[str, Any] = {}
         for cache in data["caches"]:
-            samples = {r["commit"]: data["samples"][metric].get(cache, {}).get(r["commit"], {}) for r in revs}
+            samples = {r["commit"]: measured[metric].get(cache, {}).get(r["commit"], {}) for r in revs}
             cell: dict[str, Any] = {c: _summary(list(v.values())) for c, v in samples.items() if v}
             for r in revs[:-1]:
                 old = r["commit"]
@@ -196,8 +206,12 @@ def table(data: dict[str, Any]) -> str:
     names = [f"{r['name']} ({r['commit'][:7]})" if r["name"] != r["commit"][:7] else r["name"] for r in revs]
     ratios = [f"{new}/{r['commit'][:7]}" for r in revs[:-1]]
     lines = []
-    for metric, title, digits in (("decode_ms", "decode ms/token", 2), ("peak_mib", "prompt peak MiB", 1)):
-        summary = data["summary"][metric]
+    for metric, title, digits in (
+        ("decode_ms", "decode ms/token", 2),
+        ("decode_x_dynamic", "decode time x DynamicCache's in the same rounds", 3),
+        ("peak_mib", "prompt peak MiB", 1),
+    ):
+        summary = data["summary"].get(metric, {})
         if not any(summary.values()):
             continue
         lines += [f"**{title}** at {data['length']} tokens, median (IQR) over repetitions", ""]
@@ -225,7 +239,7 @@ def save(data: dict[str, Any], out: Path) -> None:
 # ---------------------------------------------------------------------- driver
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("revisions", nargs="+", help="git revisions, oldest first; the last is compared to each")
+    parser.add_argument("revisions", nargs="*", help="git revisions, oldest first; the last is compared to each")
     parser.add_argument("--length", type=int, default=8192, help="context / prompt tokens (default 8192)")
     parser.add_argument("--reps", type=int, default=5, help="decode repetitions per revision (default 5)")
     parser.add_argument("--memory-reps", type=int, default=None, help="memory repetitions (default: --reps; 0: none)")
@@ -233,14 +247,21 @@ def main() -> int:
     parser.add_argument(
         "--memory-caches", nargs="+", default=None, help="caches of the memory runs (default: --caches)"
     )
+    parser.add_argument("--memory-parallel", type=int, default=1,
+                        help="memory processes run at once (a peak is per process; default 1)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=16, help="timed decode steps per round (default 16)")
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds per decode process (default 3)")
     parser.add_argument("--memory-steps", type=int, default=2, help="decode steps after the prompt (default 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in every process (default 1)")
     parser.add_argument("--out", type=Path, default=Path("compare-revisions"), help="output folder")
     parser.add_argument("--worktrees", type=Path, default=Path(tempfile.gettempdir()) / "kvpolicy-revisions")
+    parser.add_argument("--summarise", type=Path, metavar="DIR", help="only rewrite DIR/table.md from its JSON")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.summarise:
+        save(json.loads((args.summarise / "revisions.json").read_text()), args.summarise)
+        print((args.summarise / "table.md").read_text())
+        return 0
     if args.worker:
         _worker(json.loads(args.worker), args.revisions[0])
         return 0
@@ -285,13 +306,18 @@ def main() -> int:
         if rep == args.reps - 1:
             for worker in workers.values():
                 worker.close()
-        for cache in (args.memory_caches or args.caches) if rep < memory_reps else []:
-            for r in order:
+        cells = [(c, r) for c in (args.memory_caches or args.caches) for r in order] if rep < memory_reps else []
+        with ThreadPoolExecutor(max_workers=args.memory_parallel) as pool:
+            running = {}
+            for cache, r in cells:
                 spec = dict(model="smollm2", dtype="float32", device="cpu", threads=args.threads, length=args.length,
                             variant=cache, window=42, steps=args.memory_steps, seed=args.length, chunk=0)  # fmt: skip
+                argv = [sys.executable, "-m", "kvpolicy_lab.bench.memory", json.dumps(spec)]
+                running[pool.submit(_run, argv, environment(Path(r["path"]), args.threads), MEMORY_RESULT)] = cache, r
+            for done in as_completed(running):
+                cache, r = running[done]
                 try:
-                    row = _run([sys.executable, "-m", "kvpolicy_lab.bench.memory", json.dumps(spec)],
-                               environment(Path(r["path"]), args.threads), MEMORY_RESULT)  # fmt: skip
+                    row = done.result()
                 except RuntimeError as exc:
                     print(exc, file=sys.stderr, flush=True)
                     data["failures"].append({"rep": rep, "revision": r["commit"], "kind": cache, "error": str(exc)})
