@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo as dynamo
+from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 from kvpolicy import CompressedCache
@@ -84,7 +85,6 @@ def test_action_none_compiles_fullgraph() -> None:
 @pytest.mark.parametrize("name", list(BUILD))
 def test_compiled_steps_give_the_eager_logits(name: str) -> None:
     """Decode steps through groups filling and tiers moving: the compiled logits equal the eager ones."""
-    dynamo.config.recompile_limit = 64
     model = _model()
     steps = 70
     ids = _ids(PROMPT + steps)
@@ -98,6 +98,30 @@ def test_compiled_steps_give_the_eager_logits(name: str) -> None:
             logits[mode] = torch.cat([step(ids[:, t : t + 1]) for t in range(PROMPT, PROMPT + steps)], dim=1)
         assert set(cache.attention_paths().values()) == {"fused (cpu)"}
     torch.testing.assert_close(logits["compiled"], logits["eager"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(BUILD))
+@dynamo.config.patch(recompile_limit=256)  # a step recompiled per length would show, not stop at the limit
+def test_decode_steps_reuse_their_graphs(name: str) -> None:
+    """A step is compiled once per layout, not once per length: after the first demotions of each kind, 120
+    more steps (which thin the log window, fill key groups and move tiers) compile no new graph, so a long
+    decode runs compiled rather than recompiling until dynamo gives up and runs it eagerly."""
+    model = _model()
+    cache = BUILD[name](model, "cpu")
+    steps, settled = 160, 40
+    ids = _ids(PROMPT + steps)
+    call = torch.compile(lambda x: model(x, cache=cache, use_cache=True).logits, backend="aot_eager", dynamic=True)
+    graphs, compressed = [], []
+    with torch.no_grad():
+        model(ids[:, :PROMPT], cache=cache, use_cache=True)
+        counters.clear()
+        for t in range(PROMPT, PROMPT + steps):
+            call(ids[:, t : t + 1])
+            graphs.append(counters["stats"]["unique_graphs"])
+            compressed.append(cache.positions(1)["compressed"].numel())
+    assert compressed[-1] // 128 > compressed[settled] // 128, "no key group fills in the steps measured"
+    assert graphs[-1] == graphs[settled], graphs
+    assert set(cache.attention_paths().values()) == {"fused (cpu)"}
 
 
 @pytest.mark.parametrize(

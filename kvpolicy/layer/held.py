@@ -305,8 +305,14 @@ class HeldTokens:
         of at most :data:`DEMOTE_CHUNK` tokens."""
         assert self.state is not None and self.store is not None and self.full_pos is not None
         demoted = self.state.append(n)
-        if not len(demoted):
-            return
+        if len(demoted):
+            self._move(demoted)
+
+    @torch.compiler.disable
+    def _move(self, demoted: list[int] | torch.Tensor) -> None:
+        """Move the ``demoted`` positions into the store. The layout changes here, so a compiled step runs
+        this eagerly (one graph break in a step that demotes) and the compiler never specialises on the
+        positions a step demotes."""
         pos = self._positions(demoted)
         device = self.keys.device
         k = pos.shape[1]

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from kvpolicy.policies.base import Policy, PolicyState, check_int
 
@@ -45,34 +48,52 @@ class LogWindowState(PolicyState):
     def __init__(self, window: int) -> None:
         self.window = window
         self.length = 0
+        # R is ``_full ++ [length - _tail, length)``: a step that thins nothing only counts (two ints
+        # change), so a compiled decode step reads no list whose length changes every step
         self._full: list[int] = []
+        self._tail = 0
 
     def append(self, n: int) -> list[int]:
         w = self.window
         demoted: list[int] = []
         while n > 0:
             # append up to the step that triggers the next thinning, in one go
-            k = min(n, 3 * w + 1 - len(self._full))
-            self._full.extend(range(self.length, self.length + k))
+            k = min(n, 3 * w + 1 - len(self._full) - self._tail)
             self.length += k
+            self._tail += k
             n -= k
-            if len(self._full) > 3 * w:
-                head = self._full[: 2 * w]
-                demoted.extend(head[1::2])
-                self._full = head[0::2] + self._full[2 * w :]
+            if len(self._full) + self._tail > 3 * w:
+                demoted.extend(self._thin())
         return demoted
 
+    @torch.compiler.disable
+    def _thin(self) -> list[int]:
+        """Thin ``R``'s oldest ``2W`` positions to every other one; return those it drops. Eager under
+        ``torch.compile`` (a step that thins demotes, and the compiler never specialises on positions)."""
+        w = self.window
+        full = self.full_positions()
+        head = full[: 2 * w]
+        self._full, self._tail = head[0::2] + full[2 * w :], 0
+        return head[1::2]
+
     def full_positions(self) -> list[int]:
-        return list(self._full)
+        return self._full + list(range(self.length - self._tail, self.length))
+
+    def state_dict(self) -> dict[str, Any]:
+        """``window``, ``length`` and ``_full``, the whole of ``R`` (as a state without ``_tail`` is saved)."""
+        return {"window": self.window, "length": self.length, "_full": self.full_positions()}
 
     def validate(self) -> None:
         """``R`` must hold as many positions as ``FP(length)`` does, ascending and in range, ending with
         the newest ``min(length, W + 1)`` positions (which ``FP`` always holds); otherwise the
         thinning in :meth:`append` could never trigger."""
         super().validate()
-        full, t, w = self._full, self.length, self.window
-        if not all(isinstance(p, int) and not isinstance(p, bool) for p in full):
+        t, w, tail = self.length, self.window, self._tail
+        if isinstance(tail, bool) or not isinstance(tail, int) or not 0 <= tail <= t:
+            raise ValueError(f"LogWindowState._tail={tail!r:.40} is not a count in [0, {t}]")
+        if not all(isinstance(p, int) and not isinstance(p, bool) for p in self._full):
             raise ValueError("LogWindowState._full: positions must be integers")
+        full = self.full_positions()
         expected = self.full_count_after(0)
         if len(full) != expected:
             raise ValueError(
