@@ -290,6 +290,40 @@ def test_the_keys_of_a_padded_layer_are_its_rows_as_dynamic_cache_holds_them(hoo
         small.layers[0].keys = torch.zeros(3, 2, 1, 64)
 
 
+def test_the_history_of_a_padded_layer_is_each_row_alone_right_aligned(hooked):
+    """A compressed left-padded batch, after its prompt and a decode step: each layer's materialised history
+    (what iterating the cache yields) holds, for every row, the history of that row run alone, right-aligned;
+    the zeros before a shorter row's stand where DynamicCache holds its pads."""
+    rows, ids, mask = _left_padded()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = CompressedCache(policy="log", window=4, **Q4)
+    nxt = torch.full((ids.shape[0], 1), 7)
+    with torch.inference_mode():
+        hooked(ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+        more = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        hooked(nxt, attention_mask=more, position_ids=positions[:, -1:] + 1, cache=cache, use_cache=True)
+    alone = []
+    for row in rows:
+        one = CompressedCache(policy="log", window=4, **Q4)
+        with torch.inference_mode():
+            hooked(row[None], cache=one, use_cache=True)
+            hooked(nxt[:1], cache=one, use_cache=True)
+        alone.append(one)
+    iterated = list(cache)
+    assert len(iterated) == len(cache.layers)
+    for i, layer in enumerate(cache.layers):
+        keys, values = layer.attention_view()
+        assert keys.shape[2] == ids.shape[1] + 1 and torch.equal(iterated[i][0], keys)
+        for b, one in enumerate(alone):
+            own_k, own_v = layer.engine.rows[b].view()
+            n = own_k.shape[2]
+            assert torch.equal(keys[b : b + 1, :, -n:], own_k) and torch.equal(values[b : b + 1, :, -n:], own_v)
+            assert not keys[b, :, :-n].any() and not values[b, :, :-n].any()
+            want_k, want_v = one.layers[i].attention_view()  # the batch's projections round differently
+            torch.testing.assert_close(own_k, want_k, rtol=0, atol=1e-4)
+            torch.testing.assert_close(own_v, want_v, rtol=0, atol=1e-4)
+
+
 # ---------------------------------------------------------------------- the property: equal alone, or refused
 POLICIES = {
     "log": dict(policy="log", window=2),

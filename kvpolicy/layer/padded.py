@@ -221,7 +221,11 @@ class PaddedEngine(Composed):
         self.head.observe(scores, layout)
 
     def view(self, layout: str = "ordered") -> tuple[torch.Tensor, torch.Tensor]:
-        return self.head.view(layout)
+        """Each row's materialised history (:meth:`LayerEngine.view`), right-aligned as :attr:`keys` lays out
+        its rows (zeros before a shorter row's): ``(batch, kv_heads, n, head_dim)`` keys and values."""
+        views = [row.view(layout) if row.started else self.head.view(layout) for row in self.rows]
+        width = max(keys.shape[2] for keys, _ in views)
+        return _assemble([k for k, _ in views], width), _assemble([v for _, v in views], width)
 
     #: tokens waiting for :meth:`release`: none, rows demote at their next step
     pending = 0
