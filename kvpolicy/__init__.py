@@ -39,9 +39,7 @@ _EXPORTS = {
     "Sinks": "kvpolicy.policies.sinks",
     "Tiered": "kvpolicy.actions.tiered",
     "boundary": "kvpolicy.layer_bits",
-    "compare": "kvpolicy.quality",
     "decode_mode": "kvpolicy.modes",
-    "estimate": "kvpolicy.estimation",
     "HeavyHitters": "kvpolicy.policies.h2o",
     "Quantize": "kvpolicy.actions.quantize",
     "TorchBackend": "kvpolicy.backends.torch_backend",
@@ -73,10 +71,12 @@ __all__ = [
     "TorchBackend",
     "__version__",
     "boundary",
-    "compare",
     "decode_mode",
-    "estimate",
 ]
+
+#: the evaluation and planning tools that moved to the kvpolicy-lab distribution: reading one here raises an
+#: AttributeError saying where it is now (so ``hasattr(kvpolicy, "compare")`` is False, as for any other name)
+_MOVED_TO_LAB = ("compare", "estimate")
 
 if TYPE_CHECKING:
     from kvpolicy.actions.evict import Evict
@@ -92,7 +92,6 @@ if TYPE_CHECKING:
         NonFiniteError,
         PaddingError,
     )
-    from kvpolicy.estimation import estimate
     from kvpolicy.formats.codebook import Codebook
     from kvpolicy.formats.packed import MinMax
     from kvpolicy.layer_bits import boundary
@@ -103,7 +102,6 @@ if TYPE_CHECKING:
     from kvpolicy.policies.recent import RecentWindow
     from kvpolicy.policies.sink import SinkWindow
     from kvpolicy.policies.sinks import Sinks
-    from kvpolicy.quality import compare
     from kvpolicy.spec import CacheSpec
     from kvpolicy.transforms.hadamard import Hadamard
 
@@ -113,6 +111,12 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value
+    if name in _MOVED_TO_LAB:
+        from kvpolicy.errors import LAB_INSTALL, LAB_PACKAGE
+
+        raise AttributeError(
+            f"kvpolicy.{name} moved to the {LAB_PACKAGE} package: from kvpolicy_lab import {name}, after {LAB_INSTALL}"
+        )
     raise AttributeError(f"module 'kvpolicy' has no attribute {name!r}")
 
 

@@ -62,7 +62,7 @@ def kvpolicy_register_formats() -> dict[str, object]:
 
 
 #: the core's subcommands (the kvpolicy-lab distribution registers its own through the same hook)
-CORE_COMMANDS = ("list", "plugins", "estimate", "presets")
+CORE_COMMANDS = ("list", "plugins", "presets")
 
 
 @hookimpl

@@ -1,6 +1,6 @@
 """The ``kvpolicy`` command: one module per subcommand, registered through the plugin hook
 ``kvpolicy_register_commands`` (the core's in :mod:`kvpolicy.commands`; the ``kvpolicy-lab``
-distribution adds ``demo``, ``ablate``, ``tune``, ``analyze`` and ``bench``). A lab subcommand without
+distribution adds ``demo``, ``ablate``, ``tune``, ``analyze``, ``bench`` and ``estimate``). A lab subcommand without
 the lab installed is one line naming the package to install, exit status 2.
 
 Bad flag values stop at parse time (argparse: ``kvpolicy <command>: error: argument --flag: ...``,
@@ -21,13 +21,12 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from kvpolicy.errors import ConfigError
+from kvpolicy.errors import LAB_INSTALL, LAB_PACKAGE, ConfigError
 
 #: the subcommands' order in help (registered commands not listed here follow, by name)
 ORDER = ("demo", "list", "plugins", "ablate", "tune", "analyze", "bench", "estimate", "presets")
 #: the subcommands the kvpolicy-lab distribution adds (named here to say what to install without it)
-LAB_COMMANDS = ("demo", "ablate", "tune", "analyze", "bench")
-LAB_PACKAGE = "kvpolicy-lab"
+LAB_COMMANDS = ("demo", "ablate", "tune", "analyze", "bench", "estimate")
 
 
 def commands() -> list[tuple[str, Callable[[argparse._SubParsersAction], None]]]:
@@ -166,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = _lab_missing(argv)
     if missing is not None:
         print(
-            f"kvpolicy {missing}: error: this command comes with the {LAB_PACKAGE} package: pip install {LAB_PACKAGE} "
-            f"(from a clone of kvpolicy: pip install ./lab)",
+            f"kvpolicy {missing}: error: this command comes with the {LAB_PACKAGE} package: {LAB_INSTALL}",
             file=sys.stderr,
         )
         return 2

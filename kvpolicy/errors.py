@@ -5,6 +5,12 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
+#: the distribution of the evaluation and planning tools (``kvpolicy_lab``), named by the messages that send a user
+#: to it (a lab subcommand, or a name that moved there, asked for without it)
+LAB_PACKAGE = "kvpolicy-lab"
+#: how to install it
+LAB_INSTALL = f"pip install {LAB_PACKAGE} (from a clone of kvpolicy: pip install ./lab)"
+
 
 def did_you_mean(value: object, known: Iterable[object]) -> str:
     """``"; did you mean 'x'?"`` for the known name closest to ``value`` (:func:`difflib.get_close_matches`),

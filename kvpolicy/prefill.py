@@ -25,15 +25,19 @@ row's tokens counted from its first), and the cache told each chunk's mask
 only its own tokens, even a row whose first chunks are padding only: each row then holds what it holds run
 alone with its tokens split where the batch's chunks split them. Padding that is not on the left is refused
 (:class:`~kvpolicy.errors.PaddingError`).
+
+:func:`teacher_forced_logits` drives a cache the other way: a prefill, then the rest of a known sequence one
+token at a time, each step's logits kept (how a cache's predictions are compared with another's, the tests' and
+the lab's measure); :func:`last_only` asks a model for the last position's logits only where its forward can.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
-
-from kvpolicy.quality import last_only
+from tqdm.auto import tqdm
 
 
 def check_chunk_size(chunk_size: Any) -> int:
@@ -125,3 +129,50 @@ def chunked_prefill(
         if callable(release):
             release()
     return out
+
+
+def last_only(model: torch.nn.Module) -> dict[str, int]:
+    """``{"logits_to_keep": 1}`` for a model whose forward takes it, else ``{}``.
+
+    A prefill whose logits are used at the last position only need not project every position onto
+    the vocabulary (``generate`` does the same): at 2k tokens that is a ``(2048, vocab)`` float32
+    tensor, 2 GB and most of the prefill's time for Gemma-3's 262k vocabulary."""
+    forward = type(model).forward
+    if forward not in _TAKES_LAST:
+        _TAKES_LAST[forward] = "logits_to_keep" in inspect.signature(forward).parameters
+    return {"logits_to_keep": 1} if _TAKES_LAST[forward] else {}
+
+
+_TAKES_LAST: dict = {}
+
+
+@torch.inference_mode()
+def teacher_forced_logits(
+    model: torch.nn.Module, ids: torch.Tensor, prefill: int, cache: object, progress: str | None = None
+) -> torch.Tensor:
+    """Prefill ``ids[:, :prefill]``, then feed the rest one token at a time through ``cache``.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A causal LM.
+    ids : torch.Tensor
+        ``(batch, length)`` token ids.
+    prefill : int
+        Tokens fed in the first (prefill) call.
+    cache : transformers.Cache
+        The cache to drive (fresh).
+    progress : str, optional
+        Show a progress bar with this label.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(batch, length - prefill, vocab)`` float32: the predictions for positions
+        ``prefill .. length - 1``.
+    """
+    out = model(ids[:, :prefill], cache=cache, use_cache=True, **last_only(model))
+    steps = [out.logits[:, -1:].float()]
+    for t in tqdm(range(prefill, ids.shape[1] - 1), desc=progress, disable=progress is None, leave=False):
+        steps.append(model(ids[:, t : t + 1], cache=cache, use_cache=True).logits.float())
+    return torch.cat(steps, dim=1)

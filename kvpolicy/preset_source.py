@@ -2,7 +2,7 @@
 file shipped with kvpolicy (``"smollm2-8k-2.5bit"``), a plugin's model preset (:mod:`kvpolicy.model_presets`) or
 the path of a user's preset file.
 
-``CompressedCache.for_model``, ``from_preset`` and ``from_config``, :func:`kvpolicy.estimate` and the command line
+``CompressedCache.for_model``, ``from_preset`` and ``from_config``, the command line and the lab's ``estimate``
 all go through :func:`resolve` (and :meth:`kvpolicy.spec.CacheSpec.from_source`), so a name works (or is refused,
 with the same ``did you mean``) everywhere alike.
 

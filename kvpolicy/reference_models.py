@@ -1,7 +1,7 @@
 """The two reference models kvpolicy is measured on, by name and config, without their weights.
 
-SmolLM2-135M-Instruct and Gemma-3-270M: the names ``kvpolicy estimate --model`` (and the lab's
-``--model``) accept for them, and their configs as transformers builds them from their checkpoints.
+SmolLM2-135M-Instruct and Gemma-3-270M: the names every ``--model`` flag (``kvpolicy presets --for`` and the lab's
+commands) accepts for them, and their configs as transformers builds them from their checkpoints.
 Loading their weights is the lab's business (``kvpolicy_lab.eval.models``).
 """
 

@@ -134,7 +134,7 @@ def kl(
 
     from kvpolicy import CompressedCache
     from kvpolicy.fused import enable_fused
-    from kvpolicy.quality import teacher_forced_logits
+    from kvpolicy.prefill import teacher_forced_logits
     from kvpolicy_lab.eval.models import load_smollm2
     from kvpolicy_lab.eval.tasks import LanguageModeling
 
@@ -176,7 +176,7 @@ def kl(
 
 
 def _scores(ref: torch.Tensor, got: torch.Tensor) -> dict[str, float]:
-    from kvpolicy.quality import next_token_kl
+    from kvpolicy_lab.quality import next_token_kl
 
     kl = next_token_kl(ref, got).double().mean()
     return {"kl": float(kl), "top1": float((ref.argmax(-1) == got.argmax(-1)).double().mean())}

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import settings
 
-from kvpolicy.quality import teacher_forced_logits
+from kvpolicy.prefill import teacher_forced_logits
 from kvpolicy.tiny import random_model, tiny_gemma3  # noqa: F401  (tests import tiny_gemma3 from here)
 
 # No third-party plugin loads by entry point in the tests (each test that needs one registers it), except

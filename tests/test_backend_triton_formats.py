@@ -24,8 +24,8 @@ from kvpolicy.formats.codebook import CodebookTensor
 from kvpolicy.formats.packed import PackedTensor
 from kvpolicy.fused import disable_fused, enable_fused
 from kvpolicy.layer import composition as specs
+from kvpolicy.prefill import teacher_forced_logits
 from kvpolicy.presets import BUILTIN_PRESETS
-from kvpolicy.quality import teacher_forced_logits
 
 GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if GPU else "cpu")

@@ -361,24 +361,6 @@ def test_bits_per_element_drop_by_eight_over_head_dim():
     assert drop == pytest.approx(8 / d * demoted / 300 - 32 / (300 * 2 * d), rel=1e-12)
 
 
-def test_estimate_counts_one_byte_scales_as_the_cache_holds_them():
-    pytest.importorskip("transformers")
-    from transformers import LlamaConfig
-
-    from kvpolicy import estimate
-
-    config = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=256,
-                         vocab_size=128)  # fmt: skip
-    kw = dict(policy="recent", window=16, bits=3, scheme="codebook", transform="hadamard", backend="torch")
-    got = {n: estimate(config, 500, {**kw, "norm_bits": n}, dtype="float32") for n in (16, 8)}
-    head_dim, kv_heads, demoted = 64, 2, 500 - 16
-    one_layer = 2 * kv_heads * demoted  # keys and values: one scale per demoted token and head
-    assert got[16].total_bytes - got[8].total_bytes == 2 * (one_layer - 2 * kv_heads * 2)
-    segments = got[8].report.segments
-    assert segments["scales"] == 2 * one_layer and segments["scale_base"] == 2 * 2 * kv_heads * 2
-    assert got[16].report.segments["scales"] == 2 * 2 * one_layer and head_dim == 256 // 4
-
-
 @pytest.mark.parametrize(
     "kw",
     [

@@ -38,8 +38,8 @@ class Hello:
 
 def test_the_core_commands_are_registered_through_the_hook(no_plugins):
     names = [name for name, _ in commands()]
-    assert names == ["list", "plugins", "estimate", "presets"]  # help order
-    assert {name for name, _, source in registry.entries("commands")} == {"list", "plugins", "estimate", "presets"}
+    assert names == ["list", "plugins", "presets"]  # help order
+    assert {name for name, _, source in registry.entries("commands")} == {"list", "plugins", "presets"}
     assert all(source.distribution == "kvpolicy" for _, _, source in registry.entries("commands"))
 
 
@@ -74,8 +74,8 @@ def test_a_lab_command_without_the_lab_names_the_package(no_plugins, capsys, com
 
 def test_help_without_the_lab_lists_what_it_would_add(no_plugins):
     text = " ".join(build_parser().format_help().split())
-    lab = "(demo, ablate, tune, analyze, bench: pip install kvpolicy-lab)"
-    assert f"one of: list, plugins, estimate, presets {lab}" in text
+    lab = "(demo, ablate, tune, analyze, bench, estimate: pip install kvpolicy-lab)"
+    assert f"one of: list, plugins, presets {lab}" in text
 
 
 def test_the_missing_lab_is_one_line_and_exit_2_from_the_shell():

@@ -19,7 +19,6 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
 from kvpolicy import CompressedCache
 from kvpolicy.cache import _layer_memory, held_tensors
 from kvpolicy.errors import ConfigError
-from kvpolicy.estimation import estimate
 from kvpolicy.tiny import tiny_gemma3
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -154,17 +153,6 @@ def test_a_layer_of_an_unknown_kind_is_counted_and_never_fails():
     assert entry.total_bytes == 3 * 4 * 4 + 2 * 8
     assert entry.baseline_bytes == 3 * 4 * 2 + 2 * 8  # floating elements at 16 bits, integers as held
     assert held_tensors(object()) == []  # nothing to walk: nothing held
-
-
-def test_estimate_tells_a_used_hybrid_cache_from_an_unused_one():
-    model = _model("qwen3_next")
-    unused = CompressedCache.for_model(model, window=4, bits=4, group_size=16)
-    assert estimate(model.config, 64, unused).compressed_layers == [3]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model(torch.randint(3, 96, (1, 12)), cache=unused, use_cache=True)
-    with pytest.raises(ConfigError, match="already holds tokens"):
-        estimate(model.config, 64, unused)
 
 
 # ---------------------------------------------------------------------- a model without full attention

@@ -22,6 +22,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvpolicy"
 #: the evaluation harness, a distribution of its own (kvpolicy-lab): the library never imports it
@@ -274,6 +276,44 @@ def test_the_library_never_imports_the_lab():
     assert not offending, "the library imports the lab:\n    " + "\n    ".join(sorted(set(map(str, offending))))
 
 
+def test_the_library_never_loads_the_lab_when_it_runs():
+    """At run time too: every public name, the cache at work, the evaluation names that moved and the command line
+    (its plugins not loaded) leave ``kvpolicy_lab`` out of ``sys.modules``."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, kvpolicy\n"
+        "for name in kvpolicy.__all__: getattr(kvpolicy, name)\n"
+        "assert not hasattr(kvpolicy, 'compare') and not hasattr(kvpolicy, 'estimate')\n"
+        "from kvpolicy.cli import build_parser; build_parser()\n"
+        "cache = kvpolicy.CompressedCache(policy='log', window=4, bits=2, group_size=16)\n"
+        "cache.update(torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64), 0)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'kvpolicy_lab'))\n"
+    )
+    env = {**__import__("os").environ, "KVPOLICY_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    env.pop("KVPOLICY_PLUGINS", None)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_names_that_moved_to_the_lab_say_where_they_are():
+    import kvpolicy
+
+    for name in ("compare", "estimate"):
+        assert name not in kvpolicy.__all__ and name not in dir(kvpolicy)
+        assert not hasattr(kvpolicy, name)
+        with pytest.raises(AttributeError) as info:
+            getattr(kvpolicy, name)
+        assert str(info.value) == (
+            f"kvpolicy.{name} moved to the kvpolicy-lab package: from kvpolicy_lab import {name}, after pip install "
+            "kvpolicy-lab (from a clone of kvpolicy: pip install ./lab)"
+        )
+    with pytest.raises(AttributeError, match=r"^module 'kvpolicy' has no attribute 'no_such_name'$"):
+        kvpolicy.no_such_name  # noqa: B018
+
+
 def test_the_library_runs_without_its_command_line():
     _, edges = import_graph(PACKAGE)
     offending = [edge for edge in edges if not is_cli(edge.source) and is_cli(edge.target)]
@@ -285,7 +325,7 @@ def test_the_library_runs_without_its_command_line():
 def test_membership():
     assert is_lab("kvpolicy_lab") and is_lab("kvpolicy_lab.eval.cells") and is_lab("kvpolicy_lab.commands.tune")
     assert not is_lab("kvpolicy.cache") and not is_lab("kvpolicy_labs") and not is_lab("kvpolicy")
-    assert is_cli("kvpolicy.cli") and is_cli("kvpolicy.__main__") and is_cli("kvpolicy.commands.estimate")
+    assert is_cli("kvpolicy.cli") and is_cli("kvpolicy.__main__") and is_cli("kvpolicy.commands.presets")
     assert not is_cli("kvpolicy.cache") and not is_cli("kvpolicy.commandsx") and not is_cli("kvpolicy")
 
 

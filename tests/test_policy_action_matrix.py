@@ -13,7 +13,7 @@ from kvpolicy.policies.h2o import HeavyHitters
 from kvpolicy.policies.log import LogWindow
 from kvpolicy.policies.recent import RecentWindow
 from kvpolicy.policies.sink import SinkWindow
-from kvpolicy.quality import teacher_forced_logits
+from kvpolicy.prefill import teacher_forced_logits
 
 POLICIES = {
     "log": LogWindow(window=4),

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from kvpolicy import CompressedCache, preset_files, registry
 from kvpolicy.cli import main
 from kvpolicy.errors import ConfigError
-from kvpolicy.estimation import estimate
 from kvpolicy.spec import CacheSpec
 from kvpolicy.tiny import random_model
 
@@ -50,34 +49,28 @@ def _one_line(err: str) -> str:
     [("kvpolicy-3bits", "kvpolicy-3bit"), ("logquant4bit", "logquant-4bit"), ("smollm2-3bits", "smollm2-3bit"),
      ("smollm2-8k-2.5bits", "smollm2-8k-2.5bit")],
 )  # fmt: skip
-def test_every_entry_point_suggests_the_same_closest_name(model, name, suggestion, capsys):
+def test_every_entry_point_suggests_the_same_closest_name(model, name, suggestion):
     hint = f"did you mean '{suggestion}'?"
     for build in (
         lambda: CompressedCache.for_model(model, name),
         lambda: CompressedCache.from_preset(name),
         lambda: CompressedCache.from_config(name),
         lambda: CacheSpec.from_preset(name),
-        lambda: estimate(model.config, 16, name),
     ):
         with pytest.raises(ConfigError, match=re.escape(hint)) as info:
             build()
         assert "preset files shipped with kvpolicy: gemma3-270m-3.5bit, smollm2-3bit, smollm2-8k-2.5bit" in str(
             info.value
         )
-    status, _, err = _cli(["estimate", "--model", "tiny-llama", "--tokens", "64", "--preset", name], capsys)
-    assert status == 2 and hint in _one_line(err)
 
 
 @pytest.mark.parametrize("name", preset_files.names())
-def test_shipped_preset_files_load_by_name_everywhere(model, name, capsys):
+def test_shipped_preset_files_load_by_name_everywhere(model, name):
     want = repr(CompressedCache.from_spec(CacheSpec.from_file(preset_files.path(name))))
     assert repr(CompressedCache.from_preset(name)) == want
     assert repr(CompressedCache.from_config(name)) == want
     cache = CompressedCache.for_model(model, name)
     assert cache.preset.kind == "shipped file" and cache.preset.path == preset_files.path(name)
-    assert estimate(model.config, 100, name).total_bytes == estimate(model.config, 100, cache).total_bytes
-    status, out, _ = _cli(["estimate", "--model", "tiny-llama", "--tokens", "100", "--preset", name], capsys)
-    assert status == 0 and re.search(rf"^{re.escape(name)}\s+100\s", out, re.M)
 
 
 def test_registered_presets_load_through_from_config_too():
@@ -130,12 +123,10 @@ def test_a_bare_unknown_name_is_refused_even_when_a_file_has_it(local_file):
 
 
 # ---------------------------------------------------------------------- preset files as untrusted input
-def _refused(path, match, capsys):
+def _refused(path, match):
     with pytest.raises(ConfigError, match=match) as info:
         CompressedCache.from_config(path)
     assert len(str(info.value).splitlines()) == 1 and len(str(info.value)) < 1200
-    status, _, err = _cli(["estimate", "--model", "tiny-llama", "--tokens", "64", "--preset", str(path)], capsys)
-    assert status == 2 and "Traceback" not in err and re.search(match, _one_line(err))
 
 
 @pytest.mark.parametrize(
@@ -156,22 +147,22 @@ def _refused(path, match, capsys):
     ids=["deep", "deep-but-parsable", "not-utf8", "binary", "malformed", "cache-not-table", "huge", "policy-int",
          "window-str", "layer-bits-str", "tiers-ints"],
 )  # fmt: skip
-def test_a_malformed_preset_file_is_one_clear_line(tmp_path, content, match, capsys):
+def test_a_malformed_preset_file_is_one_clear_line(tmp_path, content, match):
     path = tmp_path / "bad.toml"
     path.write_bytes(content)
-    _refused(path, rf"preset file '.*bad\.toml'.*{match}|{match}", capsys)
+    _refused(path, rf"preset file '.*bad\.toml'.*{match}|{match}")
 
 
-def test_directories_devices_pipes_and_dangling_links_are_refused_without_reading(tmp_path, capsys):
+def test_directories_devices_pipes_and_dangling_links_are_refused_without_reading(tmp_path):
     (tmp_path / "dir.toml").mkdir()
-    _refused(tmp_path / "dir.toml", "is a directory, not a file", capsys)
+    _refused(tmp_path / "dir.toml", "is a directory, not a file")
     (tmp_path / "zero.toml").symlink_to("/dev/zero")  # would never end if read
-    _refused(tmp_path / "zero.toml", r"is not a regular file \(a device, a pipe or a socket\)", capsys)
+    _refused(tmp_path / "zero.toml", r"is not a regular file \(a device, a pipe or a socket\)")
     os.mkfifo(tmp_path / "fifo.toml")  # would block forever if opened for reading without a writer
-    _refused(tmp_path / "fifo.toml", r"is not a regular file", capsys)
+    _refused(tmp_path / "fifo.toml", r"is not a regular file")
     (tmp_path / "dangling.toml").symlink_to(tmp_path / "nowhere.toml")
-    _refused(tmp_path / "dangling.toml", "is a link to a path that does not exist", capsys)
-    _refused(tmp_path / "missing.toml", "does not exist", capsys)
+    _refused(tmp_path / "dangling.toml", "is a link to a path that does not exist")
+    _refused(tmp_path / "missing.toml", "does not exist")
 
 
 _VALUES = st.recursive(
@@ -210,11 +201,11 @@ def _evil_folder(tmp_path: Path, model_type: str) -> tuple[Path, Path]:
     return folder, marker
 
 
-def test_estimate_never_runs_a_model_folders_code(tmp_path, capsys, monkeypatch):
+def test_a_model_folders_code_never_runs(tmp_path, capsys, monkeypatch):
     folder, marker = _evil_folder(tmp_path, "evil")
     # a user at a terminal answering yes to transformers' question, were it ever asked
     monkeypatch.setattr("builtins.input", lambda *args: "y")
-    status, out, err = _cli(["estimate", "--model", str(folder), "--tokens", "64"], capsys)
+    status, out, err = _cli(["presets", "--for", str(folder)], capsys)
     assert status == 2 and out == ""
     line = _one_line(err)
     assert "needs the model's own code to be read (auto_map AutoConfig -> 'configuration_evil.EvilConfig')" in line
@@ -225,9 +216,9 @@ def test_estimate_never_runs_a_model_folders_code(tmp_path, capsys, monkeypatch)
 def test_a_known_model_type_is_read_with_transformers_own_classes(tmp_path, capsys, monkeypatch):
     folder, marker = _evil_folder(tmp_path, "llama")
     monkeypatch.setattr("builtins.input", lambda *args: "y")
-    status, out, err = _cli(["estimate", "--model", str(folder), "--tokens", "64", "--preset", "logquant"], capsys)
+    status, out, err = _cli(["presets", "--for", str(folder)], capsys)
     assert status == 0, err
-    assert "2 layers (2 compressed), 2 kv heads, head_dim 64" in out
+    assert "no model preset is registered for model_type 'llama'" in out
     assert not marker.exists()
 
 
@@ -237,7 +228,7 @@ def test_a_malformed_model_config_is_one_clear_line(tmp_path, capsys, content, m
     folder = tmp_path / "m"
     folder.mkdir()
     (folder / "config.json").write_bytes(content)
-    status, _, err = _cli(["estimate", "--model", str(folder), "--tokens", "64"], capsys)
+    status, _, err = _cli(["presets", "--for", str(folder)], capsys)
     assert status == 2 and "Traceback" not in err and match in _one_line(err)
 
 

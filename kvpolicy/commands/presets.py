@@ -29,7 +29,7 @@ def _run(args: argparse.Namespace) -> int:
         for suggestion in found:
             print(suggestion)
         return 0
-    from kvpolicy.commands.estimate import model_config
+    from kvpolicy.commands._model import model_config
 
     config = model_config(args.model, args.online)
     for suggestion in model_presets.suggest(config):

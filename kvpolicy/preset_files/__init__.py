@@ -2,7 +2,7 @@
 :class:`~kvpolicy.CompressedCache` keywords (what ``kvpolicy tune`` writes).
 
 They load by name like the registered presets (``CompressedCache.for_model(model, "smollm2-8k-2.5bit")``,
-``from_preset``, ``from_config``, ``kvpolicy estimate --preset``): :mod:`kvpolicy.preset_source` resolves
+``from_preset``, ``from_config``, the lab's ``kvpolicy estimate --preset``): :mod:`kvpolicy.preset_source` resolves
 every such name.
 """
 

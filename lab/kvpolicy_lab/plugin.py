@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from kvpolicy.hookspecs import command, hookimpl
 
-COMMANDS = ("demo", "ablate", "tune", "analyze", "bench")
+COMMANDS = ("demo", "ablate", "tune", "analyze", "bench", "estimate")
 
 
 @hookimpl

@@ -263,7 +263,7 @@ def simulated_bits(
     compresses (:func:`~kvpolicy_lab.eval.caches.budget_bits`: the sliding-window layers stay transformers'
     own at 16 bits whatever the composition)."""
     from kvpolicy.cache import CompressedCache
-    from kvpolicy.estimation import feed_random_queries
+    from kvpolicy_lab.estimation import feed_random_queries
     from kvpolicy_lab.eval.caches import budget_bits
 
     text = config.get_text_config(decoder=True)

@@ -23,7 +23,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 from kvpolicy import CompressedCache
 from kvpolicy.cache import CompressedLayer, is_hybrid
 from kvpolicy.errors import ConfigError
-from kvpolicy.quality import teacher_forced_logits
+from kvpolicy.prefill import teacher_forced_logits
 from kvpolicy.tiny import tiny_gemma3
 from kvpolicy_lab.eval import gemma, wheels
 from kvpolicy_lab.eval.wheels import ChecksumMismatchError, FetchError, WheelMember

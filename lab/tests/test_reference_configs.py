@@ -11,7 +11,7 @@ def test_built_in_configs_are_the_models_own():
     Gemma-3 folder's config.json, the SmolLM2 GGUF's metadata)."""
     from transformers import AutoConfig
 
-    from kvpolicy.commands.estimate import model_config
+    from kvpolicy.commands._model import model_config
     from kvpolicy_lab.eval.models import default_cache_dir
 
     gemma_json = default_cache_dir() / "gemma3-270m" / "float32" / "config.json"

@@ -396,7 +396,7 @@ def _ratios(rows: list[Row]) -> None:
 def _fill(model: torch.nn.Module, cache: Any, batch: int, length: int, device: str, dtype: torch.dtype) -> None:
     """Fill ``cache`` with ``length`` synthetic (random normal) tokens per layer, as one prefill update (a
     store that fits itself on the queries, ``transform="query-hadamard"``, is given random queries too)."""
-    from kvpolicy.estimation import feed_random_queries
+    from kvpolicy_lab.estimation import feed_random_queries
 
     cfg = model.config
     hk = cfg.num_key_value_heads

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -273,3 +274,46 @@ def _write_fails(directory: Path) -> str | None:
     os.close(fd)
     os.unlink(name)
     return None
+
+
+#: memory units: binary (KiB...) and decimal (KB...)
+_MEMORY_UNITS = {
+    "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}  # fmt: skip
+_MEMORY = re.compile(r"([0-9]{1,15}(?:\.[0-9]{1,9})?)\s*([a-zA-Z]*)")
+
+
+def memory_size(text: str) -> int:
+    """A memory budget in bytes: a number and a unit, binary (``512MiB``, ``4GiB``) or decimal (``4GB``).
+
+    Raises
+    ------
+    argparse.ArgumentTypeError
+        A value without a unit, an unknown or ambiguous unit (``4G``: GiB or GB?), or a budget under one byte.
+    """
+    match = _MEMORY.fullmatch(text.strip())
+    allowed = "a number and a unit: 512MiB, 4GiB, 4GB (KiB, MiB, GiB, TiB or KB, MB, GB, TB)"
+    if match is None:
+        raise argparse.ArgumentTypeError(f"must be {allowed}; got {text!r}")
+    number, unit = match[1], match[2].lower()
+    if unit not in _MEMORY_UNITS:
+        guesses = [u for u in ("KiB", "MiB", "GiB", "TiB") if unit and u.lower().startswith(unit[0])]
+        hint = f"; did you mean {number}{guesses[0]} or {number}{guesses[0].replace('i', '')}?" if guesses else ""
+        raise argparse.ArgumentTypeError(f"must be {allowed}; got {text!r}{hint}")
+    value = int(float(number) * _MEMORY_UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least one byte; got {text!r}")
+    return value
+
+
+def preset_name(text: str) -> str:
+    """A registered preset, a preset file shipped with kvpolicy or a preset file's path
+    (:func:`kvpolicy.preset_source.resolve`); another name is refused with the closest one."""
+    from kvpolicy import preset_source
+
+    try:
+        preset_source.check(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text

@@ -9,7 +9,7 @@ The uncompressed reference (transformers' ``DynamicCache``) of each sample is co
   agreement of their argmax;
 - ``kl_worst``: the largest of the texts' mean KLs; ``kl_p99`` and ``kl_p999``: the 99th and 99.9th
   percentiles of the per-token KL over every scored token of every text
-  (:func:`kvpolicy.quality.token_percentile`), each text's own in ``extra["per_text"]``;
+  (:func:`kvpolicy_lab.quality.token_percentile`), each text's own in ``extra["per_text"]``;
 - ``attn_error``: attention-output relative error per layer (:mod:`kvpolicy_lab.eval.probes`), over the
   teacher-forced decoding steps; the value is the mean over layers;
 - task scores (accuracy, exact match, edit similarity, LongBench score);
@@ -42,12 +42,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from kvpolicy.quality import TAIL, token_percentile
 from kvpolicy_lab.eval.caches import baseline_bytes, budget_bits, global_layers, held_bytes
 from kvpolicy_lab.eval.metrics import last_only, next_token_kl, nll
 from kvpolicy_lab.eval.probes import AttentionErrorProbe
 from kvpolicy_lab.eval.stats import mean_se
 from kvpolicy_lab.eval.tasks import Sample, Task
+from kvpolicy_lab.quality import TAIL, token_percentile
 
 
 @dataclass
@@ -322,7 +322,7 @@ def _worst_text(samples: list[Sample], kls: list[torch.Tensor]) -> Metric:
 
 def _tail(samples: list[Sample], kls: list[torch.Tensor]) -> list[Metric]:
     """``kl_p99`` and ``kl_p999``: percentiles of the per-token KL pooled over every sample's scored tokens
-    (``n`` of them; :func:`kvpolicy.quality.token_percentile`). ``extra["per_text"]`` maps each sample's id
+    (``n`` of them; :func:`kvpolicy_lab.quality.token_percentile`). ``extra["per_text"]`` maps each sample's id
     to its own percentile, and ``extra["max"]`` is the largest token KL (with 1,001 tokens or fewer the
     99.9th percentile lies between the two largest)."""
     pooled = torch.cat([k.flatten() for k in kls])

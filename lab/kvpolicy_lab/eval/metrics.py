@@ -1,5 +1,5 @@
 """Fidelity and cost measurements against an uncompressed cache (teacher forcing itself is the
-library's: :func:`kvpolicy.quality.teacher_forced_logits`)."""
+library's: :func:`kvpolicy.prefill.teacher_forced_logits`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from kvpolicy.quality import last_only, next_token_kl, nll, teacher_forced_logits
+from kvpolicy.prefill import last_only, teacher_forced_logits
+from kvpolicy_lab.quality import next_token_kl, nll
 
 __all__ = ["Generation", "greedy_generate", "last_only", "next_token_kl", "nll", "teacher_forced_logits"]
 

@@ -240,7 +240,8 @@ def analyze_rotation(
         raise ConfigError(
             f"analyze rotation: transform {transform.name!r} fits something of its own inside the cache's store "
             "(keys weighted by the queries, or a low-rank part held apart), which this analysis of a plain rotation "
-            "does not model; analyse 'hadamard', and compare the caches on texts (kvpolicy ablate, kvpolicy.compare)"
+            "does not model; analyse 'hadamard', and compare the caches on texts (kvpolicy ablate, "
+            "kvpolicy_lab.compare)"
         )
     layers = analysed_layers(model.config, "analyze rotation")
     task = LanguageModeling(samples_per_context=1, tokens=queries, **({"files": files} if files else {}))

@@ -3,7 +3,7 @@
 A cache that is fine on average and wrong on one token in a thousand derails a long generation, so beside
 the mean KL of the ``lm`` task the runner records ``kl_p99`` and ``kl_p999``: the 99th and 99.9th
 percentiles of the per-token KL over every scored token of every text, by linear interpolation between
-order statistics (:func:`kvpolicy.quality.token_percentile`). The *relative tail* of a cache is its
+order statistics (:func:`kvpolicy_lab.quality.token_percentile`). The *relative tail* of a cache is its
 ``kl_p999`` over its mean KL.
 
 The shipping rule: a preset is not shipped if its relative tail is more than :data:`RULE_FACTOR` times the

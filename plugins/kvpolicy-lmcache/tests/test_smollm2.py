@@ -13,7 +13,8 @@ from kvpolicy_lmcache import ChunkCodec
 from kvpolicy_lmcache.hf import from_chunks, to_chunks
 from transformers import DynamicCache
 
-from kvpolicy.quality import next_token_kl, teacher_forced_logits
+from kvpolicy.prefill import teacher_forced_logits
+from kvpolicy_lab.quality import next_token_kl
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from kvpolicy.actions.quantize import Quantize
 from kvpolicy.attention import disable_scores, enable_scores
 from kvpolicy.fused import attend_parts, disable_fused, enable_fused
 from kvpolicy.layer.parts import Part
-from kvpolicy.quality import teacher_forced_logits
+from kvpolicy.prefill import teacher_forced_logits
 from kvpolicy.tiny import random_model
 
 __all__ = ["teacher_forced_logits"]

@@ -188,8 +188,8 @@ def test_bytes_held_are_the_hadamard_caches_plus_the_weights():
 
 
 def test_the_estimate_counts_the_weights():
-    from kvpolicy.estimation import estimate
     from kvpolicy.tiny import random_model
+    from kvpolicy_lab.estimation import estimate
 
     config = random_model("llama").config
     plain = dict(estimate(config, 300, CompressedCache(transform="hadamard", **CODEBOOK)).report.segments)

@@ -7,8 +7,8 @@ from typing import Any
 
 from kvpolicy.errors import ConfigError
 
-#: the extra that installs matplotlib
-EXTRA = 'pip install "kvpolicy[plot]"'
+#: how to install matplotlib (a dependency of kvpolicy-lab: missing only from a broken install)
+EXTRA = "pip install matplotlib"
 #: the image formats offered (matplotlib's, by suffix)
 FORMATS = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".webp")
 
@@ -19,7 +19,7 @@ def check_plot_file(path: Path) -> None:
     Raises
     ------
     ConfigError
-        matplotlib is not installed (naming the extra), the suffix is not an image format, or the file's
+        matplotlib is not installed (naming how to install it), the suffix is not an image format, or the file's
         directory does not exist or the path is a directory.
     """
     try:
@@ -37,7 +37,7 @@ def check_plot_file(path: Path) -> None:
 def lengths(longest: int) -> list[int]:
     """The prompt lengths drawn: powers of two from 256 up to the step, then multiples of it doubling
     until one reaches ``longest`` (cheap: the estimates past three search steps extend the exact ones)."""
-    from kvpolicy.capacity import STEP
+    from kvpolicy_lab.capacity import STEP
 
     out = [n for n in (1 << k for k in range(8, 14)) if n < STEP]
     k = 1
@@ -49,7 +49,7 @@ def lengths(longest: int) -> list[int]:
 
 
 def plot_bytes(curves: dict[str, Any], path: Path, longest: int, budget: int | None, title: str) -> None:
-    """Draw ``curves`` (name -> :class:`~kvpolicy.capacity.Curve`) from 256 tokens to about ``longest``, with
+    """Draw ``curves`` (name -> :class:`~kvpolicy_lab.capacity.Curve`) from 256 tokens to about ``longest``, with
     the ``budget`` line when given, into ``path``.
 
     Raises
@@ -62,8 +62,8 @@ def plot_bytes(curves: dict[str, Any], path: Path, longest: int, budget: int | N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from kvpolicy.capacity import STEP
     from kvpolicy.memory import _human
+    from kvpolicy_lab.capacity import STEP
 
     xs = lengths(longest)
     fig, ax = plt.subplots(figsize=(8, 5))

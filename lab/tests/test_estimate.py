@@ -1,4 +1,4 @@
-"""kvpolicy.estimate: the bytes a cache holds after a prompt, from the config alone, equal to what
+"""kvpolicy_lab.estimate: the bytes a cache holds after a prompt, from the config alone, equal to what
 ``memory_report()`` says after a real prefill of tiny models (Llama with several kv heads, Gemma-3 with
 sliding layers); the scaling it rests on; its checks; and ``kvpolicy estimate``."""
 
@@ -6,28 +6,26 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from lab_fixtures import ROOT, one_thread  # noqa: F401  (pytest fixtures)
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvpolicy
-from kvpolicy import CacheSpec, CompressedCache, ConfigError
+from kvpolicy import CacheSpec, CompressedCache, ConfigError, preset_files
 from kvpolicy.actions.quantize import Quantize
 from kvpolicy.actions.tiered import Tiered
 from kvpolicy.attention import enable_scores
 from kvpolicy.cli import main
-from kvpolicy.estimation import MAX_TOKENS, Estimate, estimate
 from kvpolicy.policies.log import LogWindow
 from kvpolicy.presets import BUILTIN_PRESETS
-from tests.conftest import tiny_gemma3
+from kvpolicy.tiny import tiny_gemma3
+from kvpolicy_lab.estimation import MAX_TOKENS, Estimate, estimate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-ROOT = Path(__file__).resolve().parent.parent
 
 #: compositions beyond the presets: the default one-liner, a tiered action, per-layer widths, sinks, no compression
 COMPOSITIONS = {
@@ -204,13 +202,14 @@ def test_estimate_is_frozen_and_reads_well(llama):
     assert sum(e.segments.values()) == e.total_bytes
 
 
-def test_kvpolicy_estimate_is_the_function_whatever_was_imported_first(llama):
-    import kvpolicy.estimation as module
+def test_kvpolicy_lab_estimate_is_the_function_whatever_was_imported_first(llama):
+    import kvpolicy_lab
+    import kvpolicy_lab.estimation as module
 
-    assert kvpolicy.estimate is module.estimate
-    got = kvpolicy.estimate(llama.config, 40, "logquant")
+    assert kvpolicy_lab.estimate is module.estimate
+    got = kvpolicy_lab.estimate(llama.config, 40, "logquant")
     assert got.total_bytes == module.estimate(llama.config, 40, "logquant").total_bytes
-    assert "estimate" in kvpolicy.__all__ and "estimate" in dir(kvpolicy)
+    assert "estimate" in kvpolicy_lab.__all__ and "estimate" not in kvpolicy.__all__
 
 
 def test_an_unused_cache_stands_for_its_composition(llama):
@@ -275,14 +274,79 @@ def test_a_layer_type_the_estimate_does_not_model_is_refused():
         estimate(cfg, 64, "logquant")
 
 
+def test_estimate_tells_a_used_hybrid_cache_from_an_unused_one():
+    """Three linear-attention layers, then one full: a cache built for the model but unused is estimated (its one
+    compressed layer), and once it holds tokens it is refused."""
+    import warnings
+
+    from conftest import tiny_qwen3_next_config
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_qwen3_next_config()
+    cfg.num_hidden_layers = 4
+    cfg.layer_types = ["linear_attention"] * 3 + ["full_attention"]
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # reference kernels of the linear layers
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+    unused = CompressedCache.for_model(model, window=4, bits=4, group_size=16)
+    assert estimate(model.config, 64, unused).compressed_layers == [3]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(torch.randint(3, 96, (1, 12)), cache=unused, use_cache=True)
+    with pytest.raises(ConfigError, match="already holds tokens"):
+        estimate(model.config, 64, unused)
+
+
 # ---------------------------------------------------------------------- the command
 def _run(argv, capsys):
     status = main(argv)
     return status, capsys.readouterr().out
 
 
+# ---------------------------------------------------------------------- presets and preset files by name
+@pytest.mark.parametrize(
+    ("name", "suggestion"), [("kvpolicy-3bits", "kvpolicy-3bit"), ("smollm2-3bits", "smollm2-3bit")]
+)
+def test_the_estimate_suggests_the_closest_name_as_the_core_does(llama, name, suggestion, capsys):
+    hint = f"did you mean '{suggestion}'?"
+    with pytest.raises(ConfigError, match=re.escape(hint)):
+        CompressedCache.from_preset(name)
+    with pytest.raises(ConfigError, match=re.escape(hint)):
+        estimate(llama.config, 16, name)
+    with pytest.raises(SystemExit) as info:  # argparse refuses the value (kvpolicy_lab.commands._types.preset_name)
+        main(["estimate", "--model", "tiny-llama", "--tokens", "64", "--preset", name])
+    assert info.value.code == 2 and hint in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", preset_files.names())
+def test_shipped_preset_files_are_estimated_by_name(llama, name, capsys):
+    cache = CompressedCache.for_model(llama, name)
+    assert estimate(llama.config, 100, name).total_bytes == estimate(llama.config, 100, cache).total_bytes
+    status, out = _run(["estimate", "--model", "tiny-llama", "--tokens", "100", "--preset", name], capsys)
+    assert status == 0 and re.search(rf"^{re.escape(name)}\s+100\s", out, re.M)
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [(b"[cache\n", "is not valid TOML"), (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "is a binary file"),
+     (b'[cache]\npolicy = 3\n', r"its \[cache\] table is not a composition kvpolicy can build")],
+    ids=["malformed", "binary", "policy-int"],
+)  # fmt: skip
+def test_a_malformed_preset_file_is_one_clear_line_of_the_command(tmp_path, content, match, capsys):
+    path = tmp_path / "bad.toml"
+    path.write_bytes(content)
+    try:
+        status = main(["estimate", "--model", "tiny-llama", "--tokens", "64", "--preset", str(path)])
+    except SystemExit as exc:  # refused by argparse
+        status = exc.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if not line.startswith(("usage:", " "))]
+    assert status == 2 and "Traceback" not in err and len(lines) == 1 and re.search(match, lines[0])
+
+
 def test_command_prints_one_row_per_preset_and_length(capsys):
-    from kvpolicy.commands.estimate import model_config
+    from kvpolicy.commands._model import model_config
 
     status, out = _run(["estimate", "--model", "tiny-llama", "--tokens", "64", "300", "--preset", "kvpolicy-3bit",
                         "logquant", "--dtype", "float32", "--batch", "2"], capsys)  # fmt: skip
@@ -350,7 +414,7 @@ def test_bad_command_lines_are_one_line_and_exit_2(argv, match, capsys):
 # ---------------------------------------------------------------------- the docs page
 def test_presets_page_lists_every_preset_with_the_estimators_numbers():
     """docs/presets.md: one section per preset, and its SmolLM2 bits at 512 tokens are the estimator's."""
-    from kvpolicy.commands.estimate import model_config
+    from kvpolicy.commands._model import model_config
 
     text = (ROOT / "docs" / "presets.md").read_text()
     config = model_config("smollm2")
@@ -365,7 +429,7 @@ def test_presets_page_lists_every_preset_with_the_estimators_numbers():
 
 # ---------------------------------------------------------------------- the longest prompt within a budget
 def _tiny_config():
-    from kvpolicy.commands.estimate import model_config
+    from kvpolicy.commands._model import model_config
 
     return model_config("tiny-llama")  # 2 layers, 2 kv heads of 64
 
@@ -385,7 +449,7 @@ def _tiny_config():
 def test_the_longest_prompt_fits_and_one_more_token_does_not(composition, budget):
     """The answer is exact: the estimate at that length fits the budget and the estimate one token later does not,
     whether the search extended the bytes along the lattice step or estimated every length it tried."""
-    from kvpolicy.capacity import DYNAMIC, longest_prompt
+    from kvpolicy_lab.capacity import DYNAMIC, longest_prompt
 
     config = _tiny_config()
     probes = []
@@ -401,7 +465,7 @@ def test_the_longest_prompt_fits_and_one_more_token_does_not(composition, budget
 
 
 def test_a_cache_that_stops_growing_fits_any_prompt():
-    from kvpolicy.capacity import MAX_PROMPT, longest_prompt
+    from kvpolicy_lab.capacity import MAX_PROMPT, longest_prompt
 
     config = _tiny_config()
     fit = longest_prompt(config, 1 << 30, "streamingllm", dtype="bfloat16")
@@ -410,7 +474,7 @@ def test_a_cache_that_stops_growing_fits_any_prompt():
 
 
 def test_a_budget_below_one_token_fits_nothing_and_bad_budgets_are_refused():
-    from kvpolicy.capacity import longest_prompt
+    from kvpolicy_lab.capacity import longest_prompt
 
     assert longest_prompt(_tiny_config(), 10, "kvpolicy-3bit").tokens == 0
     for bad in (0, -1, 1.5, True):
@@ -420,8 +484,8 @@ def test_a_budget_below_one_token_fits_nothing_and_bad_budgets_are_refused():
 
 def test_gemma3_sliding_layers_stop_growing_at_their_window():
     """A hybrid model's DynamicCache: its sliding layers hold their window, its global layers every token."""
-    from kvpolicy.capacity import DYNAMIC, longest_prompt
-    from kvpolicy.commands.estimate import model_config
+    from kvpolicy.commands._model import model_config
+    from kvpolicy_lab.capacity import DYNAMIC, longest_prompt
 
     config = model_config("gemma3-270m")
     fit = longest_prompt(config, 256 << 20, DYNAMIC, dtype="bfloat16")
@@ -430,7 +494,7 @@ def test_gemma3_sliding_layers_stop_growing_at_their_window():
 
 
 def test_command_memory_prints_the_longest_prompt_of_each_cache(capsys):
-    from kvpolicy.capacity import DYNAMIC, longest_prompt
+    from kvpolicy_lab.capacity import DYNAMIC, longest_prompt
 
     status, out = _run(["estimate", "--model", "tiny-llama", "--memory", "3MiB", "--preset", "kvpolicy-3bit",
                         "streamingllm", "--dtype", "bfloat16"], capsys)  # fmt: skip
@@ -472,7 +536,7 @@ def test_command_plot_refuses_a_file_it_cannot_write_before_any_work(tmp_path, c
     assert status == 2 and out == "" and match in err
 
 
-def test_command_plot_without_matplotlib_names_the_extra(tmp_path, capsys, monkeypatch):
+def test_command_plot_without_matplotlib_says_how_to_install_it(tmp_path, capsys, monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
@@ -480,7 +544,7 @@ def test_command_plot_without_matplotlib_names_the_extra(tmp_path, capsys, monke
     out, err = capsys.readouterr()
     assert status == 2 and out == ""
     assert err.strip() == (
-        'kvpolicy estimate: error: --plot needs matplotlib, which is not installed: pip install "kvpolicy[plot]"'
+        "kvpolicy estimate: error: --plot needs matplotlib, which is not installed: pip install matplotlib"
     )
 
 
@@ -532,3 +596,17 @@ def test_no_progress_bar_off_a_terminal_or_with_no_progress(enabled):
 
     assert Progress(3, "estimating", enabled=enabled, file=io.StringIO())._timer is None
     assert Progress(3, "estimating", enabled=False, file=_Terminal())._timer is None
+
+
+def test_estimate_counts_one_byte_scales_as_the_cache_holds_them():
+    """A codebook cache's 8-bit norms (``norm_bits=8``, tests/test_codebook_norm8.py): one byte per scale."""
+    config = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=256,
+                         vocab_size=128)  # fmt: skip
+    kw = dict(policy="recent", window=16, bits=3, scheme="codebook", transform="hadamard", backend="torch")
+    got = {n: estimate(config, 500, {**kw, "norm_bits": n}, dtype="float32") for n in (16, 8)}
+    head_dim, kv_heads, demoted = 64, 2, 500 - 16
+    one_layer = 2 * kv_heads * demoted  # keys and values: one scale per demoted token and head
+    assert got[16].total_bytes - got[8].total_bytes == 2 * (one_layer - 2 * kv_heads * 2)
+    segments = got[8].report.segments
+    assert segments["scales"] == 2 * one_layer and segments["scale_base"] == 2 * 2 * kv_heads * 2
+    assert got[16].report.segments["scales"] == 2 * 2 * one_layer and head_dim == 256 // 4

@@ -1,4 +1,4 @@
-"""kvpolicy.quality.compare: teacher-forced KL, top-1 and ΔNLL of a cache against DynamicCache."""
+"""kvpolicy_lab.quality.compare: teacher-forced KL, top-1 and ΔNLL of a cache against DynamicCache."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_gemma3, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lab_fixtures import one_thread  # noqa: F401  (pytest fixtures)
 from transformers import DynamicCache, LlamaConfig
 
 import kvpolicy
 from kvpolicy import CacheSpec, CompressedCache, ConfigError
-from kvpolicy.quality import QualityReport, TextQuality, compare, token_percentile
-from kvpolicy.tiny import ByteTokenizer
+from kvpolicy.tiny import ByteTokenizer, random_model, tiny_gemma3
+from kvpolicy_lab.quality import QualityReport, TextQuality, compare, token_percentile
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,7 +31,7 @@ TWO_BIT = {"policy": "log", "window": 8, "bits": 2, "group_size": 16, "backend":
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model("llama")
+    return random_model("llama")
 
 
 def texts(n: int = 3, length: int = PROMPT + DECODE, seed: int = 0) -> list[torch.Tensor]:
@@ -377,5 +377,7 @@ def test_bad_input_fails_before_the_model_runs(model, change, match):
 
 
 def test_exported_lazily():
-    assert kvpolicy.compare is compare
-    assert "compare" in kvpolicy.__all__
+    import kvpolicy_lab
+
+    assert kvpolicy_lab.compare is compare
+    assert "compare" in kvpolicy_lab.__all__ and "compare" not in kvpolicy.__all__

@@ -1,7 +1,7 @@
 """How long a prompt fits in a memory budget, from the model's config alone (``kvpolicy estimate --memory``).
 
 :func:`longest_prompt` finds, for a composition, the longest prompt whose cache holds at most a budget of bytes
-after the prefill, with :func:`kvpolicy.estimate` as the measure. Estimates cost time in proportion to the
+after the prefill, with :func:`kvpolicy_lab.estimate` as the measure. Estimates cost time in proportion to the
 prompt (they quantize a one-head probe of it), so the search does not probe long prompts one after another:
 
 - it estimates the bytes at ``P``, ``2P`` and ``3P`` tokens (:data:`STEP` = ``P``: 5,376 = 2^8 x 3 x 7, a
@@ -71,9 +71,9 @@ class Curve:
     Parameters
     ----------
     config : transformers.PretrainedConfig
-        The model's config (as :func:`kvpolicy.estimate` takes it).
+        The model's config (as :func:`kvpolicy_lab.estimate` takes it).
     composition : str, mapping, CacheSpec or CompressedCache
-        What :func:`kvpolicy.estimate` takes, or :data:`DYNAMIC` for transformers' ``DynamicCache`` in ``dtype``.
+        What :func:`kvpolicy_lab.estimate` takes, or :data:`DYNAMIC` for transformers' ``DynamicCache`` in ``dtype``.
     batch : int, optional
         Batch rows, each holding the whole prompt.
     dtype : torch.dtype or str, optional
@@ -84,7 +84,7 @@ class Curve:
     Raises
     ------
     ConfigError
-        Whatever :func:`kvpolicy.estimate` refuses (checked at construction, with a one-token estimate).
+        Whatever :func:`kvpolicy_lab.estimate` refuses (checked at construction, with a one-token estimate).
     """
 
     def __init__(
@@ -96,7 +96,7 @@ class Curve:
         dtype: Any = "bfloat16",
         on_probe: Callable[[int], None] | None = None,
     ) -> None:
-        from kvpolicy.estimation import estimate
+        from kvpolicy_lab.estimation import estimate
 
         self.dynamic = isinstance(composition, str) and composition == DYNAMIC
         self._what = {"policy": "log", "action": "none"} if self.dynamic else composition
@@ -106,8 +106,8 @@ class Curve:
 
     def held(self, n: int) -> int:
         """The bytes held after a prompt of ``n`` tokens, an exact estimate (at most
-        :data:`kvpolicy.estimation.MAX_TOKENS`)."""
-        from kvpolicy.estimation import MAX_TOKENS, estimate
+        :data:`kvpolicy_lab.estimation.MAX_TOKENS`)."""
+        from kvpolicy_lab.estimation import MAX_TOKENS, estimate
 
         if n not in self._seen:
             if n > MAX_TOKENS:
@@ -148,11 +148,11 @@ def longest_prompt(
     Parameters
     ----------
     config : transformers.PretrainedConfig
-        The model's config (as :func:`kvpolicy.estimate` takes it).
+        The model's config (as :func:`kvpolicy_lab.estimate` takes it).
     budget : int
         Bytes, >= 1.
     composition : str, mapping, CacheSpec, CompressedCache or Curve
-        What :func:`kvpolicy.estimate` takes, :data:`DYNAMIC` for transformers' ``DynamicCache`` in ``dtype``, or
+        What :func:`kvpolicy_lab.estimate` takes, :data:`DYNAMIC` for transformers' ``DynamicCache`` in ``dtype``, or
         a :class:`Curve` (whose estimates are then reused).
     batch : int, optional
         Batch rows, each holding the whole prompt.
@@ -168,7 +168,7 @@ def longest_prompt(
     Raises
     ------
     ConfigError
-        A bad budget, or whatever :func:`kvpolicy.estimate` refuses.
+        A bad budget, or whatever :func:`kvpolicy_lab.estimate` refuses.
     """
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ConfigError(f"longest_prompt: budget must be a number of bytes >= 1; got budget={budget!r}")
@@ -181,7 +181,7 @@ def longest_prompt(
 
 
 class _TooLong(Exception):
-    """An exact estimate past :data:`kvpolicy.estimation.MAX_TOKENS` was needed."""
+    """An exact estimate past :data:`kvpolicy_lab.estimation.MAX_TOKENS` was needed."""
 
 
 def _search(curve: Curve, budget: int) -> Fit:

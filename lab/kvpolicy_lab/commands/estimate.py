@@ -1,8 +1,8 @@
 """``kvpolicy estimate``: the bytes a cache will hold after a prompt, from the model's config alone.
 
 Prints, per preset and prompt length, the bits per element, the bytes held, the bytes of a 16-bit
-``DynamicCache`` and their ratio (:func:`kvpolicy.estimate`); with ``--memory``, the longest prompt each
-preset and ``DynamicCache`` hold within a budget (:func:`kvpolicy.capacity.longest_prompt`); with ``--plot``,
+``DynamicCache`` and their ratio (:func:`kvpolicy_lab.estimate`); with ``--memory``, the longest prompt each
+preset and ``DynamicCache`` hold within a budget (:func:`kvpolicy_lab.capacity.longest_prompt`); with ``--plot``,
 a drawing of bytes against prompt length. Only the model's config is
 read: the built-in models' configs are written here (nothing is fetched), a local model folder's
 ``config.json`` or a ``.gguf`` file's metadata is read, and a hub id's config comes from the local
@@ -17,73 +17,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kvpolicy.commands._model import model_config
 from kvpolicy.commands._parser import add_list
-from kvpolicy.commands._types import DTYPES, dtype_name, memory_size, model_name, positive_int, preset_name, tokens
+from kvpolicy.commands._types import DTYPES, dtype_name, model_name, positive_int, tokens
 from kvpolicy.errors import ConfigError
-
-
-def model_config(name: str, online: bool = False) -> Any:
-    """The transformers config of a model as ``kvpolicy ablate --model`` names it, without its weights.
-
-    Parameters
-    ----------
-    name : str
-        ``smollm2`` (SmolLM2-135M-Instruct) or ``gemma3-270m`` (configs built in),
-        ``tiny-<family>[-LAYERS]`` (the tiny random models), a local model folder, a local ``.gguf`` file
-        (its metadata) or a hub id (its ``config.json``, from the local Hugging Face cache).
-    online : bool, optional
-        Let a hub id's config be downloaded when it is not in the local cache.
-
-    Returns
-    -------
-    transformers.PretrainedConfig
-
-    Raises
-    ------
-    ConfigError
-        One line naming the model and why its config cannot be read.
-    """
-    from kvpolicy.reference_models import GEMMA3_ALIASES as GEMMA3
-    from kvpolicy.reference_models import GEMMA3_CONFIG, SMOLLM2_CONFIG
-    from kvpolicy.reference_models import SMOLLM2_ALIASES as SMOLLM2
-    from kvpolicy.tiny import parse_tiny, random_model
-
-    key = name.strip().lower()
-    if key in SMOLLM2:
-        from transformers import LlamaConfig
-
-        return LlamaConfig(**SMOLLM2_CONFIG)
-    if key in GEMMA3:
-        from transformers import Gemma3TextConfig
-
-        return Gemma3TextConfig(**GEMMA3_CONFIG)
-    tiny = parse_tiny(name)
-    if tiny is not None:
-        return random_model(tiny.family, tiny.layers, tiny.seed).config
-    from transformers import AutoConfig
-
-    from kvpolicy.model_folder import read_config
-
-    path = Path(name).expanduser()
-    try:
-        if path.is_file() and path.suffix == ".gguf":
-            return AutoConfig.from_pretrained(
-                str(path.parent), gguf_file=path.name, local_files_only=True, trust_remote_code=False
-            )
-        if path.is_dir():
-            read_config(path)  # a malformed config, or one that needs the folder's own code, is refused here
-            return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
-        if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
-            raise ConfigError(f"model {name!r}: not a model folder (with config.json), a .gguf file or a hub id")
-        return AutoConfig.from_pretrained(name, local_files_only=not online, trust_remote_code=False)
-    except (OSError, ValueError, KeyError, ImportError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        if "custom code" in first:
-            first = "it needs the model's own code to be read, and kvpolicy never runs it (trust_remote_code=False)"
-        remedy = "" if online or path.exists() else " (a hub id not in the local cache needs --online)"
-        raise ConfigError(f"model {name!r}: cannot read its config: {first}{remedy}") from None
+from kvpolicy_lab.commands._types import memory_size, preset_name
 
 
 def table(rows: list[tuple[str, Any]], markdown: bool = False) -> str:
@@ -114,15 +52,15 @@ def table(rows: list[tuple[str, Any]], markdown: bool = False) -> str:
 
 def prompt_length(text: str) -> int:
     """A token count (:func:`~kvpolicy.commands._types.tokens`) the estimate takes: 1 to
-    :data:`kvpolicy.estimation.MAX_TOKENS`."""
-    from kvpolicy.estimation import MAX_TOKENS
+    :data:`kvpolicy_lab.estimation.MAX_TOKENS`."""
+    from kvpolicy_lab.estimation import MAX_TOKENS
 
     return tokens(1, MAX_TOKENS)(text)
 
 
 def fits_table(rows: list[tuple[str, Any]], dynamic: Any, markdown: bool = False) -> str:
     """The table of ``rows`` (``(cache, Fit)``): the longest prompt each cache holds within the budget, its
-    ratio to ``dynamic`` (the DynamicCache's :class:`~kvpolicy.capacity.Fit`) and the bytes held then."""
+    ratio to ``dynamic`` (the DynamicCache's :class:`~kvpolicy_lab.capacity.Fit`) and the bytes held then."""
     from kvpolicy.memory import _human
 
     head = ["cache", "tokens", "x DynamicCache", "bytes held"]
@@ -160,15 +98,15 @@ def _run(args: argparse.Namespace) -> int:
             "prompt that fits in SIZE), or both"
         )
     if args.plot is not None:
-        from kvpolicy.commands._bytes_plot import check_plot_file
+        from kvpolicy_lab.commands._bytes_plot import check_plot_file
 
         check_plot_file(args.plot)  # before any work: matplotlib installed, a file that can be written
     if not args.online:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missing model fails in seconds, not after retries
     from kvpolicy import registry
-    from kvpolicy.capacity import DYNAMIC, STEP, Curve, longest_prompt
     from kvpolicy.commands._progress import Progress
-    from kvpolicy.estimation import _count, estimate
+    from kvpolicy_lab.capacity import DYNAMIC, STEP, Curve, longest_prompt
+    from kvpolicy_lab.estimation import _count, estimate
 
     config = model_config(args.model, args.online)
     presets = args.preset or registry.names("presets")
@@ -206,9 +144,9 @@ def _run(args: argparse.Namespace) -> int:
         print(fits_table(list(fits.items()), fits[DYNAMIC], args.markdown))
         if any(f.extrapolated for f in fits.values()):
             print(f"\n~: past {3 * STEP:,} tokens, from exact estimates at every {STEP:,} tokens and the bytes "
-                  "each step adds (kvpolicy.capacity)")  # fmt: skip
+                  "each step adds (kvpolicy_lab.capacity)")  # fmt: skip
     if args.plot is not None:
-        from kvpolicy.commands._bytes_plot import plot_bytes
+        from kvpolicy_lab.commands._bytes_plot import plot_bytes
 
         longest = max([*(args.tokens or []), *(f.tokens for f in fits.values() if not f.unbounded)], default=0)
         plot_bytes(curves, args.plot, max(longest, 2 * STEP), args.memory, f"{args.model}, {args.dtype}")
@@ -252,8 +190,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=positive_int, default=1, help="batch rows, each holding the whole prompt")
     p.add_argument("--plot", type=Path, metavar="FILE",
                    help="also draw bytes held against prompt length for each preset and DynamicCache, on log axes, "
-                   "to this image file (.png, .svg, .pdf; needs matplotlib: pip install "
-                   "\"kvpolicy[plot]\")")  # fmt: skip
+                   "to this image file (.png, .svg, .pdf)")  # fmt: skip
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     p.add_argument(
         "--no-progress", action="store_true", help="no progress bar (it shows when a run takes over a second)"

@@ -23,7 +23,6 @@ derails a long generation.
 
 from __future__ import annotations
 
-import inspect
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
@@ -31,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from kvpolicy.errors import ConfigError
+from kvpolicy.prefill import last_only
 
 #: evaluation.md §5: the least a headline number rests on
 HEADLINE_TEXTS = 5
@@ -83,7 +82,7 @@ def token_percentile(values: torch.Tensor | Sequence[float], q: float) -> float:
 
 @dataclass(frozen=True)
 class TextQuality:
-    """The distortion of one text (see :mod:`kvpolicy.quality`).
+    """The distortion of one text (see :mod:`kvpolicy_lab.quality`).
 
     Attributes
     ----------
@@ -334,7 +333,7 @@ def compare(
     """How much ``cache`` distorts ``model`` on ``texts``, against an uncompressed ``DynamicCache``.
 
     Each text is run teacher-forced through a fresh cache and through a fresh ``DynamicCache`` (see
-    :mod:`kvpolicy.quality` for the procedure and the metrics). Everything is checked before the model
+    :mod:`kvpolicy_lab.quality` for the procedure and the metrics). Everything is checked before the model
     runs.
 
     Parameters
@@ -378,7 +377,7 @@ def compare(
 
     Examples
     --------
-    >>> report = kvpolicy.quality.compare(model, "kvpolicy-3bit", texts, tokenizer=tokenizer,
+    >>> report = kvpolicy_lab.quality.compare(model, "kvpolicy-3bit", texts, tokenizer=tokenizer,
     ...                                   prompt_tokens=1024, decode_tokens=256)  # doctest: +SKIP
     >>> print(report)  # doctest: +SKIP
     """
@@ -463,53 +462,6 @@ def _forward(model: torch.nn.Module, ids: torch.Tensor, cache: Any, last: bool =
     """The float32 logits of the last position of ``ids`` (``(1, n)``) fed through ``cache``: ``(1, vocab)``."""
     extra = last_only(model) if last else {}
     return model(ids, cache=cache, use_cache=True, **extra).logits[:, -1].float()
-
-
-def last_only(model: torch.nn.Module) -> dict[str, int]:
-    """``{"logits_to_keep": 1}`` for a model whose forward takes it, else ``{}``.
-
-    A prefill whose logits are used at the last position only need not project every position onto
-    the vocabulary (``generate`` does the same): at 2k tokens that is a ``(2048, vocab)`` float32
-    tensor, 2 GB and most of the prefill's time for Gemma-3's 262k vocabulary."""
-    forward = type(model).forward
-    if forward not in _TAKES_LAST:
-        _TAKES_LAST[forward] = "logits_to_keep" in inspect.signature(forward).parameters
-    return {"logits_to_keep": 1} if _TAKES_LAST[forward] else {}
-
-
-_TAKES_LAST: dict = {}
-
-
-@torch.inference_mode()
-def teacher_forced_logits(
-    model: torch.nn.Module, ids: torch.Tensor, prefill: int, cache: object, progress: str | None = None
-) -> torch.Tensor:
-    """Prefill ``ids[:, :prefill]``, then feed the rest one token at a time through ``cache``.
-
-    Parameters
-    ----------
-    model : torch.nn.Module
-        A causal LM.
-    ids : torch.Tensor
-        ``(batch, length)`` token ids.
-    prefill : int
-        Tokens fed in the first (prefill) call.
-    cache : transformers.Cache
-        The cache to drive (fresh).
-    progress : str, optional
-        Show a progress bar with this label.
-
-    Returns
-    -------
-    torch.Tensor
-        ``(batch, length - prefill, vocab)`` float32: the predictions for positions
-        ``prefill .. length - 1``.
-    """
-    out = model(ids[:, :prefill], cache=cache, use_cache=True, **last_only(model))
-    steps = [out.logits[:, -1:].float()]
-    for t in tqdm(range(prefill, ids.shape[1] - 1), desc=progress, disable=progress is None, leave=False):
-        steps.append(model(ids[:, t : t + 1], cache=cache, use_cache=True).logits.float())
-    return torch.cat(steps, dim=1)
 
 
 # ---------------------------------------------------------------------- the arguments
