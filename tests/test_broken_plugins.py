@@ -123,7 +123,7 @@ BUILTIN_NAME = {
     "transforms": ("hadamard", "GoodTransform"),
     "presets": ("kivi", "good_preset"),
     "formats": ("minmax", "GoodFormat"),
-    "commands": ("estimate", "good_command"),
+    "commands": ("presets", "good_command"),
 }
 
 HEADER = """
@@ -163,7 +163,7 @@ def good_preset():
 
 
 def good_command(sub):
-    sub.add_parser("estimate").set_defaults(func=lambda args: 0)
+    sub.add_parser("presets").set_defaults(func=lambda args: 0)
 """
 
 
