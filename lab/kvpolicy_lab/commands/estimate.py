@@ -3,11 +3,11 @@
 Prints, per preset and prompt length, the bits per element, the bytes held, the bytes of a 16-bit
 ``DynamicCache`` and their ratio (:func:`kvpolicy_lab.estimate`); with ``--memory``, the longest prompt each
 preset and ``DynamicCache`` hold within a budget (:func:`kvpolicy_lab.capacity.longest_prompt`); with ``--plot``,
-a drawing of bytes against prompt length. Only the model's config is
-read: the built-in models' configs are written here (nothing is fetched), a local model folder's
-``config.json`` or a ``.gguf`` file's metadata is read, and a hub id's config comes from the local
-Hugging Face cache (``--online``: or the hub). No weights are loaded, no model runs, and no code of a
-model folder's own runs (:mod:`kvpolicy.model_folder`).
+a drawing of bytes against prompt length. Only the model's config is read, as ``kvpolicy presets --for``
+reads it (:func:`kvpolicy.commands._model.model_config`): the built-in models' configs are written in kvpolicy
+(nothing is fetched), a local model folder's ``config.json`` or a ``.gguf`` file's metadata is read, and a hub
+id's config comes from the local Hugging Face cache (``--online``: or the hub). No weights are loaded, no model
+runs, and no code of a model folder's own runs (:mod:`kvpolicy.model_folder`).
 """
 
 from __future__ import annotations
