@@ -17,7 +17,6 @@ from conftest import teacher_forced_logits, tiny_model
 
 from kvpolicy import CompressedCache, handoff
 from kvpolicy.attention import disable_scores, enable_scores
-from kvpolicy.errors import ConfigError
 from kvpolicy.fused import disable_fused, enable_fused
 from kvpolicy.handoff import HandedOff
 
@@ -200,25 +199,6 @@ def test_agnostic_layout_on_sliding_window_layers_without_config(wrapper):
         disable_scores(model)
     torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
     assert all("ordered view" in p for p in cache.attention_paths().values())
-
-
-# ---------------------------------------------------------------------- backends that cannot fuse
-@pytest.mark.parametrize("backend", ["hqq", "quanto"])
-def test_backends_without_fused_attention(backend, quanto_extension):
-    kw = dict(KW, fit="minmax")  # quanto and hqq have no fitted ranges (the keys' default)
-    with pytest.raises(ConfigError, match=f"attention='fused' cannot serve this composition: backend '{backend}'"):
-        CompressedCache(**kw, backend=backend, attention="fused")
-    model = tiny_model("llama")
-    ids = _ids(1, 48)
-    ref = teacher_forced_logits(model, ids, 40, CompressedCache(**kw, backend=backend, attention="materialized"))
-    enable_fused(model)
-    try:
-        cache = CompressedCache(**kw, backend=backend)
-        got = teacher_forced_logits(model, ids, 40, cache)
-    finally:
-        disable_fused(model)
-    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
-    assert all(p.startswith(f"materialized ({backend}): backend '{backend}'") for p in cache.attention_paths().values())
 
 
 # ---------------------------------------------------------------------- nothing outlives the cache
