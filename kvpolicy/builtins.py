@@ -28,8 +28,6 @@ def kvpolicy_register_backends() -> dict[str, object]:
     return {
         "torch": "kvpolicy.backends.torch_backend:TorchBackend",
         "triton": "kvpolicy.backends.triton_backend:TritonBackend",
-        "quanto": "kvpolicy.backends.quanto_backend:QuantoBackend",
-        "hqq": "kvpolicy.backends.hqq_backend:HQQBackend",
         "cpu": "kvpolicy.backends.cpu_backend:CpuBackend",
     }
 

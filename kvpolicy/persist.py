@@ -90,7 +90,7 @@ def codec_named(name: Any) -> Codec:
     if not isinstance(name, str) or name not in registry.names("codecs"):
         raise ConfigError(
             f"codec must be the name of a registered codec, one of {registry.names('codecs')}; got codec={name!r} "
-            f"(codecs come from plugins: {registry.MOVED})"
+            f"(codecs come from plugins: {registry.moved('codecs')})"
         )
     return registry.get("codecs", name)()
 
@@ -336,7 +336,7 @@ def _file_codec(header: dict[str, Any], where: str) -> Codec:
     if not isinstance(name, str) or name not in registry.names("codecs"):
         raise CacheFileError(
             f"{where!r} holds tensors coded by {wanted:.80}, which no installed plugin registers (registered "
-            f"codecs: {registry.names('codecs')}); {registry.MOVED}"
+            f"codecs: {registry.names('codecs')}); {registry.moved('codecs')}"
         )
     return registry.get("codecs", name)()
 

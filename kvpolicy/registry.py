@@ -72,11 +72,24 @@ ENTRY_POINT_GROUP = "kvpolicy"
 DISABLE_ENV = "KVPOLICY_DISABLE_PLUGIN_AUTOLOAD"
 ALLOW_ENV = "KVPOLICY_PLUGINS"
 _BUILTIN_PLUGIN = "kvpolicy.builtins"
-#: what a message says where a name is not registered that a file or a composition of an earlier release may hold
-MOVED = (
-    "a format or codec a plugin registers is named once that plugin is installed (the research formats and "
-    "file codecs: pip install ./plugins/kvpolicy-research)"
-)
+_RESEARCH = "the research formats and file codecs: pip install ./plugins/kvpolicy-research"
+#: the parts that plugins shipped beside the core register (some of them built in in earlier releases), for the
+#: message of a lookup that finds none: kind -> name -> which plugin registers it and how to install it; ``"*"``
+#: stands for any name of that kind (what :func:`moved` says for a name the table does not list)
+MOVED: dict[str, dict[str, str]] = {
+    "formats": {"*": f"a format or codec a plugin registers is named once that plugin is installed ({_RESEARCH})"},
+    "codecs": {"*": f"a format or codec a plugin registers is named once that plugin is installed ({_RESEARCH})"},
+    "backends": {
+        name: f"backend {name!r} comes from the plugin kvpolicy-quanto-hqq: pip install ./plugins/kvpolicy-quanto-hqq"
+        for name in ("quanto", "hqq")
+    },
+}
+
+
+def moved(kind: str, name: object = "*") -> str:
+    """What :data:`MOVED` says about the unregistered ``name`` of ``kind`` (``""``: nothing)."""
+    table = MOVED.get(kind, {})
+    return table.get(name, table.get("*", "")) if isinstance(name, str) else table.get("*", "")
 
 
 class PluginWarning(UserWarning):
@@ -486,6 +499,8 @@ def get(kind: str, name: str) -> Any:
     table = tables.parts[kind]
     if not isinstance(name, str) or name not in table:
         hint = did_you_mean(name, names(kind)) if isinstance(name, str) else ""
+        plugin = MOVED.get(kind, {}).get(name) if isinstance(name, str) else None
+        hint += f" ({plugin})" if plugin else ""
         raise ConfigError(f"unknown {_SINGULAR[kind]} {name!r}; registered {kind}: {names(kind)}{hint}")
     return _resolved(table, kind, name)
 

@@ -122,15 +122,6 @@ def models():
 
 
 @pytest.fixture(scope="session")
-def quanto_extension():
-    """Build (first run in an environment: ~40 s, needs ninja and a C++ compiler) and load quanto's CPU
-    extension once per session, so its cost shows up in one fixture's setup, not in a test's time."""
-    from kvpolicy.backends.quanto_backend import QuantoBackend
-
-    QuantoBackend().load_cpu_extension()
-
-
-@pytest.fixture(scope="session")
 def cpu_kernel():
     """Build (first run in an environment: ~45 s, needs a C++ compiler and ninja) and load the ``cpu``
     backend's C++ attention kernel once per session, so its cost shows up in one fixture's setup."""

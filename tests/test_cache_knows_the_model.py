@@ -1,7 +1,7 @@
 """A cache that fits the model it serves: defaults that work with every backend and head dim, and
 sliding-window layers found without the user passing ``config=``.
 
-- Defaults a backend cannot serve are replaced (``quanto``/``hqq`` fit no key ranges: min-max keys),
+- Defaults a backend cannot serve are replaced (a backend that fits no key ranges gets min-max keys),
   defaults a head dim cannot serve too (value groups of 64 channels on head dims 32, 48, 80, 96);
   ``repr(cache)`` says so (``adapted=[...]``), and the same values given explicitly still raise.
 - ``CompressedCache.for_model`` reads the model's config; a cache built without it on a model with
@@ -17,8 +17,11 @@ import torch
 from conftest import tiny_gemma3
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvpolicy import CompressedCache, ConfigError, LogWindow, Quantize, Tiered
+from kvpolicy import CompressedCache, ConfigError, LogWindow, Quantize, Tiered, registry
+from kvpolicy.backends._optional import refuse_fitted_ranges
+from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.fused import disable_fused, enable_fused
+from kvpolicy.hookspecs import hookimpl
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,60 +41,51 @@ def _step(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------- backends
-@pytest.mark.parametrize("backend", ["quanto", "hqq"])
-def test_backends_without_range_fitting_take_the_defaults_with_min_max_keys(backend, quanto_extension):
-    cache = CompressedCache(backend=backend)
+class _NoFittedRanges(TorchBackend):
+    """The torch backend refusing fitted ranges, as a backend whose library chooses every group's range does."""
+
+    name = "no-fitted-ranges"
+
+    def check_format(self, fmt, role=""):
+        super().check_format(fmt, role)
+        refuse_fitted_ranges(self.name, fmt, role)
+
+
+class _Plugin:
+    @hookimpl
+    def kvpolicy_register_backends(self):
+        return {_NoFittedRanges.name: _NoFittedRanges}
+
+
+@pytest.fixture
+def no_fitted_ranges():
+    """The name of a backend that fits no ranges, registered as a plugin's for the test."""
+    plugin = _Plugin()
+    registry.register(plugin, "no-fitted-ranges")
+    yield _NoFittedRanges.name
+    registry.unregister(plugin)
+
+
+def test_a_backend_without_range_fitting_takes_the_defaults_with_min_max_keys(no_fitted_ranges):
+    cache = CompressedCache(backend=no_fitted_ranges)
     assert cache.action.keys.fit == "minmax" and cache.action.values.fit == "minmax"
-    assert "adapted=" in repr(cache) and "key_fit='minmax'" in repr(cache) and repr(backend) in repr(cache)
+    assert "adapted=" in repr(cache) and "key_fit='minmax'" in repr(cache) and repr(no_fitted_ranges) in repr(cache)
     # the torch backend keeps its default (fitted keys), and says nothing
     torch_cache = CompressedCache(backend="torch")
     assert torch_cache.action.keys.fit == "mse" and "adapted" not in repr(torch_cache)
 
 
-@pytest.mark.parametrize("backend", ["quanto", "hqq"])
 @pytest.mark.parametrize("given", [{"key_fit": "mse"}, {"fit": "mse"}])
-def test_an_explicit_fit_the_backend_lacks_still_raises(backend, given):
-    with pytest.raises(ConfigError, match=rf"backend {backend!r} does not fit min-max ranges"):
-        CompressedCache(backend=backend, **given)
+def test_an_explicit_fit_the_backend_lacks_still_raises(no_fitted_ranges, given):
+    with pytest.raises(ConfigError, match=rf"backend {no_fitted_ranges!r} does not fit min-max ranges"):
+        CompressedCache(backend=no_fitted_ranges, **given)
 
 
-@pytest.mark.parametrize("backend", ["quanto", "hqq"])
-def test_tiers_are_adapted_one_by_one(backend):
+def test_tiers_are_adapted_one_by_one(no_fitted_ranges):
     action = Tiered(tiers=[Quantize(bits=4, key_axis="token"), Quantize(bits=2)], keep=[LogWindow(8)])
-    cache = CompressedCache(action=action, backend=backend)
+    cache = CompressedCache(action=action, backend=no_fitted_ranges)
     assert [t.keys.fit for t in cache.action.tiers] == ["minmax", "minmax"]
     assert "tiers[0].key_fit='minmax'" in repr(cache) and "tiers[1].key_fit='minmax'" in repr(cache)
-
-
-@pytest.mark.parametrize("backend", ["quanto", "hqq"])
-def test_default_caches_on_quanto_and_hqq_agree_with_torch_within_the_quantization_step(backend, quanto_extension):
-    """The same prompt into the backend's default cache and the torch backend's min-max one: every
-    reconstructed element within one quantization step of torch's (min-max rounding leaves each
-    within half a step of the input; HQQ moves its zero-points, within a step)."""
-    torch.manual_seed(0)
-    keys, values = torch.randn(1, 2, 300, 64), torch.randn(1, 2, 300, 64)
-    settings = ((backend, {}), ("torch", {"key_fit": "minmax"}))
-    caches = {name: CompressedCache(backend=name, **kw) for name, kw in settings}
-    views, where = {}, {}
-    for name, cache in caches.items():
-        _feed(cache, keys, values)
-        where[name] = cache.positions(0)  # applies the deferred demotion (an inspection reports the next step)
-        views[name] = cache.layers[0].attention_view()
-    assert torch.equal(where["torch"]["compressed"], where[backend]["compressed"])
-    where = where["torch"]
-    compressed = where["compressed"].flatten()
-    # keys per channel wait at full precision for a whole group of 128 tokens
-    coded_keys = compressed[~torch.isin(compressed, where["staged_keys"].flatten())]
-    assert coded_keys.numel() >= 128 and compressed.numel() > 200
-    k_b, k_t = (view[0][:, :, coded_keys] for view in (views[backend], views["torch"]))
-    v_b, v_t = (view[1][:, :, compressed] for view in (views[backend], views["torch"]))
-    k_step = _step(keys[:, :, coded_keys], 2, dim=2)  # keys per channel: a group spans tokens
-    v_step = _step(values[:, :, compressed], 2, dim=3)  # values per token: a group spans channels
-    assert ((k_b - k_t).abs() <= k_step * (1 + 1e-3)).all()
-    assert ((v_b - v_t).abs() <= v_step * (1 + 1e-3)).all()
-    # and both are quantized, not the inputs themselves
-    for got, x in ((k_b, keys[:, :, coded_keys]), (v_b, values[:, :, compressed])):
-        assert (got - x).abs().amax() > 0.05
 
 
 # ---------------------------------------------------------------------------------------- head dims

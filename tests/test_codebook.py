@@ -261,15 +261,6 @@ def test_widths_the_codebook_lacks_are_refused_with_those_it_has():
         CompressedCache(policy="log", bits=8, scheme="codebook", transform="hadamard", backend="torch")
 
 
-@pytest.mark.parametrize("backend", ["quanto", "hqq"])
-def test_backends_without_the_scheme_refuse_it(backend):
-    pytest.importorskip("optimum.quanto" if backend == "quanto" else "hqq")
-    with pytest.raises(
-        ConfigError, match=rf"backend '{backend}' does not serve value_scheme='codebook'; it serves \['minmax'\]"
-    ):
-        CompressedCache(policy="log", bits=2, value_scheme="codebook", transform="hadamard", backend=backend)
-
-
 def test_auto_backend_picks_the_cpu_kernel_backend_for_codebook(cpu_kernel):
     cache = CompressedCache(policy="log", bits=2, scheme="codebook", transform="hadamard")
     assert cache.backend.name == "cpu"

@@ -321,12 +321,3 @@ def test_auto_backend_serves_fitted_ranges_with_the_cpu_kernel(cpu_kernel):
 def test_bad_fit_parameters_are_refused_naming_them(kw, match):
     with pytest.raises(ConfigError, match=match):
         CompressedCache(policy="log", bits=2, backend="torch", **kw)
-
-
-@pytest.mark.parametrize("backend", ["quanto", "hqq"])
-def test_backends_without_fitted_ranges_refuse_them(backend):
-    pytest.importorskip("optimum.quanto" if backend == "quanto" else "hqq")
-    with pytest.raises(ConfigError, match=rf"backend '{backend}' does not fit .* it supports fit in \['minmax'\]"):
-        CompressedCache(policy="log", bits=2, fit="mse", backend=backend)
-    with pytest.raises(ConfigError, match=rf"backend '{backend}' does not fit min-max ranges with key_fit='mse'"):
-        CompressedCache(policy="log", bits=2, key_fit="mse", backend=backend)

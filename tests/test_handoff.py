@@ -7,6 +7,7 @@ materialised position-order reference, and ``attention_paths()`` says which path
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import warnings
 import weakref
@@ -15,11 +16,13 @@ import pytest
 import torch
 from conftest import teacher_forced_logits, tiny_model
 
-from kvpolicy import CompressedCache, handoff
+from kvpolicy import CompressedCache, handoff, registry
 from kvpolicy.attention import disable_scores, enable_scores
+from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.errors import ConfigError
 from kvpolicy.fused import disable_fused, enable_fused
 from kvpolicy.handoff import HandedOff
+from kvpolicy.hookspecs import hookimpl
 
 KW = dict(policy="log", window=8, bits=2, group_size=16)
 FOREIGN = "materialized ({}): the model's attention is not kvpolicy's fused function (kvpolicy.fused.enable_fused)"
@@ -203,22 +206,39 @@ def test_agnostic_layout_on_sliding_window_layers_without_config(wrapper):
 
 
 # ---------------------------------------------------------------------- backends that cannot fuse
-@pytest.mark.parametrize("backend", ["hqq", "quanto"])
-def test_backends_without_fused_attention(backend, quanto_extension):
-    kw = dict(KW, fit="minmax")  # quanto and hqq have no fitted ranges (the keys' default)
-    with pytest.raises(ConfigError, match=f"attention='fused' cannot serve this composition: backend '{backend}'"):
-        CompressedCache(**kw, backend=backend, attention="fused")
-    model = tiny_model("llama")
-    ids = _ids(1, 48)
-    ref = teacher_forced_logits(model, ids, 40, CompressedCache(**kw, backend=backend, attention="materialized"))
-    enable_fused(model)
+class _NotFusable(TorchBackend):
+    """The torch backend declaring no fused decode path, as a backend whose blocks cannot be cut to whole groups."""
+
+    name = "not-fusable"
+    capabilities = dataclasses.replace(TorchBackend.capabilities, fused=False)
+
+
+class _Plugin:
+    @hookimpl
+    def kvpolicy_register_backends(self):
+        return {_NotFusable.name: _NotFusable}
+
+
+def test_a_backend_without_fused_attention_is_materialized_or_refused():
+    plugin = _Plugin()
+    registry.register(plugin, "not-fusable")
     try:
-        cache = CompressedCache(**kw, backend=backend)
-        got = teacher_forced_logits(model, ids, 40, cache)
+        with pytest.raises(ConfigError, match="attention='fused' cannot serve this composition: backend 'not-fusable'"):
+            CompressedCache(**KW, backend="not-fusable", attention="fused")
+        model = tiny_model("llama")
+        ids = _ids(1, 48)
+        ref = teacher_forced_logits(model, ids, 40, CompressedCache(**KW, backend="torch", attention="materialized"))
+        enable_fused(model)
+        try:
+            cache = CompressedCache(**KW, backend="not-fusable")
+            got = teacher_forced_logits(model, ids, 40, cache)
+        finally:
+            disable_fused(model)
     finally:
-        disable_fused(model)
+        registry.unregister(plugin)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
-    assert all(p.startswith(f"materialized ({backend}): backend '{backend}'") for p in cache.attention_paths().values())
+    paths = cache.attention_paths().values()
+    assert paths and all(p.startswith("materialized (not-fusable): backend 'not-fusable'") for p in paths)
 
 
 # ---------------------------------------------------------------------- nothing outlives the cache

@@ -317,14 +317,9 @@ def test_continuing_with_another_model_is_refused(saved):
 
 
 def test_unsavable_parts_write_nothing(tmp_path):
-    """A backend that cannot save its blocks (quanto) and a left-padded batch are refused before any
-    file is written."""
-    pytest.importorskip("optimum.quanto")
+    """A left-padded batch is refused before any file is written (so is a backend that cannot save its blocks:
+    the quanto plugin's tests)."""
     model = _model()
-    cache = CompressedCache(policy="log", window=4, bits=2, group_size=16, fit="minmax", backend="quanto")
-    _fill(model, cache, _ids(40), 30)
-    with pytest.raises(NotImplementedError, match="backend 'quanto' cannot save"):
-        cache.save(tmp_path / "q.kvc")
     padded = CompressedCache(policy="log", window=4, bits=2, group_size=16)
     ids = _ids(20)
     mask = torch.ones_like(ids)

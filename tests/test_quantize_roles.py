@@ -74,7 +74,7 @@ def test_contradicting_or_malformed_roles_are_refused(kw, match):
 
 
 class _NoMSE(TorchBackend):
-    """The torch backend without fitted ranges (as quanto and hqq are)."""
+    """The torch backend without fitted ranges (as a backend whose library chooses each group's range)."""
 
     name = "torch-no-mse"
 

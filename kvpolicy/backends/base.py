@@ -75,6 +75,28 @@ class Capabilities:
     formats: tuple[str, ...] = ("minmax",)
 
 
+@dataclass(frozen=True)
+class Usability:
+    """Whether a backend can run on this machine (``kvpolicy list`` shows it; :meth:`Backend.usability` says it).
+
+    Parameters
+    ----------
+    usable : bool
+        It can run here (on some device of this machine).
+    note : str
+        Why not, and what to install or set; or, when usable, a qualification (``"CUDA tensors only"``).
+    """
+
+    usable: bool
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.usable, bool):
+            raise ConfigError(f"Usability: usable must be True or False; got usable={self.usable!r}")
+        if not isinstance(self.note, str):
+            raise ConfigError(f"Usability: note must be a string; got note={self.note!r}")
+
+
 class Backend:
     """Packs and unpacks quantized tensors: formats' blocks, with fast kernels per format.
 
@@ -290,6 +312,25 @@ class Backend:
             raise ConfigError(
                 f"backend {self.name!r} does not accept dtype {x.dtype}; it supports {[str(d) for d in caps.dtypes]}"
             )
+
+    @classmethod
+    def usability(cls) -> Usability:
+        """Whether this backend can run here, and if not what it needs; ``kvpolicy list`` shows it.
+
+        This default constructs the backend: usable when construction succeeds, else the
+        :class:`~kvpolicy.errors.ConfigError` (a missing package's
+        :class:`~kvpolicy.errors.MissingDependencyError` included) is the note. A backend whose construction
+        builds or loads something, or that runs on some devices only, overrides it with checks that build and
+        load nothing (:mod:`kvpolicy.backends._optional` has the common ones), so that ``kvpolicy list`` stays
+        fast.
+        """
+        try:
+            cls()
+        except ConfigError as exc:
+            return Usability(False, str(exc))
+        except Exception as exc:  # a plugin's own failure: reported, not raised
+            return Usability(False, f"constructing it raised {type(exc).__name__}: {exc}")
+        return Usability(True)
 
     def __repr__(self) -> str:
         return repr(self.name)

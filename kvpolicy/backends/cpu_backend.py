@@ -27,9 +27,13 @@ back to the ``torch`` computation at decode time.
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import torch
 
-from kvpolicy.backends.base import META_DTYPES, Capabilities, QTensor
+from kvpolicy.backends._optional import ninja
+from kvpolicy.backends.base import META_DTYPES, Capabilities, QTensor, Usability
 from kvpolicy.backends.torch_backend import TorchBackend
 from kvpolicy.derived import Derived
 from kvpolicy.errors import ConfigError
@@ -70,6 +74,24 @@ class CpuBackend(TorchBackend):
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         meta_dtypes=META_DTYPES,
     )
+
+    @classmethod
+    def usability(cls) -> Usability:
+        """Usable when its kernel is built, or when a C++ compiler (``$CXX``, else ``c++``) and ``ninja`` can
+        build it; builds and loads nothing."""
+        try:
+            library = cpu_attention.library_path(cpu_attention.extension_name(cpu_attention.SOURCE.read_text()))
+            if cpu_attention.is_verified(library, cpu_attention.record_path(library), warn=False):
+                return Usability(True, "CPU tensors; its C++ kernel is built")
+        except (OSError, ConfigError):
+            pass
+        cxx = os.environ.get("CXX", "c++")
+        if shutil.which(cxx) is None:
+            return Usability(False, f"needs a C++ compiler with OpenMP to build its kernel ({cxx!r} is not on "
+                                    "PATH; e.g. apt install g++, or set CXX)")  # fmt: skip
+        if not ninja():
+            return Usability(False, "needs ninja to build its kernel: pip install ninja")
+        return Usability(True, "CPU tensors; builds its C++ kernel on first use (under a minute)")
 
     def __init__(self) -> None:
         self._kernel = cpu_attention.load()

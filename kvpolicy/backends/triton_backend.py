@@ -23,12 +23,14 @@ The launchers are ``torch.library`` custom operators as well (:mod:`kvpolicy.ker
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import ClassVar
 
 import torch
 
-from kvpolicy.backends.base import AXES, META_DTYPES, Backend, Capabilities, QTensor
+from kvpolicy.backends._optional import installed, missing
+from kvpolicy.backends.base import AXES, META_DTYPES, Backend, Capabilities, QTensor, Usability
 from kvpolicy.errors import ConfigError
 from kvpolicy.formats import codebook
 from kvpolicy.formats.codebook import CodebookTensor
@@ -89,6 +91,19 @@ class TritonBackend(Backend):
         meta_dtypes=META_DTYPES,
         formats=("minmax", "codebook"),
     )
+
+    @classmethod
+    def usability(cls) -> Usability:
+        """Usable with the ``triton`` package and a CUDA GPU, or on CPU under ``TRITON_INTERPRET=1``; imports
+        neither triton nor a kernel."""
+        if not installed("triton"):
+            return missing("triton", '"kvpolicy[triton]"')
+        if torch.cuda.is_available():
+            return Usability(True, "CUDA tensors (compiled kernels)")
+        if os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on"):
+            return Usability(True, "CPU tensors under Triton's interpreter (TRITON_INTERPRET=1; slow)")
+        return Usability(False, "no CUDA GPU here; on CPU it runs only under TRITON_INTERPRET=1 (Triton's "
+                                "interpreter, slow: for tests and debugging)")  # fmt: skip
 
     def __init__(self) -> None:
         self.mode = triton_runtime.select_mode()

@@ -5,6 +5,10 @@ distribution registered each name."""
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpolicy.backends.base import Usability
 
 HELP = "the names you can use, and whether each backend can run here (what it needs when not)"
 DESCRIPTION = (
@@ -14,10 +18,24 @@ DESCRIPTION = (
 )
 
 
+def backend_usability(name: str) -> Usability:
+    """Whether the registered backend ``name`` can run here, and why not: its class's
+    :meth:`~kvpolicy.backends.base.Backend.usability`, whose failure is reported, not raised."""
+    from kvpolicy import registry
+    from kvpolicy.backends.base import Usability
+
+    try:
+        state = registry.get("backends", name).usability()
+    except Exception as exc:  # a plugin's own failure: shown on its line, the other lines still printed
+        return Usability(False, f"its usability check raised {type(exc).__name__}: {exc}")
+    if not isinstance(state, Usability):
+        return Usability(False, f"its usability check returned {state!r}, not a kvpolicy.backends.base.Usability")
+    return state
+
+
 def backend_lines() -> list[str]:
     """``backends here:`` and one line per registered backend: its name, ``yes``/``no`` and why."""
     from kvpolicy import registry
-    from kvpolicy.commands._usability import backend_usability
 
     names = registry.names("backends")
     clashes = {conflict.name for conflict in registry.conflicts("backends")}

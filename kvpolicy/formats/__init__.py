@@ -49,7 +49,7 @@ def named(name: str, param: str = "scheme", owner: str = "Quantize") -> type[For
         return registry.get("formats", name)
     raise ConfigError(
         f"{owner}: {param} must be one of {registry.names('formats')} or a Format class; got {param}={name!r} "
-        f"({registry.MOVED})"
+        f"({registry.moved('formats')})"
     )
 
 

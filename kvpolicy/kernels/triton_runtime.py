@@ -38,7 +38,7 @@ def import_triton() -> Any:
     """
     from kvpolicy.backends._optional import require
 
-    return require("triton", "triton", "triton")
+    return require("triton", "triton", '"kvpolicy[triton]"')
 
 
 def interpreter_requested() -> bool:

@@ -56,12 +56,20 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="session")
-def quanto_extension():
-    """Build and load quanto's CPU extension once per session (its cost in one fixture's setup)."""
-    from kvpolicy.backends.quanto_backend import QuantoBackend
+@pytest.fixture(scope="module")
+def quanto_hqq_backends():
+    """The ``quanto`` and ``hqq`` backends of the kvpolicy-quanto-hqq plugin (plugins/kvpolicy-quanto-hqq, which
+    the lab's tests need installed) registered for a module, whether or not its entry point is loaded, and
+    quanto's CPU extension built and loaded (its cost in this fixture's setup); the registry is reset after."""
+    from kvpolicy_quanto_hqq import plugin
 
-    QuantoBackend().load_cpu_extension()
+    from kvpolicy import registry
+
+    if "quanto" not in registry.names("backends"):
+        registry.register(plugin, "quanto-hqq")
+    registry.get("backends", "quanto")().load_cpu_extension()
+    yield
+    registry.reset()
 
 
 def write_pages() -> types.ModuleType:

@@ -1,15 +1,15 @@
 """``kvpolicy bench backends`` runs and prints a row per available backend plus the copy row (speeds
-are not asserted)."""
+are not asserted); the plugin kvpolicy-quanto-hqq's backends join those of the core."""
 
 from __future__ import annotations
 
 import pytest
-from lab_fixtures import quanto_extension  # noqa: F401  (pytest fixtures)
+from lab_fixtures import quanto_hqq_backends  # noqa: F401  (pytest fixtures)
 
 from kvpolicy import registry
 from kvpolicy.cli import main
 
-pytestmark = pytest.mark.usefixtures("quanto_extension")
+pytestmark = pytest.mark.usefixtures("quanto_hqq_backends")
 
 
 def test_bench_backends_prints_a_row_per_backend(capsys):

@@ -31,11 +31,12 @@ from typing import ClassVar
 
 import torch
 
-from kvpolicy.backends._optional import refuse_fitted_ranges, require
-from kvpolicy.backends.base import AXES, Backend, Capabilities, QTensor, check_metadata
+from kvpolicy.backends._optional import installed, missing, refuse_fitted_ranges, require
+from kvpolicy.backends.base import AXES, Backend, Capabilities, QTensor, Usability, check_metadata
 from kvpolicy.errors import ConfigError
 from kvpolicy.formats.base import Format
 from kvpolicy.formats.packed import MinMax
+from kvpolicy_quanto_hqq import INSTALL
 
 
 @dataclass
@@ -117,7 +118,8 @@ _REMEDY = (
 
 
 class HQQBackend(Backend):
-    """HQQ group-wise quantization with its zero-point optimiser (``pip install "kvpolicy[hqq]"``).
+    """HQQ group-wise quantization with its zero-point optimiser (this plugin:
+    ``pip install ./plugins/kvpolicy-quanto-hqq``).
 
     Bits 1, 2, 3, 4 and 8 (HQQ's bit-packed widths; its 5- and 6-bit modes store a byte per code and
     are not offered). Groups are packed along their members, so ``group_size`` must be a multiple of 8
@@ -135,8 +137,13 @@ class HQQBackend(Backend):
         fused=False,  # its blocks cannot be narrowed to whole groups (QTensor.narrow)
     )
 
+    @classmethod
+    def usability(cls) -> Usability:
+        """Usable with the hqq package installed (imports nothing)."""
+        return Usability(True) if installed("hqq") else missing("hqq", INSTALL)
+
     def __init__(self) -> None:
-        self._quantizer = require("hqq.core.quantize", self.name, "hqq").Quantizer
+        self._quantizer = require("hqq.core.quantize", self.name, INSTALL).Quantizer
 
     def check_format(self, fmt: Format, role: str = "") -> None:
         """:meth:`Backend.check_format`, and no fitted ranges (the library chooses each group's range)."""

@@ -34,11 +34,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvpolicy.backends._optional import refuse_fitted_ranges, require
-from kvpolicy.backends.base import AXES, Backend, Capabilities, QTensor, check_metadata
+from kvpolicy.backends._optional import installed, missing, ninja, refuse_fitted_ranges, require
+from kvpolicy.backends.base import AXES, Backend, Capabilities, QTensor, Usability, check_metadata
 from kvpolicy.errors import ConfigError
 from kvpolicy.formats.base import Format
 from kvpolicy.formats.packed import MinMax
+from kvpolicy_quanto_hqq import INSTALL
 
 #: quanto grouping axis for each kvpolicy axis
 QUANTO_AXIS = {"token": 0, "channel": -1}
@@ -129,7 +130,8 @@ def _rebuild(like: QuantoTensor, codes: torch.Tensor, scale: torch.Tensor, shift
 
 
 class QuantoBackend(Backend):
-    """optimum-quanto ``qint2`` / ``qint4`` group-wise affine quantization (``pip install "kvpolicy[quanto]"``).
+    """optimum-quanto ``qint2`` / ``qint4`` group-wise affine quantization (this plugin:
+    ``pip install ./plugins/kvpolicy-quanto-hqq``).
 
     quanto's 8-bit weights are symmetric per-axis without groups (``WeightQBytesTensor``), not the
     asymmetric group-wise scheme of the other widths, so only 2 and 4 bits are offered.
@@ -145,8 +147,18 @@ class QuantoBackend(Backend):
         fused=False,  # its blocks cannot be narrowed to whole groups (QTensor.narrow)
     )
 
+    @classmethod
+    def usability(cls) -> Usability:
+        """Usable with optimum-quanto installed; on CPU tensors only where ``ninja`` can build quanto's extension.
+        Imports nothing."""
+        if not installed("optimum.quanto"):
+            return missing("optimum-quanto", INSTALL)
+        if not ninja():
+            return Usability(True, "CUDA/MPS tensors only: CPU tensors need ninja (pip install ninja)")
+        return Usability(True)
+
     def __init__(self) -> None:
-        quanto = require("optimum.quanto", self.name, "quanto")
+        quanto = require("optimum.quanto", self.name, INSTALL)
         self._optimizer = quanto.MaxOptimizer()
         self._qtypes = {2: quanto.qint2, 4: quanto.qint4}
         self._quantize_weight = quanto.quantize_weight
@@ -176,7 +188,7 @@ class QuantoBackend(Backend):
         if shutil.which("ninja") is None:
             raise ConfigError(
                 "backend 'quanto' compiles a C++ extension for CPU tensors and needs the ninja build tool on PATH; "
-                'install it with: pip install "kvpolicy[quanto]" (or pip install ninja) and activate the '
+                "install it with: pip install ninja (this plugin's dependencies include it) and activate the "
                 "environment so its bin/ directory is on PATH"
             )
         from optimum.quanto.library.extensions import get_extension

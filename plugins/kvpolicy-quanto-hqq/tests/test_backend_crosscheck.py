@@ -1,9 +1,10 @@
-"""Cross-checks of the library backends against the ``torch`` reference and against their own storage.
+"""Cross-checks of the plugin's backends (they wrap libraries) against the ``torch`` reference and against their
+own storage.
 
 Error bounds, per backend (``s`` is a group's step, ``qmax = 2**bits - 1``, ``eps_d`` the input
 dtype's machine epsilon):
 
-* ``minmax`` backends (``quanto``; add ``triton`` here): the same asymmetric min-max grid as the
+* ``minmax`` backends (``quanto``): the same asymmetric min-max grid as the
   reference, ``s = (max - min) / qmax``, but with the metadata and arithmetic in the input dtype
   (quanto) instead of directed-rounded 16-bit metadata. So each element is within ``s / 2`` of the
   input, plus: a scale rounded down by ``eps_d / 2`` relative pushes the group maximum past the grid
@@ -23,16 +24,17 @@ import sys
 
 import pytest
 import torch
-from conftest import teacher_forced_logits, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from quanto_hqq_cases import plugin_backends, quanto_extension, teacher_forced_logits, tiny_model  # noqa: F401
 
 from kvpolicy import registry
 from kvpolicy.actions.quantize import QuantizedStream
+from kvpolicy.backends.base import Usability
 from kvpolicy.errors import ConfigError, MetadataOverflowError, MissingDependencyError
 from kvpolicy.formats import MinMax
 
-pytestmark = pytest.mark.usefixtures("quanto_extension")
+pytestmark = pytest.mark.usefixtures("plugin_backends", "quanto_extension")
 
 #: backend name -> which bound applies (see the module docstring); one line per backend
 CROSSCHECKED = {
@@ -378,8 +380,11 @@ def test_cache_construction_checks_backend():
         CompressedCache(policy="log", action="quantize", bits=8, backend="quanto")
 
 
-@pytest.mark.parametrize(("name", "module", "extra"), [("quanto", "optimum.quanto", "quanto"), ("hqq", "hqq", "hqq")])
-def test_missing_package_names_the_extra(monkeypatch, name, module, extra):
+@pytest.mark.parametrize(
+    ("name", "module", "package"), [("quanto", "optimum.quanto", "optimum-quanto"), ("hqq", "hqq", "hqq")]
+)
+def test_a_missing_library_names_the_plugin_to_install(monkeypatch, name, module, package):
+    """Construction raises naming the plugin (which depends on the library); ``kvpolicy list`` says the same."""
     for mod in [m for m in sys.modules if m == module or m.startswith(module + ".")]:
         monkeypatch.setitem(sys.modules, mod, None)  # makes `import mod` raise ImportError
     monkeypatch.setitem(sys.modules, module, None)
@@ -387,7 +392,9 @@ def test_missing_package_names_the_extra(monkeypatch, name, module, extra):
     with pytest.raises(MissingDependencyError) as info:
         cls()
     assert isinstance(info.value, ImportError) and isinstance(info.value, ConfigError)
-    assert f'pip install "kvpolicy[{extra}]"' in str(info.value) and repr(name) in str(info.value)
+    assert "pip install ./plugins/kvpolicy-quanto-hqq" in str(info.value) and repr(name) in str(info.value)
+    want = Usability(False, f"needs the {package} package: pip install ./plugins/kvpolicy-quanto-hqq")
+    assert registry.get("backends", name).usability() == want
 
 
 # --------------------------------------------------------------------------------------------------
@@ -514,85 +521,16 @@ def test_quanto_single_group_block_has_one_scale():
 # --------------------------------------------------------------------------------------------------
 
 
-def test_docs_capability_table_matches_the_code():
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parents[1] / "docs" / "explanation" / "backends.md").read_text()
-    table = text.split("<!-- capabilities -->\n", 1)[1].split("<!-- /capabilities -->", 1)[0]
-    rows = {}
-    for line in table.strip().splitlines()[2:]:
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        rows[cells[0].strip("`")] = cells[1:]
-    assert set(rows) == set(registry.names("backends"))
-    for name, cells in rows.items():
-        caps = registry.get("backends", name).capabilities
-        assert cells == [
-            ", ".join(map(str, caps.bits)),
-            ", ".join(caps.axes),
-            str(caps.group_size_multiple),
-            ", ".join(caps.devices),
-            ", ".join(str(d).removeprefix("torch.") for d in caps.dtypes),
-            ", ".join(caps.meta_dtypes),
-            "yes" if caps.fused else "no",
-        ], name
-
-
 # --------------------------------------------------------------------------------------------------
-# the public contract check, on every built-in backend that runs here
+# the public contract check, as a third-party backend runs it
 # --------------------------------------------------------------------------------------------------
 
-#: built-in backend -> how check_backend compares its reconstruction with the reference (see its docstring)
-CONTRACT = {"torch": "minmax", "cpu": "minmax", "quanto": "minmax", "hqq": "own"}
+#: backend -> how check_backend compares its reconstruction with the reference (see its docstring)
+CONTRACT = {"quanto": "minmax", "hqq": "own"}
 
 
 @pytest.mark.parametrize("name", sorted(CONTRACT))
-def test_builtin_backends_pass_check_backend(name, cpu_kernel):
+def test_the_plugin_backends_pass_check_backend(name):
     from kvpolicy.testing import check_backend
 
     check_backend(backend(name), bound=CONTRACT[name])
-
-
-def test_triton_interpreted_passes_check_backend(monkeypatch):
-    """Every format the triton backend declares (min-max groups at each width and axis, codebook indices at
-    each width with 16-bit and one-byte scales), under the interpreter."""
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from kvpolicy.backends.triton_backend import TritonBackend
-    from kvpolicy.formats import Codebook, MinMax
-    from kvpolicy.testing import backend_formats, check_backend
-
-    be = TritonBackend()
-    declared = backend_formats(be)
-    assert {MinMax(b, 32, a) for b in (2, 3, 4, 8) for a in ("token", "channel")} <= set(declared)
-    assert {Codebook(b, norm_bits=n) for b in (2, 3, 4) for n in (8, 16)} <= set(declared)
-    check_backend(be)
-
-
-def test_a_broken_backend_fails_check_backend():
-    """A backend whose attention kernel drops a term, and one whose dequantize is off by a step, fail."""
-    from kvpolicy.backends.torch_backend import TorchBackend
-    from kvpolicy.formats import MinMax, PackedTensor
-    from kvpolicy.testing import check_backend
-
-    class WrongLse(TorchBackend):
-        name = "wrong-lse"
-
-        def _attend(self, query, keys, values, scale):
-            out, lse = self.attend_without_kernel(query, keys, values, scale)
-            return out, lse + 0.1
-
-        attention_kernels = {(PackedTensor, PackedTensor): _attend}  # noqa: RUF012
-
-    class OffByAStep(TorchBackend):
-        name = "off-by-a-step"
-
-        def _dequantize(self, q):
-            return (q.dequantize().float() + 2 * q.scales.float().amax()).to(q.dtype)
-
-        dequantizers = {PackedTensor: _dequantize}  # noqa: RUF012
-
-    formats = [MinMax(4, 32, "channel"), MinMax(4, 32, "token")]
-    with pytest.raises(AssertionError, match=r"backend 'wrong-lse': attend over keys"):
-        check_backend(WrongLse(), formats=formats)
-    with pytest.raises(AssertionError, match=r"backend 'off-by-a-step'.*more than one step"):
-        check_backend(OffByAStep(), formats=formats)
