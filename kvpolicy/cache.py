@@ -748,7 +748,8 @@ class CompressedCache(Cache):
         how-to "Compile the decode step"): True unless the policy reads attention scores or the transform
         observes queries, which a traced step cannot report (the compiler runs such a step eagerly). A decode
         step that demotes nothing traces with no graph break; a step that demotes (a group fills, a tier moves)
-        breaks the graph around its demotion and runs that part eagerly."""
+        breaks the graph around its demotion and runs that part eagerly, and the steps after it then run in
+        the pieces the compiler split the step into (slower than eager; the how-to says more)."""
         if not self.action.compresses:
             return True
         return not self.policy.needs_scores and not self.transform.needs_queries
