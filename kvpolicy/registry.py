@@ -72,13 +72,16 @@ ENTRY_POINT_GROUP = "kvpolicy"
 DISABLE_ENV = "KVPOLICY_DISABLE_PLUGIN_AUTOLOAD"
 ALLOW_ENV = "KVPOLICY_PLUGINS"
 _BUILTIN_PLUGIN = "kvpolicy.builtins"
-_RESEARCH = "the research formats and file codecs: pip install ./plugins/kvpolicy-research"
+_RESEARCH = (
+    "a format or codec a plugin registers is named once that plugin is installed (the research formats and file "
+    "codecs: pip install ./plugins/kvpolicy-research)"
+)
 #: the parts that plugins shipped beside the core register (some of them built in in earlier releases), for the
 #: message of a lookup that finds none: kind -> name -> which plugin registers it and how to install it; ``"*"``
 #: stands for any name of that kind (what :func:`moved` says for a name the table does not list)
 MOVED: dict[str, dict[str, str]] = {
-    "formats": {"*": f"a format or codec a plugin registers is named once that plugin is installed ({_RESEARCH})"},
-    "codecs": {"*": f"a format or codec a plugin registers is named once that plugin is installed ({_RESEARCH})"},
+    "formats": {"*": _RESEARCH},
+    "codecs": {"*": _RESEARCH},
     "backends": {
         name: f"backend {name!r} comes from the plugin kvpolicy-quanto-hqq: pip install ./plugins/kvpolicy-quanto-hqq"
         for name in ("quanto", "hqq")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,3 +192,15 @@ def saved_cache_continues(tmp_path, **kw):
     want = teacher_forced_logits(model, ids[:, 30:], 1, copy.deepcopy(cache))
     assert torch.equal(teacher_forced_logits(model, ids[:, 30:], 1, loaded), want)
     return cache, loaded
+
+
+def core_lines_matching(pattern: re.Pattern[str]) -> list[str]:
+    """``path:line: text`` of every line of the core package's modules that ``pattern`` finds: what a test that
+    no core module names a plugin's part reports."""
+    root = Path(__file__).resolve().parent.parent
+    return [
+        f"{path.relative_to(root)}:{n}: {line.strip()}"
+        for path in sorted((root / "kvpolicy").rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]

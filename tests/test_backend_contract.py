@@ -8,17 +8,14 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import core_lines_matching
 
 from kvpolicy import CompressedCache, registry
 from kvpolicy.backends.base import Backend, Usability
 from kvpolicy.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def test_docs_capability_table_matches_the_code():
-    from pathlib import Path
-
     text = (Path(__file__).resolve().parents[1] / "docs" / "explanation" / "backends.md").read_text()
     table = text.split("<!-- capabilities -->\n", 1)[1].split("<!-- /capabilities -->", 1)[0]
     rows = {}
@@ -113,12 +110,7 @@ PLUGIN_MODULES = re.compile(r"quanto_backend|hqq_backend|kvpolicy_quanto_hqq|opt
 
 
 def test_no_core_module_names_the_quanto_or_hqq_modules():
-    hits = [
-        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
-        for path in sorted((ROOT / "kvpolicy").rglob("*.py"))
-        for n, line in enumerate(path.read_text().splitlines(), 1)
-        if PLUGIN_MODULES.search(line)
-    ]
+    hits = core_lines_matching(PLUGIN_MODULES)
     assert not hits, "core modules name the quanto/hqq plugin's modules:\n" + "\n".join(hits)
 
 

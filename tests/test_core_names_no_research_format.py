@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import core_lines_matching
 
 from kvpolicy import CompressedCache, registry
 
@@ -21,12 +22,7 @@ NAMES = re.compile(r"lattice|entropy|constriction", re.IGNORECASE)
 
 
 def test_no_core_module_names_a_research_format_or_codec():
-    hits = [
-        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
-        for path in sorted((ROOT / "kvpolicy").rglob("*.py"))
-        for n, line in enumerate(path.read_text().splitlines(), 1)
-        if NAMES.search(line)
-    ]
+    hits = core_lines_matching(NAMES)
     assert not hits, "core modules name a research part:\n" + "\n".join(hits)
 
 
