@@ -193,13 +193,32 @@ def _cache_of(kwargs: dict, output: Any = None) -> Any:
     return getattr(output, "past_key_values", None) if cache is None else cache
 
 
+def _new_tokens(args: tuple, kwargs: dict) -> int | None:
+    """The tokens a forward appends: the length of its ``input_ids`` ``(batch, n)`` or ``inputs_embeds``
+    ``(batch, n, hidden)`` (``None``: neither given)."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+        return ids.shape[1]
+    embeds = kwargs.get("inputs_embeds")
+    if isinstance(embeds, torch.Tensor) and embeds.dim() == 3:
+        return embeds.shape[1]
+    return None
+
+
 def _note_mask_before_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook: the cache this forward updates is told the forward's 2-D attention mask
-    (``CompressedCache.note_attention_mask``), from which its compressed layers read which columns are padding."""
-    note = getattr(_cache_of(kwargs), "note_attention_mask", None)
+    (``CompressedCache.note_attention_mask``), from which its compressed layers read which columns are padding,
+    and applies ahead of the forward the demotions a decode step would apply in it
+    (``CompressedCache.demote_ahead``)."""
+    cache = _cache_of(kwargs)
+    note = getattr(cache, "note_attention_mask", None)
     if callable(note):
         mask = kwargs.get("attention_mask")
         note(mask if isinstance(mask, torch.Tensor) else None)
+    ahead = getattr(cache, "demote_ahead", None)
+    n = _new_tokens(args, kwargs)
+    if callable(ahead) and n is not None:
+        ahead(n)
 
 
 def _release_after_forward(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:

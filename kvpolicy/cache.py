@@ -665,6 +665,24 @@ class CompressedCache(Cache):
         self._mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
         self._step_mask = None
 
+    def demote_ahead(self, new_tokens: int) -> None:
+        """The forward about to run appends ``new_tokens`` tokens to every layer: apply now the demotions those
+        appends would apply, so that the forward itself changes no layout. Only a decode step (one token) of a
+        policy that needs no scores is taken ahead (:meth:`kvpolicy.layer.held.HeldTokens.demote_ahead`); the
+        logits are the same either way.
+
+        The forward pre-hook that :func:`kvpolicy.fused.enable_fused` and :func:`kvpolicy.attention.enable_scores`
+        install calls this before every forward. Under ``torch.compile`` it keeps the eager demotion out of the
+        model's frames: a step that demotes breaks the graph in the hook, before the model's forward, which then
+        still compiles as one graph (see :attr:`compiles`). Without the hook, each layer demotes in its update.
+        """
+        self._outside()
+        if new_tokens != 1 or not self.action.compresses:
+            return
+        for layer in self.layers:
+            if isinstance(layer, CompressedLayer):
+                layer.engine.demote_ahead(new_tokens)
+
     def _columns(self, past: int, key_states: torch.Tensor) -> StepMask:
         """This step's columns of the noted attention mask (computed once per forward: every compressed layer
         of it holds ``past`` tokens and adds ``n``)."""
@@ -747,9 +765,10 @@ class CompressedCache(Cache):
         """Whether ``torch.compile`` can trace this cache's steps (compile the model's forward yourself, see the
         how-to "Compile the decode step"): True unless the policy reads attention scores or the transform
         observes queries, which a traced step cannot report (the compiler runs such a step eagerly). A decode
-        step that demotes nothing traces with no graph break; a step that demotes (a group fills, a tier moves)
-        breaks the graph around its demotion and runs that part eagerly, and the steps after it then run in
-        the pieces the compiler split the step into (slower than eager; the how-to says more)."""
+        step traces with no graph break: the forward pre-hook of :func:`kvpolicy.fused.enable_fused` applies a
+        step's demotions eagerly before the forward (:meth:`demote_ahead`). Without that hook a step that
+        demotes breaks the graph in each layer's update, and later compiled steps run in the pieces the
+        compiler split it into (the how-to "Compile the decode step" says more)."""
         if not self.action.compresses:
             return True
         return not self.policy.needs_scores and not self.transform.needs_queries

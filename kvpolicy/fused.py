@@ -254,8 +254,9 @@ def enable_fused(model: torch.nn.Module) -> None:
 
     Outputs of every cache other than :class:`~kvpolicy.cache.CompressedCache` are unchanged (the
     original implementation runs); score-based policies still get their scores (this function
-    includes :func:`kvpolicy.attention.enable_scores`). It also installs a forward hook through which a
-    compressed cache demotes its last layer's prompt when the forward returns
+    includes :func:`kvpolicy.attention.enable_scores`). It also installs forward hooks through which a
+    compressed cache applies a decode step's demotions before the forward (``CompressedCache.demote_ahead``, which
+    keeps a compiled forward one graph) and demotes its last layer's prompt when the forward returns
     (``CompressedCache.release_forward``), not at the first decode step.
     """
     current = model.config._attn_implementation

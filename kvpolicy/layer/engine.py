@@ -308,6 +308,12 @@ class LayerEngine(Composed):
             )
         return self.view("ordered")
 
+    def demote_ahead(self, n: int) -> None:
+        """Before a forward that appends ``n`` tokens: apply the demotions its append would apply
+        (:meth:`HeldTokens.demote_ahead`)."""
+        if self.held is not None:
+            self.held.demote_ahead(n)
+
     def release(self) -> int:
         """Attention has read the latest multi-token step: demote what may be demoted now
         (:meth:`HeldTokens.release`). Nothing happens while the hand-off of that step is still alive

@@ -102,6 +102,11 @@ class HeldTokens:
         self._unfitted: Basis | None = None
         #: the latest single-token appends that demoted nothing (a crop can take them back: :meth:`crop`)
         self._quiet = 0
+        #: ``(length, moved)`` once :meth:`demote_ahead` told the policy of the token at ``length`` before it came
+        #: (``moved``: held tokens left the segment then); the single-token append at that length takes it
+        self._ahead: tuple[int, bool] | None = None
+        #: demotions told ahead that name the coming token itself, applied once it is held
+        self._late: list[int] | torch.Tensor | None = None
 
     # ------------------------------------------------------------------ building
     def start(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -190,7 +195,10 @@ class HeldTokens:
         """
         n = key_states.shape[-2]
         compressing = self.store is not None
-        if compressing and (
+        ahead = self._ahead
+        if ahead is not None:
+            self._take_ahead(n)
+        elif compressing and (
             self.pending or self.failed is not None or (self.composition.policy.needs_scores and not self.scored)
         ):
             self.settle()
@@ -204,11 +212,86 @@ class HeldTokens:
             check_length(self.length)
         new = torch.arange(start, start + n, dtype=POSITION_DTYPE, device=self.keys.device)
         self.full_pos = torch.cat([self.full_pos, new.expand(self.full_pos.shape[0], n)], dim=1)
-        self.pending = n
         quiet, self._quiet = self._quiet, 0
+        if ahead is not None:  # the policy already knows of this token
+            late, self._late = self._late, None
+            if late is not None:
+                self._guarded(self._move, late)
+            self._quiet = quiet + 1 if not ahead[1] and self.moves == moves else 0
+            return
+        self.pending = n
         if n == 1:
             self.settle()
             self._quiet = quiet + 1 if self.moves == moves else 0
+
+    def demote_ahead(self, n: int) -> None:
+        """Before a forward that appends ``n`` tokens: apply now the demotions its append would apply, so that the
+        forward itself changes no layout (a compiled forward then runs as one graph, and the eager demotion runs
+        ahead of it, outside the model's frames).
+
+        Only a single-token append (decode) of a policy that needs no scores is taken ahead; anything else waits for
+        the append, as before. The deferred demotion of the latest multi-token append is applied first (the append
+        would apply it first). The policy is then told of the coming token, and the tokens it demotes move to the
+        store now if they are all held already; a demotion that names the coming token itself waits until it is
+        held. Attention reads what it would have read: the demoted tokens are older ones, and they move into the
+        same store in the same order. Calling it again before the append changes nothing.
+        """
+        if (
+            n != 1
+            or self.store is None
+            or self._ahead is not None
+            or self.failed is not None
+            or self.composition.policy.needs_scores
+        ):
+            return
+        if self.pending:
+            self.settle()
+        start, moves = self.length, self.moves
+        demoted = self._guarded(self.state.append, 1)
+        self._ahead = (start, False)
+        if len(demoted):
+            self._guarded(self._move_ahead, demoted, start)
+        self._ahead = (start, self.moves != moves)
+
+    def _refuse_ahead(self, what: str) -> None:
+        """Refuse ``what`` while the policy knows of a token :meth:`demote_ahead` announced and the layer has not
+        received (a forward stopped between the two): the policy and the held tokens disagree by that token."""
+        if self._ahead is not None:
+            raise RuntimeError(
+                f"{what} on layer {self.layer_idx}: a forward announced token {self._ahead[0]} to this layer's policy "
+                "and stopped before the layer received it; run that forward again (the announcement stands) or "
+                "start a new cache"
+            )
+
+    def _take_ahead(self, n: int) -> None:
+        """The append of ``n`` tokens after :meth:`demote_ahead`: it must be the single token announced, at the
+        length announced; anything else leaves the policy told of a token the layer never held (an error)."""
+        told, _ = self._ahead
+        if n != 1 or told != self.length:
+            self._ahead = self._late = None
+            self.failed = (
+                f"the policy was told of one new token at position {told} before the forward, but the layer received "
+                f"{n} token(s) at position {self.length}"
+            )
+            self.settle()  # raises with the reason
+        self._ahead = None
+
+    @torch.compiler.disable
+    def _move_ahead(self, demoted: list[int] | torch.Tensor, start: int) -> None:
+        """Move ``demoted`` now when every position is below ``start`` (held already); else keep it for the append
+        of the token at ``start`` (:attr:`_late`)."""
+        if int(self._positions(demoted).max()) < start:
+            self._move(demoted)
+        else:
+            self._late = demoted
+
+    def _guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``; an exception leaves the policy and the store out of step, which :attr:`failed` records."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self.failed = f"{type(exc).__name__}: {exc}"
+            raise
 
     def settle(self) -> None:
         """Apply deferred demotions (and check that score-based policies got their scores)."""
@@ -373,6 +456,7 @@ class HeldTokens:
         """Remove the last ``k`` tokens: exact while they are the latest multi-token append's and still undemoted
         (the policy never learnt of them), or the latest single-token appends when they demoted nothing and the
         policy's state is a function of the length (:attr:`_rewinds`); anything else raises ``ValueError``."""
+        self._refuse_ahead(f"crop(tokens_to_remove={-k})")
         if self.compressing and self.composition.policy.needs_scores:
             raise ValueError(
                 f"crop(tokens_to_remove={-k}): policy {self.composition.policy.name!r} has already accumulated the "
@@ -459,7 +543,10 @@ class HeldTokens:
             return self.length + query_length, 0
         self.settle()
         held = self.full_pos.shape[1]
-        kv_length = self.state.full_count_after(1) if query_length == 1 else held + query_length
+        if query_length == 1:  # the policy's count once told of the token (it may have been, ahead of the forward)
+            kv_length = self.state.full_count_after(0 if self._ahead is not None else 1)
+        else:
+            kv_length = held + query_length
         return kv_length, self.length + query_length - kv_length
 
     def positions(self) -> dict[str, torch.Tensor]:
@@ -511,6 +598,7 @@ class HeldTokens:
         is saved is what the next step attends over."""
         if self.failed is not None:
             raise RuntimeError(f"layer {self.layer_idx} failed while demoting tokens ({self.failed}); not saved")
+        self._refuse_ahead("saving the cache")
         if self.compressing:
             self.settle()
         out: dict[str, Any] = {"length": self.length, "keys": self.keys, "values": self.values}

@@ -230,6 +230,9 @@ class PaddedEngine(Composed):
     #: tokens waiting for :meth:`release`: none, rows demote at their next step
     pending = 0
 
+    def demote_ahead(self, n: int) -> None:
+        """Rows demote at their own step (a padded batch's steps run eagerly, row by row)."""
+
     def release(self) -> int:
         """Rows demote at their next step (nothing is released in between)."""
         return 0
