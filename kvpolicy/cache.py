@@ -672,9 +672,11 @@ class CompressedCache(Cache):
         logits are the same either way.
 
         The forward pre-hook that :func:`kvpolicy.fused.enable_fused` and :func:`kvpolicy.attention.enable_scores`
-        install calls this before every forward. Under ``torch.compile`` it keeps the eager demotion out of the
-        model's frames: a step that demotes breaks the graph in the hook, before the model's forward, which then
-        still compiles as one graph (see :attr:`compiles`). Without the hook, each layer demotes in its update.
+        install calls this before every forward, and :meth:`get_mask_sizes` calls it for a one-token forward
+        (the model asks it before its layers run). Under ``torch.compile`` it keeps the eager demotion out of
+        the layers: a step that demotes breaks the graph in the hook, before the model's forward, which then
+        still compiles as one graph (see :attr:`compiles`). A layer that was not told ahead (no hook, and a
+        model that asks no mask sizes) demotes in its update, as before.
         """
         self._outside()
         if new_tokens != 1 or not self.action.compresses:
@@ -766,15 +768,21 @@ class CompressedCache(Cache):
         how-to "Compile the decode step"): True unless the policy reads attention scores or the transform
         observes queries, which a traced step cannot report (the compiler runs such a step eagerly). A decode
         step traces with no graph break: the forward pre-hook of :func:`kvpolicy.fused.enable_fused` applies a
-        step's demotions eagerly before the forward (:meth:`demote_ahead`). Without that hook a step that
-        demotes breaks the graph in each layer's update, and later compiled steps run in the pieces the
-        compiler split it into (the how-to "Compile the decode step" says more)."""
+        step's demotions eagerly before the forward (:meth:`demote_ahead`). A compiled ``forward`` called
+        without the module's hooks demotes at :meth:`get_mask_sizes`, before the layers, and later steps run in
+        a few pieces, the layers in one of them (the how-to "Compile the decode step" says more)."""
         if not self.action.compresses:
             return True
         return not self.policy.needs_scores and not self.transform.needs_queries
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        """``(keys, offset)`` the next update of ``layer_idx`` attends over. The model asks this before its layers
+        run, so a forward of one token (a decode step) is announced here too (:meth:`demote_ahead`, which the
+        forward pre-hook calls earlier still): the step then demotes before the layers, also when the compiled
+        ``forward`` is called without the module's hooks."""
         self._outside()
+        if query_length == 1:
+            self.demote_ahead(1)
         if layer_idx < len(self.layers) and isinstance(self.layers[layer_idx], CompressedLayer):
             refuse_empty(query_length, self.layers[layer_idx].get_seq_length())
         return super().get_mask_sizes(query_length, layer_idx)

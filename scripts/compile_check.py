@@ -3,8 +3,9 @@
 For each cache (``--caches``: the one-liner ``CompressedCache.for_model(model)`` and ``kvpolicy-3bit``),
 after a prompt of ``--tokens`` tokens and one eager step: ``torch._dynamo.explain`` of the next decode step
 (graph breaks, with their reasons; ``--no-explain`` skips it), then ``--steps`` decode steps timed on two
-caches filled alike, one stepped by the model's forward compiled with ``torch.compile`` (inductor,
-``dynamic=True``) and one eagerly, interleaved step by step, after ``--warmup`` steps each (the
+caches filled alike, one stepped by the model compiled with ``torch.compile`` (inductor, ``dynamic=True``;
+``--call forward`` compiles ``model.forward`` and calls it directly, which skips the module's forward hooks,
+kvpolicy's pre-hook among them) and one eagerly, interleaved step by step, after ``--warmup`` steps each (the
 compilations). Each step's times are printed as they come (so a run cut short still shows what it
 measured), then one Markdown table: median step times and their ratio, with the spread of the ratio over
 the steps (25th-75th percentile), and the number of graphs dynamo compiled over the whole run (a count
@@ -73,6 +74,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed decode steps per cache (default 30)")
     parser.add_argument("--warmup", type=int, default=4, help="untimed steps first (default 4)")
     parser.add_argument("--caches", nargs="+", choices=list(CACHES), default=list(CACHES), help="caches to run")
+    parser.add_argument("--call", choices=("module", "forward"), default="module",
+                        help="compile the model with its forward hooks (default) or call its compiled forward directly")
     parser.add_argument("--no-explain", action="store_true", help="skip torch._dynamo.explain of one step")
     parser.add_argument("--threads", type=int, default=None, help="torch threads and inductor compile workers")
     args = parser.parse_args()
@@ -106,7 +109,9 @@ def main() -> None:
                     print(f"    {reason.reason.splitlines()[0]}")
         dynamo.reset()
         counters.clear()
-        compiled = torch.compile(model.forward, dynamic=True)
+        # "module": the model compiled whole, its forward hooks included (kvpolicy's pre-hook demotes ahead of the
+        # forward); "forward": the compiled forward called directly, without the hooks
+        compiled = torch.compile(model if args.call == "module" else model.forward, dynamic=True)
         times: dict[str, list[float]] = {"eager": [], "compiled": []}
         with torch.no_grad():
             for i in range(args.tokens + 2, total):
@@ -137,7 +142,7 @@ def main() -> None:
     print()
     print(
         f"| cache | eager step (ms) | compiled step (ms) | compiled / eager (25-75 %) | graphs compiled |"
-        f"  # {args.tokens} tokens, {args.steps} steps after {args.warmup}"
+        f"  # {args.tokens} tokens, {args.steps} steps after {args.warmup}, --call {args.call}"
     )
     print("|---|---|---|---|---|")
     for name, eager, comp, ratio, q, graphs in rows:

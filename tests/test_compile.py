@@ -181,6 +181,66 @@ def test_a_step_that_demotes_nothing_runs_one_graph_after_demotions(name: str) -
     assert set(quiet) == {1} and set(demoting) == {1}, runs
 
 
+@dynamo.config.patch(recompile_limit=256)
+def test_a_compiled_forward_called_without_the_hooks_keeps_its_layers_in_one_graph() -> None:
+    """``torch.compile(model.forward)`` called directly skips the module's forward hooks: the step's demotions then
+    run when the model asks the cache for its mask sizes, before its layers. A step that demotes splits the frames
+    above that call, so later steps run in a few pieces (the embedding, the layers, the head), the same few for a
+    model of any depth, never a piece per layer."""
+    layers = 6
+    model = random_model("llama", layers=layers, seed=0)
+    enable_fused(model)
+    cache = BUILD["kvpolicy-3bit"](model, "cpu")
+    steps = 30
+    ids = _ids(PROMPT + steps)
+    runs: list[int] = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        def run(*args: object) -> object:
+            runs[-1] += 1
+            return gm.forward(*args)
+
+        return run
+
+    compiled = torch.compile(model.forward, backend=counting, dynamic=True)
+    held = []
+    with torch.no_grad():
+        model(ids[:, :PROMPT], cache=cache, use_cache=True)
+        model(ids[:, PROMPT : PROMPT + 1], cache=cache, use_cache=True)
+        for t in range(PROMPT + 1, PROMPT + steps):
+            runs.append(0)
+            compiled(ids[:, t : t + 1], cache=cache, use_cache=True)
+            held.append(_held(cache))
+    first = next(i for i, (a, b) in enumerate(itertools.pairwise(held), start=1) if a != b)
+    after = runs[first + 1 :]
+    assert len(after) >= 20 and any(a != b for a, b in itertools.pairwise(held[first:])), "too few demotions"
+    assert len(set(after)) == 1 and after[0] < layers, runs
+
+
+@dynamo.config.patch(recompile_limit=64)
+def test_the_model_compiled_whole_by_inductor_gives_the_eager_logits() -> None:
+    """``torch.compile(model)`` with inductor's generated code (the module's forward hooks traced with it, the
+    demotions announced in the pre-hook), through steps that thin the log window and move tiers: the logits are
+    the eager ones within float noise. (Inductor once miscompiled a step that compared the announced length with
+    the layer's: a symbol the generated code never bound.)"""
+    model = _model()
+    steps = 14
+    ids = _ids(PROMPT + steps)
+    logits = {}
+    for mode in ("eager", "compiled"):
+        cache = BUILD["kvpolicy-3bit"](model, "cpu")
+        compiled = torch.compile(model, dynamic=True) if mode == "compiled" else model
+        with torch.no_grad():
+            model(ids[:, :PROMPT], cache=cache, use_cache=True)
+            before = cache.positions(1)["compressed"].numel()
+            out = [
+                compiled(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(PROMPT, PROMPT + steps)
+            ]
+        assert cache.positions(1)["compressed"].numel() - before >= 4, "too few demotions in the steps"
+        logits[mode] = torch.cat(out, dim=1)
+    torch.testing.assert_close(logits["compiled"], logits["eager"], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "compileable"),
     [

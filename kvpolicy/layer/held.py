@@ -102,9 +102,12 @@ class HeldTokens:
         self._unfitted: Basis | None = None
         #: the latest single-token appends that demoted nothing (a crop can take them back: :meth:`crop`)
         self._quiet = 0
-        #: ``(length, moved)`` once :meth:`demote_ahead` told the policy of the token at ``length`` before it came
-        #: (``moved``: held tokens left the segment then); the single-token append at that length takes it
-        self._ahead: tuple[int, bool] | None = None
+        #: once :meth:`demote_ahead` told the policy of the coming token: whether held tokens left the segment then;
+        #: the next single-token append takes it (``None``: nothing announced)
+        self._ahead: bool | None = None
+        #: the length when it was announced (read by eager checks only: a compiled step compares no two lengths,
+        #: which would have the compiler equate two of its integer inputs)
+        self._ahead_at = 0
         #: demotions told ahead that name the coming token itself, applied once it is held
         self._late: list[int] | torch.Tensor | None = None
 
@@ -217,7 +220,7 @@ class HeldTokens:
             late, self._late = self._late, None
             if late is not None:
                 self._guarded(self._move, late)
-            self._quiet = quiet + 1 if not ahead[1] and self.moves == moves else 0
+            self._quiet = quiet + 1 if not ahead and self.moves == moves else 0
             return
         self.pending = n
         if n == 1:
@@ -248,17 +251,17 @@ class HeldTokens:
             self.settle()
         start, moves = self.length, self.moves
         demoted = self._guarded(self.state.append, 1)
-        self._ahead = (start, False)
+        self._ahead, self._ahead_at = False, start
         if len(demoted):
             self._guarded(self._move_ahead, demoted, start)
-        self._ahead = (start, self.moves != moves)
+        self._ahead = self.moves != moves
 
     def _refuse_ahead(self, what: str) -> None:
         """Refuse ``what`` while the policy knows of a token :meth:`demote_ahead` announced and the layer has not
         received (a forward stopped between the two): the policy and the held tokens disagree by that token."""
         if self._ahead is not None:
             raise RuntimeError(
-                f"{what} on layer {self.layer_idx}: a forward announced token {self._ahead[0]} to this layer's policy "
+                f"{what} on layer {self.layer_idx}: a forward announced token {self._ahead_at} to this layer's policy "
                 "and stopped before the layer received it; run that forward again (the announcement stands) or "
                 "start a new cache"
             )
@@ -266,8 +269,10 @@ class HeldTokens:
     def _take_ahead(self, n: int) -> None:
         """The append of ``n`` tokens after :meth:`demote_ahead`: it must be the single token announced, at the
         length announced; anything else leaves the policy told of a token the layer never held (an error)."""
-        told, _ = self._ahead
-        if n != 1 or told != self.length:
+        # a crop refuses while a token is announced, so the length cannot change before the append;
+        # an eager step checks it all the same
+        if n != 1 or (not torch.compiler.is_compiling() and self._ahead_at != self.length):
+            told = self._ahead_at
             self._ahead = self._late = None
             self.failed = (
                 f"the policy was told of one new token at position {told} before the forward, but the layer received "
