@@ -74,8 +74,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed decode steps per cache (default 30)")
     parser.add_argument("--warmup", type=int, default=4, help="untimed steps first (default 4)")
     parser.add_argument("--caches", nargs="+", choices=list(CACHES), default=list(CACHES), help="caches to run")
-    parser.add_argument("--call", choices=("module", "forward"), default="module",
-                        help="compile the model with its forward hooks (default) or call its compiled forward directly")
+    parser.add_argument(
+        "--call",
+        choices=("module", "forward"),
+        default="module",
+        help="compile the model with its forward hooks (default) or call its compiled forward directly",
+    )
     parser.add_argument("--no-explain", action="store_true", help="skip torch._dynamo.explain of one step")
     parser.add_argument("--threads", type=int, default=None, help="torch threads and inductor compile workers")
     args = parser.parse_args()

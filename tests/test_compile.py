@@ -127,6 +127,19 @@ def test_decode_steps_reuse_their_graphs(name: str) -> None:
     assert set(cache.attention_paths().values()) == {"fused (cpu)"}
 
 
+def _counting(runs: list[int]) -> object:
+    """A compiler backend that adds one to ``runs[-1]`` whenever one of its graphs runs."""
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        def run(*args: object) -> object:
+            runs[-1] += 1
+            return gm.forward(*args)
+
+        return run
+
+    return backend
+
+
 #: what shows that each kind of demotion happened in the measured steps, besides the log window thinning: a key
 #: group fills (the one-liner stages keys) or a tier moves tokens down (kvpolicy-3bit's codebook codes stage nothing)
 MOVES = {"one-liner": "a key group fills", "kvpolicy-3bit": "a tier moves"}
@@ -153,13 +166,7 @@ def test_a_step_that_demotes_nothing_runs_one_graph_after_demotions(name: str) -
     steps = 160
     ids = _ids(PROMPT + steps)
     runs: list[int] = []
-
-    def counting(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        def run(*args: object) -> object:
-            runs[-1] += 1
-            return gm.forward(*args)
-
-        return run
+    counting = _counting(runs)
 
     call = torch.compile(lambda x: model(x, cache=cache, use_cache=True).logits, backend=counting, dynamic=True)
     held = []
@@ -194,13 +201,7 @@ def test_a_compiled_forward_called_without_the_hooks_keeps_its_layers_in_one_gra
     steps = 30
     ids = _ids(PROMPT + steps)
     runs: list[int] = []
-
-    def counting(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        def run(*args: object) -> object:
-            runs[-1] += 1
-            return gm.forward(*args)
-
-        return run
+    counting = _counting(runs)
 
     compiled = torch.compile(model.forward, backend=counting, dynamic=True)
     held = []
