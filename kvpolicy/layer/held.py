@@ -313,11 +313,7 @@ class HeldTokens:
             )
         if self.pending:
             n, self.pending = self.pending, 0
-            try:
-                self._demote(n)
-            except Exception as exc:
-                self.failed = f"{type(exc).__name__}: {exc}"
-                raise
+            self._guarded(self._demote, n)
 
     def release(self) -> int:
         """Attention has read the latest multi-token append: demote what may be demoted now.
@@ -351,11 +347,7 @@ class HeldTokens:
         if n <= 0:
             return 0
         self.pending = keep
-        try:
-            self._demote(n)
-        except Exception as exc:
-            self.failed = f"{type(exc).__name__}: {exc}"
-            raise
+        self._guarded(self._demote, n)
         return n
 
     def _set_first_centres(self) -> None:
